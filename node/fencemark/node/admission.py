@@ -1,0 +1,139 @@
+"""What a node accepts: every rule of SPEC §4, and only here.
+
+Pure functions of a record's state, the caller's token and the node's wall
+clock. They decide; they never read storage, stamp, or know about gRPC.
+docs/consistency.md states the guarantees these rules add up to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fencemark.node.crdt import FenceState, Grant, Record
+from fencemark.node.errors import ClaimConflict, Reason
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The answer to a claim, renewal or release: a value, never an error."""
+
+    ok: bool
+    reason: Reason | None = None
+    token: int = 0
+    expiry_ms: int = 0
+    home_region: str = ""
+    fence: int = 0
+
+
+def token_problem(fence: FenceState, token: int, now_ms: int) -> Reason | None:
+    """Why ``token`` is not the live claim, or None when it is."""
+    current = fence.fence
+    if token < current:
+        return Reason.SUPERSEDED
+    if token > current:
+        return Reason.UNKNOWN_TOKEN
+    if token in fence.released:
+        return Reason.RELEASED
+    if now_ms >= fence.expiry(token):
+        return Reason.EXPIRED
+    return None
+
+
+def admit_write(record: Record, token: int, *, home: str, region: str, now_ms: int) -> int:
+    """Admit a write to ``record`` at ``region``'s node; return the epoch to stamp it with.
+
+    Unfenced (token 0): refused ``claimed`` while this node sees a live claim,
+    otherwise admitted under the fence this node knows. Fenced: only the home
+    region decides, and only the live claim's token gets through.
+    """
+    fence = record.fence
+    if token == 0:
+        if fence.is_live(now_ms):
+            raise ClaimConflict(Reason.CLAIMED, fence=fence.fence, home_region=home)
+        return fence.fence
+    if home != region:
+        raise ClaimConflict(Reason.WRONG_REGION, fence=fence.fence, home_region=home)
+    problem = token_problem(fence, token, now_ms)
+    if problem is not None:
+        raise ClaimConflict(problem, fence=fence.fence, home_region=home)
+    return token
+
+
+def _not_here(record: Record, region: str) -> Outcome | None:
+    """The outcome when ``region``'s node cannot decide claims on ``record``."""
+    if not record.visible:
+        return Outcome(False, Reason.MISSING, fence=record.fence.fence)
+    if record.home_region != region:
+        return Outcome(
+            False, Reason.WRONG_REGION, home_region=record.home_region, fence=record.fence.fence
+        )
+    return None
+
+
+def decide_claim(
+    record: Record,
+    owner: str,
+    *,
+    lease_ms: int,
+    now_ms: int,
+    hlc: int,
+    region: str,
+    queued_ahead: bool,
+) -> tuple[FenceState, Outcome]:
+    """Grant, retry or refuse a claim; returns the new fence state and the outcome.
+
+    ``queued_ahead`` says other claimers wait in the FIFO queue before this one:
+    they go first, so a free claim is still ``contended`` for a newcomer.
+    """
+    fence = record.fence
+    refusal = _not_here(record, region)
+    if refusal is not None:
+        return fence, refusal
+    home = record.home_region
+    expiry = now_ms + lease_ms
+    if fence.is_live(now_ms):
+        holder = fence.holder()
+        if holder is not None and holder.owner == owner:
+            # The grant's reply may have been lost: answer from the durable state.
+            token = fence.fence
+            extended = fence.extend(token, expiry)
+            return extended, Outcome(True, None, token, extended.expiry(token), home, token)
+        return fence, Outcome(False, Reason.CONTENDED, home_region=home, fence=fence.fence)
+    if queued_ahead:
+        return fence, Outcome(False, Reason.CONTENDED, home_region=home, fence=fence.fence)
+    token = fence.fence + 1
+    granted = fence.grant(token, Grant(hlc, owner, region), expiry)
+    return granted, Outcome(True, None, token, expiry, home, token)
+
+
+def decide_renew(
+    record: Record, token: int, *, lease_ms: int, now_ms: int, region: str
+) -> tuple[FenceState, Outcome]:
+    """Extend the live claim of ``token``; a renewal never shortens a lease."""
+    fence = record.fence
+    refusal = _not_here(record, region)
+    if refusal is not None:
+        return fence, refusal
+    home = record.home_region
+    problem = token_problem(fence, token, now_ms)
+    if problem is not None:
+        return fence, Outcome(False, problem, home_region=home, fence=fence.fence)
+    extended = fence.extend(token, now_ms + lease_ms)
+    return extended, Outcome(True, None, token, extended.expiry(token), home, fence.fence)
+
+
+def decide_release(record: Record, token: int, *, region: str) -> tuple[FenceState, Outcome]:
+    """Release ``token``: idempotent up to the fence, ``unknown_token`` above it.
+
+    Only the current fence token changes the state; the fence itself never
+    drops, so every older token stays refused (``superseded``) forever.
+    """
+    fence = record.fence
+    refusal = _not_here(record, region)
+    if refusal is not None:
+        return fence, refusal
+    home = record.home_region
+    if token > fence.fence:
+        return fence, Outcome(False, Reason.UNKNOWN_TOKEN, home_region=home, fence=fence.fence)
+    released = fence.release(token) if token == fence.fence else fence
+    return released, Outcome(True, None, token, home_region=home, fence=fence.fence)

@@ -1,0 +1,179 @@
+"""Claims: grant, renew and release leases, with a FIFO queue of waiters.
+
+The decisions are ``admission``'s; this module adds what needs time and
+memory: waiting in line for a claim, and reading a claim's status. The queue is
+a hint kept in this node's memory; the record's durable state is the authority
+and is re-checked whenever a waiter reaches the head of the line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from fencemark.node import validation
+from fencemark.node.admission import Outcome, decide_claim, decide_release, decide_renew
+from fencemark.node.crdt import FenceState, Grant, Record
+from fencemark.node.errors import InvalidInput, NotServing, Reason
+from fencemark.node.replica import Replica
+from fencemark.node.storage import Stored
+
+
+@dataclass
+class _Waiter:
+    owner: str
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class Status:
+    """What this node knows of a record's claim; never authoritative."""
+
+    holder: Grant | None
+    token: int
+    expiry_ms: int
+    fence: int
+    queue_depth: int
+    home_region: str
+
+
+class Claims:
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.serving = True
+        self._queues: dict[str, deque[_Waiter]] = {}
+
+    def queue_depth(self, key: str) -> int:
+        return len(self._queues.get(key, ()))
+
+    async def claim(
+        self, key: str, owner: str, *, lease_seconds: float = 0.0, wait_seconds: float = 0.0
+    ) -> Outcome:
+        validation.key(key)
+        validation.owner(owner)
+        lease_ms = round(validation.lease(lease_seconds) * 1000)
+        wait_s = validation.wait(wait_seconds)
+        self._check_serving()
+        outcome = await self._try(key, owner, lease_ms, queued_ahead=self.queue_depth(key) > 0)
+        if outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0:
+            return outcome
+        return await self._wait_in_line(key, owner, lease_ms, wait_s, outcome.home_region)
+
+    async def _wait_in_line(
+        self, key: str, owner: str, lease_ms: int, wait_s: float, home: str
+    ) -> Outcome:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        line = self._queues.setdefault(key, deque())
+        me = _Waiter(owner)
+        line.append(me)
+        try:
+            while True:
+                me.wake.clear()  # before any await, so no wake-up is lost
+                pause = float("inf")
+                if line[0] is me:
+                    outcome = await self._try(key, owner, lease_ms, queued_ahead=False)
+                    if outcome.ok or outcome.reason is not Reason.CONTENDED:
+                        return outcome
+                    home = outcome.home_region
+                    # Held by someone else: look again when that lease lapses,
+                    # or earlier if it is released.
+                    pause = self._until_lapse(await self.replica.storage.get(key))
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return Outcome(False, Reason.TIMEOUT, home_region=home)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(me.wake.wait(), timeout=min(pause, remaining))
+        finally:
+            line.remove(me)
+            if line:
+                line[0].wake.set()
+            else:
+                del self._queues[key]
+
+    def _until_lapse(self, stored: Stored | None) -> float:
+        """Seconds until the current lease of ``stored`` lapses (a little more)."""
+        now = self.replica.clock.wall_ms()
+        if stored is None or not stored.record.fence.is_live(now):
+            return 0.001
+        fence = stored.record.fence
+        lapse_ms = fence.expiry(fence.fence) - now
+        return max(lapse_ms, 0) / 1000 + 0.001
+
+    async def _try(self, key: str, owner: str, lease_ms: int, *, queued_ahead: bool) -> Outcome:
+        replica = self.replica
+
+        def change(current: Record) -> tuple[Record, Outcome]:
+            fence, outcome = decide_claim(
+                current,
+                owner,
+                lease_ms=lease_ms,
+                now_ms=replica.clock.wall_ms(),
+                hlc=replica.clock.now(),
+                region=replica.region,
+                queued_ahead=queued_ahead,
+            )
+            return current.with_fence(fence), outcome
+
+        _, outcome = await replica.transact(key, change)
+        return outcome
+
+    async def renew(self, key: str, token: int, *, lease_seconds: float = 0.0) -> Outcome:
+        validation.key(key)
+        _token(token)
+        lease_ms = round(validation.lease(lease_seconds) * 1000)
+        self._check_serving()
+        replica = self.replica
+
+        def change(current: Record) -> tuple[Record, Outcome]:
+            fence, outcome = decide_renew(
+                current,
+                token,
+                lease_ms=lease_ms,
+                now_ms=replica.clock.wall_ms(),
+                region=replica.region,
+            )
+            return current.with_fence(fence), outcome
+
+        _, outcome = await replica.transact(key, change)
+        return outcome
+
+    async def release(self, key: str, token: int) -> Outcome:
+        validation.key(key)
+        _token(token)
+        self._check_serving()
+
+        def change(current: Record) -> tuple[Record, Outcome]:
+            fence, outcome = decide_release(current, token, region=self.replica.region)
+            return current.with_fence(fence), outcome
+
+        _, outcome = await self.replica.transact(key, change)
+        line = self._queues.get(key)
+        if outcome.ok and line:
+            line[0].wake.set()  # the head of the line may take it now
+        return outcome
+
+    async def status(self, key: str) -> Status:
+        stored = await self.replica.get(key)
+        fence: FenceState = stored.record.fence
+        live = fence.is_live(self.replica.clock.wall_ms())
+        token = fence.fence if live else 0
+        return Status(
+            holder=fence.holder() if live else None,
+            token=token,
+            expiry_ms=fence.expiry(token) if live else 0,
+            fence=fence.fence,
+            queue_depth=self.queue_depth(key),
+            home_region=stored.record.home_region,
+        )
+
+    def _check_serving(self) -> None:
+        if not self.serving:
+            raise NotServing("this node is catching up with its peers and grants no claims yet")
+
+
+def _token(token: int) -> None:
+    if token <= 0:
+        raise InvalidInput.field("fencing_token", "a fencing token is a positive integer")

@@ -1,0 +1,190 @@
+"""Canonical byte encoding of a record state, and its digest.
+
+Equal states have equal bytes on every node: maps are written sorted by key,
+integers as minimal unsigned LEB128 varints, strings as varint length + UTF-8,
+booleans as one byte. ``decode`` accepts only canonical input (sorted, unique
+keys, minimal varints, nothing trailing), so ``encode(decode(b)) == b`` for every
+``b`` it accepts and the digest of a state is well defined.
+
+Layout (format 1)::
+
+    0x01 key home? fields tags deleted grants lease_expiry released
+    home         = 0x00 | 0x01 stamp str
+    fields       = n (name stamp str)*          sorted by name
+    tags         = n (tag stamp bool)*          sorted by tag
+    deleted      = stamp bool
+    grants       = n (token hlc owner region)*  sorted by token
+    lease_expiry = n (token expiry_ms)*         sorted by token
+    released     = n token*                     ascending
+    stamp        = epoch hlc node
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import TypeVar
+
+from fencemark.node.crdt.fence import FenceState, Grant
+from fencemark.node.crdt.hlc import Stamp
+from fencemark.node.crdt.lww import LWW
+from fencemark.node.crdt.record import Record
+
+FORMAT = 1
+DIGEST_SIZE = 16
+
+T = TypeVar("T")
+K = TypeVar("K", int, str)
+
+
+class DecodeError(ValueError):
+    """The bytes are not the canonical encoding of a record state."""
+
+
+def digest(encoded: bytes) -> bytes:
+    """BLAKE2b-128 of a canonical encoding."""
+    return hashlib.blake2b(encoded, digest_size=DIGEST_SIZE).digest()
+
+
+# -- encoding -----------------------------------------------------------------
+
+
+def _varint(out: bytearray, n: int) -> None:
+    if n < 0:
+        raise ValueError(f"cannot encode negative integer {n}")
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+
+
+def _str(out: bytearray, s: str) -> None:
+    raw = s.encode("utf-8")
+    _varint(out, len(raw))
+    out += raw
+
+
+def _stamp(out: bytearray, stamp: Stamp) -> None:
+    _varint(out, stamp.epoch)
+    _varint(out, stamp.hlc)
+    _str(out, stamp.node)
+
+
+def encode(record: Record) -> bytes:
+    out = bytearray([FORMAT])
+    _str(out, record.key)
+    if record.home is None:
+        out.append(0)
+    else:
+        out.append(1)
+        _stamp(out, record.home.stamp)
+        _str(out, record.home.value)
+    _varint(out, len(record.fields))
+    for name in sorted(record.fields):
+        reg = record.fields[name]
+        _str(out, name)
+        _stamp(out, reg.stamp)
+        _str(out, reg.value)
+    _varint(out, len(record.tags))
+    for tag in sorted(record.tags):
+        flag = record.tags[tag]
+        _str(out, tag)
+        _stamp(out, flag.stamp)
+        out.append(int(flag.value))
+    _stamp(out, record.deleted.stamp)
+    out.append(int(record.deleted.value))
+    fence = record.fence
+    _varint(out, len(fence.grants))
+    for token in sorted(fence.grants):
+        grant = fence.grants[token]
+        _varint(out, token)
+        _varint(out, grant.granted_hlc)
+        _str(out, grant.owner)
+        _str(out, grant.region)
+    _varint(out, len(fence.lease_expiry))
+    for token in sorted(fence.lease_expiry):
+        _varint(out, token)
+        _varint(out, fence.lease_expiry[token])
+    _varint(out, len(fence.released))
+    for token in sorted(fence.released):
+        _varint(out, token)
+    return bytes(out)
+
+
+# -- decoding -----------------------------------------------------------------
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            raise DecodeError("truncated")
+        b = self.data[self.pos]
+        self.pos += 1
+        return b
+
+    def varint(self) -> int:
+        n = shift = 0
+        while True:
+            b = self.byte()
+            if shift and b == 0:
+                raise DecodeError("non-minimal varint")
+            n |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return n
+            shift += 7
+            if shift > 70:
+                raise DecodeError("varint too long")
+
+    def str(self) -> str:
+        size = self.varint()
+        end = self.pos + size
+        if end > len(self.data):
+            raise DecodeError("truncated string")
+        raw = self.data[self.pos : end]
+        self.pos = end
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DecodeError("invalid UTF-8") from exc
+
+    def bool(self) -> bool:
+        b = self.byte()
+        if b > 1:
+            raise DecodeError(f"invalid boolean byte {b}")
+        return b == 1
+
+    def stamp(self) -> Stamp:
+        return Stamp(self.varint(), self.varint(), self.str())
+
+    def sorted_map(self, key: Callable[[], K], value: Callable[[], T]) -> dict[K, T]:
+        out: dict[K, T] = {}
+        previous: K | None = None
+        for _ in range(self.varint()):
+            k = key()
+            if previous is not None and k <= previous:
+                raise DecodeError("map keys not strictly ascending")
+            out[k] = value()
+            previous = k
+        return out
+
+
+def decode(data: bytes) -> Record:
+    r = _Reader(data)
+    if r.byte() != FORMAT:
+        raise DecodeError("unknown format")
+    key = r.str()
+    home = LWW(r.stamp(), r.str()) if r.bool() else None
+    fields = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str()))
+    tags = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.bool()))
+    deleted = LWW(r.stamp(), r.bool())
+    grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str()))
+    lease_expiry = r.sorted_map(r.varint, r.varint)
+    released = r.sorted_map(r.varint, lambda: None)
+    if r.pos != len(data):
+        raise DecodeError("trailing bytes")
+    fence = FenceState(grants, lease_expiry, frozenset(released))
+    return Record(key, home, fields, tags, deleted, fence)

@@ -1,0 +1,124 @@
+"""One record's CRDT state: the product of the lattices beside this module.
+
+``merge`` is componentwise, so it is commutative, associative and idempotent
+because each component's merge is (tests/test_crdt_laws.py proves it on whole
+records built from real operations). Every update below is an inflation: the
+old state merged into the new one gives the new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+
+from fencemark.node.crdt import lww, tagset
+from fencemark.node.crdt.fence import FenceState
+from fencemark.node.crdt.hlc import Stamp
+from fencemark.node.crdt.lww import LWW
+from fencemark.node.crdt.tagset import TagSet
+
+HOME_TAG_PREFIX = "homeRegion:"
+
+
+def _merge_home(a: LWW[str] | None, b: LWW[str] | None) -> LWW[str] | None:
+    # First writer wins: the home is fixed at creation, and should two regions
+    # ever create the same key concurrently, every replica picks the earliest.
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)
+
+
+@dataclass(frozen=True)
+class Record:
+    key: str
+    home: LWW[str] | None = None
+    fields: Mapping[str, LWW[str]] = field(default_factory=dict)
+    tags: TagSet = field(default_factory=dict)
+    deleted: LWW[bool] = lww.FALSE
+    fence: FenceState = field(default_factory=FenceState)
+
+    # -- lattice --------------------------------------------------------------
+
+    def merge(self, other: Record) -> Record:
+        if other.key != self.key:
+            raise ValueError(f"cannot merge {other.key!r} into {self.key!r}")
+        return Record(
+            key=self.key,
+            home=_merge_home(self.home, other.home),
+            fields=lww.merge_maps(self.fields, other.fields, lww.merge),
+            tags=tagset.merge(self.tags, other.tags),
+            deleted=lww.merge(self.deleted, other.deleted),
+            fence=self.fence.merge(other.fence),
+        )
+
+    # -- value ----------------------------------------------------------------
+
+    @property
+    def exists(self) -> bool:
+        """Created somewhere (possibly deleted since)."""
+        return self.home is not None
+
+    @property
+    def is_deleted(self) -> bool:
+        return self.deleted.value
+
+    @property
+    def visible(self) -> bool:
+        return self.exists and not self.is_deleted
+
+    @property
+    def home_region(self) -> str:
+        return self.home.value if self.home is not None else ""
+
+    def field_values(self) -> dict[str, str]:
+        """Fields with a non-empty value (an empty value clears a field)."""
+        return {name: reg.value for name, reg in sorted(self.fields.items()) if reg.value}
+
+    def tag_values(self) -> list[str]:
+        """Present tags, sorted, with the ``homeRegion:`` tag derived from ``home``."""
+        present = set(tagset.value(self.tags))
+        if self.home is not None:
+            present.add(HOME_TAG_PREFIX + self.home.value)
+        return sorted(present)
+
+    def stamps(self) -> Iterator[Stamp]:
+        if self.home is not None:
+            yield self.home.stamp
+        yield from (reg.stamp for reg in self.fields.values())
+        yield from (reg.stamp for reg in self.tags.values())
+        yield self.deleted.stamp
+
+    def max_hlc(self) -> int:
+        """The largest HLC timestamp anywhere in the state (0 for an empty one)."""
+        grants = (grant.granted_hlc for grant in self.fence.grants.values())
+        return max((*(s.hlc for s in self.stamps()), *grants), default=0)
+
+    # -- updates --------------------------------------------------------------
+
+    def create(self, home_region: str, stamp: Stamp) -> Record:
+        """Give the record its home unless it already has one."""
+        if self.home is not None:
+            return self
+        return replace(self, home=LWW(stamp, home_region))
+
+    def set_fields(self, values: Mapping[str, str], stamp: Stamp) -> Record:
+        fields = dict(self.fields)
+        for name, value in values.items():
+            current = fields.get(name)
+            written = LWW(stamp, value)
+            fields[name] = written if current is None else lww.merge(current, written)
+        return replace(self, fields=fields)
+
+    def add_tags(self, names: Iterable[str], stamp: Stamp) -> Record:
+        return replace(self, tags=tagset.add(self.tags, names, stamp))
+
+    def remove_tags(self, names: Iterable[str], stamp: Stamp) -> Record:
+        return replace(self, tags=tagset.remove(self.tags, names, stamp))
+
+    def set_deleted(self, deleted: bool, stamp: Stamp) -> Record:
+        return replace(self, deleted=lww.assign(self.deleted, deleted, stamp))
+
+    def with_fence(self, fence: FenceState) -> Record:
+        return replace(self, fence=fence)

@@ -1,0 +1,91 @@
+"""Refusals the rules layer raises; ``server`` maps each to one gRPC status.
+
+Every refusal carries a machine-readable reason and a sentence a person can
+act on. Claim *outcomes* (contended, timeout, ...) are not errors: they are
+values returned by ``claims``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """The wire words for refusals and claim outcomes (SPEC §4)."""
+
+    # A write refused by the fence, or a renewal/release refused.
+    CLAIMED = "claimed"
+    SUPERSEDED = "superseded"
+    UNKNOWN_TOKEN = "unknown_token"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    WRONG_REGION = "wrong_region"
+    # Claim outcomes only.
+    CONTENDED = "contended"
+    TIMEOUT = "timeout"
+    MISSING = "missing"
+
+
+class FencemarkError(Exception):
+    """Base of every refusal."""
+
+
+class InvalidInput(FencemarkError):
+    """Bad input; ``violations`` name the offending request fields."""
+
+    def __init__(self, violations: list[tuple[str, str]]) -> None:
+        self.violations = violations
+        super().__init__("; ".join(f"{name}: {why}" for name, why in violations))
+
+    @classmethod
+    def field(cls, name: str, why: str) -> InvalidInput:
+        return cls([(name, why)])
+
+
+class NotFound(FencemarkError):
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"no record {key!r}")
+
+
+class ClaimConflict(FencemarkError):
+    """A write refused by the record's fence."""
+
+    def __init__(self, conflict: Reason, *, fence: int, home_region: str) -> None:
+        self.conflict = conflict
+        self.fence = fence
+        self.home_region = home_region
+        advice = _CONFLICT_HELP.get(conflict, conflict.value)
+        super().__init__(advice.format(fence=fence, home=home_region))
+
+
+class WrongRegion(FencemarkError):
+    """A new record may only be created in its home region."""
+
+    def __init__(self, home_region: str, region: str) -> None:
+        self.home_region = home_region
+        super().__init__(
+            f"a new record homed in {home_region!r} must be created there,"
+            f" not in {region!r}: send the call to region {home_region!r}"
+        )
+
+
+class NotServing(FencemarkError):
+    """This node cannot decide claims right now (e.g. catching up after disk loss)."""
+
+
+_CONFLICT_HELP = {
+    Reason.CLAIMED: (
+        "the record is claimed (fence {fence}): present the claim's fencing token,"
+        " or wait for it to be released"
+    ),
+    Reason.SUPERSEDED: (
+        "your fencing token was superseded by token {fence}: you lost this item; stop writing to it"
+    ),
+    Reason.UNKNOWN_TOKEN: "no such fencing token was ever granted (the fence is {fence})",
+    Reason.RELEASED: "the claim of this fencing token was released; claim again",
+    Reason.EXPIRED: "the lease of this fencing token lapsed; claim again",
+    Reason.WRONG_REGION: (
+        "fenced writes are decided by the record's home region {home!r}: send the call there"
+    ),
+}

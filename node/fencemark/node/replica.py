@@ -1,0 +1,239 @@
+"""The node's replica of every record: reads, and writes that pass admission.
+
+Every change to a record goes through ``transact``: under the record's lock it
+reads the durable state, applies a pure change (which may refuse by raising),
+and persists the result before returning, so an acknowledged write is on disk
+and a refused one changed nothing. The rules themselves live in ``admission``
+and ``validation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fencemark.node import validation
+from fencemark.node.admission import admit_write
+from fencemark.node.crdt import HybridClock, Record, Stamp, codec
+from fencemark.node.errors import InvalidInput, NotFound, WrongRegion
+from fencemark.node.storage import Storage, Stored
+
+T = TypeVar("T")
+
+
+class KeyLocks:
+    """One asyncio lock per key, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+@dataclass(frozen=True)
+class Remembered:
+    stored: Stored
+    created: bool
+
+
+class Replica:
+    def __init__(self, storage: Storage, clock: HybridClock, region: str) -> None:
+        self.storage = storage
+        self.clock = clock
+        self.region = region
+        self.node_id = storage.node_id
+        self._locks = KeyLocks()
+
+    def stamp(self, epoch: int) -> Stamp:
+        """A fresh stamp for a local write admitted under ``epoch``."""
+        return Stamp(epoch, self.clock.now(), self.node_id)
+
+    async def transact(
+        self, key: str, change: Callable[[Record], tuple[Record, T]]
+    ) -> tuple[Stored | None, T]:
+        """Apply ``change`` to the durable state of ``key`` and persist the result.
+
+        Returns the stored state (None if the record does not exist and was not
+        written) and whatever ``change`` returned beside the new record.
+        """
+        async with self._locks.hold(key):
+            stored = await self.storage.get(key)
+            current = stored.record if stored is not None else Record(key)
+            changed, result = change(current)
+            if changed == current:
+                return stored, result
+            state = codec.encode(changed)
+            if len(state) > validation.MAX_RECORD_BYTES:
+                raise InvalidInput.field(
+                    "fields",
+                    f"the record would be {len(state)} bytes;"
+                    f" at most {validation.MAX_RECORD_BYTES}",
+                )
+            return await self.storage.put(changed, hlc=self.clock.last, state=state), result
+
+    # -- reads ------------------------------------------------------------------
+
+    async def get(self, key: str) -> Stored:
+        validation.key(key)
+        stored = await self.storage.get(key)
+        if stored is None or not stored.record.visible:
+            raise NotFound(key)
+        return stored
+
+    async def get_any(self, key: str) -> Stored | None:
+        """The state of ``key`` whatever it is (tombstones included)."""
+        validation.key(key)
+        return await self.storage.get(key)
+
+    async def list(
+        self,
+        repo: str,
+        *,
+        topic: str = "",
+        tag: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+        include_deleted: bool = False,
+    ) -> tuple[list[Stored], str]:
+        """A page of records in key order and the token of the next page."""
+        validation.segment(repo, "repo")
+        prefix = f"repo/{repo}/mem/"
+        if topic:
+            prefix += validation.segment(topic, "topic") + "/"
+        if tag:
+            validation.tags([tag], "tag")
+        limit = validation.page_size(page_size)
+        if page_token and not (
+            page_token.startswith(prefix) and validation.KEY.fullmatch(page_token)
+        ):
+            raise InvalidInput.field("page_token", "not a page token of this listing")
+        upper = prefix[:-1] + chr(ord("/") + 1)  # every key that starts with prefix
+        page: list[Stored] = []
+        after = page_token
+        while len(page) < limit:
+            batch = await self.storage.scan(
+                prefix, upper, after=after, limit=limit, include_deleted=include_deleted
+            )
+            page += [s for s in batch if not tag or tag in s.record.tag_values()]
+            if len(batch) < limit:
+                return page[:limit], ""
+            after = batch[-1].record.key
+        return page[:limit], page[limit - 1].record.key
+
+    # -- writes -----------------------------------------------------------------
+
+    async def remember(
+        self,
+        repo: str,
+        topic: str,
+        id: str,
+        *,
+        fields: Mapping[str, str],
+        tags: Sequence[str],
+        fencing_token: int = 0,
+    ) -> Remembered:
+        """Create the record or merge into it (SPEC §2: born in its home region)."""
+        key = str(
+            validation.Key(
+                validation.segment(repo, "repo"),
+                validation.segment(topic, "topic"),
+                validation.segment(id, "id"),
+            )
+        )
+        validation.fields(fields)
+        validation.tags(tags)
+        home_tag = validation.home_tag(tags)
+        plain_tags = [t for t in tags if not t.startswith(validation.HOME_TAG_PREFIX)]
+
+        def change(current: Record) -> tuple[Record, bool]:
+            home = current.home_region or home_tag or self.region
+            if not current.exists and home != self.region:
+                raise WrongRegion(home, self.region)
+            if home_tag is not None and home_tag != home:
+                raise InvalidInput.field(
+                    "tags", f"homeRegion is fixed when a record is created: it is {home!r}"
+                )
+            epoch = admit_write(
+                current, fencing_token, home=home, region=self.region, now_ms=self.clock.wall_ms()
+            )
+            stamp = self.stamp(epoch)
+            created = not current.visible
+            changed = current.create(home, stamp).set_fields(fields, stamp)
+            changed = changed.add_tags(plain_tags, stamp)
+            if current.is_deleted:
+                changed = changed.set_deleted(False, stamp)
+            return changed, created
+
+        stored, created = await self.transact(key, change)
+        assert stored is not None  # remember always writes
+        return Remembered(stored, created)
+
+    async def update(
+        self,
+        key: str,
+        *,
+        fields: Mapping[str, str],
+        add_tags: Sequence[str] = (),
+        remove_tags: Sequence[str] = (),
+        fencing_token: int = 0,
+    ) -> Stored:
+        validation.key(key)
+        validation.fields(fields)
+        validation.tags(add_tags, "add_tags")
+        validation.tags(remove_tags, "remove_tags")
+        validation.no_home_tags(add_tags, "add_tags")
+        validation.no_home_tags(remove_tags, "remove_tags")
+        both = set(add_tags) & set(remove_tags)
+        if both:
+            raise InvalidInput.field("remove_tags", f"also in add_tags: {sorted(both)[:5]}")
+
+        def change(current: Record) -> tuple[Record, None]:
+            if not current.visible:
+                raise NotFound(key)
+            epoch = admit_write(
+                current,
+                fencing_token,
+                home=current.home_region,
+                region=self.region,
+                now_ms=self.clock.wall_ms(),
+            )
+            if not fields and not add_tags and not remove_tags:
+                return current, None  # admitted, nothing to write
+            stamp = self.stamp(epoch)
+            changed = current.set_fields(fields, stamp).add_tags(add_tags, stamp)
+            return changed.remove_tags(remove_tags, stamp), None
+
+        stored, _ = await self.transact(key, change)
+        assert stored is not None
+        return stored
+
+    async def delete(self, key: str, *, fencing_token: int = 0) -> Stored:
+        """Write a tombstone; always written, even for a key never seen here."""
+        validation.key(key)
+
+        def change(current: Record) -> tuple[Record, None]:
+            home = current.home_region or self.region
+            epoch = admit_write(
+                current, fencing_token, home=home, region=self.region, now_ms=self.clock.wall_ms()
+            )
+            stamp = self.stamp(epoch)
+            return current.create(home, stamp).set_deleted(True, stamp), None
+
+        stored, _ = await self.transact(key, change)
+        assert stored is not None
+        return stored

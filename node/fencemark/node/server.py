@@ -1,0 +1,199 @@
+"""Assemble and run a region node: storage, rules, gRPC services, health, reflection.
+
+The write gate is fail-closed: on a node started without writes enabled the
+mutating methods are not registered at all, so clients get UNIMPLEMENTED and
+nothing can write by accident. Which methods mutate is read from the proto
+itself (a method is a read iff its ``idempotency_level`` is NO_SIDE_EFFECTS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor, descriptor_pb2, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from grpc_reflection.v1alpha import reflection
+
+from fencemark.node.claims import Claims
+from fencemark.node.crdt import HybridClock
+from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
+from fencemark.node.replica import Replica
+from fencemark.node.service import ClaimsService, NodeService, RecordsService
+from fencemark.node.storage import Storage
+from fencemark.v1 import claims_pb2, node_pb2, records_pb2
+
+log = logging.getLogger(__name__)
+
+DB_FILE = "fencemark.sqlite3"
+MAX_RECEIVE_BYTES = 8 << 20  # a record is at most 4 MiB (validation.MAX_RECORD_BYTES)
+MAX_SEND_BYTES = 64 << 20
+SERVICES: tuple[descriptor.ServiceDescriptor, ...] = (
+    records_pb2.DESCRIPTOR.services_by_name["Records"],
+    claims_pb2.DESCRIPTOR.services_by_name["Claims"],
+    node_pb2.DESCRIPTOR.services_by_name["Node"],
+)
+
+
+def default_data_dir(region: str) -> Path:
+    """``$FENCEMARK_DATA_DIR`` or ``$XDG_DATA_HOME/fencemark/<region>``."""
+    if explicit := os.environ.get("FENCEMARK_DATA_DIR"):
+        return Path(explicit)
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "fencemark" / region
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    region: str = "local"
+    listen: str = "127.0.0.1:7400"
+    data_dir: Path | None = None  # None: default_data_dir(region)
+    enable_writes: bool = False
+    max_clock_offset_ms: int = DEFAULT_MAX_CLOCK_OFFSET_MS
+    cache_size: int = 10_000
+    grace_seconds: float = 5.0
+
+    @property
+    def db_path(self) -> Path:
+        return (self.data_dir or default_data_dir(self.region)) / DB_FILE
+
+
+def is_read(method: descriptor.MethodDescriptor) -> bool:
+    level = method.GetOptions().idempotency_level
+    return bool(level == descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS)
+
+
+def gated_handler(
+    servicer: object, service: descriptor.ServiceDescriptor, *, writes_enabled: bool
+) -> grpc.GenericRpcHandler[Any, Any]:
+    """The service's method handlers; only its reads when writes are disabled."""
+    handlers = {}
+    for method in service.methods:
+        if not writes_enabled and not is_read(method):
+            continue
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+class NodeServer:
+    """A running node. ``await NodeServer.start(config)``, then ``stop()``."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        storage: Storage,
+        replica: Replica,
+        claims: Claims,
+        server: grpc.aio.Server,
+        health_servicer: Any,
+        port: int,
+    ) -> None:
+        self.config = config
+        self.storage = storage
+        self.replica = replica
+        self.claims = claims
+        self.server = server
+        self.health = health_servicer
+        self.port = port
+
+    @property
+    def address(self) -> str:
+        host = self.config.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    @classmethod
+    async def start(cls, config: NodeConfig) -> NodeServer:
+        storage = await Storage.open(config.db_path, cache_size=config.cache_size)
+        clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
+        replica = Replica(storage, clock, config.region)
+        claims = Claims(replica)
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+                ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ]
+        )
+        servicers = {
+            "Records": RecordsService(replica),
+            "Claims": ClaimsService(claims),
+            "Node": NodeService(replica, claims, writes_enabled=config.enable_writes),
+        }
+        server.add_generic_rpc_handlers(
+            tuple(
+                gated_handler(servicers[s.name], s, writes_enabled=config.enable_writes)
+                for s in SERVICES
+            )
+        )
+        health_servicer = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = [s.full_name for s in SERVICES]
+        reflection.enable_server_reflection(
+            [
+                *names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
+        try:
+            port = server.add_insecure_port(config.listen)
+        except RuntimeError as exc:
+            await storage.close()
+            raise OSError(f"cannot listen on {config.listen}: {exc}") from exc
+        await server.start()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for name in ("", *names):
+            await health_servicer.set(name, serving)
+        node = cls(config, storage, replica, claims, server, health_servicer, port)
+        log.info(
+            "region %s node %s listening on %s (writes %s, data %s)",
+            config.region,
+            storage.node_id,
+            node.address,
+            "enabled" if config.enable_writes else "disabled",
+            config.db_path,
+        )
+        return node
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Refuse new calls, let running ones finish (up to ``grace`` s), close storage."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        await self.storage.close()
+        log.info("region %s node stopped", self.config.region)
+
+
+async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
+    """Run a node until SIGTERM or SIGINT, then shut down gracefully."""
+    node = await NodeServer.start(config)
+    print(
+        f"fencemark node: region {config.region} listening on {node.address}"
+        f" (writes {'enabled' if config.enable_writes else 'disabled'},"
+        f" data {config.db_path})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await node.stop()

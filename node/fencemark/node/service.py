@@ -1,0 +1,295 @@
+"""gRPC servicers: translate between the wire (fencemark.v1) and the rules.
+
+Transport only: every decision is made by ``replica``, ``claims`` or
+``admission``; this module converts messages and maps each refusal to exactly
+one gRPC status carrying ``google.rpc`` details (SPEC §7).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2, timestamp_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from fencemark.node import __version__, validation
+from fencemark.node.admission import Outcome
+from fencemark.node.claims import Claims
+from fencemark.node.crdt import hlc
+from fencemark.node.errors import (
+    ClaimConflict,
+    FencemarkError,
+    InvalidInput,
+    NotFound,
+    NotServing,
+    WrongRegion,
+)
+from fencemark.node.replica import Replica
+from fencemark.node.storage import Stored
+from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
+
+DOMAIN = "fencemark"
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]
+
+
+def _status(
+    code: int, message: str, reason: str, metadata: dict[str, str], *extra: Any
+) -> grpc.Status:
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata)
+    details = []
+    for detail in (info, *extra):
+        packed = any_pb2.Any()
+        packed.Pack(detail)
+        details.append(packed)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=details))
+
+
+def to_status(error: FencemarkError) -> grpc.Status:
+    """The one gRPC status of each refusal."""
+    if isinstance(error, InvalidInput):
+        bad = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=name, description=why)
+                for name, why in error.violations
+            ]
+        )
+        fields = ",".join(name for name, _ in error.violations)
+        return _status(
+            code_pb2.INVALID_ARGUMENT, str(error), "INVALID_ARGUMENT", {"fields": fields}, bad
+        )
+    if isinstance(error, ClaimConflict):
+        metadata = {
+            "conflict": error.conflict.value,
+            "fence": str(error.fence),
+            "home_region": error.home_region,
+        }
+        return _status(code_pb2.FAILED_PRECONDITION, str(error), "CLAIM_CONFLICT", metadata)
+    if isinstance(error, WrongRegion):
+        metadata = {"home_region": error.home_region}
+        return _status(code_pb2.FAILED_PRECONDITION, str(error), "WRONG_REGION", metadata)
+    if isinstance(error, NotFound):
+        return _status(code_pb2.NOT_FOUND, str(error), "NOT_FOUND", {"key": error.key})
+    if isinstance(error, NotServing):
+        return _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {})
+    return _status(code_pb2.INTERNAL, str(error), "INTERNAL", {})
+
+
+def refusals(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """Turn a refusal raised by the rules into its gRPC status."""
+
+    @functools.wraps(method)
+    async def wrapper(
+        self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> Resp:
+        try:
+            return await method(self, request, context)
+        except FencemarkError as error:
+            status = to_status(error)
+            await context.abort(status.code, status.details, status.trailing_metadata)
+            raise AssertionError("unreachable: abort raises") from error
+
+    return wrapper
+
+
+def timestamp(ms: int) -> timestamp_pb2.Timestamp | None:
+    if ms <= 0:
+        return None
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromMilliseconds(ms)
+    return stamp
+
+
+def record_message(stored: Stored) -> record_pb2.Record:
+    record = stored.record
+    repo, topic, id_ = validation.key(record.key)
+    return record_pb2.Record(
+        key=record.key,
+        repo=repo,
+        topic=topic,
+        id=id_,
+        fields=record.field_values(),
+        tags=record.tag_values(),
+        home_region=record.home_region,
+        fence=record.fence.fence,
+        deleted=record.is_deleted,
+        digest=stored.digest,
+        updated_at=timestamp(hlc.physical_ms(record.max_hlc())),
+    )
+
+
+class RecordsService:
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+
+    @refusals
+    async def Remember(
+        self, request: records_pb2.RememberRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> records_pb2.RememberResponse:
+        well_known = {
+            "kind": request.kind,
+            "author": request.author,
+            "title": request.title,
+            "body": request.body,
+        }
+        fields = {name: value for name, value in well_known.items() if value}
+        for name, value in request.fields.items():
+            if name in fields and fields[name] != value:
+                raise InvalidInput.field(f"fields[{name!r}]", f"conflicts with the {name} argument")
+            if value:
+                fields[name] = value
+        result = await self.replica.remember(
+            request.repo,
+            request.topic,
+            request.id,
+            fields=fields,
+            tags=list(request.tags),
+            fencing_token=request.fencing_token,
+        )
+        return records_pb2.RememberResponse(
+            record=record_message(result.stored), created=result.created
+        )
+
+    @refusals
+    async def Get(
+        self, request: records_pb2.GetRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> records_pb2.GetResponse:
+        return records_pb2.GetResponse(record=record_message(await self.replica.get(request.key)))
+
+    @refusals
+    async def Update(
+        self, request: records_pb2.UpdateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> records_pb2.UpdateResponse:
+        stored = await self.replica.update(
+            request.key,
+            fields=dict(request.fields),
+            add_tags=list(request.add_tags),
+            remove_tags=list(request.remove_tags),
+            fencing_token=request.fencing_token,
+        )
+        return records_pb2.UpdateResponse(record=record_message(stored))
+
+    @refusals
+    async def Delete(
+        self, request: records_pb2.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> records_pb2.DeleteResponse:
+        stored = await self.replica.delete(request.key, fencing_token=request.fencing_token)
+        return records_pb2.DeleteResponse(record=record_message(stored))
+
+    @refusals
+    async def List(
+        self, request: records_pb2.ListRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> records_pb2.ListResponse:
+        page, next_token = await self.replica.list(
+            request.repo,
+            topic=request.topic,
+            tag=request.tag,
+            page_size=request.page_size,
+            page_token=request.page_token,
+            include_deleted=request.include_deleted,
+        )
+        return records_pb2.ListResponse(
+            records=[record_message(s) for s in page], next_page_token=next_token
+        )
+
+
+def _reason(outcome: Outcome) -> str:
+    return outcome.reason.value if outcome.reason is not None else ""
+
+
+class ClaimsService:
+    def __init__(self, claims: Claims) -> None:
+        self.claims = claims
+
+    @refusals
+    async def Claim(
+        self, request: claims_pb2.ClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> claims_pb2.ClaimResponse:
+        outcome = await self.claims.claim(
+            request.key,
+            request.owner,
+            lease_seconds=request.lease_seconds,
+            wait_seconds=request.wait_seconds,
+        )
+        return claims_pb2.ClaimResponse(
+            granted=outcome.ok,
+            fencing_token=outcome.token,
+            lease_expires_at=timestamp(outcome.expiry_ms),
+            reason=_reason(outcome),
+            home_region=outcome.home_region,
+        )
+
+    @refusals
+    async def RenewClaim(
+        self, request: claims_pb2.RenewClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> claims_pb2.RenewClaimResponse:
+        outcome = await self.claims.renew(
+            request.key, request.fencing_token, lease_seconds=request.lease_seconds
+        )
+        return claims_pb2.RenewClaimResponse(
+            renewed=outcome.ok,
+            fencing_token=outcome.token,
+            lease_expires_at=timestamp(outcome.expiry_ms),
+            reason=_reason(outcome),
+            home_region=outcome.home_region,
+        )
+
+    @refusals
+    async def ReleaseClaim(
+        self, request: claims_pb2.ReleaseClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> claims_pb2.ReleaseClaimResponse:
+        outcome = await self.claims.release(request.key, request.fencing_token)
+        return claims_pb2.ReleaseClaimResponse(
+            released=outcome.ok,
+            reason=_reason(outcome),
+            home_region=outcome.home_region,
+            fence=outcome.fence,
+        )
+
+    @refusals
+    async def ClaimStatus(
+        self, request: claims_pb2.ClaimStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> claims_pb2.ClaimStatusResponse:
+        status = await self.claims.status(request.key)
+        live = None
+        if status.holder is not None:
+            live = claims_pb2.ClaimStatusResponse.LiveClaim(
+                owner=status.holder.owner,
+                fencing_token=status.token,
+                lease_expires_at=timestamp(status.expiry_ms),
+            )
+        return claims_pb2.ClaimStatusResponse(
+            claim=live,
+            fence=status.fence,
+            queue_depth=status.queue_depth,
+            authoritative=False,
+            home_region=status.home_region,
+        )
+
+
+class NodeService:
+    def __init__(self, replica: Replica, claims: Claims, *, writes_enabled: bool) -> None:
+        self.replica = replica
+        self.claims = claims
+        self.writes_enabled = writes_enabled
+
+    @refusals
+    async def Info(
+        self, request: node_pb2.InfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> node_pb2.InfoResponse:
+        return node_pb2.InfoResponse(
+            region=self.replica.region,
+            node_id=self.replica.node_id,
+            writes_enabled=self.writes_enabled,
+            peers=[],
+            record_count=await self.replica.storage.count(),
+            claims_serving=self.claims.serving,
+            max_clock_offset_ms=self.replica.clock.max_offset_ms,
+            version=__version__,
+            now=timestamp(self.replica.clock.wall_ms()),
+        )

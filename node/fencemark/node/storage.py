@@ -1,0 +1,236 @@
+"""Durable record states in one SQLite file per node (WAL, fsync on commit).
+
+Writes go through one writer task that commits whatever has queued up since its
+last commit in a single transaction (group commit): a caller's ``put`` returns
+only after the transaction holding its state is on disk, yet concurrent callers
+share fsyncs instead of queueing behind one another. Reads use a second
+connection (WAL lets it read while the writer commits) and an LRU cache of
+decoded states that is updated only after a commit, so nothing not yet durable is
+ever served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import aiosqlite
+
+from fencemark.node.crdt import Record, codec
+
+log = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS records (
+    key     TEXT PRIMARY KEY,
+    state   BLOB NOT NULL,     -- canonical CRDT encoding (crdt/codec.py)
+    digest  BLOB NOT NULL,     -- BLAKE2b-128 of state
+    deleted INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (
+    name  TEXT PRIMARY KEY,
+    value
+) WITHOUT ROWID;
+"""
+
+
+class Stored(NamedTuple):
+    """A durable record state with its digest."""
+
+    record: Record
+    digest: bytes
+
+
+@dataclass
+class _Pending:
+    stored: Stored
+    state: bytes
+    done: asyncio.Future[None]
+
+
+@dataclass
+class CommitStats:
+    commits: int = 0
+    writes: int = 0
+    largest_batch: int = 0
+
+
+class Storage:
+    def __init__(
+        self,
+        path: Path,
+        writer: aiosqlite.Connection,
+        reader: aiosqlite.Connection,
+        node_id: str,
+        hlc_high: int,
+        fresh: bool,
+        cache_size: int,
+    ) -> None:
+        self.path = path
+        self._writer = writer
+        self._reader = reader
+        self.node_id = node_id
+        self.hlc_high = hlc_high
+        self.fresh = fresh
+        self.stats = CommitStats()
+        self._cache: OrderedDict[str, Stored] = OrderedDict()
+        self._cache_size = cache_size
+        self._commit_seq = 0
+        self._queue: asyncio.Queue[_Pending | None] = asyncio.Queue()
+        self._hlc_pending = 0
+        self._writer_task = asyncio.create_task(self._write_loop(), name="storage-writer")
+
+    @classmethod
+    async def open(cls, path: Path, *, cache_size: int = 10_000) -> Storage:
+        """Open (creating if needed) the node's database file."""
+        await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+        fresh = not await asyncio.to_thread(path.exists)
+        writer = await aiosqlite.connect(path, isolation_level=None)
+        await writer.execute("PRAGMA journal_mode=WAL")
+        # FULL: in WAL mode NORMAL does not fsync at commit; an ack means on disk.
+        await writer.execute("PRAGMA synchronous=FULL")
+        await writer.executescript(SCHEMA)
+        node_id = await _meta(writer, "node_id")
+        if node_id is None:
+            # A node that lost its disk comes back as a new node: the identity is
+            # part of what is lost, so stamps from the two lives never collide.
+            node_id = secrets.token_hex(6)
+            await writer.execute("INSERT INTO meta VALUES ('node_id', ?)", (node_id,))
+        hlc_high = int(await _meta(writer, "hlc_high") or 0)
+        reader = await aiosqlite.connect(path, isolation_level=None)
+        await reader.execute("PRAGMA query_only=ON")
+        return cls(path, writer, reader, str(node_id), hlc_high, fresh, cache_size)
+
+    async def close(self) -> None:
+        await self._queue.put(None)
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._writer_task
+        await self._reader.close()
+        await self._writer.close()
+
+    # -- reads ----------------------------------------------------------------
+
+    async def get(self, key: str) -> Stored | None:
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        seq = self._commit_seq
+        cursor = await self._reader.execute(
+            "SELECT state, digest FROM records WHERE key = ?", (key,)
+        )
+        row = await cursor.fetchone()
+        await cursor.close()
+        if row is None:
+            return None
+        stored = Stored(codec.decode(row[0]), bytes(row[1]))
+        if seq == self._commit_seq:  # no commit raced the read: safe to cache
+            self._remember(key, stored)
+        return stored
+
+    async def scan(
+        self, lower: str, upper: str, *, after: str = "", limit: int, include_deleted: bool
+    ) -> list[Stored]:
+        """States with ``lower <= key < upper`` and ``key > after``, in key order."""
+        sql = "SELECT state, digest FROM records WHERE key >= ? AND key < ? AND key > ?"
+        if not include_deleted:
+            sql += " AND deleted = 0"
+        sql += " ORDER BY key LIMIT ?"
+        rows = await self._reader.execute_fetchall(sql, (lower, upper, after, limit))
+        return [Stored(codec.decode(state), bytes(digest)) for state, digest in rows]
+
+    async def count(self) -> int:
+        rows = list(await self._reader.execute_fetchall("SELECT count(*) FROM records"))
+        return int(rows[0][0])
+
+    # -- writes ---------------------------------------------------------------
+
+    async def put(self, record: Record, *, hlc: int, state: bytes | None = None) -> Stored:
+        """Persist ``record``; returns once it is on disk.
+
+        ``hlc`` is the node clock's high-water mark, persisted with the batch so a
+        restarted clock never issues a timestamp it issued before. ``state`` is the
+        record's canonical encoding when the caller already has it.
+        """
+        if state is None:
+            state = codec.encode(record)
+        stored = Stored(record, codec.digest(state))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._hlc_pending = max(self._hlc_pending, hlc)
+        await self._queue.put(_Pending(stored, state, done))
+        await done
+        return stored
+
+    async def _write_loop(self) -> None:
+        while True:
+            first = await self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            closing = False
+            while not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is None:
+                    closing = True
+                    break
+                batch.append(item)
+            await self._commit(batch)
+            if closing:
+                return
+
+    async def _commit(self, batch: list[_Pending]) -> None:
+        rows = [
+            (p.stored.record.key, p.state, p.stored.digest, int(p.stored.record.is_deleted))
+            for p in batch
+        ]
+        hlc_high = max(self.hlc_high, self._hlc_pending)
+        try:
+            await self._writer.execute("BEGIN IMMEDIATE")
+            await self._writer.executemany(
+                "INSERT INTO records (key, state, digest, deleted) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (key) DO UPDATE SET"
+                " state = excluded.state, digest = excluded.digest, deleted = excluded.deleted",
+                rows,
+            )
+            await self._writer.execute(
+                "INSERT INTO meta VALUES ('hlc_high', ?)"
+                " ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                (hlc_high,),
+            )
+            await self._writer.execute("COMMIT")
+        except Exception as exc:
+            log.exception("commit of %d writes failed", len(batch))
+            with contextlib.suppress(Exception):
+                await self._writer.execute("ROLLBACK")
+            for p in batch:
+                if not p.done.done():
+                    p.done.set_exception(exc)
+            return
+        self.hlc_high = hlc_high
+        self._commit_seq += 1
+        self.stats.commits += 1
+        self.stats.writes += len(batch)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+        for p in batch:
+            self._remember(p.stored.record.key, p.stored)
+            if not p.done.done():
+                p.done.set_result(None)
+
+    def _remember(self, key: str, stored: Stored) -> None:
+        self._cache[key] = stored
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+
+async def _meta(conn: aiosqlite.Connection, name: str) -> str | None:
+    cursor = await conn.execute("SELECT value FROM meta WHERE name = ?", (name,))
+    row = await cursor.fetchone()
+    await cursor.close()
+    return None if row is None else str(row[0])

@@ -1,0 +1,145 @@
+"""Input limits and key syntax (SPEC §2). Bad input is refused, never truncated.
+
+Each check raises ``InvalidInput`` naming the request field, before anything is
+read or written, so a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+from fencemark.node.errors import InvalidInput
+
+SEGMENT = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+KEY = re.compile(
+    r"repo/([A-Za-z0-9._:-]{1,128})/mem/([A-Za-z0-9._:-]{1,128})/([A-Za-z0-9._:-]{1,128})"
+)
+FIELD_NAME = SEGMENT
+REGION = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+MAX_VALUE_BYTES = 1 << 20
+MAX_FIELDS = 256
+MAX_TAGS = 256
+MAX_TAG_CHARS = 256
+MAX_OWNER_CHARS = 128
+MIN_LEASE_S, MAX_LEASE_S, DEFAULT_LEASE_S = 1.0, 3600.0, 60.0
+MAX_WAIT_S = 300.0
+MAX_RECORD_BYTES = 4 << 20
+MAX_PAGE_SIZE, DEFAULT_PAGE_SIZE = 1000, 100
+HOME_TAG_PREFIX = "homeRegion:"
+
+
+class Key(NamedTuple):
+    repo: str
+    topic: str
+    id: str
+
+    def __str__(self) -> str:
+        return f"repo/{self.repo}/mem/{self.topic}/{self.id}"
+
+
+def key(value: str, name: str = "key") -> Key:
+    match = KEY.fullmatch(value)
+    if match is None:
+        raise InvalidInput.field(
+            name,
+            f"must be repo/{{repo}}/mem/{{topic}}/{{id}} with segments matching"
+            f" {SEGMENT.pattern}, got {value[:300]!r}",
+        )
+    return Key(*match.groups())
+
+
+def segment(value: str, name: str) -> str:
+    if SEGMENT.fullmatch(value) is None:
+        raise InvalidInput.field(name, f"must match {SEGMENT.pattern}, got {value[:300]!r}")
+    return value
+
+
+def region(value: str, name: str = "region") -> str:
+    if REGION.fullmatch(value) is None:
+        raise InvalidInput.field(name, f"region must match {REGION.pattern}, got {value[:100]!r}")
+    return value
+
+
+def fields(values: Mapping[str, str], name: str = "fields") -> Mapping[str, str]:
+    if len(values) > MAX_FIELDS:
+        raise InvalidInput.field(name, f"at most {MAX_FIELDS} fields, got {len(values)}")
+    for field_name, value in values.items():
+        if FIELD_NAME.fullmatch(field_name) is None:
+            raise InvalidInput.field(
+                f"{name}[{field_name[:100]!r}]",
+                f"field names must match {FIELD_NAME.pattern}",
+            )
+        value_field(value, f"{name}[{field_name!r}]")
+    return values
+
+
+def value_field(value: str, name: str) -> str:
+    size = len(value.encode("utf-8"))
+    if size > MAX_VALUE_BYTES:
+        raise InvalidInput.field(name, f"value is {size} bytes; at most {MAX_VALUE_BYTES}")
+    return value
+
+
+def tags(values: Iterable[str], name: str = "tags") -> list[str]:
+    checked = list(values)
+    if len(checked) > MAX_TAGS:
+        raise InvalidInput.field(name, f"at most {MAX_TAGS} tags, got {len(checked)}")
+    for index, tag in enumerate(checked):
+        if not 1 <= len(tag) <= MAX_TAG_CHARS:
+            raise InvalidInput.field(
+                f"{name}[{index}]", f"tags are 1-{MAX_TAG_CHARS} characters, got {len(tag)}"
+            )
+        if not tag.isprintable():
+            raise InvalidInput.field(f"{name}[{index}]", "tags must be printable characters")
+    return checked
+
+
+def home_tag(values: Iterable[str], name: str = "tags") -> str | None:
+    """The region named by the one ``homeRegion:`` tag, if any."""
+    homes = [t[len(HOME_TAG_PREFIX) :] for t in values if t.startswith(HOME_TAG_PREFIX)]
+    if len(set(homes)) > 1:
+        raise InvalidInput.field(name, f"more than one homeRegion tag: {sorted(set(homes))}")
+    if not homes:
+        return None
+    return region(homes[0], name)
+
+
+def no_home_tags(values: Iterable[str], name: str) -> None:
+    if any(t.startswith(HOME_TAG_PREFIX) for t in values):
+        raise InvalidInput.field(name, "homeRegion is fixed when a record is created")
+
+
+def owner(value: str, name: str = "owner") -> str:
+    if not 1 <= len(value) <= MAX_OWNER_CHARS or not value.isprintable():
+        raise InvalidInput.field(name, f"owner must be 1-{MAX_OWNER_CHARS} printable characters")
+    return value
+
+
+def seconds(value: float, name: str, low: float, high: float, default: float) -> float:
+    if not math.isfinite(value):
+        raise InvalidInput.field(name, "must be a finite number of seconds")
+    if value == 0:
+        return default
+    if not low <= value <= high:
+        raise InvalidInput.field(name, f"must be between {low:g} and {high:g} seconds")
+    return value
+
+
+def lease(value: float, name: str = "lease_seconds") -> float:
+    return seconds(value, name, MIN_LEASE_S, MAX_LEASE_S, DEFAULT_LEASE_S)
+
+
+def wait(value: float, name: str = "wait_seconds") -> float:
+    return seconds(value, name, 0.0, MAX_WAIT_S, 0.0)
+
+
+def page_size(value: int, name: str = "page_size") -> int:
+    if value == 0:
+        return DEFAULT_PAGE_SIZE
+    if not 1 <= value <= MAX_PAGE_SIZE:
+        raise InvalidInput.field(name, f"must be 1-{MAX_PAGE_SIZE}")
+    return value
