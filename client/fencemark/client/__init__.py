@@ -1,0 +1,55 @@
+"""Python client for Fencemark nodes: one implementation, two faces.
+
+``AsyncClient`` is the asyncio client; ``Client`` is the same client for
+blocking code. Results are frozen dataclasses (``fencemark.client.types``);
+failures are ``FencemarkError`` subclasses (``fencemark.client.errors``).
+A claim, renewal or release that is not granted is a value, not an error.
+"""
+
+from fencemark.client._aio import AsyncClient
+from fencemark.client._blocking import Client
+from fencemark.client.errors import (
+    ClaimConflict,
+    FencemarkError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    Unimplemented,
+    WrongRegion,
+)
+from fencemark.client.retry import retry_safe_methods
+from fencemark.client.types import (
+    ClaimResult,
+    ClaimStatus,
+    LiveClaim,
+    NodeInfo,
+    PeerInfo,
+    Record,
+    RecordPage,
+    ReleaseResult,
+    RememberResult,
+    RenewResult,
+)
+
+__all__ = [
+    "AsyncClient",
+    "ClaimConflict",
+    "ClaimResult",
+    "ClaimStatus",
+    "Client",
+    "FencemarkError",
+    "InvalidArgument",
+    "LiveClaim",
+    "NodeInfo",
+    "NotFound",
+    "PeerInfo",
+    "Record",
+    "RecordPage",
+    "ReleaseResult",
+    "RememberResult",
+    "RenewResult",
+    "Unavailable",
+    "Unimplemented",
+    "WrongRegion",
+    "retry_safe_methods",
+]

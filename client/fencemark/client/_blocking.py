@@ -1,0 +1,146 @@
+"""The blocking client: a thin face over ``AsyncClient``, not a second copy.
+
+It owns a private event loop running in a background thread and submits the
+async client's coroutines to it, so every rule (deadlines, retries, error
+mapping, conversions) lives in one place. Calls from several threads are safe:
+they all funnel into that one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from types import TracebackType
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+
+from fencemark.client._aio import AsyncClient
+from fencemark.client.types import Record
+
+__all__ = ["Client"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, _P], Coroutine[Any, Any, _T]],
+) -> Callable[Concatenate[Client, _P], _T]:
+    """The blocking twin of an ``AsyncClient`` method: same signature, same docs."""
+
+    @functools.wraps(method)
+    def call(self: Client, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return self._run(method(self._async_client, *args, **kwargs))
+
+    return call
+
+
+async def _in_loop(factory: Callable[[], _T]) -> _T:
+    return factory()
+
+
+async def _next(iterator: AsyncIterator[_T]) -> _T:
+    return await anext(iterator)
+
+
+class Client:
+    """A connection to one Fencemark node, for blocking code.
+
+    The same methods as ``AsyncClient``, returning results instead of
+    coroutines. Use it as a context manager or call ``close()``.
+    """
+
+    def __init__(self, target: str, *, timeout: float = 10.0, retries: int = 4) -> None:
+        self._loop = asyncio.new_event_loop()
+        # Daemon: a client that was never closed must not keep the process alive.
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="fencemark-client", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+        try:
+            # Made in the loop's thread: a grpc.aio channel belongs to its loop.
+            self._async_client = self._run(
+                _in_loop(functools.partial(AsyncClient, target, timeout=timeout, retries=retries))
+            )
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: do not leave the call running
+            raise
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel and stop the background loop; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._async_client.close())
+        finally:
+            self._stop_loop()
+
+    @property
+    def target(self) -> str:
+        return self._async_client.target
+
+    @property
+    def timeout(self) -> float:
+        return self._async_client.timeout
+
+    remember = _blocking(AsyncClient.remember)
+    get = _blocking(AsyncClient.get)
+    update = _blocking(AsyncClient.update)
+    delete = _blocking(AsyncClient.delete)
+    list = _blocking(AsyncClient.list)
+    claim = _blocking(AsyncClient.claim)
+    renew_claim = _blocking(AsyncClient.renew_claim)
+    release_claim = _blocking(AsyncClient.release_claim)
+    claim_status = _blocking(AsyncClient.claim_status)
+    info = _blocking(AsyncClient.info)
+    health = _blocking(AsyncClient.health)
+
+    def iter_records(
+        self,
+        repo: str,
+        *,
+        topic: str = "",
+        tag: str = "",
+        page_size: int = 0,
+        include_deleted: bool = False,
+    ) -> Iterator[Record]:
+        """Every matching record, fetching the next page only when it is needed."""
+        records = self._async_client.iter_records(
+            repo, topic=topic, tag=tag, page_size=page_size, include_deleted=include_deleted
+        )
+        try:
+            while True:
+                try:
+                    yield self._run(_next(records))
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed:  # after close() the loop is gone, and the channel too
+                self._run(records.aclose())

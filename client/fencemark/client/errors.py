@@ -1,0 +1,166 @@
+"""Exceptions raised by the client, decoded from gRPC status and its rich details.
+
+A refused fenced write is an exception (``ClaimConflict``); a claim, renewal
+or release that is not granted is a value (``granted=False``), never an error.
+The node attaches a ``google.rpc.Status`` to the trailing metadata key
+``grpc-status-details-bin``; its ``ErrorInfo`` (domain ``fencemark``) and
+``BadRequest`` details are what the classes below expose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, cast
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import (  # type: ignore[import-untyped, unused-ignore]
+    error_details_pb2,
+    status_pb2,
+)
+
+__all__ = [
+    "ClaimConflict",
+    "FencemarkError",
+    "InvalidArgument",
+    "NotFound",
+    "Unavailable",
+    "Unimplemented",
+    "WrongRegion",
+    "from_rpc_error",
+]
+
+ERROR_DOMAIN = "fencemark"
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class FencemarkError(Exception):
+    """A call failed. ``code`` is the gRPC status code, ``message`` the node's words."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}" if message else code.name)
+        self.code = code
+        self.message = message
+
+
+class ClaimConflict(FencemarkError):
+    """A write was refused by the record's claim (FAILED_PRECONDITION, CLAIM_CONFLICT).
+
+    ``reason`` is one of ``claimed``, ``superseded``, ``unknown_token``,
+    ``released``, ``expired``, ``wrong_region``; ``fence`` is the record's fence
+    and ``home_region`` the region that decides fenced writes.
+    """
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        reason: str,
+        fence: int,
+        home_region: str,
+    ) -> None:
+        super().__init__(code, message)
+        self.reason = reason
+        self.fence = fence
+        self.home_region = home_region
+
+
+class WrongRegion(FencemarkError):
+    """A new record may only be created in its home region: send the call there."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, home_region: str) -> None:
+        super().__init__(code, message)
+        self.home_region = home_region
+
+
+class InvalidArgument(FencemarkError):
+    """The node refused the input; ``violations`` are ``(field, description)`` pairs."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, *, violations: list[tuple[str, str]]
+    ) -> None:
+        super().__init__(code, message)
+        self.violations = violations
+
+
+class NotFound(FencemarkError):
+    """No such record (or it is deleted)."""
+
+
+class Unavailable(FencemarkError):
+    """The node could not be reached in time (UNAVAILABLE or DEADLINE_EXCEEDED)."""
+
+
+class Unimplemented(FencemarkError):
+    """The node does not serve the method, e.g. a write on a node without writes enabled."""
+
+
+def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
+    """The exception that tells the caller what a failed call means."""
+    code = error.code()
+    message = error.details() or ""
+    # At runtime metadata is (key, value) pairs (grpc.aio.Metadata, or the
+    # sync namedtuples); grpc-stubs types it as an opaque _Metadatum.
+    metadata_pairs = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    error_info, bad_request = _rich_details(metadata_pairs)
+    if error_info is not None and error_info.domain == ERROR_DOMAIN:
+        metadata = error_info.metadata
+        if error_info.reason == "CLAIM_CONFLICT":
+            return ClaimConflict(
+                code,
+                message,
+                reason=str(metadata.get("conflict", "")),
+                fence=_to_int(metadata.get("fence", "")),
+                home_region=str(metadata.get("home_region", "")),
+            )
+        if error_info.reason == "WRONG_REGION":
+            return WrongRegion(code, message, home_region=str(metadata.get("home_region", "")))
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        violations = (
+            [(str(v.field), str(v.description)) for v in bad_request.field_violations]
+            if bad_request is not None
+            else []
+        )
+        return InvalidArgument(code, message, violations=violations)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(code, message)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(code, message)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return Unimplemented(code, message)
+    return FencemarkError(code, message)
+
+
+def _rich_details(trailing_metadata: Iterable[tuple[str, str | bytes]]) -> tuple[Any, Any]:
+    """The first ErrorInfo and BadRequest in the status details, or None each.
+
+    Read from the metadata directly rather than through
+    ``grpc_status.rpc_status.from_call``: that works on grpc.aio errors too, but
+    raises when the status message and the details' message differ, and a
+    malformed detail must never hide the status code itself.
+    """
+    error_info: Any = None
+    bad_request: Any = None
+    for key, value in trailing_metadata:
+        if key != _STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:  # a garbled detail still leaves a usable status code
+            return None, None
+        for detail in status.details:
+            if error_info is None and detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                error_info = error_details_pb2.ErrorInfo()
+                detail.Unpack(error_info)
+            elif bad_request is None and detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad_request = error_details_pb2.BadRequest()
+                detail.Unpack(bad_request)
+    return error_info, bad_request
+
+
+def _to_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return 0

@@ -1,0 +1,141 @@
+"""What the client returns: plain frozen dataclasses, never protobuf messages.
+
+Every datetime is timezone-aware UTC; a timestamp the node left unset is ``None``.
+Each class mirrors one response message of ``proto/fencemark/v1``, whose field
+comments are the reference for what a value means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class Record:
+    """The value of one record as the answering node knows it."""
+
+    key: str
+    repo: str
+    topic: str
+    id: str
+    fields: dict[str, str] = field(default_factory=dict)
+    tags: tuple[str, ...] = ()
+    home_region: str = ""
+    fence: int = 0
+    deleted: bool = False
+    digest: bytes = b""
+    updated_at: datetime | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.fields.get("kind", "")
+
+    @property
+    def author(self) -> str:
+        return self.fields.get("author", "")
+
+    @property
+    def title(self) -> str:
+        return self.fields.get("title", "")
+
+    @property
+    def body(self) -> str:
+        return self.fields.get("body", "")
+
+
+@dataclass(frozen=True)
+class RememberResult:
+    """The record after ``remember``; ``created`` when the call created it."""
+
+    record: Record
+    created: bool
+
+
+@dataclass(frozen=True)
+class RecordPage:
+    """One page of ``list``; pass ``next_page_token`` on for the next page."""
+
+    records: tuple[Record, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """The outcome of ``claim``: a refusal is a value with a ``reason``, not an error."""
+
+    granted: bool
+    fencing_token: int
+    lease_expires_at: datetime | None
+    reason: str
+    home_region: str
+
+
+@dataclass(frozen=True)
+class RenewResult:
+    """The outcome of ``renew_claim``; ``reason="superseded"`` means the item is lost."""
+
+    renewed: bool
+    fencing_token: int
+    lease_expires_at: datetime | None
+    reason: str
+    home_region: str
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """The outcome of ``release_claim``; ``fence`` is never lowered by a release."""
+
+    released: bool
+    reason: str
+    home_region: str
+    fence: int
+
+
+@dataclass(frozen=True)
+class LiveClaim:
+    """A claim that was live at the answering node when it answered."""
+
+    owner: str
+    fencing_token: int
+    lease_expires_at: datetime | None
+
+
+@dataclass(frozen=True)
+class ClaimStatus:
+    """A snapshot of a record's claim; ``authoritative`` is always False.
+
+    Only a write presenting the token proves ownership; this status may be
+    stale by the time it is read.
+    """
+
+    claim: LiveClaim | None
+    fence: int
+    queue_depth: int
+    authoritative: bool
+    home_region: str
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """The replication state of one configured peer."""
+
+    region: str
+    address: str
+    last_sync: datetime | None
+    lag_ms: int
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a node says about itself."""
+
+    region: str
+    node_id: str
+    writes_enabled: bool
+    peers: tuple[PeerInfo, ...]
+    record_count: int
+    claims_serving: bool
+    max_clock_offset_ms: int
+    version: str
+    now: datetime | None

@@ -1,0 +1,312 @@
+"""The ``fencemark`` command: run a node, talk to one, or run the demo.
+
+Subcommands that talk to a node mirror the gRPC API one to one (etcdctl style)
+and print JSON; ``node``, ``walkthrough``, ``demo`` and ``status`` are for
+operators. Every flag of ``node`` can also come from a ``FENCEMARK_*`` variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fencemark.node import __version__
+from fencemark.node.server import NodeConfig, serve
+
+DEFAULT_TARGET = "127.0.0.1:7400"
+TRUE_WORDS = {"1", "true", "yes", "on"}
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in TRUE_WORDS
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"cannot show {type(value).__name__}")
+
+
+def _print_json(value: object) -> None:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    print(json.dumps(value, default=_json_default, indent=2, ensure_ascii=False))
+
+
+# -- node -------------------------------------------------------------------------
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    config = NodeConfig(
+        region=args.region,
+        listen=args.listen,
+        data_dir=Path(args.data) if args.data else None,
+        enable_writes=args.enable_writes,
+        max_clock_offset_ms=args.max_clock_offset_ms,
+    )
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"fencemark node: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# -- client commands ----------------------------------------------------------------
+
+
+def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[object]]) -> int:
+    from fencemark.client import AsyncClient, FencemarkError
+
+    async def run() -> object:
+        async with AsyncClient(args.target, timeout=args.timeout) as client:
+            return await call(client)
+
+    try:
+        result = asyncio.run(run())
+    except FencemarkError as exc:
+        print(f"fencemark: {exc}", file=sys.stderr)
+        return 1
+    _print_json(result)
+    return 0
+
+
+def _fields(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"fencemark: --field takes NAME=VALUE, got {pair!r}")
+        out[name] = value
+    return out
+
+
+def cmd_walkthrough(args: argparse.Namespace) -> int:
+    from fencemark.client.walkthrough import run_walkthrough
+
+    ok = asyncio.run(run_walkthrough(args.target, lease_seconds=args.lease_seconds))
+    return 0 if ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from fencemark.client import AsyncClient, FencemarkError
+
+    async def run() -> list[str]:
+        lines = [f"{'target':<22} {'region':<10} {'node':<13} {'health':<12} {'writes':<7} records"]
+        for target in args.targets:
+            try:
+                async with AsyncClient(target, timeout=args.timeout, retries=1) as client:
+                    info = await client.info()
+                    health = await client.health()
+                lines.append(
+                    f"{target:<22} {info.region:<10} {info.node_id:<13} {health:<12}"
+                    f" {'on' if info.writes_enabled else 'off':<7} {info.record_count}"
+                )
+            except FencemarkError as exc:
+                lines.append(f"{target:<22} unreachable: {exc}")
+        return lines
+
+    print("\n".join(asyncio.run(run())))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fencemark.node.demo import run_demo
+
+    return asyncio.run(run_demo(lease_seconds=args.lease_seconds, data_dir=args.data))
+
+
+# -- argument parsing -----------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fencemark",
+        description="Fencemark: a replicated store for agent work queues, with fenced claims.",
+    )
+    parser.add_argument("--version", action="version", version=f"fencemark {__version__}")
+    parser.add_argument(
+        "--log-level", default=os.environ.get("FENCEMARK_LOG_LEVEL", "WARNING"), help="log level"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    node = sub.add_parser("node", help="run a region node until SIGTERM/SIGINT")
+    node.add_argument("--region", default=os.environ.get("FENCEMARK_REGION", "local"))
+    node.add_argument(
+        "--listen",
+        default=os.environ.get("FENCEMARK_LISTEN", DEFAULT_TARGET),
+        help="HOST:PORT to serve gRPC on (port 0 picks a free one)",
+    )
+    node.add_argument(
+        "--data",
+        default=os.environ.get("FENCEMARK_DATA_DIR"),
+        help="data directory (default: $XDG_DATA_HOME/fencemark/REGION)",
+    )
+    node.add_argument(
+        "--enable-writes",
+        action="store_true",
+        default=env_flag("FENCEMARK_ENABLE_WRITES"),
+        help="serve mutating methods (env FENCEMARK_ENABLE_WRITES=1); off: reads only",
+    )
+    node.add_argument(
+        "--max-clock-offset-ms",
+        type=int,
+        default=int(os.environ.get("FENCEMARK_MAX_CLOCK_OFFSET_MS", "500")),
+        help="refuse remote stamps further ahead of this node's clock",
+    )
+    node.set_defaults(func=cmd_node)
+
+    def client_parser(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--target", default=os.environ.get("FENCEMARK_TARGET", DEFAULT_TARGET))
+        p.add_argument("--timeout", type=float, default=10.0, help="deadline per call (s)")
+        return p
+
+    walk = client_parser("walkthrough", "run the SPEC §1 walkthrough against a node")
+    walk.add_argument("--lease-seconds", type=float, default=2.0)
+    walk.set_defaults(func=cmd_walkthrough)
+
+    demo = sub.add_parser("demo", help="start a local node and run the walkthrough against it")
+    demo.add_argument("--lease-seconds", type=float, default=2.0)
+    demo.add_argument("--data", default=None, help="data directory (default: a temporary one)")
+    demo.set_defaults(func=cmd_demo)
+
+    status = sub.add_parser("status", help="one line per node: region, health, records")
+    status.add_argument(
+        "--targets",
+        nargs="+",
+        default=os.environ.get("FENCEMARK_TARGETS", DEFAULT_TARGET).split(","),
+    )
+    status.add_argument("--timeout", type=float, default=3.0)
+    status.set_defaults(func=cmd_status)
+
+    _add_rpc_commands(client_parser)
+    return parser
+
+
+def _add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """One subcommand per RPC, with the RPC's field names as flags."""
+    p = client_parser("remember", "Records.Remember: create or merge a record")
+    for name in ("repo", "topic", "id"):
+        p.add_argument(f"--{name}", required=True)
+    for name in ("kind", "author", "title", "body"):
+        p.add_argument(f"--{name}", default="")
+    p.add_argument("--tag", action="append", default=[], dest="tags")
+    p.add_argument("--field", action="append", default=[], dest="fields", metavar="NAME=VALUE")
+    p.add_argument("--fencing-token", type=int, default=0)
+    p.set_defaults(
+        func=lambda a: _client_call(
+            a,
+            lambda c: c.remember(
+                a.repo, a.topic, a.id, kind=a.kind, author=a.author, title=a.title,
+                body=a.body, tags=a.tags, fields=_fields(a.fields),
+                fencing_token=a.fencing_token,
+            ),
+        )
+    )  # fmt: skip
+
+    p = client_parser("get", "Records.Get: one record")
+    p.add_argument("key")
+    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.get(a.key)))
+
+    p = client_parser("update", "Records.Update: write fields and tags")
+    p.add_argument("key")
+    p.add_argument("--field", action="append", default=[], dest="fields", metavar="NAME=VALUE")
+    p.add_argument("--add-tag", action="append", default=[], dest="add_tags")
+    p.add_argument("--remove-tag", action="append", default=[], dest="remove_tags")
+    p.add_argument("--fencing-token", type=int, default=0)
+    p.set_defaults(
+        func=lambda a: _client_call(
+            a,
+            lambda c: c.update(
+                a.key, fields=_fields(a.fields), add_tags=a.add_tags,
+                remove_tags=a.remove_tags, fencing_token=a.fencing_token,
+            ),
+        )
+    )  # fmt: skip
+
+    p = client_parser("delete", "Records.Delete: write a tombstone")
+    p.add_argument("key")
+    p.add_argument("--fencing-token", type=int, default=0)
+    p.set_defaults(
+        func=lambda a: _client_call(a, lambda c: c.delete(a.key, fencing_token=a.fencing_token))
+    )
+
+    p = client_parser("list", "Records.List: a page of records")
+    p.add_argument("--repo", required=True)
+    p.add_argument("--topic", default="")
+    p.add_argument("--tag", default="")
+    p.add_argument("--page-size", type=int, default=0)
+    p.add_argument("--page-token", default="")
+    p.add_argument("--include-deleted", action="store_true")
+    p.set_defaults(
+        func=lambda a: _client_call(
+            a,
+            lambda c: c.list(
+                a.repo, topic=a.topic, tag=a.tag, page_size=a.page_size,
+                page_token=a.page_token, include_deleted=a.include_deleted,
+            ),
+        )
+    )  # fmt: skip
+
+    p = client_parser("claim", "Claims.Claim: ask for a record's lease")
+    p.add_argument("key")
+    p.add_argument("--owner", required=True)
+    p.add_argument("--lease-seconds", type=float, default=0.0)
+    p.add_argument("--wait-seconds", type=float, default=0.0)
+    p.set_defaults(
+        func=lambda a: _client_call(
+            a,
+            lambda c: c.claim(
+                a.key, a.owner, lease_seconds=a.lease_seconds, wait_seconds=a.wait_seconds
+            ),
+        )
+    )
+
+    p = client_parser("renew-claim", "Claims.RenewClaim: extend a live claim")
+    p.add_argument("key")
+    p.add_argument("--fencing-token", type=int, required=True)
+    p.add_argument("--lease-seconds", type=float, default=0.0)
+    p.set_defaults(
+        func=lambda a: _client_call(
+            a,
+            lambda c: c.renew_claim(a.key, a.fencing_token, lease_seconds=a.lease_seconds),
+        )
+    )
+
+    p = client_parser("release-claim", "Claims.ReleaseClaim: end a claim")
+    p.add_argument("key")
+    p.add_argument("--fencing-token", type=int, required=True)
+    p.set_defaults(
+        func=lambda a: _client_call(a, lambda c: c.release_claim(a.key, a.fencing_token))
+    )
+
+    p = client_parser("claim-status", "Claims.ClaimStatus: what the node knows of a claim")
+    p.add_argument("key")
+    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.claim_status(a.key)))
+
+    p = client_parser("info", "Node.Info: the node's identity and state")
+    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.info()))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    result: int = args.func(args)
+    return result

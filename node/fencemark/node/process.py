@@ -1,0 +1,86 @@
+"""Run a node as a child process (the demo, the cluster, durability tests).
+
+The child is started with ``--listen HOST:0`` and tells where it listens on its
+first line of output, so no port is ever guessed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+from pathlib import Path
+
+LISTENING = re.compile(r"listening on (\S+)")
+
+
+class NodeProcess:
+    def __init__(self, proc: asyncio.subprocess.Process, address: str, data_dir: Path) -> None:
+        self.proc = proc
+        self.address = address
+        self.data_dir = data_dir
+        # Keep reading so a chatty child never blocks on a full pipe.
+        self._drain = asyncio.create_task(self._drain_output())
+
+    @classmethod
+    async def start(
+        cls,
+        data_dir: Path,
+        *,
+        region: str = "local",
+        enable_writes: bool = True,
+        listen: str = "127.0.0.1:0",
+        extra_args: tuple[str, ...] = (),
+        startup_timeout: float = 30.0,
+    ) -> NodeProcess:
+        args = [
+            sys.executable, "-m", "fencemark.node", "node",
+            "--region", region, "--listen", listen, "--data", str(data_dir), *extra_args,
+        ]  # fmt: skip
+        if enable_writes:
+            args.append("--enable-writes")
+        proc = await asyncio.create_subprocess_exec(
+            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        assert proc.stdout is not None
+        try:
+            async with asyncio.timeout(startup_timeout):
+                while True:
+                    line = (await proc.stdout.readline()).decode(errors="replace")
+                    if not line:
+                        raise RuntimeError(f"node exited with {await proc.wait()} before serving")
+                    match = LISTENING.search(line)
+                    if match:
+                        break
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            raise
+        return cls(proc, match.group(1), data_dir)
+
+    async def _drain_output(self) -> None:
+        assert self.proc.stdout is not None
+        while await self.proc.stdout.readline():
+            pass
+
+    async def stop(self, grace: float = 15.0) -> int:
+        """SIGTERM (graceful shutdown), SIGKILL if it does not end within ``grace`` s."""
+        return await self._end(signal.SIGTERM, grace)
+
+    async def kill(self) -> int:
+        """SIGKILL: the crash a durable store must survive."""
+        return await self._end(signal.SIGKILL, 15.0)
+
+    async def _end(self, sig: signal.Signals, grace: float) -> int:
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+            try:
+                await asyncio.wait_for(self.proc.wait(), grace)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        await self._drain
+        assert self.proc.returncode is not None
+        return self.proc.returncode
