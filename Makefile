@@ -25,23 +25,27 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Regenerates the committed protobuf/gRPC modules and their typed stubs.
+PROTO_OUT ?= proto
 proto: $(STAMP)
+	@mkdir -p $(PROTO_OUT)
 	$(BIN)/python -m grpc_tools.protoc -I proto \
 	  --plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
 	  --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
-	  --python_out=proto --grpc_python_out=proto \
-	  --mypy_out=proto --mypy_grpc_out=proto \
+	  --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+	  --mypy_out=quiet:$(PROTO_OUT) --mypy_grpc_out=quiet:$(PROTO_OUT) \
 	  $(PROTOS)
 
 # Fails when the committed generated code differs from what `make proto` makes.
 proto-check: $(STAMP)
-	@rm -rf build/proto-check && mkdir -p build/proto-check && cp -r proto build/proto-check/
-	@$(MAKE) --no-print-directory proto >/dev/null
-	@if ! diff -r -x __pycache__ build/proto-check/proto proto >/dev/null; then \
-	  echo "generated code under proto/ is stale: run 'make proto' and commit the result"; \
-	  diff -r -x __pycache__ build/proto-check/proto proto | head -40; \
-	  rm -rf proto && cp -r build/proto-check/proto proto; exit 1; fi
-	@echo "generated code is fresh"
+	@rm -rf build/proto-gen
+	@$(MAKE) --no-print-directory proto PROTO_OUT=build/proto-gen >/dev/null
+	@stale=0; for f in build/proto-gen/fencemark/v1/*; do \
+	  committed=proto/fencemark/v1/$$(basename $$f); \
+	  cmp -s $$f $$committed || { echo "stale or missing: $$committed"; stale=1; }; done; \
+	for f in proto/fencemark/v1/*_pb2*; do \
+	  [ -e build/proto-gen/fencemark/v1/$$(basename $$f) ] || { echo "not generated any more: $$f"; stale=1; }; done; \
+	if [ $$stale = 1 ]; then echo "generated code is stale: run 'make proto' and commit the result"; exit 1; fi
+	@echo "generated code under proto/ is fresh"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -53,7 +57,7 @@ typecheck: $(STAMP)
 check: proto-check lint typecheck
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/fencemark demo

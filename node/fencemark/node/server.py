@@ -110,6 +110,7 @@ class NodeServer:
         self.server = server
         self.health = health_servicer
         self.port = port
+        self.stopped = False
 
     @property
     def address(self) -> str:
@@ -172,6 +173,9 @@ class NodeServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new calls, let running ones finish (up to ``grace`` s), close storage."""
+        if self.stopped:
+            return
+        self.stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
         await self.storage.close()

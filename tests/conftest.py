@@ -1,0 +1,72 @@
+"""Shared fixtures: real nodes on loopback, on real SQLite files under tmp_path.
+
+Nothing here mocks a Fencemark component: ``node`` is the gRPC server the
+``fencemark node`` command runs, ``client`` the published client library.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from fencemark.client import AsyncClient
+from fencemark.node.server import NodeConfig, NodeServer
+
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.register_profile("thorough", max_examples=2000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+StartNode = Callable[..., Awaitable[NodeServer]]
+
+
+@pytest.fixture
+async def start_node(tmp_path: Path) -> AsyncIterator[StartNode]:
+    """Start in-process nodes: ``await start_node(region=..., enable_writes=...)``.
+
+    Each node gets its own data directory under ``tmp_path`` (pass ``data_dir``
+    to reuse one, e.g. for a restart); all are stopped at the end of the test.
+    """
+    running: list[NodeServer] = []
+
+    async def start(
+        region: str = "local",
+        *,
+        enable_writes: bool = True,
+        data_dir: Path | None = None,
+        **overrides: object,
+    ) -> NodeServer:
+        config = NodeConfig(
+            region=region,
+            listen="127.0.0.1:0",
+            data_dir=data_dir or tmp_path / f"{region}-{len(running)}",
+            enable_writes=enable_writes,
+            grace_seconds=0.5,
+            **overrides,  # type: ignore[arg-type]
+        )
+        node = await NodeServer.start(config)
+        running.append(node)
+        return node
+
+    yield start
+    for node in reversed(running):
+        if not node.stopped:
+            await node.stop()
+
+
+@pytest.fixture
+async def node(start_node: StartNode) -> NodeServer:
+    """A node of region ``local`` with writes enabled."""
+    return await start_node()
+
+
+@pytest.fixture
+async def client(node: NodeServer) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(node.address) as c:
+        yield c
