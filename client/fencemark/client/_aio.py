@@ -7,6 +7,7 @@ guarantees is written down once, in docs/consistency.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -43,6 +44,9 @@ _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
 
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+MAX_WAIT_SECONDS = 300.0  # SPEC §2: a claim waits at most 300 s
 
 
 class AsyncClient:
@@ -228,9 +232,11 @@ class AsyncClient:
             lease_seconds=convert.check_seconds("lease_seconds", lease_seconds),
             wait_seconds=convert.check_seconds("wait_seconds", wait_seconds),
         )
-        response = await self._call(
-            self._claims.Claim, request, extra_seconds=max(request.wait_seconds, 0.0)
-        )
+        # The deadline covers the wait; an out-of-range wait gets none extra, so
+        # the node (not a local deadline) answers it with INVALID_ARGUMENT.
+        wait = request.wait_seconds
+        extra = wait if math.isfinite(wait) and 0 < wait <= MAX_WAIT_SECONDS else 0.0
+        response = await self._call(self._claims.Claim, request, extra_seconds=extra)
         return convert.claim_result_from_proto(response)
 
     async def renew_claim(

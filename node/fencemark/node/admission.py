@@ -59,10 +59,15 @@ def admit_write(record: Record, token: int, *, home: str, region: str, now_ms: i
     return token
 
 
-def _not_here(record: Record, region: str) -> Outcome | None:
-    """The outcome when ``region``'s node cannot decide claims on ``record``."""
-    if not record.visible:
-        return Outcome(False, Reason.MISSING, fence=record.fence.fence)
+def _not_here(record: Record, region: str, *, tombstone_ok: bool = False) -> Outcome | None:
+    """The outcome when ``region``'s node cannot decide claims on ``record``.
+
+    A tombstone keeps its grants, so its holder may still release (and only
+    release) its claim.
+    """
+    if not record.exists or (record.is_deleted and not tombstone_ok):
+        home = record.home_region
+        return Outcome(False, Reason.MISSING, home_region=home, fence=record.fence.fence)
     if record.home_region != region:
         return Outcome(
             False, Reason.WRONG_REGION, home_region=record.home_region, fence=record.fence.fence
@@ -129,7 +134,7 @@ def decide_release(record: Record, token: int, *, region: str) -> tuple[FenceSta
     drops, so every older token stays refused (``superseded``) forever.
     """
     fence = record.fence
-    refusal = _not_here(record, region)
+    refusal = _not_here(record, region, tombstone_ok=True)
     if refusal is not None:
         return fence, refusal
     home = record.home_region

@@ -19,7 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fencemark.node import __version__
+from fencemark.node import __version__, validation
+from fencemark.node.errors import InvalidInput
 from fencemark.node.server import NodeConfig, serve
 
 DEFAULT_TARGET = "127.0.0.1:7400"
@@ -50,6 +51,11 @@ def _print_json(value: object) -> None:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    try:
+        validation.region(args.region, "--region")
+    except InvalidInput as exc:
+        print(f"fencemark node: {exc}", file=sys.stderr)
+        return 2
     config = NodeConfig(
         region=args.region,
         listen=args.listen,

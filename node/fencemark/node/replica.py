@@ -22,6 +22,7 @@ from fencemark.node.errors import InvalidInput, NotFound, WrongRegion
 from fencemark.node.storage import Storage, Stored
 
 T = TypeVar("T")
+MAX_PAGE_BYTES = validation.MAX_RECORD_BYTES  # a page stops early rather than exceed this
 
 
 class KeyLocks:
@@ -124,16 +125,27 @@ class Replica:
             raise InvalidInput.field("page_token", "not a page token of this listing")
         upper = prefix[:-1] + chr(ord("/") + 1)  # every key that starts with prefix
         page: list[Stored] = []
+        size = 0
         after = page_token
-        while len(page) < limit:
+        while True:
+            # One row more than a page tells whether anything follows it.
             batch = await self.storage.scan(
-                prefix, upper, after=after, limit=limit, include_deleted=include_deleted
+                prefix, upper, after=after, limit=limit + 1, include_deleted=include_deleted
             )
-            page += [s for s in batch if not tag or tag in s.record.tag_values()]
-            if len(batch) < limit:
-                return page[:limit], ""
+            for stored in batch:
+                if tag and tag not in stored.record.tag_values():
+                    continue
+                if len(page) == limit or (page and size + stored.size > MAX_PAGE_BYTES):
+                    return page, page[-1].record.key
+                page.append(stored)
+                size += stored.size
+            if len(batch) <= limit:
+                return page, ""
+            if len(page) == limit:
+                # Full, and more rows follow that may not match the tag: the
+                # next page may be empty, but this call stays bounded.
+                return page, page[-1].record.key
             after = batch[-1].record.key
-        return page[:limit], page[limit - 1].record.key
 
     # -- writes -----------------------------------------------------------------
 
@@ -173,10 +185,18 @@ class Replica:
             )
             stamp = self.stamp(epoch)
             created = not current.visible
-            changed = current.create(home, stamp).set_fields(fields, stamp)
-            changed = changed.add_tags(plain_tags, stamp)
+            changed = current.create(home, stamp)
             if current.is_deleted:
-                changed = changed.set_deleted(False, stamp)
+                # Recreated: it starts from what this call says, never from what
+                # was deleted (a concurrent write may have reached the tombstone).
+                stale_fields = {name: "" for name in current.field_values()}
+                stale_tags = set(current.tag_values()) - set(plain_tags)
+                changed = changed.set_deleted(False, stamp).remove_tags(stale_tags, stamp)
+                changed = changed.set_fields({**stale_fields, **fields}, stamp)
+            else:
+                changed = changed.set_fields(fields, stamp)
+            changed = changed.add_tags(plain_tags, stamp)
+            validation.record_size(changed, "fields")
             return changed, created
 
         stored, created = await self.transact(key, change)
@@ -216,7 +236,9 @@ class Replica:
                 return current, None  # admitted, nothing to write
             stamp = self.stamp(epoch)
             changed = current.set_fields(fields, stamp).add_tags(add_tags, stamp)
-            return changed.remove_tags(remove_tags, stamp), None
+            changed = changed.remove_tags(remove_tags, stamp)
+            validation.record_size(changed, "fields", "add_tags")
+            return changed, None
 
         stored, _ = await self.transact(key, change)
         assert stored is not None
@@ -232,7 +254,8 @@ class Replica:
                 current, fencing_token, home=home, region=self.region, now_ms=self.clock.wall_ms()
             )
             stamp = self.stamp(epoch)
-            return current.create(home, stamp).set_deleted(True, stamp), None
+            # A delete erases the content; the tombstone keeps home and fence.
+            return current.create(home, stamp).clear(stamp).set_deleted(True, stamp), None
 
         stored, _ = await self.transact(key, change)
         assert stored is not None

@@ -137,6 +137,8 @@ class RecordsService:
             "title": request.title,
             "body": request.body,
         }
+        for name, value in well_known.items():
+            validation.value_field(value, name)
         fields = {name: value for name, value in well_known.items() if value}
         for name, value in request.fields.items():
             if name in fields and fields[name] != value:

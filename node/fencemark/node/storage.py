@@ -45,6 +45,7 @@ class Stored(NamedTuple):
 
     record: Record
     digest: bytes
+    size: int = 0  # bytes of the canonical encoding
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Storage:
         await cursor.close()
         if row is None:
             return None
-        stored = Stored(codec.decode(row[0]), bytes(row[1]))
+        stored = Stored(codec.decode(row[0]), bytes(row[1]), len(row[0]))
         if seq == self._commit_seq:  # no commit raced the read: safe to cache
             self._remember(key, stored)
         return stored
@@ -143,7 +144,7 @@ class Storage:
             sql += " AND deleted = 0"
         sql += " ORDER BY key LIMIT ?"
         rows = await self._reader.execute_fetchall(sql, (lower, upper, after, limit))
-        return [Stored(codec.decode(state), bytes(digest)) for state, digest in rows]
+        return [Stored(codec.decode(s), bytes(d), len(s)) for s, d in rows]
 
     async def count(self) -> int:
         rows = list(await self._reader.execute_fetchall("SELECT count(*) FROM records"))
@@ -160,7 +161,7 @@ class Storage:
         """
         if state is None:
             state = codec.encode(record)
-        stored = Stored(record, codec.digest(state))
+        stored = Stored(record, codec.digest(state), len(state))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._hlc_pending = max(self._hlc_pending, hlc)
         await self._queue.put(_Pending(stored, state, done))

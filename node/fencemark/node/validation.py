@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from fencemark.node.crdt import Record, tagset
 from fencemark.node.errors import InvalidInput
 
 SEGMENT = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -111,6 +112,20 @@ def home_tag(values: Iterable[str], name: str = "tags") -> str | None:
 def no_home_tags(values: Iterable[str], name: str) -> None:
     if any(t.startswith(HOME_TAG_PREFIX) for t in values):
         raise InvalidInput.field(name, "homeRegion is fixed when a record is created")
+
+
+def record_size(record: Record, name: str, tags_name: str = "tags") -> None:
+    """Limits on the whole record a write would leave (not only on the request)."""
+    fields = len(record.field_values())
+    if fields > MAX_FIELDS:
+        raise InvalidInput.field(
+            name, f"the record would have {fields} fields; at most {MAX_FIELDS}"
+        )
+    tags = len(tagset.value(record.tags))
+    if tags > MAX_TAGS:
+        raise InvalidInput.field(
+            tags_name, f"the record would have {tags} tags; at most {MAX_TAGS}"
+        )
 
 
 def owner(value: str, name: str = "owner") -> str:

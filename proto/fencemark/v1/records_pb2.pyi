@@ -364,7 +364,10 @@ class ListResponse(_message.Message):
     RECORDS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
-    """Pass as `page_token` to get the next page; empty on the last page."""
+    """Pass as `page_token` to get the next page; empty when nothing follows.
+    A page holds at most `page_size` records and stops early rather than
+    exceed 4 MiB. With a `tag` filter the next page may turn out empty.
+    """
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[_record_pb2.Record]:
         """The page, in key order."""

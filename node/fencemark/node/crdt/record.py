@@ -120,5 +120,10 @@ class Record:
     def set_deleted(self, deleted: bool, stamp: Stamp) -> Record:
         return replace(self, deleted=lww.assign(self.deleted, deleted, stamp))
 
+    def clear(self, stamp: Stamp) -> Record:
+        """Empty every field and remove every tag (a delete erases the content)."""
+        emptied = self.set_fields({name: "" for name in self.field_values()}, stamp)
+        return emptied.remove_tags(tagset.value(self.tags), stamp)
+
     def with_fence(self, fence: FenceState) -> Record:
         return replace(self, fence=fence)

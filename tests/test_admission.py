@@ -1,0 +1,403 @@
+"""SPEC §4 admission rules, one test per rule, over gRPC against a real node.
+
+Every refusal must be FAILED_PRECONDITION with a ``google.rpc.ErrorInfo``
+(reason CLAIM_CONFLICT, domain fencemark, metadata conflict/fence/home_region,
+SPEC §7) and must change nothing: the record's digest is the proof.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import cast
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from fencemark.client import AsyncClient, ClaimConflict, NotFound, WrongRegion
+from fencemark.client.types import Record as ClientRecord
+from fencemark.node.admission import admit_write
+from fencemark.node.crdt import FenceState, Grant, Record, Stamp
+from fencemark.node.errors import ClaimConflict as NodeClaimConflict
+from fencemark.node.errors import Reason
+from fencemark.node.server import NodeServer
+from fencemark.v1 import records_pb2, records_pb2_grpc
+from tests.conftest import StartNode
+
+REPO, TOPIC = "adm", "backlog"
+LONG_LEASE = 60.0
+
+
+def key_of(id_: str) -> str:
+    return f"repo/{REPO}/mem/{TOPIC}/{id_}"
+
+
+async def make(client: AsyncClient, id_: str) -> str:
+    result = await client.remember(REPO, TOPIC, id_, title="t", body="initial", tags=["work"])
+    assert result.created
+    return result.record.key
+
+
+async def claim(client: AsyncClient, key: str, owner: str, lease: float = LONG_LEASE) -> int:
+    result = await client.claim(key, owner, lease_seconds=lease)
+    assert result.granted, result
+    return result.fencing_token
+
+
+async def sleep_past(client: AsyncClient, moment: datetime | None) -> None:
+    """Sleep until the node's own clock is past ``moment``."""
+    assert moment is not None
+    now = (await client.info()).now
+    assert now is not None
+    await asyncio.sleep(max((moment - now).total_seconds(), 0.0) + 0.15)
+
+
+async def epoch_of(node: NodeServer, key: str, field: str) -> int:
+    stored = await node.storage.get(key)
+    assert stored is not None
+    return stored.record.fields[field].stamp.epoch
+
+
+async def assert_refused(
+    client: AsyncClient,
+    key: str,
+    write: Awaitable[object],
+    *,
+    conflict: str,
+    fence: int,
+    home_region: str = "local",
+) -> None:
+    """``write`` is refused with ``conflict`` and leaves the record exactly as it was."""
+    before = await client.list(REPO, topic=TOPIC, include_deleted=True)
+    with pytest.raises(ClaimConflict) as refused:
+        await write
+    error = refused.value
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert (error.reason, error.fence, error.home_region) == (conflict, fence, home_region)
+    after = await client.list(REPO, topic=TOPIC, include_deleted=True)
+    assert [(r.key, r.digest) for r in after.records] == [
+        (r.key, r.digest) for r in before.records
+    ], f"the refused write to {key} changed something"
+
+
+# -- unfenced writes --------------------------------------------------------------------
+
+
+async def test_unfenced_write_is_refused_claimed_while_a_claim_is_live(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: an unfenced write is refused ``claimed`` while the node sees a live claim."""
+    key = await make(client, "live")
+    token = await claim(client, key, "worker-a")
+    await assert_refused(
+        client, key, client.update(key, fields={"body": "x"}), conflict="claimed", fence=token
+    )
+
+
+async def test_unfenced_write_is_admitted_when_never_claimed(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §4: with no live claim an unfenced write is admitted under the current fence (0)."""
+    key = await make(client, "free")
+    record = await client.update(key, fields={"body": "free"})
+    assert record.body == "free"
+    assert await epoch_of(node, key, "body") == 0
+
+
+async def test_unfenced_write_is_admitted_after_the_lease_lapses(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §4: a lapsed claim is not live; the write is stamped with the fence as epoch."""
+    key = await make(client, "lapsed")
+    granted = await client.claim(key, "worker-a", lease_seconds=1)
+    assert granted.granted
+    await sleep_past(client, granted.lease_expires_at)
+    record = await client.update(key, fields={"body": "after lapse"})
+    assert record.body == "after lapse"
+    assert await epoch_of(node, key, "body") == granted.fencing_token
+
+
+async def test_unfenced_write_is_admitted_after_release(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §4 and §1 step 6: a released claim readmits unfenced writes."""
+    key = await make(client, "released")
+    token = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, token)).released
+    record = await client.update(key, fields={"body": "after release"})
+    assert record.body == "after release"
+    assert await epoch_of(node, key, "body") == token
+
+
+# -- fenced writes ----------------------------------------------------------------------
+
+
+async def test_fenced_write_with_the_live_token_is_admitted_and_stamped_with_it(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §4: an admitted fenced write is stamped with epoch T."""
+    key = await make(client, "stamped")
+    first = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, first)).released
+    token = await claim(client, key, "worker-b")
+    assert token > first
+    record = await client.update(key, fields={"body": "fenced"}, fencing_token=token)
+    assert record.body == "fenced"
+    assert await epoch_of(node, key, "body") == token
+
+
+async def test_fenced_write_with_an_older_token_is_refused_superseded(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: refused ``superseded`` if T < fence."""
+    key = await make(client, "superseded")
+    old = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, old)).released
+    new = await claim(client, key, "worker-b")
+    await assert_refused(
+        client,
+        key,
+        client.update(key, fields={"body": "late"}, fencing_token=old),
+        conflict="superseded",
+        fence=new,
+    )
+
+
+async def test_fenced_write_with_a_token_above_the_fence_is_refused_unknown_token(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: refused ``unknown_token`` if T > fence (also when never claimed)."""
+    key = await make(client, "unknown")
+    await assert_refused(
+        client,
+        key,
+        client.update(key, fields={"body": "x"}, fencing_token=1),
+        conflict="unknown_token",
+        fence=0,
+    )
+    token = await claim(client, key, "worker-a")
+    await assert_refused(
+        client,
+        key,
+        client.update(key, fields={"body": "x"}, fencing_token=token + 1),
+        conflict="unknown_token",
+        fence=token,
+    )
+
+
+async def test_fenced_write_with_a_released_token_is_refused_released(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: refused ``released`` if T is released."""
+    key = await make(client, "rel")
+    token = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, token)).released
+    await assert_refused(
+        client,
+        key,
+        client.update(key, fields={"body": "x"}, fencing_token=token),
+        conflict="released",
+        fence=token,
+    )
+
+
+async def test_fenced_write_after_the_lease_lapsed_is_refused_expired(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: refused ``expired`` if the lease has lapsed."""
+    key = await make(client, "expired")
+    granted = await client.claim(key, "worker-a", lease_seconds=1)
+    assert granted.granted
+    await sleep_past(client, granted.lease_expires_at)
+    await assert_refused(
+        client,
+        key,
+        client.update(key, fields={"body": "x"}, fencing_token=granted.fencing_token),
+        conflict="expired",
+        fence=granted.fencing_token,
+    )
+
+
+def test_fenced_write_away_from_home_is_refused_wrong_region_by_the_rule() -> None:
+    """SPEC §4: a fenced write is refused ``wrong_region`` unless this node is the home.
+
+    The rule in isolation (a pure function): the same live token is admitted at
+    home and refused elsewhere, with the home named.
+    """
+    now = 1_000_000
+    record = Record("repo/a/mem/b/c").create("us", Stamp(0, 1, "n1"))
+    fence = FenceState().grant(1, Grant(2, "worker-a", "us"), now + 60_000)
+    record = record.with_fence(fence)
+    assert admit_write(record, 1, home="us", region="us", now_ms=now) == 1
+    with pytest.raises(NodeClaimConflict) as refused:
+        admit_write(record, 1, home="us", region="eu", now_ms=now)
+    assert refused.value.conflict is Reason.WRONG_REGION
+    assert (refused.value.fence, refused.value.home_region) == (1, "us")
+    # Unfenced writes are decided by any node: refused while live, admitted after.
+    with pytest.raises(NodeClaimConflict) as claimed:
+        admit_write(record, 0, home="us", region="eu", now_ms=now)
+    assert claimed.value.conflict is Reason.CLAIMED
+    assert admit_write(record, 0, home="us", region="eu", now_ms=now + 60_000) == 1
+
+
+async def test_fenced_write_at_a_replica_outside_the_home_region_is_refused_wrong_region(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """SPEC §4 over gRPC: a node of region ``eu`` holding a record homed in ``us``.
+
+    The ``eu`` node is started on the data the ``us`` node wrote (what a replica
+    would hold after replication): fenced writes, claims, renewals and releases
+    there answer ``wrong_region`` naming ``us``; unfenced writes see the live claim.
+    """
+    data = tmp_path / "shared"
+    home = await start_node("us", data_dir=data)
+    async with AsyncClient(home.address) as client:
+        key = (await client.remember(REPO, TOPIC, "abroad", body="initial")).record.key
+        token = await claim(client, key, "worker-a")
+    await home.stop()
+
+    away = await start_node("eu", data_dir=data)
+    async with AsyncClient(away.address) as client:
+        await assert_refused(
+            client,
+            key,
+            client.update(key, fields={"body": "x"}, fencing_token=token),
+            conflict="wrong_region",
+            fence=token,
+            home_region="us",
+        )
+        await assert_refused(
+            client,
+            key,
+            client.update(key, fields={"body": "x"}),
+            conflict="claimed",
+            fence=token,
+            home_region="us",
+        )
+        claimed = await client.claim(key, "worker-b")
+        assert (claimed.granted, claimed.reason, claimed.home_region) == (
+            False,
+            "wrong_region",
+            "us",
+        )
+        renewed = await client.renew_claim(key, token)
+        assert (renewed.renewed, renewed.reason, renewed.home_region) == (
+            False,
+            "wrong_region",
+            "us",
+        )
+        released = await client.release_claim(key, token)
+        assert (released.released, released.reason, released.home_region) == (
+            False,
+            "wrong_region",
+            "us",
+        )
+        status = await client.claim_status(key)
+        assert status.claim is not None and status.claim.fencing_token == token
+        assert status.home_region == "us"
+
+
+async def test_remember_of_a_new_record_homed_elsewhere_is_refused_wrong_region(
+    client: AsyncClient,
+) -> None:
+    """SPEC §2: a record is born in its home region; the refusal names the home."""
+    count = (await client.info()).record_count
+    with pytest.raises(WrongRegion) as refused:
+        await client.remember(REPO, TOPIC, "born-abroad", body="x", tags=["homeRegion:elsewhere"])
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.home_region == "elsewhere"
+    with pytest.raises(NotFound):
+        await client.get(key_of("born-abroad"))
+    assert (await client.info()).record_count == count
+
+
+# -- the wire form of a refusal -----------------------------------------------------------
+
+
+async def test_a_refusal_is_failed_precondition_with_claim_conflict_error_info_on_the_wire(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §7: FAILED_PRECONDITION + google.rpc.ErrorInfo(CLAIM_CONFLICT, fencemark, metadata).
+
+    Checked with a raw stub, so that nothing in the client library is trusted.
+    """
+    key = await make(client, "wire")
+    token = await claim(client, key, "worker-a")
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        stub = records_pb2_grpc.RecordsStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Update(records_pb2.UpdateRequest(key=key, fields={"body": "x"}), timeout=10)
+    error = refused.value
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # At runtime trailing metadata is (key, value) pairs; grpc-stubs types it opaquely.
+    trailers = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    details = [value for name, value in trailers if name == "grpc-status-details-bin"]
+    assert len(details) == 1 and isinstance(details[0], bytes)
+    status = status_pb2.Status.FromString(details[0])
+    assert status.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    infos = [d for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+    assert len(infos) == 1
+    info = error_details_pb2.ErrorInfo()
+    infos[0].Unpack(info)
+    assert info.reason == "CLAIM_CONFLICT"
+    assert info.domain == "fencemark"
+    assert dict(info.metadata) == {
+        "conflict": "claimed",
+        "fence": str(token),
+        "home_region": "local",
+    }
+
+
+# -- Remember and Delete obey the same admission --------------------------------------------
+
+
+async def test_remember_obeys_the_fence_like_update(client: AsyncClient, node: NodeServer) -> None:
+    """SPEC §4: Remember on a claimed record needs the live token; it is then stamped with it."""
+    key = await make(client, "remember")
+    token = await claim(client, key, "worker-a")
+    await assert_refused(
+        client,
+        key,
+        client.remember(REPO, TOPIC, "remember", body="unfenced"),
+        conflict="claimed",
+        fence=token,
+    )
+    await assert_refused(
+        client,
+        key,
+        client.remember(REPO, TOPIC, "remember", body="wrong", fencing_token=token + 1),
+        conflict="unknown_token",
+        fence=token,
+    )
+    result = await client.remember(REPO, TOPIC, "remember", body="fenced", fencing_token=token)
+    assert (result.created, result.record.body) == (False, "fenced")
+    assert await epoch_of(node, key, "body") == token
+    assert (await client.release_claim(key, token)).released
+    newer = await claim(client, key, "worker-b")
+    await assert_refused(
+        client,
+        key,
+        client.remember(REPO, TOPIC, "remember", body="late", fencing_token=token),
+        conflict="superseded",
+        fence=newer,
+    )
+
+
+async def test_delete_obeys_the_fence_like_update(client: AsyncClient) -> None:
+    """SPEC §4: Delete on a claimed record needs the live token."""
+    key = await make(client, "delete")
+    old = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, old)).released
+    token = await claim(client, key, "worker-b")
+    await assert_refused(client, key, client.delete(key), conflict="claimed", fence=token)
+    await assert_refused(
+        client, key, client.delete(key, fencing_token=old), conflict="superseded", fence=token
+    )
+    tombstone: ClientRecord = await client.delete(key, fencing_token=token)
+    assert tombstone.deleted
+    assert tombstone.fence == token
+    with pytest.raises(NotFound):
+        await client.get(key)

@@ -1,0 +1,592 @@
+"""SPEC §4 claims: outcomes as values, FIFO waiting, renewals, releases and status.
+
+All over gRPC against a real node; leases that must lapse are 1 s long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fencemark.client import AsyncClient, ClaimConflict, ClaimResult, InvalidArgument
+from fencemark.node.server import NodeServer
+from tests.conftest import StartNode
+
+REPO, TOPIC = "claims", "backlog"
+LONG_LEASE = 60.0
+
+
+def key_of(id_: str) -> str:
+    return f"repo/{REPO}/mem/{TOPIC}/{id_}"
+
+
+async def make(client: AsyncClient, id_: str) -> str:
+    result = await client.remember(REPO, TOPIC, id_, title=id_)
+    assert result.created
+    return result.record.key
+
+
+async def claim(client: AsyncClient, key: str, owner: str, lease: float = LONG_LEASE) -> int:
+    result = await client.claim(key, owner, lease_seconds=lease)
+    assert result.granted, result
+    return result.fencing_token
+
+
+async def server_now(client: AsyncClient) -> datetime:
+    now = (await client.info()).now
+    assert now is not None
+    return now
+
+
+async def sleep_past(client: AsyncClient, moment: datetime | None) -> None:
+    """Sleep until the node's own clock is past ``moment``."""
+    assert moment is not None
+    remaining = (moment - await server_now(client)).total_seconds()
+    await asyncio.sleep(max(remaining, 0.0) + 0.15)
+
+
+async def wait_for_queue_depth(client: AsyncClient, key: str, depth: int) -> None:
+    """Poll claim_status until ``depth`` claimers wait (the arrival is observable)."""
+    for _ in range(500):
+        if (await client.claim_status(key)).queue_depth == depth:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"queue depth of {key} never reached {depth}")
+
+
+# -- claim outcomes ----------------------------------------------------------------------
+
+
+async def test_a_free_record_is_granted_with_a_token_and_a_server_clock_expiry(
+    client: AsyncClient,
+) -> None:
+    """SPEC §1 step 2: granted, a fencing token, an absolute UTC expiry from the node's clock."""
+    key = await make(client, "grant")
+    before = await server_now(client)
+    result = await client.claim(key, "worker-a", lease_seconds=30)
+    after = await server_now(client)
+    assert result.granted
+    assert result.reason == ""
+    assert result.fencing_token == 1
+    assert result.home_region == "local"
+    assert result.lease_expires_at is not None
+    assert result.lease_expires_at.utcoffset() == timedelta(0)
+    lease = timedelta(seconds=30)
+    assert before + lease <= result.lease_expires_at <= after + lease
+
+
+async def test_a_claim_without_lease_seconds_gets_a_60_second_lease(client: AsyncClient) -> None:
+    """claims.proto: lease_seconds 0 means 60."""
+    key = await make(client, "default-lease")
+    before = await server_now(client)
+    result = await client.claim(key, "worker-a")
+    after = await server_now(client)
+    assert result.granted and result.lease_expires_at is not None
+    lease = timedelta(seconds=60)
+    assert before + lease <= result.lease_expires_at <= after + lease
+
+
+async def test_a_held_record_answers_contended_at_once_without_wait(client: AsyncClient) -> None:
+    """SPEC §4: ``contended`` when held and the caller did not wait (wait_seconds 0)."""
+    key = await make(client, "contended")
+    token = await claim(client, key, "worker-a")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await client.claim(key, "worker-b")
+    elapsed = loop.time() - started
+    assert (result.granted, result.reason, result.home_region) == (False, "contended", "local")
+    assert result.fencing_token == 0
+    assert elapsed < 1.0, "wait_seconds=0 must not queue"
+    assert (await client.claim_status(key)).fence == token
+
+
+async def test_a_waiter_that_never_gets_the_claim_answers_timeout_after_wait_seconds(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: ``timeout`` after waiting ``wait_seconds`` in the FIFO queue."""
+    key = await make(client, "timeout")
+    token = await claim(client, key, "worker-a")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await client.claim(key, "worker-b", wait_seconds=1.0)
+    elapsed = loop.time() - started
+    assert (result.granted, result.reason) == (False, "timeout")
+    assert elapsed >= 0.95, f"answered after {elapsed:.2f} s, before wait_seconds"
+    assert elapsed < 5.0, f"answered after {elapsed:.2f} s, far beyond wait_seconds"
+    status = await client.claim_status(key)
+    assert status.queue_depth == 0
+    assert status.claim is not None and status.claim.fencing_token == token
+
+
+async def test_a_claim_on_an_unknown_record_answers_missing(client: AsyncClient) -> None:
+    """SPEC §4: ``missing`` when there is no such record."""
+    result = await client.claim(key_of("nowhere"), "worker-a")
+    assert (result.granted, result.reason, result.fencing_token) == (False, "missing", 0)
+
+
+async def test_a_claim_on_an_unknown_record_does_not_wait(client: AsyncClient) -> None:
+    """SPEC §4: only ``contended`` queues; ``missing`` is answered at once even with a wait."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await client.claim(key_of("nowhere"), "worker-a", wait_seconds=5)
+    assert (result.granted, result.reason) == (False, "missing")
+    assert loop.time() - started < 2.5
+
+
+async def test_concurrent_claimers_of_a_free_record_get_exactly_one_grant(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: a token is granted once; racing claimers see one grant, the rest contended."""
+    key = await make(client, "race")
+    results = await asyncio.gather(*(client.claim(key, f"w{i}") for i in range(10)))
+    granted = [r for r in results if r.granted]
+    assert len(granted) == 1
+    assert granted[0].fencing_token == 1
+    assert sorted(r.reason for r in results if not r.granted) == ["contended"] * 9
+    assert (await client.claim_status(key)).fence == 1
+
+
+async def test_concurrent_retries_by_one_owner_share_one_token(client: AsyncClient) -> None:
+    """SPEC §4: a claim retried by the same owner is answered from the state, never re-granted."""
+    key = await make(client, "retry-race")
+    results = await asyncio.gather(*(client.claim(key, "worker-a") for _ in range(10)))
+    assert all(r.granted for r in results)
+    assert {r.fencing_token for r in results} == {1}
+    assert (await client.claim_status(key)).fence == 1
+
+
+async def test_a_claim_on_a_deleted_record_answers_missing(client: AsyncClient) -> None:
+    """SPEC §4: a deleted record is missing for claims."""
+    key = await make(client, "deleted")
+    await client.delete(key)
+    result = await client.claim(key, "worker-a")
+    assert (result.granted, result.reason) == (False, "missing")
+
+
+async def test_waiting_claimers_are_granted_in_order_of_arrival(client: AsyncClient) -> None:
+    """SPEC §4: waiters queue FIFO; each release hands the claim to the next in line."""
+    key = await make(client, "fifo")
+    holder = await claim(client, key, "holder")
+    waiters: dict[str, asyncio.Task[ClaimResult]] = {}
+    for depth, owner in enumerate(("first", "second", "third"), start=1):
+        waiters[owner] = asyncio.create_task(
+            client.claim(key, owner, lease_seconds=LONG_LEASE, wait_seconds=20)
+        )
+        await wait_for_queue_depth(client, key, depth)
+
+    order: list[tuple[str, int]] = []
+    token = holder
+    pending = set(waiters.values())
+    while pending:
+        released = await client.release_claim(key, token)
+        assert released.released
+        async with asyncio.timeout(10):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, "one release must grant exactly one waiter"
+        owner = next(name for name, task in waiters.items() if task in done)
+        result = done.pop().result()
+        assert result.granted, result
+        token = result.fencing_token
+        order.append((owner, token))
+        assert (await client.claim_status(key)).queue_depth == len(pending)
+
+    assert [owner for owner, _ in order] == ["first", "second", "third"]
+    tokens = [holder] + [t for _, t in order]
+    assert tokens == sorted(set(tokens)), f"tokens must strictly increase: {tokens}"
+
+
+async def test_a_newcomer_does_not_jump_the_queue(client: AsyncClient) -> None:
+    """SPEC §4: FIFO; a claim that arrives while others wait goes behind them."""
+    key = await make(client, "no-jumping")
+    holder = await claim(client, key, "holder")
+    waiter = asyncio.create_task(client.claim(key, "waiter", wait_seconds=20))
+    await wait_for_queue_depth(client, key, 1)
+    assert (await client.release_claim(key, holder)).released
+    newcomer = await client.claim(key, "newcomer")
+    assert (newcomer.granted, newcomer.reason) == (False, "contended")
+    async with asyncio.timeout(10):
+        result = await waiter
+    assert result.granted and result.fencing_token == holder + 1
+
+
+async def test_a_waiter_that_gives_up_leaves_the_queue(client: AsyncClient) -> None:
+    """SPEC §4: the queue only holds callers still waiting (a cancelled call leaves it)."""
+    key = await make(client, "give-up")
+    holder = await claim(client, key, "holder")
+    quitter = asyncio.create_task(client.claim(key, "quitter", wait_seconds=20))
+    await wait_for_queue_depth(client, key, 1)
+    quitter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await quitter
+    await wait_for_queue_depth(client, key, 0)
+    assert (await client.release_claim(key, holder)).released
+    result = await client.claim(key, "next")
+    assert result.granted and result.fencing_token == holder + 1
+
+
+async def test_a_waiter_is_granted_when_the_lease_lapses_without_release(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: the head of the queue gets the claim once the holder's lease lapses."""
+    key = await make(client, "lapse")
+    holder = await client.claim(key, "holder", lease_seconds=1)
+    assert holder.granted and holder.lease_expires_at is not None
+    result = await client.claim(key, "waiter", lease_seconds=LONG_LEASE, wait_seconds=10)
+    granted_at = await server_now(client)
+    assert result.granted, result
+    assert result.fencing_token > holder.fencing_token
+    assert granted_at >= holder.lease_expires_at
+
+
+async def test_queue_depth_counts_the_claimers_waiting(client: AsyncClient) -> None:
+    """SPEC §1 step 7: claim_status reports the queue depth while waiters wait."""
+    key = await make(client, "depth")
+    await claim(client, key, "holder")
+    assert (await client.claim_status(key)).queue_depth == 0
+    first = asyncio.create_task(client.claim(key, "w1", wait_seconds=1.0))
+    await wait_for_queue_depth(client, key, 1)
+    second = asyncio.create_task(client.claim(key, "w2", wait_seconds=1.0))
+    await wait_for_queue_depth(client, key, 2)
+    assert (await client.claim_status(key)).queue_depth == 2
+    results = await asyncio.gather(first, second)
+    assert [r.reason for r in results] == ["timeout", "timeout"]
+    assert (await client.claim_status(key)).queue_depth == 0
+
+
+async def test_a_claim_retried_by_the_holder_returns_the_same_token_and_extends_the_lease(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: a retry by the owner of the live claim is idempotent, never a second grant."""
+    key = await make(client, "retry")
+    first = await client.claim(key, "worker-a", lease_seconds=10)
+    second = await client.claim(key, "worker-a", lease_seconds=60)
+    assert first.granted and second.granted
+    assert second.fencing_token == first.fencing_token
+    assert first.lease_expires_at is not None and second.lease_expires_at is not None
+    assert second.lease_expires_at > first.lease_expires_at
+    third = await client.claim(key, "worker-a", lease_seconds=5)
+    assert third.granted and third.fencing_token == first.fencing_token
+    assert third.lease_expires_at is not None
+    assert third.lease_expires_at >= second.lease_expires_at, "a retry never shortens the lease"
+    status = await client.claim_status(key)
+    assert status.fence == first.fencing_token
+    assert status.claim is not None and status.claim.owner == "worker-a"
+
+
+async def test_tokens_strictly_increase_across_claims_and_restarts(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """SPEC §4: tokens per record strictly increase and are never reused, across restarts."""
+    data = tmp_path / "restart"
+    tokens: list[int] = []
+    node = await start_node(data_dir=data)
+    async with AsyncClient(node.address) as client:
+        key = await make(client, "monotone")
+        for owner in ("a", "b", "c"):
+            token = await claim(client, key, owner)
+            tokens.append(token)
+            assert (await client.release_claim(key, token)).released
+        tokens.append(await claim(client, key, "d"))  # left live across the restart
+    await node.stop()
+    node = await start_node(data_dir=data)
+    async with AsyncClient(node.address) as client:
+        assert (await client.claim(key, "e")).reason == "contended"
+        assert (await client.release_claim(key, tokens[-1])).released
+        tokens.append(await claim(client, key, "e"))
+    assert tokens == sorted(set(tokens)), f"tokens must strictly increase: {tokens}"
+    assert tokens[0] >= 1
+
+
+# -- renewals ------------------------------------------------------------------------------
+
+
+async def test_renewing_the_live_claim_extends_its_lease(client: AsyncClient) -> None:
+    """SPEC §4: ``renewed=true`` with the same token and a later expiry."""
+    key = await make(client, "renew")
+    granted = await client.claim(key, "worker-a", lease_seconds=10)
+    assert granted.lease_expires_at is not None
+    before = await server_now(client)
+    renewed = await client.renew_claim(key, granted.fencing_token, lease_seconds=60)
+    after = await server_now(client)
+    assert (renewed.renewed, renewed.reason) == (True, "")
+    assert renewed.fencing_token == granted.fencing_token
+    assert renewed.home_region == "local"
+    assert renewed.lease_expires_at is not None
+    lease = timedelta(seconds=60)
+    assert before + lease <= renewed.lease_expires_at <= after + lease
+    status = await client.claim_status(key)
+    assert status.claim is not None
+    assert status.claim.lease_expires_at == renewed.lease_expires_at
+
+
+async def test_renewing_never_shortens_a_lease(client: AsyncClient) -> None:
+    """claims.proto: a renewal never shortens a lease."""
+    key = await make(client, "no-shorten")
+    granted = await client.claim(key, "worker-a", lease_seconds=120)
+    renewed = await client.renew_claim(key, granted.fencing_token, lease_seconds=5)
+    assert renewed.renewed
+    assert renewed.lease_expires_at == granted.lease_expires_at
+    status = await client.claim_status(key)
+    assert status.claim is not None
+    assert status.claim.lease_expires_at == granted.lease_expires_at
+
+
+async def test_renewing_a_superseded_token_answers_superseded(client: AsyncClient) -> None:
+    """SPEC §1 step 5: the authoritative "you lost this item" signal."""
+    key = await make(client, "renew-superseded")
+    old = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, old)).released
+    await claim(client, key, "worker-b")
+    result = await client.renew_claim(key, old)
+    assert (result.renewed, result.reason, result.home_region) == (False, "superseded", "local")
+
+
+async def test_renewing_a_lapsed_lease_answers_expired(client: AsyncClient) -> None:
+    """SPEC §4: renew outcome ``expired`` once the lease lapsed."""
+    key = await make(client, "renew-expired")
+    granted = await client.claim(key, "worker-a", lease_seconds=1)
+    await sleep_past(client, granted.lease_expires_at)
+    result = await client.renew_claim(key, granted.fencing_token)
+    assert (result.renewed, result.reason) == (False, "expired")
+    assert (await client.claim_status(key)).claim is None
+
+
+async def test_renewing_a_released_token_answers_released(client: AsyncClient) -> None:
+    """SPEC §4: renew outcome ``released``; the release is not undone."""
+    key = await make(client, "renew-released")
+    token = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, token)).released
+    result = await client.renew_claim(key, token)
+    assert (result.renewed, result.reason) == (False, "released")
+    assert (await client.claim_status(key)).claim is None
+
+
+async def test_renewing_a_token_above_the_fence_answers_unknown_token(client: AsyncClient) -> None:
+    """claims.proto: ``unknown_token`` when the token is higher than any granted."""
+    key = await make(client, "renew-unknown")
+    token = await claim(client, key, "worker-a")
+    result = await client.renew_claim(key, token + 1)
+    assert (result.renewed, result.reason) == (False, "unknown_token")
+
+
+async def test_renewing_on_a_missing_record_answers_missing(client: AsyncClient) -> None:
+    """SPEC §4: renew outcome ``missing`` (never created, or deleted)."""
+    result = await client.renew_claim(key_of("nowhere"), 1)
+    assert (result.renewed, result.reason) == (False, "missing")
+    key = await make(client, "renew-deleted")
+    token = await claim(client, key, "worker-a")
+    await client.delete(key, fencing_token=token)
+    result = await client.renew_claim(key, token)
+    assert (result.renewed, result.reason) == (False, "missing")
+
+
+# -- releases ------------------------------------------------------------------------------
+
+
+async def test_release_is_idempotent_for_every_token_up_to_the_fence(client: AsyncClient) -> None:
+    """SPEC §4: release is idempotent for any token <= fence and never lowers the fence."""
+    key = await make(client, "release")
+    old = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, old)).released
+    token = await claim(client, key, "worker-b")
+    for attempt in range(2):
+        result = await client.release_claim(key, token)
+        assert (result.released, result.reason, result.fence) == (True, "", token), attempt
+    older = await client.release_claim(key, old)
+    assert (older.released, older.fence) == (True, token)
+    status = await client.claim_status(key)
+    assert status.claim is None
+    assert status.fence == token
+
+
+async def test_releasing_an_older_token_leaves_the_live_claim_alone(client: AsyncClient) -> None:
+    """SPEC §4: only the live token's release ends the claim; an older one is a no-op."""
+    key = await make(client, "release-old")
+    old = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, old)).released
+    token = await claim(client, key, "worker-b")
+    assert (await client.release_claim(key, old)).released
+    status = await client.claim_status(key)
+    assert status.claim is not None and status.claim.fencing_token == token
+    with pytest.raises(ClaimConflict) as refused:
+        await client.update(key, fields={"body": "x"})
+    assert refused.value.reason == "claimed"
+
+
+async def test_releasing_a_token_above_the_fence_answers_unknown_token(
+    client: AsyncClient,
+) -> None:
+    """SPEC §4: release answers ``unknown_token`` above the fence, and changes nothing."""
+    key = await make(client, "release-unknown")
+    never = await client.release_claim(key, 1)
+    assert (never.released, never.reason, never.fence) == (False, "unknown_token", 0)
+    token = await claim(client, key, "worker-a")
+    digest = (await client.get(key)).digest
+    above = await client.release_claim(key, token + 1)
+    assert (above.released, above.reason, above.fence) == (False, "unknown_token", token)
+    assert (await client.get(key)).digest == digest
+    status = await client.claim_status(key)
+    assert status.claim is not None and status.claim.fencing_token == token
+
+
+async def test_the_holder_can_release_after_deleting_the_record(client: AsyncClient) -> None:
+    """SPEC §3/§4: a tombstone keeps its grants, and release is idempotent for any token <= fence.
+
+    Claim, finish the item by deleting it (fenced), release: the release must
+    end the claim, so the key is free to be recreated without waiting out the lease.
+    """
+    key = await make(client, "done-and-deleted")
+    token = await claim(client, key, "worker-a")
+    tombstone = await client.delete(key, fencing_token=token)
+    assert tombstone.deleted and tombstone.fence == token
+    released = await client.release_claim(key, token)
+    assert (released.released, released.reason, released.fence) == (True, "", token)
+    recreated = await client.remember(REPO, TOPIC, "done-and-deleted", title="again")
+    assert recreated.created
+    granted = await client.claim(key, "worker-b")
+    assert granted.granted and granted.fencing_token == token + 1
+
+
+async def test_releasing_on_a_missing_record_answers_missing(client: AsyncClient) -> None:
+    """claims.proto: release reason ``missing``."""
+    result = await client.release_claim(key_of("nowhere"), 1)
+    assert (result.released, result.reason) == (False, "missing")
+
+
+async def test_release_readmits_unfenced_writes_but_a_superseded_token_stays_refused(
+    client: AsyncClient,
+) -> None:
+    """SPEC §1 step 6: release never lowers the fence, so an old token is refused forever."""
+    key = await make(client, "forever")
+    old = await claim(client, key, "worker-a")
+    assert (await client.release_claim(key, old)).released
+    token = await claim(client, key, "worker-b")
+    assert (await client.release_claim(key, token)).released
+    assert (await client.update(key, fields={"body": "unfenced"})).body == "unfenced"
+    for _ in range(2):
+        with pytest.raises(ClaimConflict) as refused:
+            await client.update(key, fields={"body": "late"}, fencing_token=old)
+        assert (refused.value.reason, refused.value.fence) == ("superseded", token)
+    renewal = await client.renew_claim(key, old)
+    assert (renewal.renewed, renewal.reason) == (False, "superseded")
+    assert (await client.get(key)).body == "unfenced"
+
+
+# -- status --------------------------------------------------------------------------------
+
+
+async def test_claim_status_reports_the_live_claim_and_is_never_authoritative(
+    client: AsyncClient,
+) -> None:
+    """SPEC §1 step 7: owner, token, expiry, queue depth, fence, authoritative=false."""
+    key = await make(client, "status")
+    empty = await client.claim_status(key)
+    assert empty.claim is None
+    assert (empty.fence, empty.queue_depth, empty.authoritative) == (0, 0, False)
+    assert empty.home_region == "local"
+    granted = await client.claim(key, "worker-a", lease_seconds=30)
+    status = await client.claim_status(key)
+    assert status.claim is not None
+    assert status.claim.owner == "worker-a"
+    assert status.claim.fencing_token == granted.fencing_token
+    assert status.claim.lease_expires_at == granted.lease_expires_at
+    assert (status.fence, status.queue_depth, status.authoritative) == (
+        granted.fencing_token,
+        0,
+        False,
+    )
+    assert (await client.release_claim(key, granted.fencing_token)).released
+    after = await client.claim_status(key)
+    assert after.claim is None
+    assert (after.fence, after.authoritative) == (granted.fencing_token, False)
+
+
+async def test_claim_status_drops_a_lapsed_claim(client: AsyncClient) -> None:
+    """SPEC §3: a claim is live only while now < expiry."""
+    key = await make(client, "status-lapse")
+    granted = await client.claim(key, "worker-a", lease_seconds=1)
+    assert (await client.claim_status(key)).claim is not None
+    await sleep_past(client, granted.lease_expires_at)
+    status = await client.claim_status(key)
+    assert status.claim is None
+    assert (status.fence, status.authoritative) == (granted.fencing_token, False)
+
+
+# -- limits ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("owner", "lease", "wait", "field"),
+    [
+        ("w", 0.5, 0.0, "lease_seconds"),
+        ("w", 3601.0, 0.0, "lease_seconds"),
+        ("w", -1.0, 0.0, "lease_seconds"),
+        ("w", 10.0, 301.0, "wait_seconds"),
+        ("w", 10.0, -1.0, "wait_seconds"),
+        ("", 10.0, 0.0, "owner"),
+        ("x" * 129, 10.0, 0.0, "owner"),
+        ("bad\nowner", 10.0, 0.0, "owner"),
+        ("w", float("inf"), 0.0, "lease_seconds"),
+        ("w", float("nan"), 0.0, "lease_seconds"),
+        ("w", 10.0, float("inf"), "wait_seconds"),
+        ("w", 10.0, float("nan"), "wait_seconds"),
+    ],
+)
+async def test_claim_limits_are_refused_as_invalid_input_naming_the_field(
+    client: AsyncClient, owner: str, lease: float, wait: float, field: str
+) -> None:
+    """SPEC §2: lease 1 s - 1 h, wait <= 300 s, owner 1-128 printable characters."""
+    key = await make(client, "limits")
+    with pytest.raises(InvalidArgument) as refused:
+        await client.claim(key, owner, lease_seconds=lease, wait_seconds=wait)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in [name for name, _ in refused.value.violations]
+    status = await client.claim_status(key)
+    assert (status.claim, status.fence) == (None, 0)
+
+
+async def test_the_limits_themselves_are_accepted(client: AsyncClient, node: NodeServer) -> None:
+    """SPEC §2: lease of exactly 1 s and 3600 s, wait of 300 s and a 128-character owner."""
+    key = await make(client, "bounds")
+    owner = "o" * 128
+    long = await client.claim(key, owner, lease_seconds=3600)
+    assert long.granted
+    short = await client.claim(key, owner, lease_seconds=1)
+    assert short.granted and short.fencing_token == long.fencing_token
+    assert (await client.release_claim(key, long.fencing_token)).released
+    waited = await client.claim(key, "other", lease_seconds=1, wait_seconds=300)
+    assert waited.granted
+    assert node.claims.queue_depth(key) == 0
+
+
+async def test_claims_on_a_malformed_key_are_invalid_naming_key(client: AsyncClient) -> None:
+    """SPEC §6: INVALID_ARGUMENT with the offending field named; nothing is written."""
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: client.claim("repo/x/mem/y", "w"),
+        lambda: client.renew_claim("not a key", 1),
+        lambda: client.release_claim("repo//mem/t/i", 1),
+        lambda: client.claim_status("repo/x/mem/y/z/extra"),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgument) as refused:
+            await call()
+        assert [name for name, _ in refused.value.violations] == ["key"]
+    assert (await client.info()).record_count == 0
+
+
+async def test_renewals_outside_the_lease_limits_are_invalid(client: AsyncClient) -> None:
+    """SPEC §2: a renewal's lease is 1 s - 1 h too; the claim is left as it was."""
+    key = await make(client, "renew-limits")
+    granted = await client.claim(key, "worker-a", lease_seconds=30)
+    for lease in (0.5, 3601.0):
+        with pytest.raises(InvalidArgument) as refused:
+            await client.renew_claim(key, granted.fencing_token, lease_seconds=lease)
+        assert "lease_seconds" in [name for name, _ in refused.value.violations]
+    status = await client.claim_status(key)
+    assert status.claim is not None
+    assert status.claim.lease_expires_at == granted.lease_expires_at

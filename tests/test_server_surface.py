@@ -1,0 +1,197 @@
+"""SPEC §6/§7: what every node serves besides the API: health, reflection, Info, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from fencemark.client import AsyncClient, ClaimResult, FencemarkError
+from fencemark.node.process import NodeProcess
+from fencemark.node.server import NodeServer
+from tests.conftest import StartNode
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+async def reflect(address: str, request: reflection_pb2.ServerReflectionRequest) -> object:
+    """One reflection request/response over the standard bidirectional stream."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = stub.ServerReflectionInfo(iter([request]), timeout=10)
+        responses = [response async for response in call]
+    assert len(responses) == 1
+    return responses[0]
+
+
+# -- health ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "service", ["", "fencemark.v1.Records", "fencemark.v1.Claims", "fencemark.v1.Node"]
+)
+async def test_standard_health_check_answers_serving(node: NodeServer, service: str) -> None:
+    """SPEC §6: standard grpc.health.v1 health checking, overall and per service."""
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+    assert response.status == SERVING
+
+
+async def test_health_check_of_an_unknown_service_is_not_found(node: NodeServer) -> None:
+    """grpc.health.v1: an unknown service name answers NOT_FOUND."""
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_read_only_node_is_healthy_too(start_node: StartNode) -> None:
+    """SPEC §6: health checking is on every node, writes enabled or not."""
+    reader = await start_node(enable_writes=False)
+    async with AsyncClient(reader.address) as client:
+        assert await client.health() == "SERVING"
+
+
+# -- reflection --------------------------------------------------------------------------
+
+
+async def test_reflection_lists_the_fencemark_services_and_health(node: NodeServer) -> None:
+    """SPEC §6: server reflection is served and lists every service."""
+    response = await reflect(node.address, reflection_pb2.ServerReflectionRequest(list_services=""))
+    assert isinstance(response, reflection_pb2.ServerReflectionResponse)
+    names = {service.name for service in response.list_services_response.service}
+    assert {
+        "fencemark.v1.Records",
+        "fencemark.v1.Claims",
+        "fencemark.v1.Node",
+        "grpc.health.v1.Health",
+    } <= names
+
+
+async def test_reflection_describes_the_claims_service_methods(node: NodeServer) -> None:
+    """SPEC §7: the fixed method names are discoverable (e.g. by grpcurl) through reflection."""
+    response = await reflect(
+        node.address,
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="fencemark.v1.Claims"),
+    )
+    assert isinstance(response, reflection_pb2.ServerReflectionResponse)
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in response.file_descriptor_response.file_descriptor_proto
+    ]
+    services = {
+        f"{file.package}.{service.name}": {method.name for method in service.method}
+        for file in files
+        for service in file.service
+    }
+    assert services["fencemark.v1.Claims"] == {"Claim", "RenewClaim", "ReleaseClaim", "ClaimStatus"}
+
+
+# -- Node.Info ---------------------------------------------------------------------------
+
+
+async def test_info_reports_region_identity_and_record_count(start_node: StartNode) -> None:
+    """SPEC §7: Info gives region, node id, writes enabled, record count (tombstones too)."""
+    node = await start_node("eu-west")
+    async with AsyncClient(node.address) as client:
+        info = await client.info()
+        assert info.region == "eu-west"
+        assert info.node_id
+        assert info.writes_enabled is True
+        assert info.record_count == 0
+        assert info.claims_serving is True
+        assert info.version
+        assert info.peers == ()
+        assert info.now is not None
+        assert abs(info.now - datetime.now(UTC)) < timedelta(seconds=5)
+        await client.remember("r", "t", "a")
+        await client.remember("r", "t", "b")
+        await client.remember("r", "t", "a")  # merges, no new record
+        await client.delete("repo/r/mem/t/b")
+        await client.delete("repo/r/mem/t/never-seen")
+        assert (await client.info()).record_count == 3
+
+
+async def test_node_id_is_stable_across_a_restart_and_new_with_a_new_disk(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """node.proto: the node id is stable across restarts, new when the disk is lost."""
+    data = tmp_path / "stable"
+    first = await start_node(data_dir=data)
+    async with AsyncClient(first.address) as client:
+        node_id = (await client.info()).node_id
+        await client.remember("r", "t", "kept")
+    await first.stop()
+    second = await start_node(data_dir=data)
+    async with AsyncClient(second.address) as client:
+        info = await client.info()
+        assert info.node_id == node_id
+        assert info.record_count == 1
+        assert (await client.get("repo/r/mem/t/kept")).key == "repo/r/mem/t/kept"
+    fresh = await start_node(data_dir=tmp_path / "other-disk")
+    async with AsyncClient(fresh.address) as client:
+        assert (await client.info()).node_id != node_id
+
+
+# -- graceful shutdown -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_sigterm_lets_calls_in_flight_finish_and_exits_zero(tmp_path: Path) -> None:
+    """SPEC §6: SIGTERM shuts the node down gracefully: in-flight calls complete, exit code 0."""
+    proc = await NodeProcess.start(tmp_path / "d")
+    try:
+        async with AsyncClient(proc.address) as client:
+            key = (await client.remember("r", "t", "busy")).record.key
+            holder = await client.claim(key, "holder", lease_seconds=600)
+            assert holder.granted
+            waiter: asyncio.Task[ClaimResult] = asyncio.create_task(
+                client.claim(key, "waiter", wait_seconds=1.5)
+            )
+            for _ in range(500):
+                if (await client.claim_status(key)).queue_depth == 1:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the waiter never queued")
+            code = await proc.stop()
+            result = await waiter
+            assert (result.granted, result.reason) == (False, "timeout")
+            assert code == 0
+        async with AsyncClient(proc.address, timeout=1, retries=1) as late:
+            with pytest.raises(FencemarkError):
+                await late.info()
+    finally:
+        if proc.proc.returncode is None:
+            await proc.kill()
+
+
+@pytest.mark.slow
+async def test_an_idle_node_exits_zero_on_sigterm_and_keeps_its_data(tmp_path: Path) -> None:
+    """SPEC §6: a SIGTERM'd node exits 0; what it acknowledged is there after a restart."""
+    data = tmp_path / "d"
+    proc = await NodeProcess.start(data)
+    try:
+        async with AsyncClient(proc.address) as client:
+            await client.remember("r", "t", "durable", body="kept")
+            node_id = (await client.info()).node_id
+        assert await proc.stop() == 0
+    finally:
+        if proc.proc.returncode is None:
+            await proc.kill()
+    again = await NodeProcess.start(data, enable_writes=False)
+    try:
+        async with AsyncClient(again.address) as client:
+            assert (await client.get("repo/r/mem/t/durable")).body == "kept"
+            info = await client.info()
+            assert (info.node_id, info.writes_enabled) == (node_id, False)
+    finally:
+        assert await again.stop() == 0
