@@ -95,7 +95,8 @@ def _fields(pairs: Sequence[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"fencemark: --field takes NAME=VALUE, got {pair!r}")
+            print(f"fencemark: --field takes NAME=VALUE, got {pair!r}", file=sys.stderr)
+            raise SystemExit(2)
         out[name] = value
     return out
 

@@ -143,8 +143,7 @@ class RecordsService:
         for name, value in request.fields.items():
             if name in fields and fields[name] != value:
                 raise InvalidInput.field(f"fields[{name!r}]", f"conflicts with the {name} argument")
-            if value:
-                fields[name] = value
+            fields[name] = value  # an empty value clears the field, as in Update
         result = await self.replica.remember(
             request.repo,
             request.topic,

@@ -101,8 +101,9 @@ class Record(_message.Message):
 
     @_builtins.property
     def updated_at(self) -> _timestamp_pb2.Timestamp:
-        """When the answering node last changed this record (its hybrid logical
-        clock's physical part, as UTC).
+        """When the record's content or claim grants last changed: the physical part
+        of the largest hybrid-logical-clock stamp in its state, as UTC. Renewals
+        and releases do not move it.
         """
 
     def __init__(

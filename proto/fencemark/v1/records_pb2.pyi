@@ -97,7 +97,9 @@ class RememberRequest(_message.Message):
 
     @_builtins.property
     def fields(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Further fields to write (at most 256 fields per record in all)."""
+        """Further fields to write; an empty value clears the field. At most 256
+        fields per record in all.
+        """
 
     def __init__(
         self,
