@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -26,8 +28,14 @@ def _requirement(name: str) -> str:
 
 
 @pytest.mark.parametrize("bare", ["node", "client", "v1"])
-def test_no_bare_module_is_importable(bare: str) -> None:
-    assert importlib.util.find_spec(bare) is None
+def test_no_bare_module_is_importable(bare: str, tmp_path: Path) -> None:
+    """The installed package puts only `fencemark` on sys.path (run from a neutral cwd,
+    so `python -m pytest` adding the repository root to sys.path does not count)."""
+    probe = f"import importlib.util; print(importlib.util.find_spec({bare!r}))"
+    found = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert found.stdout.strip() == "None"
 
 
 def test_import_names_explain_themselves() -> None:

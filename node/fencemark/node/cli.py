@@ -75,7 +75,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[object]]) -> int:
-    from fencemark.client import AsyncClient, FencemarkError
+    from fencemark.client import AsyncClient, ClaimConflict, FencemarkError
 
     async def run() -> object:
         async with AsyncClient(args.target, timeout=args.timeout) as client:
@@ -83,6 +83,13 @@ def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[objec
 
     try:
         result = asyncio.run(run())
+    except ClaimConflict as exc:
+        print(
+            f"fencemark: refused: {exc.reason} (fence {exc.fence},"
+            f" home region {exc.home_region}): {exc}",
+            file=sys.stderr,
+        )
+        return 1
     except FencemarkError as exc:
         print(f"fencemark: {exc}", file=sys.stderr)
         return 1

@@ -127,6 +127,9 @@ class NodeServer:
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", MAX_SEND_BYTES),
+                # gRPC sets SO_REUSEPORT by default on Linux: a second node on the
+                # same port would start and share its connections. Refuse instead.
+                ("grpc.so_reuseport", 0),
             ]
         )
         servicers = {
@@ -184,6 +187,12 @@ class NodeServer:
 
 async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
     """Run a node until SIGTERM or SIGINT, then shut down gracefully."""
+    # Handlers first: a SIGTERM sent the moment the node says it listens must
+    # already mean a graceful stop.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     node = await NodeServer.start(config)
     print(
         f"fencemark node: region {config.region} listening on {node.address}"
@@ -191,10 +200,6 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
         f" data {config.db_path})",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready.set()
     try:

@@ -1,0 +1,348 @@
+"""Hypothesis strategies for whole record states, built only from real operations.
+
+Nothing here invents a CRDT structure directly: every ``Record`` is the result of
+``create``/``set_fields``/``add_tags``/``remove_tags``/``set_deleted`` writes and of
+``grant``/``extend``/``release`` on its ``FenceState``, performed by simulated nodes
+the way the node does them (SPEC §3, §4):
+
+- each node has its own wall clock (skewed, sometimes going backwards) and a real
+  ``HybridClock`` over it, so stamps are unique per write and a node that merged a
+  state stamps its next write above everything in it;
+- a write's epoch is the fence the writing node knew at that moment;
+- only the home node grants, extends and releases; other replicas learn claims by
+  merging. (Two regions granting the same token differently is impossible in the
+  real system; ``tests/test_crdt_laws.py`` covers that case separately.)
+
+Alphabets are tiny on purpose, so that replicas keep writing the same field, the
+same tag, at the same millisecond: the collisions a merge has to get right.
+
+Use ``records()`` for one replica's state, ``replicas(n)`` for ``n`` divergent
+replicas of the same key, and ``scenarios(n)`` when a test needs to watch every
+step (``Scenario.run`` takes a callback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from hypothesis import strategies as st
+
+from fencemark.node.crdt import HybridClock, Record, Stamp
+from fencemark.node.crdt.fence import Grant
+
+T = TypeVar("T")
+
+KEY = "repo/lattice/mem/backlog/issue-2101"
+REGIONS = ("local", "us-east", "eu-west", "ap-south")
+FIELD_NAMES = ("title", "body", "kind")
+# "" is a real write: an empty value clears the field (Record.field_values).
+FIELD_VALUES = ("", "started", "done", "é")
+TAGS = ("backlog", "priority:P1", "phase:implementation")
+OWNERS = ("worker-a", "worker-b")
+
+# Nodes start around the same wall-clock time, a few milliseconds apart.
+EPOCH_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z
+# The simulation merges freely: clock-skew refusal is tested in test_crdt_hlc.py.
+NO_SKEW_LIMIT_MS = 1 << 60
+
+
+class SimNode:
+    """One region's node as the CRDT layer sees it: a wall clock, an HLC, a replica."""
+
+    def __init__(self, region: str, *, home: bool, wall_ms: int, record: Record) -> None:
+        self.region = region
+        self.home = home
+        self.wall_ms = wall_ms
+        self.clock = HybridClock(wall_ms=lambda: self.wall_ms, max_offset_ms=NO_SKEW_LIMIT_MS)
+        self.record = record
+        self.clock.observe(record.max_hlc())
+
+    def stamp(self) -> Stamp:
+        """The stamp of a write admitted now: epoch = the fence this node knows."""
+        return Stamp(self.record.fence.fence, self.clock.now(), self.region)
+
+    def receive(self, state: Record) -> None:
+        """Merge a state gossiped from a peer (the clock moves past every stamp in it)."""
+        self.clock.observe(state.max_hlc())
+        self.record = self.record.merge(state)
+
+    def __repr__(self) -> str:
+        return f"SimNode({self.region!r}, home={self.home}, fence={self.record.fence.fence})"
+
+
+# -- operations ---------------------------------------------------------------
+#
+# Each operation is a small value (so failing examples print readably) whose
+# ``apply`` performs the corresponding real update on a node's replica.
+
+
+@dataclass(frozen=True)
+class Create:
+    home_region: str
+
+    def apply(self, node: SimNode) -> None:
+        node.record = node.record.create(self.home_region, node.stamp())
+
+
+@dataclass(frozen=True)
+class SetFields:
+    values: Mapping[str, str]
+
+    def apply(self, node: SimNode) -> None:
+        node.record = node.record.set_fields(self.values, node.stamp())
+
+
+@dataclass(frozen=True)
+class AddTags:
+    names: frozenset[str]
+
+    def apply(self, node: SimNode) -> None:
+        node.record = node.record.add_tags(sorted(self.names), node.stamp())
+
+
+@dataclass(frozen=True)
+class RemoveTags:
+    names: frozenset[str]
+
+    def apply(self, node: SimNode) -> None:
+        node.record = node.record.remove_tags(sorted(self.names), node.stamp())
+
+
+@dataclass(frozen=True)
+class SetDeleted:
+    deleted: bool
+
+    def apply(self, node: SimNode) -> None:
+        node.record = node.record.set_deleted(self.deleted, node.stamp())
+
+
+@dataclass(frozen=True)
+class GrantNext:
+    """The home node grants token ``fence + 1`` (claims are decided only there)."""
+
+    owner: str
+    lease_ms: int
+
+    def apply(self, node: SimNode) -> None:
+        assert node.home, "only the home region grants"
+        fence = node.record.fence
+        grant = Grant(node.clock.now(), self.owner, node.region)
+        node.record = node.record.with_fence(
+            fence.grant(fence.fence + 1, grant, node.wall_ms + self.lease_ms)
+        )
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Renew the lease of a granted token (picked as ``1 + pick % fence``)."""
+
+    pick: int
+    lease_ms: int
+
+    def apply(self, node: SimNode) -> None:
+        assert node.home, "only the home region renews"
+        fence = node.record.fence
+        if fence.fence:
+            token = 1 + self.pick % fence.fence
+            node.record = node.record.with_fence(fence.extend(token, node.wall_ms + self.lease_ms))
+
+
+@dataclass(frozen=True)
+class Release:
+    """Release a granted token (picked as ``1 + pick % fence``); idempotent."""
+
+    pick: int
+
+    def apply(self, node: SimNode) -> None:
+        assert node.home, "only the home region releases"
+        fence = node.record.fence
+        if fence.fence:
+            node.record = node.record.with_fence(fence.release(1 + self.pick % fence.fence))
+
+
+WriteOp = Create | SetFields | AddTags | RemoveTags | SetDeleted
+ClaimOp = GrantNext | Extend | Release
+Operation = WriteOp | ClaimOp
+
+tag_names = st.frozensets(st.sampled_from(TAGS), min_size=1, max_size=2)
+lease_ms = st.integers(min_value=1_000, max_value=3_600_000)
+
+
+def write_ops(regions: Sequence[str] = REGIONS) -> st.SearchStrategy[WriteOp]:
+    """Writes any replica may admit (``create`` names a home from ``regions``)."""
+    return st.one_of(
+        st.builds(Create, st.sampled_from(regions)),
+        st.builds(
+            SetFields,
+            st.dictionaries(
+                st.sampled_from(FIELD_NAMES), st.sampled_from(FIELD_VALUES), min_size=1, max_size=2
+            ),
+        ),
+        st.builds(AddTags, tag_names),
+        st.builds(RemoveTags, tag_names),
+        st.builds(SetDeleted, st.booleans()),
+    )
+
+
+def claim_ops() -> st.SearchStrategy[ClaimOp]:
+    """Claim operations, performed only by the home region's node."""
+    return st.one_of(
+        st.builds(GrantNext, st.sampled_from(OWNERS), lease_ms),
+        st.builds(Extend, st.integers(0, 7), lease_ms),
+        st.builds(Release, st.integers(0, 7)),
+    )
+
+
+def operations(*, home: bool, regions: Sequence[str] = REGIONS) -> st.SearchStrategy[Operation]:
+    """What a node may do: every write, plus claim operations if it is the home."""
+    writes: st.SearchStrategy[Operation] = write_ops(regions)
+    return st.one_of(writes, claim_ops()) if home else writes
+
+
+# -- scenarios: several replicas of one key -------------------------------------
+
+
+@dataclass(frozen=True)
+class Act:
+    """Node ``node`` performs ``op`` on its replica."""
+
+    node: int
+    op: Operation
+
+
+@dataclass(frozen=True)
+class Gossip:
+    """Node ``target`` merges the state of node ``source`` (``a.merge(b)`` stored at a)."""
+
+    source: int
+    target: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Node ``node``'s wall clock moves by ``ms`` (it may stand still or step back)."""
+
+    node: int
+    ms: int
+
+
+Step = Act | Gossip | Tick
+
+# Observes the nodes after every step (index, step, nodes).
+StepObserver = Callable[[int, Step, Sequence[SimNode]], None]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Replicas of one key: node 0 is the home region, the only one that grants.
+
+    ``ancestor`` runs at the home node and its result is copied to every replica
+    before ``steps`` run; ``skews`` are the nodes' wall-clock offsets.
+    """
+
+    skews: tuple[int, ...]
+    ancestor: tuple[Operation, ...]
+    steps: tuple[Step, ...] = field(default=())
+
+    def nodes(self) -> list[SimNode]:
+        home = SimNode(REGIONS[0], home=True, wall_ms=EPOCH_MS + self.skews[0], record=Record(KEY))
+        for op in self.ancestor:
+            op.apply(home)
+        others = [
+            SimNode(REGIONS[i], home=False, wall_ms=EPOCH_MS + skew, record=home.record)
+            for i, skew in enumerate(self.skews[1:], start=1)
+        ]
+        return [home, *others]
+
+    def run(self, observe: StepObserver | None = None) -> list[SimNode]:
+        nodes = self.nodes()
+        for index, step in enumerate(self.steps):
+            apply_step(step, nodes)
+            if observe is not None:
+                observe(index, step, nodes)
+        return nodes
+
+
+def apply_step(step: Step, nodes: Sequence[SimNode]) -> None:
+    if isinstance(step, Act):
+        step.op.apply(nodes[step.node])
+    elif isinstance(step, Gossip):
+        nodes[step.target].receive(nodes[step.source].record)
+    else:
+        nodes[step.node].wall_ms += step.ms
+
+
+def sized_lists(elements: st.SearchStrategy[T], max_size: int) -> st.SearchStrategy[tuple[T, ...]]:
+    """Lists of a length drawn uniformly first: plain ``st.lists`` favours short
+    histories, and the interesting cases need several writes on several replicas."""
+    return st.integers(0, max_size).flatmap(
+        lambda size: st.lists(elements, min_size=size, max_size=size).map(tuple)
+    )
+
+
+def steps(n: int) -> st.SearchStrategy[Step]:
+    """One step among ``n`` nodes; claim operations only at node 0, the home."""
+    node = st.integers(0, n - 1)
+    return st.one_of(
+        st.builds(Act, st.just(0), operations(home=True, regions=[REGIONS[0]])),
+        st.builds(Act, node, write_ops(regions=[REGIONS[0]])),
+        st.builds(Gossip, node, node),
+        st.builds(Tick, node, st.integers(-5, 40)),
+    )
+
+
+def scenarios(n: int = 3, *, max_steps: int = 30) -> st.SearchStrategy[Scenario]:
+    """``n`` replicas that share an (often empty) ancestor, then diverge and gossip."""
+    if not 1 <= n <= len(REGIONS):
+        raise ValueError(f"between 1 and {len(REGIONS)} replicas")
+    return st.builds(
+        Scenario,
+        skews=st.tuples(*[st.integers(-20, 20)] * n),
+        ancestor=st.lists(operations(home=True, regions=[REGIONS[0]]), max_size=6).map(tuple),
+        steps=sized_lists(steps(n), max_steps),
+    )
+
+
+def replicas(n: int = 3, *, max_steps: int = 30) -> st.SearchStrategy[tuple[Record, ...]]:
+    """The states of ``n`` replicas of the same key after a random scenario."""
+    return scenarios(n, max_steps=max_steps).map(
+        lambda scenario: tuple(node.record for node in scenario.run())
+    )
+
+
+# -- one replica ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class History:
+    """One node's history: its wall clock ticks between operations."""
+
+    skew: int
+    ops: tuple[tuple[int, Operation], ...]
+
+    def node(self) -> SimNode:
+        node = SimNode(REGIONS[0], home=True, wall_ms=EPOCH_MS + self.skew, record=Record(KEY))
+        for tick, op in self.ops:
+            node.wall_ms += tick
+            op.apply(node)
+        return node
+
+
+def histories(*, max_ops: int = 20) -> st.SearchStrategy[History]:
+    return st.builds(
+        History,
+        skew=st.integers(-20, 20),
+        ops=sized_lists(st.tuples(st.integers(-5, 40), operations(home=True)), max_ops),
+    )
+
+
+def sim_nodes(*, max_ops: int = 20) -> st.SearchStrategy[SimNode]:
+    """A home node after a random history (fresh object per example: mutate freely)."""
+    return histories(max_ops=max_ops).map(History.node)
+
+
+def records(*, max_ops: int = 20) -> st.SearchStrategy[Record]:
+    """One replica's state after a random history of real operations."""
+    return histories(max_ops=max_ops).map(lambda history: history.node().record)

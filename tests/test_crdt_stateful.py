@@ -1,0 +1,250 @@
+"""Three replicas of one record, compared against a simple sequential model.
+
+The state machine plays three regions' nodes (``SimNode``: a wall clock, an HLC
+and a replica). Node 0 is the home region: the only one that grants, renews and
+releases claims. Every node writes fields and tags, deletes and undeletes, and
+any node may merge any other's state at any time (``a.merge(b)`` stored at a).
+
+The model is what a single sequential observer would say, without any lattice:
+it logs every write ever made, with its stamp. After a full sync every replica
+must hold exactly what the model predicts — each field is the write with the
+largest stamp ever made to it, the fence is the largest token ever granted, the
+released set is every token ever released — and all replicas must have the same
+canonical bytes and digest.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from fencemark.node.crdt import LWW, Grant, Record, Stamp, digest, encode, lww
+from fencemark.node.crdt.record import HOME_TAG_PREFIX
+from tests.strategies import (
+    EPOCH_MS,
+    FIELD_NAMES,
+    FIELD_VALUES,
+    KEY,
+    OWNERS,
+    REGIONS,
+    TAGS,
+    SimNode,
+)
+
+REPLICAS = 3
+HOME = 0
+
+replica = st.integers(0, REPLICAS - 1)
+field_writes = st.dictionaries(
+    st.sampled_from(FIELD_NAMES), st.sampled_from(FIELD_VALUES), min_size=1, max_size=3
+)
+tag_names = st.lists(st.sampled_from(TAGS), min_size=1, max_size=2, unique=True)
+lease_ms = st.integers(1_000, 3_600_000)
+token_pick = st.integers(0, 10)
+
+
+class ReplicatedRecord(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes = [
+            SimNode(REGIONS[i], home=i == HOME, wall_ms=EPOCH_MS + 7 * i, record=Record(KEY))
+            for i in range(REPLICAS)
+        ]
+        # The sequential model: every write ever made, by kind.
+        self.creates: list[LWW[str]] = []
+        self.field_log: defaultdict[str, list[LWW[str]]] = defaultdict(list)
+        self.tag_log: defaultdict[str, list[LWW[bool]]] = defaultdict(list)
+        self.deleted_log: list[LWW[bool]] = [lww.FALSE]
+        self.grants: dict[int, Grant] = {}
+        self.expiries: dict[int, int] = {}
+        self.released: set[int] = set()
+        # What each replica's fence was after the previous step.
+        self.fences = [0] * REPLICAS
+
+    @property
+    def home(self) -> SimNode:
+        return self.nodes[HOME]
+
+    # -- writes: any replica --------------------------------------------------------
+
+    @rule(i=replica)
+    def create(self, i: int) -> None:
+        """``remember`` of a new key; two regions racing to create is resolved by
+        the earliest stamp (an already-created record ignores it)."""
+        node = self.nodes[i]
+        stamp = node.stamp()
+        node.record = node.record.create(node.region, stamp)
+        self.creates.append(LWW(stamp, node.region))
+        assert node.record.home is not None
+
+    @rule(i=replica, values=field_writes)
+    def set_fields(self, i: int, values: dict[str, str]) -> None:
+        node = self.nodes[i]
+        stamp = node.stamp()
+        node.record = node.record.set_fields(values, stamp)
+        for name, value in values.items():
+            self.field_log[name].append(LWW(stamp, value))
+            assert node.record.fields[name] == LWW(stamp, value), "a node reads its own write"
+
+    @rule(i=replica, names=tag_names, present=st.booleans())
+    def write_tags(self, i: int, names: list[str], present: bool) -> None:
+        node = self.nodes[i]
+        stamp = node.stamp()
+        if present:
+            node.record = node.record.add_tags(names, stamp)
+        else:
+            node.record = node.record.remove_tags(names, stamp)
+        for name in names:
+            self.tag_log[name].append(LWW(stamp, present))
+            assert (name in node.record.tag_values()) == present
+
+    @rule(i=replica, deleted=st.booleans())
+    def set_deleted(self, i: int, deleted: bool) -> None:
+        node = self.nodes[i]
+        stamp = node.stamp()
+        node.record = node.record.set_deleted(deleted, stamp)
+        self.deleted_log.append(LWW(stamp, deleted))
+        assert node.record.is_deleted == deleted
+
+    # -- claims: the home region only -------------------------------------------------
+
+    @rule(owner=st.sampled_from(OWNERS), lease=lease_ms)
+    def grant(self, owner: str, lease: int) -> None:
+        node = self.home
+        fence = node.record.fence
+        token = fence.fence + 1
+        grant = Grant(node.clock.now(), owner, node.region)
+        node.record = node.record.with_fence(fence.grant(token, grant, node.wall_ms + lease))
+        assert token not in self.grants, "a token is never granted twice"
+        self.grants[token] = grant
+        self.expiries[token] = node.wall_ms + lease
+        assert node.record.fence.is_live(node.wall_ms)
+        assert node.record.fence.holder() == grant
+
+    @precondition(lambda self: self.home.record.fence.fence > 0)
+    @rule(pick=token_pick, lease=lease_ms)
+    def extend(self, pick: int, lease: int) -> None:
+        node = self.home
+        token = 1 + pick % node.record.fence.fence
+        expiry = node.wall_ms + lease
+        node.record = node.record.with_fence(node.record.fence.extend(token, expiry))
+        self.expiries[token] = max(self.expiries.get(token, 0), expiry)
+        assert node.record.fence.expiry(token) >= expiry
+
+    @precondition(lambda self: self.home.record.fence.fence > 0)
+    @rule(pick=token_pick)
+    def release(self, pick: int) -> None:
+        node = self.home
+        token = 1 + pick % node.record.fence.fence
+        node.record = node.record.with_fence(node.record.fence.release(token))
+        self.released.add(token)
+        assert token in node.record.fence.released
+
+    # -- time and gossip -----------------------------------------------------------
+
+    @rule(i=replica, ms=st.integers(-5, 40))
+    def tick(self, i: int, ms: int) -> None:
+        """Wall clocks drift apart, stand still and sometimes step back."""
+        self.nodes[i].wall_ms += ms
+
+    @rule(into=replica, source=replica)
+    def gossip(self, into: int, source: int) -> None:
+        before = self.nodes[into].record
+        self.nodes[into].receive(self.nodes[source].record)
+        after = self.nodes[into].record
+        assert after.merge(before) == after, "a merge never loses what the target had"
+        assert after.merge(self.nodes[source].record) == after
+
+    @rule()
+    def full_sync_converges_to_the_model(self) -> None:
+        self.full_sync()
+        self.check_against_model()
+
+    # -- invariants ------------------------------------------------------------------
+
+    @invariant()
+    def fence_never_decreases(self) -> None:
+        for i, node in enumerate(self.nodes):
+            fence = node.record.fence.fence
+            assert fence >= self.fences[i], f"fence of {node.region} went {self.fences[i]}→{fence}"
+            self.fences[i] = fence
+
+    @invariant()
+    def writes_carry_a_fence_their_replica_has_seen(self) -> None:
+        for node in self.nodes:
+            assert all(s.epoch <= node.record.fence.fence for s in node.record.stamps())
+
+    @invariant()
+    def replicas_hold_only_writes_that_were_really_made(self) -> None:
+        for node in self.nodes:
+            record = node.record
+            for name, register in record.fields.items():
+                assert register in self.field_log[name]
+            for name, flag in record.tags.items():
+                assert flag in self.tag_log[name]
+            assert record.deleted in self.deleted_log
+            assert record.home is None or record.home in self.creates
+            assert all(self.grants[t] == g for t, g in record.fence.grants.items())
+            assert record.fence.released <= self.released
+            assert all(e <= self.expiries[t] for t, e in record.fence.lease_expiry.items())
+
+    # -- convergence -------------------------------------------------------------------
+
+    def full_sync(self) -> None:
+        """Pairwise merges until everyone has seen everyone: twice round the ring."""
+        for _ in range(2):
+            for i in range(REPLICAS):
+                self.nodes[(i + 1) % REPLICAS].receive(self.nodes[i].record)
+
+    def check_against_model(self) -> None:
+        records = [node.record for node in self.nodes]
+        encodings = {encode(record) for record in records}
+        assert len(encodings) == 1, "replicas disagree after a full sync"
+        assert len({digest(encode(record)) for record in records}) == 1
+        record = records[0]
+        assert all(other == record for other in records)
+
+        # Each register holds the write with the largest stamp ever made to it.
+        assert dict(record.fields) == {name: max(log) for name, log in self.field_log.items()}
+        assert dict(record.tags) == {name: max(log) for name, log in self.tag_log.items()}
+        assert record.deleted == max(self.deleted_log)
+        assert record.home == (min(self.creates) if self.creates else None)
+
+        assert record.field_values() == {
+            name: max(log).value for name, log in sorted(self.field_log.items()) if max(log).value
+        }
+        expected_tags = {name for name, log in self.tag_log.items() if max(log).value}
+        if self.creates:
+            expected_tags.add(HOME_TAG_PREFIX + min(self.creates).value)
+        assert record.tag_values() == sorted(expected_tags)
+
+        # The claim state is the union of everything the home region ever did.
+        assert record.fence.fence == max(self.grants, default=0)
+        assert dict(record.fence.grants) == self.grants
+        assert dict(record.fence.lease_expiry) == self.expiries
+        assert record.fence.released == self.released
+
+        # The next write anywhere beats everything in the merged state (SPEC §3, HLC).
+        for node in self.nodes:
+            stamp: Stamp = node.stamp()
+            assert all(stamp > seen for seen in node.record.stamps())
+
+    def teardown(self) -> None:
+        self.full_sync()
+        self.check_against_model()
+
+
+def test_replicas_converge_to_the_sequential_model() -> None:
+    run_state_machine_as_test(
+        ReplicatedRecord,
+        settings=settings(max_examples=100, stateful_step_count=50, deadline=None),
+    )
