@@ -14,21 +14,19 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+import tomllib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from fencemark.node import __version__, validation
 from fencemark.node.errors import InvalidInput
+from fencemark.node.replication.peers import parse_peers
 from fencemark.node.server import NodeConfig, serve
 
 DEFAULT_TARGET = "127.0.0.1:7400"
 TRUE_WORDS = {"1", "true", "yes", "on"}
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in TRUE_WORDS
 
 
 def _json_default(value: object) -> object:
@@ -53,6 +51,7 @@ def _print_json(value: object) -> None:
 def cmd_node(args: argparse.Namespace) -> int:
     try:
         validation.region(args.region, "--region")
+        peers = parse_peers(args.peer or args.configured_peers, own_region=args.region)
     except InvalidInput as exc:
         print(f"fencemark node: {exc}", file=sys.stderr)
         return 2
@@ -62,6 +61,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         data_dir=Path(args.data) if args.data else None,
         enable_writes=args.enable_writes,
         max_clock_offset_ms=args.max_clock_offset_ms,
+        peers=peers,
+        anti_entropy_interval=args.anti_entropy_interval,
     )
     try:
         asyncio.run(serve(config))
@@ -146,7 +147,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- argument parsing -----------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def load_config(path: str) -> dict[str, Any]:
+    """A node's TOML configuration file (keys as the flags; see docs/operations)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SystemExit(f"fencemark: cannot read config {path}: {exc}") from exc
+
+
+def _setting(config: Mapping[str, Any], name: str, default: Any) -> Any:
+    """A node setting's default: FENCEMARK_<NAME>, else the config file, else ``default``."""
+    env = os.environ.get("FENCEMARK_" + name.upper())
+    if env is not None and env != "":
+        if isinstance(default, bool):
+            return env.strip().lower() in TRUE_WORDS
+        return type(default)(env) if default is not None else env
+    return config.get(name, default)
+
+
+def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The ``fencemark`` parser; ``config`` is a node config file's contents."""
+    config = config or {}
     parser = argparse.ArgumentParser(
         prog="fencemark",
         description="Fencemark: a replicated store for agent work queues, with fenced claims.",
@@ -157,31 +179,56 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    node = sub.add_parser("node", help="run a region node until SIGTERM/SIGINT")
-    node.add_argument("--region", default=os.environ.get("FENCEMARK_REGION", "local"))
+    node = sub.add_parser(
+        "node",
+        help="run a region node until SIGTERM/SIGINT",
+        description="Run a region node. Each flag's default comes from FENCEMARK_<FLAG>"
+        " (e.g. FENCEMARK_REGION), else from the --config file, else the built-in default.",
+    )
+    node.add_argument("--config", help="TOML file with the settings below (env FENCEMARK_CONFIG)")
+    node.add_argument("--region", default=_setting(config, "region", "local"))
     node.add_argument(
         "--listen",
-        default=os.environ.get("FENCEMARK_LISTEN", DEFAULT_TARGET),
+        default=_setting(config, "listen", DEFAULT_TARGET),
         help="HOST:PORT to serve gRPC on (port 0 picks a free one)",
     )
     node.add_argument(
         "--data",
-        default=os.environ.get("FENCEMARK_DATA_DIR"),
+        default=os.environ.get("FENCEMARK_DATA_DIR") or config.get("data"),
         help="data directory (default: $XDG_DATA_HOME/fencemark/REGION)",
     )
     node.add_argument(
         "--enable-writes",
         action="store_true",
-        default=env_flag("FENCEMARK_ENABLE_WRITES"),
+        default=_setting(config, "enable_writes", False),
         help="serve mutating methods (env FENCEMARK_ENABLE_WRITES=1); off: reads only",
+    )
+    node.add_argument(
+        "--peer",
+        action="append",
+        metavar="REGION=HOST:PORT",
+        help="a peer region's node (repeat; env FENCEMARK_PEERS=eu=h:p,ap=h:p;"
+        " config table [peers])",
     )
     node.add_argument(
         "--max-clock-offset-ms",
         type=int,
-        default=int(os.environ.get("FENCEMARK_MAX_CLOCK_OFFSET_MS", "500")),
+        default=_setting(config, "max_clock_offset_ms", 500),
         help="refuse remote stamps further ahead of this node's clock",
     )
-    node.set_defaults(func=cmd_node)
+    node.add_argument(
+        "--anti-entropy-interval",
+        type=float,
+        default=_setting(config, "anti_entropy_interval", 1.0),
+        help="mean seconds between anti-entropy rounds (jittered ±50%%)",
+    )
+    configured = os.environ.get("FENCEMARK_PEERS")
+    node.set_defaults(
+        func=cmd_node,
+        configured_peers=[configured]
+        if configured
+        else [f"{r}={a}" for r, a in dict(config.get("peers", {})).items()],
+    )
 
     def client_parser(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
@@ -317,7 +364,11 @@ def _add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=os.environ.get("FENCEMARK_CONFIG"))
+    known, _ = pre.parse_known_args(argv)
+    config = load_config(known.config) if known.config else {}
+    args = build_parser(config).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

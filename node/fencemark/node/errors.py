@@ -70,6 +70,19 @@ class WrongRegion(FencemarkError):
         )
 
 
+class ClockSkewed(FencemarkError):
+    """A peer's clock or stamps are beyond ``max_clock_offset`` ahead: nothing merged."""
+
+    def __init__(self, region: str, ahead_ms: int, max_offset_ms: int) -> None:
+        self.region = region
+        self.ahead_ms = ahead_ms
+        self.max_offset_ms = max_offset_ms
+        super().__init__(
+            f"refused: the clock of region {region!r} is {ahead_ms} ms ahead of this node's"
+            f" (at most {max_offset_ms} ms allowed); check NTP on both hosts"
+        )
+
+
 class NotServing(FencemarkError):
     """This node cannot decide claims right now (e.g. catching up after disk loss)."""
 

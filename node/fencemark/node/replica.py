@@ -59,18 +59,24 @@ class Replica:
         self.region = region
         self.node_id = storage.node_id
         self._locks = KeyLocks()
+        self._write_listeners: list[Callable[[str], None]] = []
+
+    def on_local_write(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(key)`` after each local write is durable (eager push)."""
+        self._write_listeners.append(listener)
 
     def stamp(self, epoch: int) -> Stamp:
         """A fresh stamp for a local write admitted under ``epoch``."""
         return Stamp(epoch, self.clock.now(), self.node_id)
 
     async def transact(
-        self, key: str, change: Callable[[Record], tuple[Record, T]]
+        self, key: str, change: Callable[[Record], tuple[Record, T]], *, local: bool = True
     ) -> tuple[Stored | None, T]:
         """Apply ``change`` to the durable state of ``key`` and persist the result.
 
         Returns the stored state (None if the record does not exist and was not
-        written) and whatever ``change`` returned beside the new record.
+        written) and whatever ``change`` returned beside the new record. ``local``
+        is False for merges of remote states, which are not pushed on again.
         """
         async with self._locks.hold(key):
             stored = await self.storage.get(key)
@@ -79,13 +85,35 @@ class Replica:
             if changed == current:
                 return stored, result
             state = codec.encode(changed)
-            if len(state) > validation.MAX_RECORD_BYTES:
+            # Only local writes are limited: refusing a merge would stop convergence.
+            if local and len(state) > validation.MAX_RECORD_BYTES:
                 raise InvalidInput.field(
                     "fields",
                     f"the record would be {len(state)} bytes;"
                     f" at most {validation.MAX_RECORD_BYTES}",
                 )
-            return await self.storage.put(changed, hlc=self.clock.last, state=state), result
+            stored = await self.storage.put(changed, hlc=self.clock.last, state=state)
+        if local:
+            for listener in self._write_listeners:
+                listener(key)
+        return stored, result
+
+    async def merge(self, remote: Record) -> bool:
+        """Join a remote state into the local one; True when that changed anything.
+
+        The caller has checked the remote stamps (``clock.check``); receiving
+        them advances the local clock past every stamp in the state, so a later
+        local write always wins over what was merged (SPEC §3).
+        """
+        validation.key(remote.key)
+        self.clock.observe(remote.max_hlc())
+
+        def change(current: Record) -> tuple[Record, bool]:
+            merged = current.merge(remote)
+            return merged, merged != current
+
+        _, changed = await self.transact(remote.key, change, local=False)
+        return changed
 
     # -- reads ------------------------------------------------------------------
 

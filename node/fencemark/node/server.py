@@ -12,7 +12,8 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +29,27 @@ from fencemark.node.claims import Claims
 from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replica import Replica
+from fencemark.node.replication.peers import stats_for
+from fencemark.node.replication.replicator import Replicator
+from fencemark.node.replication.service import ReplicationService
 from fencemark.node.service import ClaimsService, NodeService, RecordsService
 from fencemark.node.storage import Storage
-from fencemark.v1 import claims_pb2, node_pb2, records_pb2
+from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
 
 DB_FILE = "fencemark.sqlite3"
-MAX_RECEIVE_BYTES = 8 << 20  # a record is at most 4 MiB (validation.MAX_RECORD_BYTES)
+# A client's record is at most 4 MiB (validation.MAX_RECORD_BYTES); replication
+# batches and merged states may be larger.
+MAX_RECEIVE_BYTES = 16 << 20
 MAX_SEND_BYTES = 64 << 20
 SERVICES: tuple[descriptor.ServiceDescriptor, ...] = (
     records_pb2.DESCRIPTOR.services_by_name["Records"],
     claims_pb2.DESCRIPTOR.services_by_name["Claims"],
     node_pb2.DESCRIPTOR.services_by_name["Node"],
+    replication_pb2.DESCRIPTOR.services_by_name["Replication"],
 )
+CLAIMS_SERVICE = "fencemark.v1.Claims"
 
 
 def default_data_dir(region: str) -> Path:
@@ -61,6 +69,8 @@ class NodeConfig:
     max_clock_offset_ms: int = DEFAULT_MAX_CLOCK_OFFSET_MS
     cache_size: int = 10_000
     grace_seconds: float = 5.0
+    peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
+    anti_entropy_interval: float = 1.0
 
     @property
     def db_path(self) -> Path:
@@ -102,6 +112,7 @@ class NodeServer:
         server: grpc.aio.Server,
         health_servicer: Any,
         port: int,
+        replicator: Replicator,
     ) -> None:
         self.config = config
         self.storage = storage
@@ -110,6 +121,7 @@ class NodeServer:
         self.server = server
         self.health = health_servicer
         self.port = port
+        self.replicator = replicator
         self.stopped = False
 
     @property
@@ -123,6 +135,24 @@ class NodeServer:
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
         claims = Claims(replica)
+        peers = stats_for(config.peers)
+        # A node that lost its disk must not grant again before it has seen the
+        # grants its peers hold (SPEC §4): it would reissue tokens.
+        catching_up = bool(peers) and storage.record_count == 0
+        claims.serving = not catching_up
+        health_servicer = health_aio.HealthServicer()
+
+        async def caught_up() -> None:
+            claims.serving = True
+            await health_servicer.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+        replicator = Replicator(
+            replica,
+            peers,
+            interval=config.anti_entropy_interval,
+            catching_up=catching_up,
+            on_caught_up=caught_up,
+        )
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
@@ -135,7 +165,10 @@ class NodeServer:
         servicers = {
             "Records": RecordsService(replica),
             "Claims": ClaimsService(claims),
-            "Node": NodeService(replica, claims, writes_enabled=config.enable_writes),
+            "Node": NodeService(
+                replica, claims, replicator, peers, writes_enabled=config.enable_writes
+            ),
+            "Replication": ReplicationService(replica, peers),
         }
         server.add_generic_rpc_handlers(
             tuple(
@@ -143,7 +176,6 @@ class NodeServer:
                 for s in SERVICES
             )
         )
-        health_servicer = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = [s.full_name for s in SERVICES]
         reflection.enable_server_reflection(
@@ -163,7 +195,11 @@ class NodeServer:
         serving = health_pb2.HealthCheckResponse.SERVING
         for name in ("", *names):
             await health_servicer.set(name, serving)
-        node = cls(config, storage, replica, claims, server, health_servicer, port)
+        if catching_up:
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            await health_servicer.set(CLAIMS_SERVICE, not_serving)
+        replicator.start()
+        node = cls(config, storage, replica, claims, server, health_servicer, port, replicator)
         log.info(
             "region %s node %s listening on %s (writes %s, data %s)",
             config.region,
@@ -181,6 +217,7 @@ class NodeServer:
         self.stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        await self.replicator.stop()
         await self.storage.close()
         log.info("region %s node stopped", self.config.region)
 

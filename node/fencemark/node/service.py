@@ -8,8 +8,8 @@ one gRPC status carrying ``google.rpc`` details (SPEC §7).
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf import any_pb2, timestamp_pb2
@@ -22,6 +22,7 @@ from fencemark.node.claims import Claims
 from fencemark.node.crdt import hlc
 from fencemark.node.errors import (
     ClaimConflict,
+    ClockSkewed,
     FencemarkError,
     InvalidInput,
     NotFound,
@@ -29,8 +30,12 @@ from fencemark.node.errors import (
     WrongRegion,
 )
 from fencemark.node.replica import Replica
+from fencemark.node.replication.peers import PeerStats
 from fencemark.node.storage import Stored
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
+
+if TYPE_CHECKING:
+    from fencemark.node.replication.replicator import Replicator
 
 DOMAIN = "fencemark"
 Req = TypeVar("Req")
@@ -75,6 +80,13 @@ def to_status(error: FencemarkError) -> grpc.Status:
         return _status(code_pb2.FAILED_PRECONDITION, str(error), "WRONG_REGION", metadata)
     if isinstance(error, NotFound):
         return _status(code_pb2.NOT_FOUND, str(error), "NOT_FOUND", {"key": error.key})
+    if isinstance(error, ClockSkewed):
+        metadata = {
+            "region": error.region,
+            "ahead_ms": str(error.ahead_ms),
+            "max_offset_ms": str(error.max_offset_ms),
+        }
+        return _status(code_pb2.FAILED_PRECONDITION, str(error), "CLOCK_SKEW", metadata)
     if isinstance(error, NotServing):
         return _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {})
     return _status(code_pb2.INTERNAL, str(error), "INTERNAL", {})
@@ -274,10 +286,37 @@ class ClaimsService:
 
 
 class NodeService:
-    def __init__(self, replica: Replica, claims: Claims, *, writes_enabled: bool) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        claims: Claims,
+        replicator: Replicator,
+        peers: Mapping[str, PeerStats],
+        *,
+        writes_enabled: bool,
+    ) -> None:
         self.replica = replica
         self.claims = claims
+        self.replicator = replicator
+        self.peers = peers
         self.writes_enabled = writes_enabled
+
+    def _peer(self, stats: PeerStats) -> node_pb2.PeerInfo:
+        return node_pb2.PeerInfo(
+            region=stats.region,
+            address=stats.address,
+            last_sync=timestamp(round(stats.last_sync * 1000)) if stats.last_sync else None,
+            lag_ms=stats.lag_ms(),
+            records_sent=stats.records_sent,
+            records_received=stats.records_received,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            divergence=stats.divergence,
+            skew_alarms=stats.skew_alarms,
+            reachable=stats.reachable,
+            last_error=stats.last_error,
+            push_backlog=self.replicator.backlog(stats.region),
+        )
 
     @refusals
     async def Info(
@@ -287,7 +326,7 @@ class NodeService:
             region=self.replica.region,
             node_id=self.replica.node_id,
             writes_enabled=self.writes_enabled,
-            peers=[],
+            peers=[self._peer(stats) for _, stats in sorted(self.peers.items())],
             record_count=await self.replica.storage.count(),
             claims_serving=self.claims.serving,
             max_clock_offset_ms=self.replica.clock.max_offset_ms,

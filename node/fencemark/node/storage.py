@@ -23,6 +23,7 @@ from typing import NamedTuple
 import aiosqlite
 
 from fencemark.node.crdt import Record, codec
+from fencemark.node.digest_tree import DigestTree, bucket_of
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,10 @@ CREATE TABLE IF NOT EXISTS records (
     key     TEXT PRIMARY KEY,
     state   BLOB NOT NULL,     -- canonical CRDT encoding (crdt/codec.py)
     digest  BLOB NOT NULL,     -- BLAKE2b-128 of state
-    deleted INTEGER NOT NULL
+    deleted INTEGER NOT NULL,
+    bucket  INTEGER NOT NULL   -- digest_tree.bucket_of(key)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS records_by_bucket ON records (bucket, key);
 CREATE TABLE IF NOT EXISTS meta (
     name  TEXT PRIMARY KEY,
     value
@@ -72,8 +75,12 @@ class Storage:
         hlc_high: int,
         fresh: bool,
         cache_size: int,
+        tree: DigestTree,
+        count: int,
     ) -> None:
         self.path = path
+        self.tree = tree
+        self.record_count = count
         self._writer = writer
         self._reader = reader
         self.node_id = node_id
@@ -106,7 +113,12 @@ class Storage:
         hlc_high = int(await _meta(writer, "hlc_high") or 0)
         reader = await aiosqlite.connect(path, isolation_level=None)
         await reader.execute("PRAGMA query_only=ON")
-        return cls(path, writer, reader, str(node_id), hlc_high, fresh, cache_size)
+        # The digest tree is loaded once; from then on every commit updates it.
+        tree = DigestTree()
+        rows = list(await reader.execute_fetchall("SELECT key, digest FROM records"))
+        tree.load((key, bytes(digest)) for key, digest in rows)
+        count = len(rows)
+        return cls(path, writer, reader, str(node_id), hlc_high, fresh, cache_size, tree, count)
 
     async def close(self) -> None:
         await self._queue.put(None)
@@ -147,8 +159,27 @@ class Storage:
         return [Stored(codec.decode(s), bytes(d), len(s)) for s, d in rows]
 
     async def count(self) -> int:
-        rows = list(await self._reader.execute_fetchall("SELECT count(*) FROM records"))
-        return int(rows[0][0])
+        return self.record_count
+
+    async def bucket_entries(self, buckets: list[int]) -> list[tuple[str, bytes]]:
+        """``(key, digest)`` of every record in the given leaf buckets, in key order."""
+        if not buckets:
+            return []
+        marks = ",".join("?" * len(buckets))
+        rows = await self._reader.execute_fetchall(
+            f"SELECT key, digest FROM records WHERE bucket IN ({marks}) ORDER BY key", buckets
+        )
+        return [(key, bytes(digest)) for key, digest in rows]
+
+    async def states(self, keys: list[str]) -> dict[str, bytes]:
+        """Canonical states of the given keys that exist (as stored, not decoded)."""
+        if not keys:
+            return {}
+        marks = ",".join("?" * len(keys))
+        rows = await self._reader.execute_fetchall(
+            f"SELECT key, state FROM records WHERE key IN ({marks})", keys
+        )
+        return {key: bytes(state) for key, state in rows}
 
     # -- writes ---------------------------------------------------------------
 
@@ -187,14 +218,25 @@ class Storage:
 
     async def _commit(self, batch: list[_Pending]) -> None:
         rows = [
-            (p.stored.record.key, p.state, p.stored.digest, int(p.stored.record.is_deleted))
+            (
+                p.stored.record.key,
+                p.state,
+                p.stored.digest,
+                int(p.stored.record.is_deleted),
+                bucket_of(p.stored.record.key),
+            )
             for p in batch
         ]
+        keys = [row[0] for row in rows]
         hlc_high = max(self.hlc_high, self._hlc_pending)
         try:
             await self._writer.execute("BEGIN IMMEDIATE")
+            marks = ",".join("?" * len(keys))
+            before = await self._writer.execute_fetchall(
+                f"SELECT key, digest FROM records WHERE key IN ({marks})", keys
+            )
             await self._writer.executemany(
-                "INSERT INTO records (key, state, digest, deleted) VALUES (?, ?, ?, ?)"
+                "INSERT INTO records (key, state, digest, deleted, bucket) VALUES (?, ?, ?, ?, ?)"
                 " ON CONFLICT (key) DO UPDATE SET"
                 " state = excluded.state, digest = excluded.digest, deleted = excluded.deleted",
                 rows,
@@ -214,6 +256,12 @@ class Storage:
                     p.done.set_exception(exc)
             return
         self.hlc_high = hlc_high
+        current = {key: bytes(digest) for key, digest in before}
+        for key, _, digest, _, _ in rows:
+            if key not in current:
+                self.record_count += 1
+            self.tree.update(key, current.get(key), digest)
+            current[key] = digest
         self._commit_seq += 1
         self.stats.commits += 1
         self.stats.writes += len(batch)

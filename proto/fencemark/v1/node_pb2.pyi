@@ -36,7 +36,7 @@ Global___InfoRequest: _TypeAlias = InfoRequest  # noqa: Y015
 
 @_typing.final
 class PeerInfo(_message.Message):
-    """PeerInfo is the replication state of one configured peer."""
+    """PeerInfo is the replication state of one configured peer, as this node sees it."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -44,15 +44,44 @@ class PeerInfo(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     LAST_SYNC_FIELD_NUMBER: _builtins.int
     LAG_MS_FIELD_NUMBER: _builtins.int
+    RECORDS_SENT_FIELD_NUMBER: _builtins.int
+    RECORDS_RECEIVED_FIELD_NUMBER: _builtins.int
+    BYTES_SENT_FIELD_NUMBER: _builtins.int
+    BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    DIVERGENCE_FIELD_NUMBER: _builtins.int
+    SKEW_ALARMS_FIELD_NUMBER: _builtins.int
+    REACHABLE_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    PUSH_BACKLOG_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The peer's region name."""
     address: _builtins.str
     """Where this node reaches the peer."""
     lag_ms: _builtins.int
     """Milliseconds since `last_sync` (or since the node started, if never)."""
+    records_sent: _builtins.int
+    """Record states this node sent to the peer (pushes and repairs)."""
+    records_received: _builtins.int
+    """Record states this node received from the peer and merged."""
+    bytes_sent: _builtins.int
+    """Replication bytes this node sent to the peer (serialized messages)."""
+    bytes_received: _builtins.int
+    """Replication bytes this node received from the peer."""
+    divergence: _builtins.int
+    """Records found different in the last anti-entropy round with the peer (0
+    when the last round found the replicas identical).
+    """
+    skew_alarms: _builtins.int
+    """Exchanges refused because the peer's clock was beyond max_clock_offset."""
+    reachable: _builtins.bool
+    """Whether the last attempt to reach the peer succeeded."""
+    last_error: _builtins.str
+    """Why the last attempt failed; empty after a success."""
+    push_backlog: _builtins.int
+    """Records waiting to be pushed to the peer."""
     @_builtins.property
     def last_sync(self) -> _timestamp_pb2.Timestamp:
-        """When the last anti-entropy round with the peer succeeded; unset if never."""
+        """When the last anti-entropy round with the peer completed; unset if never."""
 
     def __init__(
         self,
@@ -61,10 +90,19 @@ class PeerInfo(_message.Message):
         address: _builtins.str = ...,
         last_sync: _timestamp_pb2.Timestamp | None = ...,
         lag_ms: _builtins.int = ...,
+        records_sent: _builtins.int = ...,
+        records_received: _builtins.int = ...,
+        bytes_sent: _builtins.int = ...,
+        bytes_received: _builtins.int = ...,
+        divergence: _builtins.int = ...,
+        skew_alarms: _builtins.int = ...,
+        reachable: _builtins.bool = ...,
+        last_error: _builtins.str = ...,
+        push_backlog: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_sync", b"last_sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "lag_ms", b"lag_ms", "last_sync", b"last_sync", "region", b"region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "divergence", b"divergence", "lag_ms", b"lag_ms", "last_error", b"last_error", "last_sync", b"last_sync", "push_backlog", b"push_backlog", "reachable", b"reachable", "records_received", b"records_received", "records_sent", b"records_sent", "region", b"region", "skew_alarms", b"skew_alarms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -92,7 +130,10 @@ class InfoResponse(_message.Message):
     record_count: _builtins.int
     """Records held, tombstones included."""
     claims_serving: _builtins.bool
-    """Whether this node grants claims now (false while it catches up)."""
+    """Whether this node grants claims now: false while a node that started with
+    an empty store catches up with its peers (it could otherwise reissue a
+    token granted before its disk was lost).
+    """
     max_clock_offset_ms: _builtins.int
     """Remote stamps further ahead of this node's clock are refused."""
     version: _builtins.str

@@ -1,0 +1,67 @@
+"""Static peers (region -> address) and what this node knows about each."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from fencemark.node import validation
+from fencemark.node.errors import InvalidInput
+
+
+def parse_peers(specs: Iterable[str], *, own_region: str) -> dict[str, str]:
+    """``["eu=host:port", ...]`` (also comma-separated) -> ``{"eu": "host:port"}``."""
+    peers: dict[str, str] = {}
+    for spec in specs:
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            region, sep, address = item.partition("=")
+            if not sep or not address or ":" not in address:
+                raise InvalidInput.field("peer", f"expected REGION=HOST:PORT, got {item!r}")
+            validation.region(region, "peer")
+            if region == own_region:
+                raise InvalidInput.field("peer", f"{region!r} is this node's own region")
+            if region in peers and peers[region] != address:
+                raise InvalidInput.field("peer", f"region {region!r} given twice")
+            peers[region] = address
+    return peers
+
+
+@dataclass
+class PeerStats:
+    """Replication accounting for one peer, both directions, as this node sees it."""
+
+    region: str
+    address: str
+    started: float = 0.0
+    last_sync: float | None = None  # wall-clock seconds of the last completed round
+    records_sent: int = 0
+    records_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    divergence: int = 0
+    skew_alarms: int = 0
+    reachable: bool = False
+    last_error: str = ""
+    failures: int = 0  # consecutive failed attempts
+
+    def __post_init__(self) -> None:
+        self.started = self.started or time.time()
+
+    def lag_ms(self, now: float | None = None) -> int:
+        since = self.last_sync if self.last_sync is not None else self.started
+        return max(0, round(((now or time.time()) - since) * 1000))
+
+    def succeeded(self) -> None:
+        self.reachable = True
+        self.last_error = ""
+        self.failures = 0
+
+    def failed(self, why: str) -> None:
+        self.reachable = False
+        self.last_error = why
+        self.failures += 1
+
+
+def stats_for(peers: Mapping[str, str]) -> dict[str, PeerStats]:
+    return {region: PeerStats(region, address) for region, address in peers.items()}

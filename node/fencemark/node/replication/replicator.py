@@ -1,0 +1,291 @@
+"""This node's side of replication: eager push and anti-entropy rounds.
+
+- Eager push: every local write enqueues its key for every peer (a bounded,
+  de-duplicated queue per peer); a worker per peer pushes the latest states in
+  batches. A slow or dead peer only fills its own queue, never blocks a client;
+  what overflows is left to anti-entropy.
+- Anti-entropy: every ``interval`` (jittered) a random peer that is not backed
+  off gets one round: compare digest-tree roots; if they differ, descend level
+  by level into differing nodes (at most ``MAX_FRONTIER`` per level), list the
+  differing leaf buckets, pull what the peer has that differs, merge it, and push
+  back whatever still differs. A round is bounded; a round that was cut short or
+  repaired something is followed by another one soon.
+- Catch-up: a node that starts with an empty store while peers are configured
+  grants no claims until it has completed a full pass with its reachable peers
+  (docs/replication.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from fencemark.node.digest_tree import DEPTH, children
+from fencemark.node.errors import ClockSkewed
+from fencemark.node.replica import Replica
+from fencemark.node.replication.peers import PeerStats
+from fencemark.node.replication.service import (
+    MAX_BATCH_BYTES,
+    MAX_BUCKETS,
+    MAX_STATES,
+    decode_states,
+    merge_all,
+)
+from fencemark.v1 import replication_pb2, replication_pb2_grpc
+
+log = logging.getLogger(__name__)
+R = TypeVar("R", bound=Message)
+
+MAX_FRONTIER = 256  # tree nodes descended into per level and round
+PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy repairs
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+]
+
+
+@dataclass
+class RoundResult:
+    in_sync: bool
+    pulled: int = 0
+    pushed: int = 0
+    divergence: int = 0
+    truncated: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """This node now has everything the peer had when the round ran."""
+        return self.in_sync or (not self.truncated and self.pulled == 0)
+
+
+class _Peer:
+    def __init__(self, stats: PeerStats) -> None:
+        self.stats = stats
+        self.channel = grpc.aio.insecure_channel(stats.address, options=CHANNEL_OPTIONS)
+        self.stub = replication_pb2_grpc.ReplicationStub(self.channel)
+        self.backlog: dict[str, None] = {}  # an ordered set of keys to push
+        self.wake = asyncio.Event()
+        self.retry_at = 0.0
+        self.accepts_push = True
+
+    def back_off(self, why: str) -> None:
+        self.stats.failed(why)
+        delay = min(30.0, 0.25 * 2 ** min(self.stats.failures, 8))
+        self.retry_at = time.monotonic() + delay * random.uniform(0.5, 1.5)
+
+
+class Replicator:
+    def __init__(
+        self,
+        replica: Replica,
+        peers: dict[str, PeerStats],
+        *,
+        interval: float = 1.0,
+        timeout: float = 10.0,
+        catching_up: bool = False,
+        on_caught_up: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.replica = replica
+        self.interval = interval
+        self.timeout = timeout
+        self.catching_up = catching_up
+        self._on_caught_up = on_caught_up
+        self._peers = {region: _Peer(stats) for region, stats in peers.items()}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.rounds = 0
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self.replica.on_local_write(self._enqueue)
+        for peer in self._peers.values():
+            self._tasks.append(asyncio.create_task(self._push_loop(peer)))
+        if self._peers:
+            self._tasks.append(asyncio.create_task(self._anti_entropy_loop()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for peer in self._peers.values():
+            await peer.channel.close(None)
+
+    def backlog(self, region: str) -> int:
+        return len(self._peers[region].backlog)
+
+    # -- calls ---------------------------------------------------------------------
+
+    def _origin(self) -> replication_pb2.Origin:
+        r = self.replica
+        return replication_pb2.Origin(region=r.region, node_id=r.node_id, hlc=r.clock.now())
+
+    async def _call(self, peer: _Peer, method: str, request: Message, reply: type[R]) -> R:
+        """One RPC with a deadline, counting the bytes both ways."""
+        peer.stats.bytes_sent += request.ByteSize()
+        response = await getattr(peer.stub, method)(request, timeout=self.timeout)
+        assert isinstance(response, reply)
+        peer.stats.bytes_received += response.ByteSize()
+        return response
+
+    async def _push(self, peer: _Peer, states: Sequence[bytes]) -> None:
+        """Push states in batches bounded by count and bytes."""
+        batch: list[bytes] = []
+        size = 0
+        for state in [*states, None]:
+            if batch and (
+                state is None or len(batch) == MAX_STATES or size + len(state) > MAX_BATCH_BYTES
+            ):
+                request = replication_pb2.PushRequest(origin=self._origin(), states=batch)
+                await self._call(peer, "Push", request, replication_pb2.PushResponse)
+                peer.stats.records_sent += len(batch)
+                batch, size = [], 0
+            if state is not None:
+                batch.append(state)
+                size += len(state)
+
+    # -- eager push ------------------------------------------------------------------
+
+    def _enqueue(self, key: str) -> None:
+        for peer in self._peers.values():
+            if key in peer.backlog or len(peer.backlog) < PUSH_QUEUE_LIMIT:
+                peer.backlog[key] = None
+                peer.wake.set()
+
+    async def _push_loop(self, peer: _Peer) -> None:
+        while True:
+            await peer.wake.wait()
+            peer.wake.clear()
+            while peer.backlog and peer.accepts_push:
+                pause = peer.retry_at - time.monotonic()
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                keys = list(peer.backlog)[:MAX_STATES]
+                states = await self.replica.storage.states(keys)
+                try:
+                    await self._push(peer, [states[k] for k in keys if k in states])
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        peer.accepts_push = False  # a read-only peer: it pulls instead
+                    peer.back_off(f"push: {exc.code().name}: {exc.details()}")
+                    continue
+                for key in keys:
+                    peer.backlog.pop(key, None)
+                peer.stats.succeeded()
+
+    # -- anti-entropy ----------------------------------------------------------------
+
+    async def _anti_entropy_loop(self) -> None:
+        if self.catching_up:
+            await self._catch_up()
+        while True:
+            ready = [p for p in self._peers.values() if p.retry_at <= time.monotonic()]
+            result = None
+            if ready:
+                result = await self._guarded_round(random.choice(ready))
+            busy = result is not None and (result.truncated or result.pulled or result.pushed)
+            await asyncio.sleep(0.02 if busy else self.interval * random.uniform(0.5, 1.5))
+
+    async def _guarded_round(self, peer: _Peer) -> RoundResult | None:
+        try:
+            result = await self.sync_round(peer)
+        except ClockSkewed as exc:
+            peer.stats.skew_alarms += 1
+            peer.back_off(str(exc))
+            log.warning("anti-entropy with %s: %s", peer.stats.region, exc)
+            return None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                peer.stats.skew_alarms += 1  # the peer refused our clock
+            peer.back_off(f"{exc.code().name}: {exc.details()}")
+            return None
+        peer.stats.succeeded()
+        peer.stats.last_sync = time.time()
+        peer.stats.divergence = result.divergence
+        return result
+
+    async def _catch_up(self) -> None:
+        """Full passes with the peers until this node has seen their states."""
+        synced: set[str] = set()
+        while True:
+            for region, peer in self._peers.items():
+                if region in synced or peer.retry_at > time.monotonic():
+                    continue
+                result = await self._guarded_round(peer)
+                if result is not None and result.complete:
+                    synced.add(region)
+            gave_up = {r for r, p in self._peers.items() if p.stats.failures >= 3}
+            if synced and synced | gave_up == set(self._peers):
+                break
+            await asyncio.sleep(0.05)
+        self.catching_up = False
+        log.info("caught up with %s; granting claims", ", ".join(sorted(synced)))
+        if self._on_caught_up is not None:
+            await self._on_caught_up()
+
+    async def sync_round(self, peer: _Peer) -> RoundResult:
+        """One bounded anti-entropy round with ``peer``; both end up with the join."""
+        self.rounds += 1
+        tree = self.replica.storage.tree
+        request = replication_pb2.TreeRequest(origin=self._origin(), level=0, nodes=[0])
+        response = await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
+        if response.hashes[0] == tree.root:
+            return RoundResult(in_sync=True)
+        frontier, truncated = [0], False
+        for level in range(1, DEPTH + 1):
+            nodes = [child for node in frontier for child in children(level - 1, node)]
+            request = replication_pb2.TreeRequest(origin=self._origin(), level=level, nodes=nodes)
+            response = await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
+            frontier = [
+                node
+                for node, theirs in zip(nodes, response.hashes, strict=True)
+                if theirs != tree.hash(level, node)
+            ]
+            if len(frontier) > MAX_FRONTIER:
+                frontier, truncated = sorted(random.sample(frontier, MAX_FRONTIER)), True
+        return await self._repair_buckets(peer, frontier, truncated)
+
+    async def _repair_buckets(
+        self, peer: _Peer, buckets: list[int], truncated: bool
+    ) -> RoundResult:
+        theirs: dict[str, bytes] = {}
+        for start in range(0, len(buckets), MAX_BUCKETS):
+            listing = replication_pb2.BucketsRequest(
+                origin=self._origin(), buckets=buckets[start : start + MAX_BUCKETS]
+            )
+            entries = await self._call(peer, "Buckets", listing, replication_pb2.BucketsResponse)
+            theirs.update((e.key, e.digest) for e in entries.entries)
+        mine = dict(await self.replica.storage.bucket_entries(buckets))
+        differing = [key for key, digest in theirs.items() if mine.get(key) != digest]
+        pull, pulled = differing, 0
+        while pull:
+            fetch = replication_pb2.FetchRequest(origin=self._origin(), keys=pull[:MAX_STATES])
+            found = await self._call(peer, "Fetch", fetch, replication_pb2.FetchResponse)
+            records = decode_states(list(found.states))
+            peer.stats.records_received += await merge_all(self.replica, peer.stats.region, records)
+            pulled += len(records)
+            pull = [*found.truncated, *pull[MAX_STATES:]]
+        # After the merge this node holds the join of both sides for every key of
+        # these buckets; push whatever the peer does not have yet.
+        after = dict(await self.replica.storage.bucket_entries(buckets))
+        push = [key for key, digest in after.items() if theirs.get(key) != digest]
+        if push and peer.accepts_push:
+            states = await self.replica.storage.states(push)
+            try:
+                await self._push(peer, [states[k] for k in push if k in states])
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                peer.accepts_push = False
+        divergence = len(set(differing) | set(push))
+        return RoundResult(False, pulled, len(push), divergence, truncated)

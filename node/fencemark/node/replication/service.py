@@ -1,0 +1,154 @@
+"""The ``fencemark.v1.Replication`` servicer: answers other nodes' calls.
+
+Reads (``Tree``, ``Buckets``, ``Fetch``) come from the digest tree and storage;
+``Push`` merges states with the CRDT join, each record atomically, and replies
+once every merged state is durable. Exchanges from a clock beyond
+``max_clock_offset`` are refused whole (SPEC §3) and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from fencemark.node.crdt import ClockSkew, Record, codec
+from fencemark.node.digest_tree import DEPTH, LEAVES, level_size
+from fencemark.node.errors import ClockSkewed, InvalidInput
+from fencemark.node.replica import Replica
+from fencemark.node.replication.peers import PeerStats
+from fencemark.node.service import refusals
+from fencemark.v1 import replication_pb2
+
+MAX_STATES = 512
+MAX_BATCH_BYTES = 6 << 20
+MAX_TREE_NODES = 4096
+MAX_BUCKETS = 1024
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def check_clock(replica: Replica, region: str, hlcs: list[int]) -> None:
+    """Refuse (``ClockSkewed``) if any timestamp is beyond max_clock_offset ahead."""
+    try:
+        for hlc in hlcs:
+            replica.clock.check(hlc)
+    except ClockSkew as skew:
+        raise ClockSkewed(region, skew.remote_ms - skew.local_ms, skew.max_offset_ms) from skew
+
+
+def decode_states(states: list[bytes], field: str = "states") -> list[Record]:
+    records = []
+    for index, state in enumerate(states):
+        try:
+            records.append(codec.decode(state))
+        except codec.DecodeError as exc:
+            raise InvalidInput.field(f"{field}[{index}]", f"not a record state: {exc}") from exc
+    return records
+
+
+async def merge_all(replica: Replica, region: str, records: list[Record]) -> int:
+    """Merge states (after the clock check); returns how many changed a record."""
+    check_clock(replica, region, [r.max_hlc() for r in records])
+    # Concurrent merges of different records share group commits.
+    changed = await asyncio.gather(*(replica.merge(r) for r in records))
+    return sum(changed)
+
+
+class ReplicationService:
+    def __init__(self, replica: Replica, peers: dict[str, PeerStats]) -> None:
+        self.replica = replica
+        self.peers = peers
+
+    def _admit(self, origin: replication_pb2.Origin, request_bytes: int) -> PeerStats | None:
+        peer = self.peers.get(origin.region)
+        if peer is not None:
+            peer.bytes_received += request_bytes
+        try:
+            check_clock(self.replica, origin.region, [origin.hlc])
+        except ClockSkewed:
+            if peer is not None:
+                peer.skew_alarms += 1
+            raise
+        return peer
+
+    @staticmethod
+    def _sent(peer: PeerStats | None, response_bytes: int, records: int = 0) -> None:
+        if peer is not None:
+            peer.bytes_sent += response_bytes
+            peer.records_sent += records
+
+    @refusals
+    async def Push(
+        self, request: replication_pb2.PushRequest, context: Context
+    ) -> replication_pb2.PushResponse:
+        peer = self._admit(request.origin, request.ByteSize())
+        if len(request.states) > MAX_STATES:
+            raise InvalidInput.field("states", f"at most {MAX_STATES} states per push")
+        records = decode_states(list(request.states))
+        try:
+            merged = await merge_all(self.replica, request.origin.region, records)
+        except ClockSkewed:
+            if peer is not None:
+                peer.skew_alarms += 1
+            raise
+        if peer is not None:
+            peer.records_received += merged
+        response = replication_pb2.PushResponse(merged=merged, unchanged=len(records) - merged)
+        self._sent(peer, response.ByteSize())
+        return response
+
+    @refusals
+    async def Tree(
+        self, request: replication_pb2.TreeRequest, context: Context
+    ) -> replication_pb2.TreeResponse:
+        peer = self._admit(request.origin, request.ByteSize())
+        if request.level > DEPTH:
+            raise InvalidInput.field("level", f"levels are 0-{DEPTH}")
+        if len(request.nodes) > MAX_TREE_NODES:
+            raise InvalidInput.field("nodes", f"at most {MAX_TREE_NODES} nodes per request")
+        size = level_size(request.level)
+        if any(node >= size for node in request.nodes):
+            raise InvalidInput.field("nodes", f"level {request.level} has nodes 0-{size - 1}")
+        tree = self.replica.storage.tree
+        response = replication_pb2.TreeResponse(hashes=tree.hashes(request.level, request.nodes))
+        self._sent(peer, response.ByteSize())
+        return response
+
+    @refusals
+    async def Buckets(
+        self, request: replication_pb2.BucketsRequest, context: Context
+    ) -> replication_pb2.BucketsResponse:
+        peer = self._admit(request.origin, request.ByteSize())
+        if len(request.buckets) > MAX_BUCKETS:
+            raise InvalidInput.field("buckets", f"at most {MAX_BUCKETS} buckets per request")
+        if any(bucket >= LEAVES for bucket in request.buckets):
+            raise InvalidInput.field("buckets", f"buckets are 0-{LEAVES - 1}")
+        entries = await self.replica.storage.bucket_entries(list(request.buckets))
+        response = replication_pb2.BucketsResponse(
+            entries=[replication_pb2.BucketEntry(key=k, digest=d) for k, d in entries]
+        )
+        self._sent(peer, response.ByteSize())
+        return response
+
+    @refusals
+    async def Fetch(
+        self, request: replication_pb2.FetchRequest, context: Context
+    ) -> replication_pb2.FetchResponse:
+        peer = self._admit(request.origin, request.ByteSize())
+        if len(request.keys) > MAX_STATES:
+            raise InvalidInput.field("keys", f"at most {MAX_STATES} keys per request")
+        found = await self.replica.storage.states(list(request.keys))
+        response = replication_pb2.FetchResponse()
+        size = 0
+        for key in request.keys:
+            state = found.get(key)
+            if state is None:
+                continue
+            if response.states and size + len(state) > MAX_BATCH_BYTES:
+                response.truncated.append(key)
+                continue
+            response.states.append(state)
+            size += len(state)
+        self._sent(peer, response.ByteSize(), len(response.states))
+        return response
