@@ -1,7 +1,8 @@
 """Hypothesis strategies for whole record states, built only from real operations.
 
 Nothing here invents a CRDT structure directly: every ``Record`` is the result of
-``create``/``set_fields``/``add_tags``/``remove_tags``/``set_deleted`` writes and of
+``create``/``set_fields``/``add_tags``/``remove_tags``/``set_deleted``/``clear`` writes
+(alone, or combined under one stamp as the node's ``delete`` does) and of
 ``grant``/``extend``/``release`` on its ``FenceState``, performed by simulated nodes
 the way the node does them (SPEC §3, §4):
 
@@ -119,6 +120,27 @@ class SetDeleted:
 
 
 @dataclass(frozen=True)
+class Clear:
+    """Empty every field and remove every present tag, under one stamp."""
+
+    def apply(self, node: SimNode) -> None:
+        node.record = node.record.clear(node.stamp())
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """What a node's ``delete`` writes: home (if new), erased content, deleted flag,
+    all under a single stamp."""
+
+    home_region: str
+
+    def apply(self, node: SimNode) -> None:
+        stamp = node.stamp()
+        record = node.record.create(node.record.home_region or self.home_region, stamp)
+        node.record = record.clear(stamp).set_deleted(True, stamp)
+
+
+@dataclass(frozen=True)
 class GrantNext:
     """The home node grants token ``fence + 1`` (claims are decided only there)."""
 
@@ -162,7 +184,7 @@ class Release:
             node.record = node.record.with_fence(fence.release(1 + self.pick % fence.fence))
 
 
-WriteOp = Create | SetFields | AddTags | RemoveTags | SetDeleted
+WriteOp = Create | SetFields | AddTags | RemoveTags | SetDeleted | Clear | Tombstone
 ClaimOp = GrantNext | Extend | Release
 Operation = WriteOp | ClaimOp
 
@@ -183,6 +205,8 @@ def write_ops(regions: Sequence[str] = REGIONS) -> st.SearchStrategy[WriteOp]:
         st.builds(AddTags, tag_names),
         st.builds(RemoveTags, tag_names),
         st.builds(SetDeleted, st.booleans()),
+        st.builds(Clear),
+        st.builds(Tombstone, st.sampled_from(regions)),
     )
 
 

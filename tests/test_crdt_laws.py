@@ -44,10 +44,10 @@ from tests.strategies import (
     sim_nodes,
 )
 
-# Generating a multi-replica history costs far more than checking a law on it, so
-# 100 examples per law (each up to ~30 steps on 3 replicas) keep the suite fast;
-# raise max_examples locally when changing the core.
-LAWS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The number of examples comes from the profile loaded in tests/conftest.py (50 by
+# default, 100 in CI, HYPOTHESIS_PROFILE=thorough for 2000 when changing the core):
+# generating a multi-replica history costs more than checking a law on it.
+LAWS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def assert_same_state(a: Record, b: Record) -> None:
@@ -334,10 +334,9 @@ def test_every_claim_update_is_a_merge_with_its_delta(
     assert fence.release(token) == fence.merge(FenceState(released=frozenset({token})))
     grant = Grant(pack(EPOCH_MS), "worker-a", "local")
     above = fence.fence + token
-    if above not in fence.lease_expiry:  # see the xfail regression test below
-        assert fence.grant(above, grant, expiry) == fence.merge(
-            FenceState({above: grant}, {above: expiry})
-        )
+    assert fence.grant(above, grant, expiry) == fence.merge(
+        FenceState({above: grant}, {above: expiry})
+    )
 
 
 @LAWS
@@ -352,28 +351,28 @@ def test_max_hlc_covers_every_stamp_and_every_grant(record: Record) -> None:
     assert record.with_fence(fence).max_hlc() == record.max_hlc() + 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (crdt/fence.py FenceState.grant): a grant overwrites an existing"
-    " lease_expiry entry for the new token instead of keeping the maximum, so it is"
-    " not an inflation when that entry is later (reachable only via extend/merge of a"
-    " token above the fence, which the claims layer must refuse)",
-)
 def test_grant_is_an_inflation_even_over_an_existing_lease_expiry() -> None:
+    """Regression: ``FenceState.grant`` overwrote a lease expiry already known for the
+    new token (from an ``extend`` or a merge) instead of keeping the later one, so
+    ``grant(s) ⊔ s != grant(s)``; it now keeps the maximum."""
     before = FenceState().extend(1, EPOCH_MS + 90_000)
     after = before.grant(1, Grant(pack(EPOCH_MS), "worker-a", "local"), EPOCH_MS + 60_000)
     assert after.merge(before) == after
+    assert after.expiry(1) == EPOCH_MS + 90_000
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=DecodeError,
-    reason="BUG (crdt/codec.py): encode writes any non-negative int, but decode refuses"
-    " varints of more than 11 bytes (values >= 2**77), so decode(encode(r)) raises",
-)
-def test_decode_inverts_encode_for_every_integer_encode_accepts() -> None:
-    record = Record(KEY).with_fence(FenceState(released=frozenset({2**77})))
-    assert decode(encode(record)) == record
+def test_integers_in_a_state_are_uint64_on_both_sides_of_the_codec() -> None:
+    """Regression: encode wrote any non-negative int while decode refused varints of
+    more than 11 bytes, so decode(encode(r)) raised for values >= 2**77. Now both
+    sides agree on uint64: encode refuses more, decode refuses more."""
+    at_limit = Record(KEY).with_fence(FenceState(released=frozenset({2**64 - 1})))
+    assert decode(encode(at_limit)) == at_limit
+    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01")
+    for beyond in (2**64, 2**77):
+        with pytest.raises(ValueError, match="uint64"):
+            encode(Record(KEY).with_fence(FenceState(released=frozenset({beyond}))))
+    with pytest.raises(ValueError):
+        encode(Record(KEY).set_fields({"title": "x"}, Stamp(-1, 0, "local")))
 
 
 @LAWS
@@ -384,7 +383,7 @@ def test_decode_inverts_encode_for_every_64_bit_integer(epoch: int, value: int) 
     record = (
         Record(KEY)
         .set_fields({"title": "x"}, stamp)
-        .with_fence(FenceState({value + 1: grant}, {value + 1: value}, frozenset({value})))
+        .with_fence(FenceState({value: grant}, {value: epoch}, frozenset({epoch})))
     )
     assert decode(encode(record)) == record
 
@@ -556,6 +555,8 @@ NON_CANONICAL = {
     "non-minimal epoch": layout(deleted=b"\x80\x00" + stamp()[1:] + b"\x00"),
     "non-minimal token": layout(released=b"\x01\x81\x80\x00"),
     "varint too long": layout(fields=b"\xff" * 11 + b"\x01"),
+    "varint of 2**64": layout(released=b"\x01" + b"\x80" * 9 + b"\x02"),
+    "varint of 11 bytes": layout(released=b"\x01" + b"\x80" * 10 + b"\x01"),
     "trailing byte": layout() + b"\x00",
     "trailing bytes after full record": FULL + b"\x01\x02",
     "home flag 2": layout(home=b"\x02" + S1 + text("local")),

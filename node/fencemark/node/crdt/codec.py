@@ -32,6 +32,7 @@ from fencemark.node.crdt.record import Record
 
 FORMAT = 1
 DIGEST_SIZE = 16
+MAX_UINT = (1 << 64) - 1  # every integer in a state is a uint64 (tokens, stamps, expiries)
 
 T = TypeVar("T")
 K = TypeVar("K", int, str)
@@ -50,8 +51,8 @@ def digest(encoded: bytes) -> bytes:
 
 
 def _varint(out: bytearray, n: int) -> None:
-    if n < 0:
-        raise ValueError(f"cannot encode negative integer {n}")
+    if not 0 <= n <= MAX_UINT:
+        raise ValueError(f"cannot encode {n}: integers in a state are uint64")
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
@@ -133,10 +134,12 @@ class _Reader:
             if shift and b == 0:
                 raise DecodeError("non-minimal varint")
             n |= (b & 0x7F) << shift
+            if n > MAX_UINT:
+                raise DecodeError("varint exceeds uint64")
             if not b & 0x80:
                 return n
             shift += 7
-            if shift > 70:
+            if shift > 63:  # a uint64 takes at most 10 bytes
                 raise DecodeError("varint too long")
 
     def str(self) -> str:

@@ -70,9 +70,10 @@ class FenceState:
     def grant(self, token: int, grant: Grant, expiry_ms: int) -> FenceState:
         if token <= self.fence:
             raise ValueError(f"token {token} is not above the fence {self.fence}")
+        # max(): a merge may already have brought a later expiry for this token.
         return FenceState(
             grants={**self.grants, token: grant},
-            lease_expiry={**self.lease_expiry, token: expiry_ms},
+            lease_expiry={**self.lease_expiry, token: max(expiry_ms, self.expiry(token))},
             released=self.released,
         )
 
