@@ -3,22 +3,26 @@
 Every call carries a deadline; retry-safe calls are retried by gRPC itself
 within that deadline (see ``fencemark.client.retry``). What each operation
 guarantees is written down once, in docs/consistency.md.
+
+Routing to a record's home region (SPEC §4) is described, and its state
+kept, in ``fencemark.client._routing``; ``AsyncClient._route`` follows it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator, Iterable, Mapping
+import time
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Protocol, Self, TypeVar
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
 from fencemark.client import _convert as convert
-from fencemark.client.errors import from_rpc_error
-from fencemark.client.retry import channel_options
+from fencemark.client._routing import Router, Stubs, home_named, home_tag
+from fencemark.client.errors import ClaimConflict, WrongRegion, from_rpc_error
 from fencemark.client.types import (
     ClaimResult,
     ClaimStatus,
@@ -29,47 +33,60 @@ from fencemark.client.types import (
     RememberResult,
     RenewResult,
 )
-from fencemark.v1 import (
-    claims_pb2,
-    claims_pb2_grpc,
-    node_pb2,
-    node_pb2_grpc,
-    records_pb2,
-    records_pb2_grpc,
-)
+from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
 __all__ = ["AsyncClient"]
 
 _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
-
-_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-
+_Result = TypeVar("_Result")
 
 MAX_WAIT_SECONDS = 300.0  # SPEC §2: a claim waits at most 300 s
 
 
+class _HasRecord(Protocol):
+    @property
+    def record(self) -> record_pb2.Record: ...
+
+
+def _record_of(response: _HasRecord) -> Record:
+    return convert.record_from_proto(response.record)
+
+
 class AsyncClient:
-    """A connection to one Fencemark node, for asyncio code.
+    """A client of a Fencemark cluster through one node, for asyncio code.
+
+    ``target`` is the node every read and unfenced write goes to (normally
+    the local region's). ``regions`` maps region names to ``host:port`` so
+    that home-only calls can reach a record's home region (see the module
+    docstring); without it every call goes to ``target``.
 
     Create it inside the event loop that uses it (``async with
     AsyncClient("host:port") as client``): a grpc.aio channel belongs to the
     loop it was made in.
     """
 
-    def __init__(self, target: str, *, timeout: float = 10.0, retries: int = 4) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        regions: Mapping[str, str] | None = None,
+        timeout: float = 10.0,
+        retries: int = 4,
+    ) -> None:
         self.target = convert.check_str("target", target)
         self.timeout = convert.check_seconds("timeout", timeout)
-        self._channel = aio.insecure_channel(target, options=channel_options(retries))
-        self._records = records_pb2_grpc.RecordsStub(self._channel)
-        self._claims = claims_pb2_grpc.ClaimsStub(self._channel)
-        self._node = node_pb2_grpc.NodeStub(self._channel)
-        # The standard health service has no typed stub; call it by name.
-        self._health_check: aio.UnaryUnaryMultiCallable[Any, Any] = self._channel.unary_unary(
-            _HEALTH_CHECK,
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
+        self._router = Router(target, convert.check_regions(regions), retries)
+
+    @property
+    def regions(self) -> dict[str, str]:
+        """A copy of the region name -> address map home-only calls are routed by."""
+        return dict(self._router.regions)
+
+    @property
+    def home_regions(self) -> dict[str, str]:
+        """A copy of the cache of record homes learnt from answers: key -> region."""
+        return self._router.homes
 
     async def __aenter__(self) -> Self:
         return self
@@ -83,20 +100,78 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel; calls still in flight are cancelled."""
-        await self._channel.close(grace=None)
+        """Close every channel; calls still in flight are cancelled."""
+        await self._router.close()
 
     async def _call(
         self,
         method: aio.UnaryUnaryMultiCallable[_Request, _Response],
         request: _Request,
         *,
-        extra_seconds: float = 0.0,
+        seconds: float | None = None,
     ) -> _Response:
+        """Call ``method`` within ``seconds`` (default: the client's timeout)."""
         try:
-            return await method(request, timeout=self.timeout + extra_seconds)
+            return await method(request, timeout=self.timeout if seconds is None else seconds)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
+
+    async def _send(
+        self,
+        key: str,
+        address: str,
+        method_of: Callable[[Stubs], aio.UnaryUnaryMultiCallable[_Request, _Response]],
+        request: _Request,
+        result_of: Callable[[_Response], _Result],
+        deadline: float,
+    ) -> _Result:
+        """One call about ``key`` to the node at ``address``; learns the key's home."""
+        method = method_of(self._router.stubs(address))
+        try:
+            response = await self._call(
+                method, request, seconds=max(deadline - time.monotonic(), 0.0)
+            )
+        except (ClaimConflict, WrongRegion) as error:
+            self._router.learn(key, error.home_region)
+            raise
+        result = result_of(response)
+        self._router.learn(key, home_named(result)[0])
+        return result
+
+    async def _route(
+        self,
+        key: str,
+        method_of: Callable[[Stubs], aio.UnaryUnaryMultiCallable[_Request, _Response]],
+        request: _Request,
+        result_of: Callable[[_Response], _Result],
+        *,
+        home_only: bool,
+        home: str = "",
+        extra_seconds: float = 0.0,
+    ) -> _Result:
+        """A call about ``key``, sent where the module docstring says.
+
+        Not ``home_only``: to ``target``. Home-only: to the home (``home``, a
+        ``homeRegion:`` tag, wins over the cache), following one
+        ``wrong_region`` redirect; both attempts share one deadline.
+        """
+        deadline = time.monotonic() + self.timeout + extra_seconds
+        if not home_only:
+            return await self._send(key, self.target, method_of, request, result_of, deadline)
+        address = self._router.address_for(key, home)
+        try:
+            result = await self._send(key, address, method_of, request, result_of, deadline)
+        except (ClaimConflict, WrongRegion) as error:
+            named, wrong = home_named(error)
+            redirect = self._router.redirect(named, address) if wrong else None
+            if redirect is None:
+                raise
+        else:
+            named, wrong = home_named(result)
+            redirect = self._router.redirect(named, address) if wrong else None
+            if redirect is None:
+                return result
+        return await self._send(key, redirect, method_of, request, result_of, deadline)
 
     # --- records ----------------------------------------------------------
 
@@ -114,7 +189,11 @@ class AsyncClient:
         fields: Mapping[str, str] | None = None,
         fencing_token: int = 0,
     ) -> RememberResult:
-        """Create ``repo/{repo}/mem/{topic}/{id}`` or merge into it (an upsert)."""
+        """Create ``repo/{repo}/mem/{topic}/{id}`` or merge into it (an upsert).
+
+        Sent to the home region when it is fenced or a ``homeRegion:`` tag
+        names the home (a new record is born there); otherwise to ``target``.
+        """
         request = records_pb2.RememberRequest(
             repo=convert.check_str("repo", repo),
             topic=convert.check_str("topic", topic),
@@ -127,14 +206,23 @@ class AsyncClient:
             fields=convert.check_fields(fields),
             fencing_token=convert.check_token("fencing_token", fencing_token),
         )
-        response = await self._call(self._records.Remember, request)
-        return convert.remember_result_from_proto(response)
+        key = f"repo/{request.repo}/mem/{request.topic}/{request.id}"
+        home = home_tag(request.tags)
+        return await self._route(
+            key,
+            lambda stubs: stubs.records.Remember,
+            request,
+            convert.remember_result_from_proto,
+            home_only=request.fencing_token > 0 or bool(home),
+            home=home,
+        )
 
     async def get(self, key: str) -> Record:
         """The record at ``key``; raises ``NotFound`` if unknown or deleted."""
         request = records_pb2.GetRequest(key=convert.check_str("key", key))
-        response = await self._call(self._records.Get, request)
-        return convert.record_from_proto(response.record)
+        return await self._route(
+            request.key, lambda stubs: stubs.records.Get, request, _record_of, home_only=False
+        )
 
     async def update(
         self,
@@ -148,6 +236,7 @@ class AsyncClient:
         """Write fields (an empty value clears one) and change tags of a record.
 
         Not retried: raises ``ClaimConflict`` when the record's claim refuses it.
+        Fenced (``fencing_token > 0``), it is sent to the record's home region.
         """
         request = records_pb2.UpdateRequest(
             key=convert.check_str("key", key),
@@ -156,17 +245,30 @@ class AsyncClient:
             remove_tags=convert.check_strings("remove_tags", remove_tags),
             fencing_token=convert.check_token("fencing_token", fencing_token),
         )
-        response = await self._call(self._records.Update, request)
-        return convert.record_from_proto(response.record)
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.records.Update,
+            request,
+            _record_of,
+            home_only=request.fencing_token > 0,
+        )
 
     async def delete(self, key: str, *, fencing_token: int = 0) -> Record:
-        """Write a tombstone; the record keeps its fence. Not retried."""
+        """Write a tombstone; the record keeps its fence. Not retried.
+
+        Fenced (``fencing_token > 0``), it is sent to the record's home region.
+        """
         request = records_pb2.DeleteRequest(
             key=convert.check_str("key", key),
             fencing_token=convert.check_token("fencing_token", fencing_token),
         )
-        response = await self._call(self._records.Delete, request)
-        return convert.record_from_proto(response.record)
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.records.Delete,
+            request,
+            _record_of,
+            home_only=request.fencing_token > 0,
+        )
 
     async def list(
         self,
@@ -187,7 +289,7 @@ class AsyncClient:
             page_token=convert.check_str("page_token", page_token),
             include_deleted=bool(include_deleted),
         )
-        response = await self._call(self._records.List, request)
+        response = await self._call(self._router.default.records.List, request)
         return convert.record_page_from_proto(response)
 
     async def iter_records(
@@ -225,6 +327,7 @@ class AsyncClient:
 
         ``lease_seconds=0`` lets the node choose (60 s). With ``wait_seconds``
         the call may queue that long, so its deadline is extended by as much.
+        Sent to the record's home region (see the module docstring).
         """
         request = claims_pb2.ClaimRequest(
             key=convert.check_str("key", key),
@@ -236,8 +339,14 @@ class AsyncClient:
         # the node (not a local deadline) answers it with INVALID_ARGUMENT.
         wait = request.wait_seconds
         extra = wait if math.isfinite(wait) and 0 < wait <= MAX_WAIT_SECONDS else 0.0
-        response = await self._call(self._claims.Claim, request, extra_seconds=extra)
-        return convert.claim_result_from_proto(response)
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.claims.Claim,
+            request,
+            convert.claim_result_from_proto,
+            home_only=True,
+            extra_seconds=extra,
+        )
 
     async def renew_claim(
         self, key: str, fencing_token: int, *, lease_seconds: float = 0.0
@@ -248,8 +357,13 @@ class AsyncClient:
             fencing_token=convert.check_token("fencing_token", fencing_token),
             lease_seconds=convert.check_seconds("lease_seconds", lease_seconds),
         )
-        response = await self._call(self._claims.RenewClaim, request)
-        return convert.renew_result_from_proto(response)
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.claims.RenewClaim,
+            request,
+            convert.renew_result_from_proto,
+            home_only=True,
+        )
 
     async def release_claim(self, key: str, fencing_token: int) -> ReleaseResult:
         """End the claim of ``fencing_token``; idempotent, never lowers the fence."""
@@ -257,23 +371,34 @@ class AsyncClient:
             key=convert.check_str("key", key),
             fencing_token=convert.check_token("fencing_token", fencing_token),
         )
-        response = await self._call(self._claims.ReleaseClaim, request)
-        return convert.release_result_from_proto(response)
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.claims.ReleaseClaim,
+            request,
+            convert.release_result_from_proto,
+            home_only=True,
+        )
 
     async def claim_status(self, key: str) -> ClaimStatus:
-        """A snapshot of the record's claim (never authoritative)."""
+        """A snapshot of the record's claim at ``target`` (never authoritative)."""
         request = claims_pb2.ClaimStatusRequest(key=convert.check_str("key", key))
-        response = await self._call(self._claims.ClaimStatus, request)
-        return convert.claim_status_from_proto(response)
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.claims.ClaimStatus,
+            request,
+            convert.claim_status_from_proto,
+            home_only=False,
+        )
 
     # --- node ---------------------------------------------------------------
 
     async def info(self) -> NodeInfo:
-        """The node's region, identity, configuration and replication state."""
-        response = await self._call(self._node.Info, node_pb2.InfoRequest())
+        """``target``'s region, identity, configuration and replication state."""
+        response = await self._call(self._router.default.node.Info, node_pb2.InfoRequest())
         return convert.node_info_from_proto(response)
 
     async def health(self) -> str:
-        """The node's overall health status name, e.g. ``"SERVING"``."""
-        response = await self._call(self._health_check, health_pb2.HealthCheckRequest(service=""))
+        """``target``'s overall health status name, e.g. ``"SERVING"``."""
+        request = health_pb2.HealthCheckRequest(service="")
+        response = await self._call(self._router.default.health_check, request)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))

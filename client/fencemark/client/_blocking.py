@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
@@ -45,13 +45,21 @@ async def _next(iterator: AsyncIterator[_T]) -> _T:
 
 
 class Client:
-    """A connection to one Fencemark node, for blocking code.
+    """A client of a Fencemark cluster through one node, for blocking code.
 
-    The same methods as ``AsyncClient``, returning results instead of
-    coroutines. Use it as a context manager or call ``close()``.
+    The same constructor and methods as ``AsyncClient`` (``regions`` routes
+    home-only calls the same way), returning results instead of coroutines.
+    Use it as a context manager or call ``close()``.
     """
 
-    def __init__(self, target: str, *, timeout: float = 10.0, retries: int = 4) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        regions: Mapping[str, str] | None = None,
+        timeout: float = 10.0,
+        retries: int = 4,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         # Daemon: a client that was never closed must not keep the process alive.
         self._thread = threading.Thread(
@@ -62,7 +70,11 @@ class Client:
         try:
             # Made in the loop's thread: a grpc.aio channel belongs to its loop.
             self._async_client = self._run(
-                _in_loop(functools.partial(AsyncClient, target, timeout=timeout, retries=retries))
+                _in_loop(
+                    functools.partial(
+                        AsyncClient, target, regions=regions, timeout=timeout, retries=retries
+                    )
+                )
             )
         except BaseException:
             self._stop_loop()
@@ -109,6 +121,17 @@ class Client:
     @property
     def timeout(self) -> float:
         return self._async_client.timeout
+
+    @property
+    def regions(self) -> dict[str, str]:
+        """A copy of the region name -> address map home-only calls are routed by."""
+        return self._async_client.regions
+
+    @property
+    def home_regions(self) -> dict[str, str]:
+        """A copy of the cache of record homes learnt from answers: key -> region."""
+        # Copied in the loop's thread, which is the only one that changes it.
+        return self._run(_in_loop(lambda: self._async_client.home_regions))
 
     remember = _blocking(AsyncClient.remember)
     get = _blocking(AsyncClient.get)

@@ -68,6 +68,19 @@ def check_fields(fields: Mapping[str, str] | None) -> dict[str, str]:
     return checked
 
 
+def check_regions(regions: Mapping[str, str] | None) -> dict[str, str]:
+    """The region name -> ``host:port`` map a client routes home-only calls by."""
+    if regions is None:
+        return {}
+    if not isinstance(regions, Mapping):
+        raise TypeError(f"regions must be a mapping of str to str, got {type(regions).__name__}")
+    checked: dict[str, str] = {}
+    for name, address in regions.items():
+        check_str("regions key", name)
+        checked[name] = check_str(f"regions[{name!r}]", address)
+    return checked
+
+
 # --- messages to dataclasses ----------------------------------------------
 
 
@@ -160,6 +173,15 @@ def peer_info_from_proto(message: node_pb2.PeerInfo) -> PeerInfo:
         address=message.address,
         last_sync=to_datetime(message.last_sync, message.HasField("last_sync")),
         lag_ms=message.lag_ms,
+        records_sent=message.records_sent,
+        records_received=message.records_received,
+        bytes_sent=message.bytes_sent,
+        bytes_received=message.bytes_received,
+        divergence=message.divergence,
+        skew_alarms=message.skew_alarms,
+        reachable=message.reachable,
+        last_error=message.last_error,
+        push_backlog=message.push_backlog,
     )
 
 

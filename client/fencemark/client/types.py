@@ -118,12 +118,21 @@ class ClaimStatus:
 
 @dataclass(frozen=True)
 class PeerInfo:
-    """The replication state of one configured peer."""
+    """The replication state of one configured peer, as the answering node sees it."""
 
     region: str
     address: str
     last_sync: datetime | None
     lag_ms: int
+    records_sent: int
+    records_received: int
+    bytes_sent: int
+    bytes_received: int
+    divergence: int
+    skew_alarms: int
+    reachable: bool
+    last_error: str
+    push_backlog: int
 
 
 @dataclass(frozen=True)
