@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import tomllib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 from fencemark.node import __version__, validation
 from fencemark.node.errors import InvalidInput
 from fencemark.node.replication.peers import parse_peers
-from fencemark.node.server import NodeConfig, serve
+from fencemark.node.server import NodeConfig, default_data_dir, serve
 
 DEFAULT_TARGET = "127.0.0.1:7400"
 TRUE_WORDS = {"1", "true", "yes", "on"}
@@ -141,7 +142,60 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fencemark.node.demo import run_demo
 
-    return asyncio.run(run_demo(lease_seconds=args.lease_seconds, data_dir=args.data))
+    return asyncio.run(
+        run_demo(
+            regions=_regions(args.regions),
+            items=args.items,
+            agents_per_region=args.agents_per_region,
+            lease_seconds=args.lease_seconds,
+            cut_seconds=args.cut_seconds,
+            work_seconds=args.work_seconds,
+            seed_value=args.seed,
+            data_dir=args.data,
+        )
+    )
+
+
+def _regions(spec: str) -> list[str]:
+    regions = [r.strip() for r in spec.split(",") if r.strip()]
+    try:
+        for region in regions:
+            validation.region(region, "--regions")
+    except InvalidInput as exc:
+        raise SystemExit(f"fencemark: {exc}") from exc
+    if len(set(regions)) != len(regions) or len(regions) < 2:
+        raise SystemExit("fencemark: --regions takes two or more distinct names, e.g. us,eu,ap")
+    return regions
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from fencemark.node.cluster import LocalCluster
+
+    regions = _regions(args.regions)
+    root = Path(args.data) if args.data else default_data_dir("cluster")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        cluster = await LocalCluster.start(regions, root, base_port=args.base_port)
+        try:
+            print(f"fencemark cluster: {len(regions)} regions, data under {root}")
+            for region, address in cluster.addresses.items():
+                print(f"  region {region:<8} listening on {address}")
+            first = cluster.addresses[regions[0]]
+            routes = ",".join(f"{r}={a}" for r, a in cluster.addresses.items())
+            print(f"try: fencemark status --targets {' '.join(cluster.addresses.values())}")
+            print(f"     fencemark walkthrough --target {first}")
+            print(f"     (a client routing by region: AsyncClient({first!r}, regions=...{routes}))")
+            print("Ctrl-C stops the cluster.", flush=True)
+            await stop.wait()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+    return 0
 
 
 # -- argument parsing -----------------------------------------------------------------
@@ -240,10 +294,31 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     walk.add_argument("--lease-seconds", type=float, default=2.0)
     walk.set_defaults(func=cmd_walkthrough)
 
-    demo = sub.add_parser("demo", help="start a local node and run the walkthrough against it")
+    demo = sub.add_parser(
+        "demo",
+        help="the main job: agents in three regions drain a backlog under faults, then verify",
+    )
+    demo.add_argument("--regions", default="us,eu,ap", help="comma-separated region names")
+    demo.add_argument("--items", type=int, default=30, help="backlog items to drain")
+    demo.add_argument(
+        "--work-seconds", type=float, default=0.3, help="time an agent spends per progress step"
+    )
+    demo.add_argument("--agents-per-region", type=int, default=3)
     demo.add_argument("--lease-seconds", type=float, default=2.0)
+    demo.add_argument("--cut-seconds", type=float, default=4.0, help="how long a region is cut off")
+    demo.add_argument("--seed", type=int, default=None, help="replay a run's random choices")
     demo.add_argument("--data", default=None, help="data directory (default: a temporary one)")
     demo.set_defaults(func=cmd_demo)
+
+    cluster = sub.add_parser(
+        "cluster", help="run a local multi-region cluster (one node process per region)"
+    )
+    cluster.add_argument("--regions", default="us,eu,ap", help="comma-separated region names")
+    cluster.add_argument(
+        "--base-port", type=int, default=7400, help="first region's port; the next ones follow"
+    )
+    cluster.add_argument("--data", default=None, help="data root (default: XDG data dir)")
+    cluster.set_defaults(func=cmd_cluster)
 
     status = sub.add_parser("status", help="one line per node: region, health, records")
     status.add_argument(

@@ -1,30 +1,273 @@
-"""``fencemark demo``: the main job, for now one region.
+"""``fencemark demo``: the main job. Agents in three regions drain a backlog.
 
-Starts a node with writes enabled on the embedded SQLite default (a fresh data
-directory), runs the SPEC §1 walkthrough against it over gRPC, stops the node
-gracefully and exits non-zero if any expectation failed. The multi-region demo
-(issue 3) replaces this.
+It starts a three-region cluster on the embedded SQLite default (one node
+process per region, node-to-node traffic through a fault proxy mesh), seeds a
+backlog homed across the regions, and runs several agents per region that claim
+items, write fenced progress, renew and release. Meanwhile a nemesis pauses one
+agent past its lease (it must then be refused) and cuts one region off, then
+heals it. A live line shows progress; the run ends with a verification report
+and exits non-zero if any check fails.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import random
+import sys
 import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from fencemark.client.walkthrough import run_walkthrough
-from fencemark.node.process import NodeProcess
+from fencemark.client import AsyncClient, FencemarkError, Record
+from fencemark.node.cluster import LocalCluster
+from fencemark.node.workload import REPO, TOPIC, Agent, Check, History, check_history, seed
+
+Out = Callable[[str], None]
 
 
-async def run_demo(*, lease_seconds: float = 2.0, data_dir: str | None = None) -> int:
-    with tempfile.TemporaryDirectory(prefix="fencemark-demo-") as scratch:
-        data = Path(data_dir) if data_dir else Path(scratch) / "local"
-        print(f"starting a node of region 'local' (data in {data}) ...", flush=True)
-        node = await NodeProcess.start(data, region="local")
-        print(f"node listening on {node.address}; running the walkthrough\n", flush=True)
+async def _poll(what: str, condition: Callable[[], Awaitable[bool]], limit: float) -> float:
+    """Wait (bounded) until ``await condition()`` is true; returns the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        with contextlib.suppress(FencemarkError):
+            if await condition():
+                return time.monotonic() - started
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{what}: not within {limit:.0f} s")
+
+
+async def _records(client: AsyncClient, topic: str = "") -> dict[str, Record]:
+    listing = client.iter_records(REPO, topic=topic, include_deleted=True)
+    return {record.key: record async for record in listing}
+
+
+class Demo:
+    def __init__(
+        self, cluster: LocalCluster, *, out: Out, lease: float, rng: random.Random
+    ) -> None:
+        self.cluster = cluster
+        self.out = out
+        self.lease = lease
+        self.rng = rng
+        self.regions = list(cluster.nodes)
+        self.history = History()
+        self.clients = {
+            region: AsyncClient(cluster.addresses[region], regions=cluster.routes_from(region))
+            for region in self.regions
+        }
+        self.done: dict[str, int] = dict.fromkeys(self.regions, 0)
+        self.totals: dict[str, int] = dict.fromkeys(self.regions, 0)
+        self.lags: list[float] = []  # seconds from an acknowledged write to everywhere
+        self.cut: str | None = None
+
+    async def close(self) -> None:
+        for client in self.clients.values():
+            await client.close()
+
+    def log(self, text: str) -> None:
+        self.out(f"[{time.monotonic() - self.history.started:6.1f}s] {text}")
+
+    async def run(
+        self, *, items: int, agents_per_region: int, cut_seconds: float, work_seconds: float
+    ) -> list[Check]:
+        async def all_serving() -> bool:
+            infos = [await c.info() for c in self.clients.values()]
+            return all(info.claims_serving for info in infos)
+
+        took = await _poll("every node caught up", all_serving, 60)
+        self.log(f"{len(self.regions)} regions serving claims after {took:.1f} s")
+        keys = await seed(self.clients, items)
+        for index in range(len(keys)):
+            self.totals[self.regions[index % len(self.regions)]] += 1
+        self.log(f"seeded {items} items, homed round-robin in {', '.join(self.regions)}")
+
+        stop = asyncio.Event()
+        agents = [
+            Agent(
+                f"{region}-agent-{i}", region, self.clients[region], self.history,
+                lease_seconds=self.lease, pause_once=(region, i) == (self.regions[0], 0),
+                work_seconds=work_seconds,
+                seed=self.rng.randrange(1 << 30),
+            )
+            for region in self.regions
+            for i in range(agents_per_region)
+        ]  # fmt: skip
+        tasks = [asyncio.create_task(agent.run(stop)) for agent in agents]
+        paused = agents[0]
+        watchers = [
+            asyncio.create_task(self._display(stop, paused)),
+            asyncio.create_task(self._nemesis(cut_seconds, stop)),
+            asyncio.create_task(self._probe_lag(stop)),
+        ]
+        self.log(f"nemesis: {paused.name} will stall past its lease after its first claim")
+        nemesis = watchers[1]
+
+        async def finished() -> bool:
+            # Drained, and every fault has played out: the cut healed, and the
+            # stalled worker (if it ever claimed) has woken up and been answered.
+            stalled = paused.pause_once or paused.paused_refusal is not None
+            return await self._drained(keys) and nemesis.done() and stalled
+
         try:
-            ok = await run_walkthrough(node.address, lease_seconds=lease_seconds)
+            drained = await _poll("backlog drained", finished, 240)
+            self.log(f"backlog drained and faults played out in {drained:.1f} s")
         finally:
-            code = await node.stop()
-        print(f"\nnode stopped (exit code {code})")
-        print("walkthrough: PASSED" if ok else "walkthrough: FAILED")
-        return 0 if ok and code == 0 else 1
+            stop.set()
+            await asyncio.gather(*tasks, *watchers, return_exceptions=True)
+        assert self.cluster.mesh is not None
+        self.cluster.mesh.heal()
+        converged = await _poll("byte-identical replicas", self._converged, 120)
+        self.log(f"replicas byte-identical {converged:.2f} s after the last write")
+        finals = {region: await _records(self.clients[region], TOPIC) for region in self.regions}
+        lags = sorted(self.lags) or [0.0]
+        self.log(
+            f"replication lag (write acknowledged -> visible in every region): median"
+            f" {lags[len(lags) // 2] * 1000:.0f} ms, max {lags[-1] * 1000:.0f} ms"
+            f" over {len(self.lags)} probes"
+        )
+        checks = [
+            Check("every item completed", all(
+                record.fields.get("status") == "done" for record in finals[self.regions[0]].values()
+            ), f"{items} items done in every region"),
+            *check_history(self.history, finals),
+            Check("byte-identical replicas after the final heal", True,
+                  f"converged in {converged:.2f} s"),
+            Check("the stalled worker was refused", paused.paused_refusal is not None
+                  and "superseded" in paused.paused_refusal, str(paused.paused_refusal)),
+        ]  # fmt: skip
+        return checks
+
+    async def _drained(self, keys: Sequence[str]) -> bool:
+        # Each item is finished at its home region; look there.
+        for region, client in self.clients.items():
+            records = await _records(client)
+            mine = [r for r in records.values() if r.home_region == region]
+            self.done[region] = sum(r.fields.get("status") == "done" for r in mine)
+        return sum(self.done.values()) == len(keys)
+
+    async def _converged(self) -> bool:
+        views = [await _records(client) for client in self.clients.values()]
+        digests = [{key: record.digest for key, record in view.items()} for view in views]
+        return all(d == digests[0] for d in digests)
+
+    async def _nemesis(self, cut_seconds: float, stop: asyncio.Event) -> None:
+        assert self.cluster.mesh is not None
+        victim = self.regions[-1]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+            return
+        self.cut = victim
+        self.cluster.mesh.isolate(victim)
+        self.log(f"nemesis: region {victim} cut off from the others for {cut_seconds:.0f} s")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=cut_seconds)
+        self.cluster.mesh.heal()
+        self.cut = None
+        self.log(f"nemesis: region {victim} healed")
+
+    async def _probe_lag(self, stop: asyncio.Event) -> None:
+        """Replication lag, measured: a write at one region, then watch the others see it."""
+        beat = 0
+        while not stop.is_set():
+            await asyncio.sleep(0.5)
+            source = self.rng.choice([r for r in self.regions if r != self.cut])
+            beat += 1
+            try:
+                made = await self.clients[source].remember(
+                    REPO, "probe", source, fields={"beat": str(beat)}, tags=[f"homeRegion:{source}"]
+                )
+            except FencemarkError:
+                continue
+            written = time.monotonic()
+            others = [c for r, c in self.clients.items() if r not in (source, self.cut)]
+            while others and time.monotonic() - written < 5 and not stop.is_set():
+                seen = []
+                for client in others:
+                    with contextlib.suppress(FencemarkError):
+                        record = await client.get(made.record.key)
+                        if record.fields.get("beat") == str(beat):
+                            seen.append(client)
+                others = [c for c in others if c not in seen]
+                if others:
+                    await asyncio.sleep(0.005)
+            if not others:
+                self.lags.append(time.monotonic() - written)
+
+    async def _display(self, stop: asyncio.Event, paused: Agent) -> None:
+        tty = sys.stdout.isatty()
+        last = 0.0
+        told = False
+        while not stop.is_set():
+            await asyncio.sleep(0.5)
+            if paused.paused_refusal is not None and not told:
+                told = True
+                if tty:
+                    print()
+                self.log(f"nemesis: {paused.name} woke up after its lease and was refused:"
+                         f" {paused.paused_refusal}")  # fmt: skip
+            counts = self.history.counts
+            done = " ".join(f"{r} {self.done[r]}/{self.totals[r]}" for r in self.regions)
+            lag = f"{self.lags[-1] * 1000:.0f}ms" if self.lags else "-"
+            refusals = " ".join(
+                f"{word} {counts[f'refused:{word}']}"
+                for word in ("claimed", "superseded", "expired", "wrong_region")
+            )
+            line = (
+                f"done {done} | grants {counts['grant:ok']} contended"
+                f" {counts['refused:contended']} | refused {refusals} | repl lag {lag}"
+                + (f" | {self.cut} CUT" if self.cut else "")
+            )
+            if tty:
+                print(f"\r\033[K{line}", end="", flush=True)
+            elif time.monotonic() - last >= 2:
+                self.log(line)
+                last = time.monotonic()
+        if tty:
+            print()
+
+
+def report(checks: Sequence[Check], out: Out) -> bool:
+    out("\nverification report")
+    for check in checks:
+        out(f"  {'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
+    ok = all(check.ok for check in checks)
+    out("demo: PASSED" if ok else "demo: FAILED")
+    return ok
+
+
+async def run_demo(
+    *,
+    regions: Sequence[str] = ("us", "eu", "ap"),
+    items: int = 30,
+    agents_per_region: int = 3,
+    lease_seconds: float = 2.0,
+    cut_seconds: float = 4.0,
+    work_seconds: float = 0.3,
+    seed_value: int | None = None,
+    data_dir: str | None = None,
+    out: Out = print,
+) -> int:
+    chosen = seed_value if seed_value is not None else random.randrange(1 << 20)
+    out(f"fencemark demo: {len(regions)} regions, {items} items, {agents_per_region} agents"
+        f" per region, lease {lease_seconds:g} s, seed {chosen}")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="fencemark-demo-") as scratch:
+        root = Path(data_dir) if data_dir else Path(scratch)
+        cluster = await LocalCluster.start(regions, root, faults=True, anti_entropy_interval=0.3)
+        for region, address in cluster.addresses.items():
+            out(f"  region {region}: node on {address}, data in {root / region}")
+        demo = Demo(cluster, out=out, lease=lease_seconds, rng=random.Random(chosen))
+        try:
+            checks = await demo.run(
+                items=items,
+                agents_per_region=agents_per_region,
+                cut_seconds=cut_seconds,
+                work_seconds=work_seconds,
+            )
+        except TimeoutError as exc:
+            checks = [Check("the run finished", False, str(exc))]
+        finally:
+            await demo.close()
+            await cluster.stop()
+    return 0 if report(checks, out) else 1

@@ -16,10 +16,17 @@ LISTENING = re.compile(r"listening on (\S+)")
 
 
 class NodeProcess:
-    def __init__(self, proc: asyncio.subprocess.Process, address: str, data_dir: Path) -> None:
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        address: str,
+        data_dir: Path,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.proc = proc
         self.address = address
         self.data_dir = data_dir
+        self.extra_args = extra_args
         # Keep reading so a chatty child never blocks on a full pipe.
         self._drain = asyncio.create_task(self._drain_output())
 
@@ -58,7 +65,7 @@ class NodeProcess:
                 proc.kill()
                 await proc.wait()
             raise
-        return cls(proc, match.group(1), data_dir)
+        return cls(proc, match.group(1), data_dir, extra_args)
 
     async def _drain_output(self) -> None:
         assert self.proc.stdout is not None

@@ -1,0 +1,279 @@
+"""Agents that drain a backlog with claims, a history of what they did, and its checker.
+
+Used by ``fencemark demo`` (and the chaos tier). Every operation is recorded
+Jepsen-style: when it was invoked and completed, and whether it was
+acknowledged (``ok``), refused (``fail``, with the reason) or has an unknown
+outcome (``unknown``: the call failed in transit). The checker then judges the
+history and the final states of every region, one invariant at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fencemark.client import (
+    AsyncClient,
+    ClaimConflict,
+    ClaimResult,
+    FencemarkError,
+    Record,
+    ReleaseResult,
+    RenewResult,
+    Unavailable,
+)
+
+REPO, TOPIC, TAG = "lattice", "backlog", "backlog"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Event:
+    agent: str
+    op: str  # claim | write | renew | finish | release | stale-write | stale-renew
+    key: str
+    token: int
+    outcome: str  # ok | fail | unknown
+    invoked: float
+    completed: float
+    detail: str = ""  # the refusal reason, or the field written
+    value: str = ""
+
+
+@dataclass
+class History:
+    started: float = field(default_factory=time.monotonic)
+    events: list[Event] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def add(self, event: Event) -> None:
+        self.events.append(event)
+        self.counts[f"{event.op}:{event.outcome}"] += 1
+        if event.outcome == "fail" and event.detail:
+            self.counts[f"refused:{event.detail}"] += 1
+
+
+def item_id(index: int) -> str:
+    return f"item-{index:03d}"
+
+
+async def seed(clients: Mapping[str, AsyncClient], items: int) -> list[str]:
+    """Remember ``items`` backlog items, homed round-robin across the regions."""
+    regions = sorted(clients)
+    keys = []
+    for index in range(items):
+        home = regions[index % len(regions)]
+        made = await clients[home].remember(
+            REPO, TOPIC, item_id(index),
+            kind="Task", author="demo", title=f"Backlog item {index}",
+            fields={"status": "todo"}, tags=[TAG, f"homeRegion:{home}"],
+        )  # fmt: skip
+        keys.append(made.record.key)
+    return keys
+
+
+class Agent:
+    """Claims a random unfinished item, writes fenced progress, renews, finishes, releases."""
+
+    def __init__(
+        self,
+        name: str,
+        region: str,
+        client: AsyncClient,
+        history: History,
+        *,
+        lease_seconds: float,
+        steps: int = 3,
+        work_seconds: float = 0.05,
+        pause_once: bool = False,
+        seed: int = 0,
+    ) -> None:
+        self.name = name
+        self.region = region
+        self.client = client
+        self.history = history
+        self.lease = lease_seconds
+        self.steps = steps
+        self.work = work_seconds
+        self.pause_once = pause_once
+        self.rng = random.Random(seed)
+        self.finished = 0
+        self.paused_refusal: str | None = None  # what the paused worker was told
+
+    async def _call(self, op: str, key: str, token: int, call: Awaitable[T], **kw: str) -> T | None:
+        invoked = time.monotonic()
+        outcome, detail, result = "ok", kw.get("detail", ""), None
+        try:
+            result = await call
+            # A claim, renewal or release that is not granted is a value, not an
+            # error; the history records it as the refusal it is.
+            if isinstance(result, ClaimResult | RenewResult | ReleaseResult) and not (
+                getattr(result, "granted", False)
+                or getattr(result, "renewed", False)
+                or getattr(result, "released", False)
+            ):
+                outcome, detail = "fail", result.reason
+        except ClaimConflict as exc:
+            outcome, detail = "fail", exc.reason
+        except Unavailable as exc:
+            outcome, detail = "unknown", exc.code.name if exc.code else "unavailable"
+        except FencemarkError as exc:
+            outcome, detail = "fail", type(exc).__name__
+        self.history.add(
+            Event(self.name, op, key, token, outcome, invoked, time.monotonic(),
+                  detail, kw.get("value", ""))
+        )  # fmt: skip
+        return result
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                todo = [r for r in await self._items() if r.fields.get("status") != "done"]
+            except FencemarkError:
+                await asyncio.sleep(0.2)
+                continue
+            if not todo:
+                await asyncio.sleep(0.2)
+                continue
+            item = self.rng.choice(todo)
+            claim = await self._call(
+                "claim",
+                item.key,
+                0,
+                self.client.claim(item.key, self.name, lease_seconds=self.lease),
+            )
+            if claim is None or not claim.granted:
+                await asyncio.sleep(self.rng.uniform(0.02, 0.1))
+                continue
+            self.history.add(
+                Event(self.name, "grant", item.key, claim.fencing_token, "ok",
+                      time.monotonic(), time.monotonic())
+            )  # fmt: skip
+            await self._work_on(item.key, claim.fencing_token)
+
+    async def _items(self) -> list[Record]:
+        return [r async for r in self.client.iter_records(REPO, topic=TOPIC, tag=TAG)]
+
+    async def _work_on(self, key: str, token: int) -> None:
+        if self.pause_once:
+            self.pause_once = False
+            await self._pause_past_lease(key, token)
+            return
+        for step in range(self.steps):
+            name, value = f"progress.{self.name}.{token}.{step}", f"{self.name}@{token}"
+            write = self.client.update(key, fields={name: value}, fencing_token=token)
+            if await self._call("write", key, token, write, detail=name, value=value) is None:
+                return  # refused or unknown: stop writing to this item at once
+            await asyncio.sleep(self.work)
+            renewed = await self._call(
+                "renew", key, token, self.client.renew_claim(key, token, lease_seconds=self.lease)
+            )
+            if renewed is None or not renewed.renewed:
+                return
+        done = {"status": "done", "done_by": self.name}
+        finish = self.client.update(key, fields=done, fencing_token=token)
+        if await self._call("finish", key, token, finish, detail="status", value="done"):
+            self.finished += 1
+        await self._call("release", key, token, self.client.release_claim(key, token))
+
+    async def _pause_past_lease(self, key: str, token: int) -> None:
+        """The nemesis: a worker that stalls past its lease, then wakes up and writes."""
+        deadline = time.monotonic() + self.lease + 10
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            try:
+                status = await self.client.claim_status(key)
+            except FencemarkError:
+                continue
+            if status.fence > token:
+                break  # someone else holds it now
+        name = f"stale.{self.name}.{token}"
+        write = self.client.update(key, fields={name: "late"}, fencing_token=token)
+        await self._call("stale-write", key, token, write, detail="", value="late")
+        renewed = await self._call("stale-renew", key, token, self.client.renew_claim(key, token))
+        reason = renewed.reason if renewed is not None else "unknown"
+        refused = [e for e in self.history.events if e.op == "stale-write" and e.agent == self.name]
+        self.paused_refusal = (
+            refused[-1].detail if refused and refused[-1].outcome == "fail" else None
+        )
+        if reason and reason != self.paused_refusal:
+            self.paused_refusal = f"{self.paused_refusal} (renew: {reason})"
+
+
+# -- the checker ---------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def check_history(history: History, finals: Mapping[str, Mapping[str, Record]]) -> list[Check]:
+    """Judge the history and every region's final states (key -> Record)."""
+    grants: dict[str, list[Event]] = {}
+    for event in history.events:
+        if event.op == "grant":
+            grants.setdefault(event.key, []).append(event)
+    return [
+        _fencing_safety(history, grants),
+        _tokens_increase(grants),
+        _writes_everywhere(history, finals),
+    ]
+
+
+def _fencing_safety(history: History, grants: Mapping[str, list[Event]]) -> Check:
+    violations = []
+    for event in history.events:
+        if event.op not in ("write", "finish", "stale-write") or event.outcome != "ok":
+            continue
+        for grant in grants.get(event.key, []):
+            if grant.token > event.token and grant.completed < event.invoked:
+                violations.append(
+                    f"{event.agent} wrote {event.key} with token {event.token}"
+                    f" after token {grant.token} was granted"
+                )
+                break
+    told = {
+        (e.agent, e.key, e.token): e.completed
+        for e in history.events
+        if e.outcome == "fail" and e.detail == "superseded"
+    }
+    for event in history.events:
+        since = told.get((event.agent, event.key, event.token))
+        late = since is not None and event.invoked > since
+        if late and event.outcome == "ok" and event.op in ("write", "finish", "stale-write"):
+            violations.append(f"{event.agent} wrote {event.key} after being told superseded")
+    detail = "; ".join(violations[:3]) or "no write got through with a stale token"
+    return Check("fencing safety", not violations, detail)
+
+
+def _tokens_increase(grants: Mapping[str, list[Event]]) -> Check:
+    repeats = []
+    for key, events in grants.items():
+        tokens = [e.token for e in sorted(events, key=lambda e: e.completed)]
+        if tokens != sorted(set(tokens)):
+            repeats.append(f"{key}: {tokens}")
+    count = sum(len(events) for events in grants.values())
+    detail = "; ".join(repeats[:3]) or f"{count} grants, none reused"
+    return Check("tokens strictly increase", not repeats, detail)
+
+
+def _writes_everywhere(history: History, finals: Mapping[str, Mapping[str, Record]]) -> Check:
+    acked = [e for e in history.events if e.op == "write" and e.outcome == "ok"]
+    missing = [
+        f"{e.key} {e.detail}={e.value} at {region}"
+        for region, records in finals.items()
+        for e in acked
+        if e.key not in records or records[e.key].fields.get(e.detail) != e.value
+    ]
+    detail = (
+        "; ".join(missing[:3]) or f"{len(acked)} acknowledged writes, in all {len(finals)} regions"
+    )
+    return Check("every acknowledged write is in every region", not missing, detail)
