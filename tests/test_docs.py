@@ -6,7 +6,8 @@ index (``docs/api.md-block07``) so a broken example is named in the report:
 
 - ```` ```python ```` blocks run with ``TARGET`` bound to the address of a fresh node
   of region ``local`` with writes enabled (the ``node`` fixture), and
-  ``READ_ONLY_TARGET`` to a node without writes when the block mentions it. A
+  ``READ_ONLY_TARGET`` to a node without writes when the block mentions it, and
+  ``REGIONS`` to ``{"us": ..., "eu": ...}``, two peered nodes, when it mentions that. A
   block with top-level ``await`` runs in the test's event loop (compiled with
   ``ast.PyCF_ALLOW_TOP_LEVEL_AWAIT``); any other block runs in a worker thread, so
   the blocking client never blocks the loop the in-process node serves on.
@@ -43,7 +44,8 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.node.server import NodeServer
+from fencemark.node.cluster import free_port
+from fencemark.node.server import NodeConfig, NodeServer
 from tests.conftest import StartNode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,16 +216,46 @@ async def run_python(block: Block, namespace: dict[str, object]) -> None:
         await asyncio.to_thread(exec, code, namespace)
 
 
+async def start_regions(data: Path, regions: tuple[str, ...]) -> list[NodeServer]:
+    """Peered in-process nodes on fixed free loopback ports, one per region."""
+    addresses = {region: f"127.0.0.1:{free_port()}" for region in regions}
+    nodes = []
+    for region in regions:
+        config = NodeConfig(
+            region=region,
+            listen=addresses[region],
+            data_dir=data / region,
+            enable_writes=True,
+            grace_seconds=0.5,
+            peers={r: a for r, a in addresses.items() if r != region},
+            anti_entropy_interval=0.2,
+        )
+        nodes.append(await NodeServer.start(config))
+    return nodes
+
+
 @pytest.mark.parametrize("block", _params(PYTHON_BLOCKS))
 async def test_python_example_runs(
-    block: Block, node: NodeServer, start_node: StartNode, capsys: pytest.CaptureFixture[str]
+    block: Block,
+    node: NodeServer,
+    start_node: StartNode,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     namespace: dict[str, object] = {"__name__": "__main__", "TARGET": node.address}
     if "READ_ONLY_TARGET" in block.code:
         namespace["READ_ONLY_TARGET"] = (await start_node(enable_writes=False)).address
+    cluster: list[NodeServer] = []
+    if "REGIONS" in block.code:
+        cluster = await start_regions(tmp_path / "regions", ("us", "eu"))
+        namespace["REGIONS"] = {n.config.region: n.address for n in cluster}
     want = expected_output(block.code)
     capsys.readouterr()
-    await run_python(block, namespace)
+    try:
+        await run_python(block, namespace)
+    finally:
+        for member in cluster:
+            await member.stop()
     got = capsys.readouterr().out
     if want is None:
         return
