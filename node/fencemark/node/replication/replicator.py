@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -170,17 +171,22 @@ class Replicator:
                 pause = peer.retry_at - time.monotonic()
                 if pause > 0:
                     await asyncio.sleep(pause)
-                keys = list(peer.backlog)[:MAX_STATES]
+                # Take the keys out before reading their states: a write landing
+                # while this batch is in flight puts its key back for the next one.
+                keys = list(itertools.islice(peer.backlog, MAX_STATES))
+                for key in keys:
+                    del peer.backlog[key]
                 states = await self.replica.storage.states(keys)
                 try:
                     await self._push(peer, [states[k] for k in keys if k in states])
                 except grpc.aio.AioRpcError as exc:
+                    for key in keys:
+                        if len(peer.backlog) < PUSH_QUEUE_LIMIT:
+                            peer.backlog.setdefault(key, None)
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                         peer.accepts_push = False  # a read-only peer: it pulls instead
                     peer.back_off(f"push: {exc.code().name}: {exc.details()}")
                     continue
-                for key in keys:
-                    peer.backlog.pop(key, None)
                 peer.stats.succeeded()
 
     # -- anti-entropy ----------------------------------------------------------------
