@@ -129,15 +129,14 @@ class Clear:
 
 @dataclass(frozen=True)
 class Tombstone:
-    """What a node's ``delete`` writes: home (if new), erased content, deleted flag,
-    all under a single stamp."""
+    """What a node's ``delete`` writes: erased content and the deleted flag, under a
+    single stamp. A key the node never saw gets no home (replica.py explains why)."""
 
     home_region: str
 
     def apply(self, node: SimNode) -> None:
         stamp = node.stamp()
-        record = node.record.create(node.record.home_region or self.home_region, stamp)
-        node.record = record.clear(stamp).set_deleted(True, stamp)
+        node.record = node.record.clear(stamp).set_deleted(True, stamp)
 
 
 @dataclass(frozen=True)

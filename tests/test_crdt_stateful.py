@@ -82,6 +82,9 @@ class ReplicatedRecord(RuleBasedStateMachine):
         the earliest stamp (an already-created record ignores it)."""
         node = self.nodes[i]
         stamp = node.stamp()
+        if node.record.home is None:
+            # A creation writes deleted=False too: no older delete can undo it.
+            self.deleted_log.append(LWW(stamp, False))
         node.record = node.record.create(node.region, stamp)
         self.creates.append(LWW(stamp, node.region))
         assert node.record.home is not None
@@ -118,21 +121,19 @@ class ReplicatedRecord(RuleBasedStateMachine):
     @rule(i=replica)
     def delete(self, i: int) -> None:
         """The node's ``delete``: the tombstone erases every field and tag, keeping the
-        home and the fence, all under one stamp."""
+        home (none for a key never seen) and the fence, all under one stamp."""
         node = self.nodes[i]
         stamp = node.stamp()
         before = node.record
-        home = before.home_region or node.region
-        node.record = before.create(home, stamp).clear(stamp).set_deleted(True, stamp)
-        if before.home is None:
-            self.creates.append(LWW(stamp, home))
+        node.record = before.clear(stamp).set_deleted(True, stamp)
         for name in before.field_values():
             self.field_log[name].append(LWW(stamp, ""))
         for name in tagset.value(before.tags):
             self.tag_log[name].append(LWW(stamp, False))
         self.deleted_log.append(LWW(stamp, True))
         assert node.record.field_values() == {}
-        assert node.record.tag_values() == [HOME_TAG_PREFIX + node.record.home_region]
+        home_tags = [HOME_TAG_PREFIX + node.record.home_region] if node.record.exists else []
+        assert node.record.tag_values() == home_tags
         assert node.record.fence == before.fence, "a tombstone keeps its grants"
 
     # -- claims: the home region only -------------------------------------------------

@@ -282,8 +282,10 @@ class Replica:
                 current, fencing_token, home=home, region=self.region, now_ms=self.clock.wall_ms()
             )
             stamp = self.stamp(epoch)
-            # A delete erases the content; the tombstone keeps home and fence.
-            return current.create(home, stamp).clear(stamp).set_deleted(True, stamp), None
+            # A delete erases the content; the tombstone keeps home and fence. A
+            # key never seen here gets a tombstone without a home: homing it here
+            # could take over a record created meanwhile in another region.
+            return current.clear(stamp).set_deleted(True, stamp), None
 
         stored, _ = await self.transact(key, change)
         assert stored is not None

@@ -75,7 +75,8 @@ class Record(_message.Message):
     """The `id` segment of the key."""
     home_region: _builtins.str
     """The region whose node decides claims and fenced writes for this record.
-    Set when the record is created and never changed.
+    Set when the record is created and never changed; empty for a tombstone of
+    a key that was never created.
     """
     fence: _builtins.int
     """The largest fencing token ever granted for this record (0 if none)."""
@@ -97,7 +98,9 @@ class Record(_message.Message):
 
     @_builtins.property
     def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The tag set, sorted. Always contains exactly one `homeRegion:{region}` tag."""
+        """The tag set, sorted. Every record that was created carries exactly one
+        `homeRegion:{region}` tag (a tombstone of a never-created key has none).
+        """
 
     @_builtins.property
     def updated_at(self) -> _timestamp_pb2.Timestamp:

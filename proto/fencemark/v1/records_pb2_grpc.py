@@ -96,9 +96,10 @@ class RecordsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Delete writes a tombstone. It is always written, even for a key the node
-        has never seen; a deleted record keeps its fence, so a later `Remember`
-        of the same key never reissues a token.
+        """Delete writes a tombstone and erases the record's fields and tags. It is
+        always written, even for a key the node has never seen (that tombstone has
+        no home region: a creation made after it, anywhere, wins). A deleted record
+        keeps its home and fence, so a later `Remember` never reissues a token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

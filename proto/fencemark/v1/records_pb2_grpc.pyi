@@ -70,9 +70,10 @@ class RecordsStub:
     NOT_FOUND when the record does not exist (or is deleted).
     """
     Delete: _grpc.UnaryUnaryMultiCallable[_records_pb2.DeleteRequest, _records_pb2.DeleteResponse]
-    """Delete writes a tombstone. It is always written, even for a key the node
-    has never seen; a deleted record keeps its fence, so a later `Remember`
-    of the same key never reissues a token.
+    """Delete writes a tombstone and erases the record's fields and tags. It is
+    always written, even for a key the node has never seen (that tombstone has
+    no home region: a creation made after it, anywhere, wins). A deleted record
+    keeps its home and fence, so a later `Remember` never reissues a token.
     """
     List: _grpc.UnaryUnaryMultiCallable[_records_pb2.ListRequest, _records_pb2.ListResponse]
     """List returns records in key order, filtered by repo, topic and tag, a page
@@ -101,9 +102,10 @@ class RecordsAsyncStub(RecordsStub):
     NOT_FOUND when the record does not exist (or is deleted).
     """
     Delete: _aio.UnaryUnaryMultiCallable[_records_pb2.DeleteRequest, _records_pb2.DeleteResponse]  # type: ignore[assignment]
-    """Delete writes a tombstone. It is always written, even for a key the node
-    has never seen; a deleted record keeps its fence, so a later `Remember`
-    of the same key never reissues a token.
+    """Delete writes a tombstone and erases the record's fields and tags. It is
+    always written, even for a key the node has never seen (that tombstone has
+    no home region: a creation made after it, anywhere, wins). A deleted record
+    keeps its home and fence, so a later `Remember` never reissues a token.
     """
     List: _aio.UnaryUnaryMultiCallable[_records_pb2.ListRequest, _records_pb2.ListResponse]  # type: ignore[assignment]
     """List returns records in key order, filtered by repo, topic and tag, a page
@@ -153,9 +155,10 @@ class RecordsServicer(metaclass=_abc_1.ABCMeta):
         request: _records_pb2.DeleteRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_records_pb2.DeleteResponse, _abc.Awaitable[_records_pb2.DeleteResponse]]:
-        """Delete writes a tombstone. It is always written, even for a key the node
-        has never seen; a deleted record keeps its fence, so a later `Remember`
-        of the same key never reissues a token.
+        """Delete writes a tombstone and erases the record's fields and tags. It is
+        always written, even for a key the node has never seen (that tombstone has
+        no home region: a creation made after it, anywhere, wins). A deleted record
+        keeps its home and fence, so a later `Remember` never reissues a token.
         """
 
     @_abc_1.abstractmethod

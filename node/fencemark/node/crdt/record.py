@@ -98,10 +98,19 @@ class Record:
     # -- updates --------------------------------------------------------------
 
     def create(self, home_region: str, stamp: Stamp) -> Record:
-        """Give the record its home unless it already has one."""
+        """Give the record its home unless it already has one.
+
+        A creation also writes ``deleted=False`` at its stamp, so that a delete of
+        the key made earlier elsewhere (by a region that had never seen it) cannot
+        delete a record created after it.
+        """
         if self.home is not None:
             return self
-        return replace(self, home=LWW(stamp, home_region))
+        return replace(
+            self,
+            home=LWW(stamp, home_region),
+            deleted=lww.assign(self.deleted, False, stamp),
+        )
 
     def set_fields(self, values: Mapping[str, str], stamp: Stamp) -> Record:
         fields = dict(self.fields)

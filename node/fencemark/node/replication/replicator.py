@@ -77,6 +77,18 @@ class _Peer:
         self.wake = asyncio.Event()
         self.retry_at = 0.0
         self.accepts_push = True
+        self.push_probe_at = 0.0  # when to try pushing again to a peer that refused
+
+    def pushes_allowed(self) -> bool:
+        """False while the peer refuses pushes (writes disabled); retried every minute."""
+        if not self.accepts_push and time.monotonic() >= self.push_probe_at:
+            self.accepts_push = True
+        return self.accepts_push
+
+    def refuses_pushes(self) -> None:
+        self.accepts_push = False
+        self.push_probe_at = time.monotonic() + 60.0
+        self.backlog.clear()  # it pulls by itself; nothing queued would be sent
 
     def back_off(self, why: str) -> None:
         self.stats.failed(why)
@@ -159,6 +171,8 @@ class Replicator:
 
     def _enqueue(self, key: str) -> None:
         for peer in self._peers.values():
+            if not peer.pushes_allowed():
+                continue
             if key in peer.backlog or len(peer.backlog) < PUSH_QUEUE_LIMIT:
                 peer.backlog[key] = None
                 peer.wake.set()
@@ -167,7 +181,7 @@ class Replicator:
         while True:
             await peer.wake.wait()
             peer.wake.clear()
-            while peer.backlog and peer.accepts_push:
+            while peer.backlog and peer.pushes_allowed():
                 pause = peer.retry_at - time.monotonic()
                 if pause > 0:
                     await asyncio.sleep(pause)
@@ -184,7 +198,9 @@ class Replicator:
                         if len(peer.backlog) < PUSH_QUEUE_LIMIT:
                             peer.backlog.setdefault(key, None)
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                        peer.accepts_push = False  # a read-only peer: it pulls instead
+                        peer.refuses_pushes()  # a read-only peer: it pulls instead
+                    elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        peer.stats.skew_alarms += 1  # the peer refused our clock
                     peer.back_off(f"push: {exc.code().name}: {exc.details()}")
                     continue
                 peer.stats.succeeded()
@@ -285,13 +301,13 @@ class Replicator:
         # these buckets; push whatever the peer does not have yet.
         after = dict(await self.replica.storage.bucket_entries(buckets))
         push = [key for key, digest in after.items() if theirs.get(key) != digest]
-        if push and peer.accepts_push:
+        if push and peer.pushes_allowed():
             states = await self.replica.storage.states(push)
             try:
                 await self._push(peer, [states[k] for k in push if k in states])
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
-                peer.accepts_push = False
+                peer.refuses_pushes()
         divergence = len(set(differing) | set(push))
         return RoundResult(False, pulled, len(push), divergence, truncated)
