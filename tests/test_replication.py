@@ -1,0 +1,845 @@
+"""SPEC §3-§5 across regions: replicas converge, repair, stay cheap in sync, and keep the rules.
+
+In-process nodes (``tests.cluster.Cluster``) wired to each other on loopback;
+the tests look inside a node only to compare what it stores (canonical bytes,
+digest tree) and to drive one anti-entropy round by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fencemark.client import AsyncClient, ClaimConflict, NotFound, Unavailable, WrongRegion
+from fencemark.node.crdt import Record, Stamp, codec
+from fencemark.node.crdt.hlc import pack, wall_clock_ms
+from fencemark.node.errors import ClockSkewed
+from fencemark.node.replication.replicator import Replicator, RoundResult
+from fencemark.node.server import CLAIMS_SERVICE, NodeServer
+from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
+from tests.cluster import Cluster, assert_identical, digests_of, eventually, wait_converged
+
+REPO = "repl"
+LONG_LEASE = 60.0
+
+
+def key_of(topic: str, id_: str) -> str:
+    return f"repo/{REPO}/mem/{topic}/{id_}"
+
+
+async def all_serving(cluster: Cluster) -> None:
+    """Wait until every running node has finished its start-up pass and grants claims."""
+
+    async def serving() -> bool:
+        return all(node.claims.serving for node in cluster.running())
+
+    await eventually(serving, "every node serving claims", within=20)
+
+
+async def info(node: NodeServer) -> node_pb2.InfoResponse:
+    """Node.Info over the wire, with a raw stub (every PeerInfo field, whatever the client has)."""
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        response = await node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=10)
+    assert isinstance(response, node_pb2.InfoResponse)
+    return response
+
+
+async def peer_info(node: NodeServer, region: str) -> node_pb2.PeerInfo:
+    peers = {p.region: p for p in (await info(node)).peers}
+    return peers[region]
+
+
+async def visible_everywhere(nodes: Iterable[NodeServer], key: str, digest: bytes) -> bool:
+    for node in nodes:
+        stored = await node.storage.get(key)
+        if stored is None or stored.digest != digest:
+            return False
+    return True
+
+
+def error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    """The ``google.rpc.ErrorInfo`` a refusal carries in its status details."""
+    trailers = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    details = [value for name, value in trailers if name == "grpc-status-details-bin"]
+    assert len(details) == 1 and isinstance(details[0], bytes), trailers
+    status = status_pb2.Status.FromString(details[0])
+    infos = [d for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+    assert len(infos) == 1, status
+    found = error_details_pb2.ErrorInfo()
+    infos[0].Unpack(found)
+    return found
+
+
+async def one_round(node: NodeServer, region: str) -> tuple[RoundResult, int, int]:
+    """Run one anti-entropy round from ``node`` with ``region``; returns it and its bytes.
+
+    Retried while the peer's channel is still reconnecting (a round that fails
+    at its first call transfers nothing).
+    """
+    replicator: Replicator = node.replicator
+    peer = replicator._peers[region]
+    deadline = time.monotonic() + 15
+    while True:
+        sent, received = peer.stats.bytes_sent, peer.stats.bytes_received
+        try:
+            result = await replicator.sync_round(peer)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+            continue
+        return result, peer.stats.bytes_sent - sent, peer.stats.bytes_received - received
+
+
+async def update_unless_gone(client: AsyncClient, key: str, fields: dict[str, str]) -> None:
+    """An update racing a delete made elsewhere: NotFound if the tombstone won the race."""
+    with contextlib.suppress(NotFound):
+        await client.update(key, fields=fields)
+
+
+# -- convergence -------------------------------------------------------------------------
+
+
+async def test_writes_in_every_region_converge_to_byte_identical_records(tmp_path: Path) -> None:
+    """SPEC §3/§5: whatever is written where, and concurrently, every replica ends identical.
+
+    Each region creates, updates, retags and deletes its own records; then all
+    three write the SAME record at once (fields, tags, a delete racing an
+    update), create the same new key at once, and tombstone a key nobody has.
+    """
+    regions = ["us", "eu", "ap"]
+    async with Cluster(tmp_path, regions) as cluster:
+        await cluster.start_all()
+        await all_serving(cluster)
+        async with contextlib.AsyncExitStack() as stack:
+            c = {
+                r: await stack.enter_async_context(AsyncClient(cluster[r].address)) for r in regions
+            }
+
+            async def own_records(region: str) -> None:
+                for i in range(6):
+                    made = await c[region].remember(
+                        REPO, "own", f"{region}-{i}", title=f"{region} {i}", tags=["new", "own"]
+                    )
+                    await c[region].update(
+                        made.record.key,
+                        fields={"body": f"body {i}", "extra": region},
+                        add_tags=["seen"],
+                        remove_tags=["new"],
+                    )
+                await c[region].delete(key_of("own", f"{region}-0"))
+
+            await asyncio.gather(*(own_records(r) for r in regions))
+
+            shared = (await c["us"].remember(REPO, "shared", "s", title="s", tags=["t0"])).record
+            doomed = (await c["eu"].remember(REPO, "shared", "doomed", title="d")).record
+            for record in (shared, doomed):
+                arrived = functools.partial(
+                    visible_everywhere, cluster.running(), record.key, record.digest
+                )
+                await eventually(arrived, f"{record.key} pushed everywhere")
+
+            async def contend(region: str) -> None:
+                for i in range(8):
+                    await c[region].update(
+                        shared.key,
+                        fields={"body": f"{region}-{i}", f"by-{region}": str(i)},
+                        add_tags=[f"{region}-{i}"],
+                        remove_tags=["t0"],
+                    )
+
+            await asyncio.gather(
+                *(contend(r) for r in regions),
+                c["us"].delete(doomed.key),
+                update_unless_gone(c["ap"], doomed.key, {"body": "updated meanwhile"}),
+                *(c[r].remember(REPO, "born", "twin", body=f"born in {r}") for r in regions),
+                c["ap"].delete(key_of("ghost", "never-seen")),
+            )
+            await wait_converged(cluster.running())
+
+            # Same bytes everywhere, and the value the CRDT rules say.
+            for region in regions:
+                got = await c[region].get(shared.key)
+                assert {got.fields[f"by-{r}"] for r in regions} == {"7"}
+                assert got.body in {f"{r}-7" for r in regions}  # the last write of someone
+                expected_tags = {f"{r}-{i}" for r in regions for i in range(8)} | {"homeRegion:us"}
+                assert set(got.tags) == expected_tags, "t0 was removed after it was added"
+                twin = await c[region].get(key_of("born", "twin"))
+                assert twin.home_region in regions
+                assert twin.body in {f"born in {r}" for r in regions}
+            for node in cluster.running():
+                gone = await node.storage.get(doomed.key)
+                assert gone is not None and gone.record.is_deleted, "an update never undeletes"
+            ghost = await cluster["us"].storage.get(key_of("ghost", "never-seen"))
+            assert ghost is not None and ghost.record.is_deleted, "a tombstone replicates too"
+            assert cluster["eu"].storage.record_count == 3 * 6 + 2 + 1 + 1
+
+
+async def push_only_cluster(cluster: Cluster) -> dict[str, int]:
+    """Start every node and let the start-up anti-entropy finish; returns the round counts.
+
+    With an anti-entropy interval of an hour, nothing but eager push moves a
+    later write while the test runs.
+    """
+    await cluster.start_all()
+    await all_serving(cluster)
+    # The start-up pass is followed by one more round; wait until rounds stop.
+    rounds: dict[str, int] = {}
+    while True:
+        now = {node.config.region: node.replicator.rounds for node in cluster.running()}
+        if now == rounds:
+            return rounds
+        rounds = now
+        await asyncio.sleep(0.3)
+
+
+def assert_no_round_since(cluster: Cluster, rounds: dict[str, int]) -> None:
+    assert {n.config.region: n.replicator.rounds for n in cluster.running()} == rounds, (
+        "an anti-entropy round ran: the push path was not tested alone"
+    )
+
+
+async def test_eager_push_alone_makes_a_write_visible_everywhere(tmp_path: Path) -> None:
+    """SPEC §5: a write is pushed right after it is acknowledged, no anti-entropy needed."""
+    async with Cluster(tmp_path, ["us", "eu", "ap"], anti_entropy_interval=3600) as cluster:
+        rounds = await push_only_cluster(cluster)
+        async with AsyncClient(cluster["us"].address) as us:
+            made = (await us.remember(REPO, "push", "p1", title="pushed", tags=["x"])).record
+            await eventually(
+                lambda: visible_everywhere(cluster.running(), made.key, made.digest),
+                "the new record pushed to eu and ap",
+                within=10,
+            )
+            await asyncio.sleep(0.2)  # the push loop is idle again
+            updated = await us.update(made.key, fields={"body": "and updated"})
+            await eventually(
+                lambda: visible_everywhere(cluster.running(), updated.key, updated.digest),
+                "the update pushed to eu and ap",
+                within=10,
+            )
+        assert_no_round_since(cluster, rounds)
+        await assert_identical(cluster.running())
+        for region in ("eu", "ap"):
+            peer = await peer_info(cluster["us"], region)
+            assert peer.records_sent >= 2 and peer.push_backlog == 0, peer
+
+
+async def test_a_write_made_while_its_key_is_being_pushed_is_pushed_too(tmp_path: Path) -> None:
+    """SPEC §5 regression: a key re-written while its previous state is in flight to a
+    peer must be pushed again; the push worker used to drop it from the queue when
+    the earlier push completed, leaving the peer stale until anti-entropy.
+
+    Each record is updated right after it is created, while the creation is
+    being pushed; every update must arrive by push alone.
+    """
+    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
+        rounds = await push_only_cluster(cluster)
+        latest = []
+        async with AsyncClient(cluster["us"].address) as us:
+            for i in range(5):
+                made = (await us.remember(REPO, "push", f"hot-{i}", title="hot")).record
+                latest.append(await us.update(made.key, fields={"body": "updated at once"}))
+
+        async def all_arrived() -> bool:
+            for record in latest:
+                if not await visible_everywhere(cluster.running(), record.key, record.digest):
+                    return False
+            return True
+
+        async def stale() -> str:
+            eu = cluster["eu"]
+            missing = [r.key for r in latest if not await visible_everywhere([eu], r.key, r.digest)]
+            backlog = cluster["us"].replicator.backlog("eu")
+            return f"eu is stale on {missing}; us's push backlog for eu: {backlog}"
+
+        await eventually(all_arrived, "every update pushed to eu", within=5, explain=stale)
+        assert_no_round_since(cluster, rounds)
+
+
+async def test_anti_entropy_alone_repairs_a_node_that_was_down(tmp_path: Path) -> None:
+    """SPEC §5: what a push missed, anti-entropy repairs.
+
+    eu is down while us writes; us's pushes to eu fail; then us stops too, so
+    its push queue (memory only) is gone. Restarted on their data, eu can only
+    learn those writes from an anti-entropy round.
+    """
+    async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
+        await cluster.start_all()
+        await all_serving(cluster)
+        async with AsyncClient(cluster["us"].address) as us:
+            before = await us.remember(REPO, "ae", "before", title="before")
+        await eventually(
+            lambda: visible_everywhere(cluster.running(), before.record.key, before.record.digest),
+            "the first write everywhere",
+        )
+        await cluster.stop("eu")
+        async with AsyncClient(cluster["us"].address) as us:
+            for i in range(20):
+                await us.remember(REPO, "ae", f"while-down-{i}", body=str(i), tags=["down"])
+            await us.update(before.record.key, fields={"body": "changed while eu was down"})
+            await us.delete(key_of("ae", "while-down-0"))
+
+        async def push_failed() -> bool:
+            stats = cluster["us"].replicator._peers["eu"].stats
+            return not stats.reachable and stats.failures > 0 and "push" in stats.last_error
+
+        await eventually(push_failed, "a failed push from us to eu")
+        assert cluster["us"].replicator.backlog("eu") > 0
+        await wait_converged([cluster["us"], cluster["ap"]])  # ap, which was up, has it all
+        await cluster.stop("us")
+
+        eu = await cluster.start("eu")
+        await cluster.start("us")
+        await wait_converged(cluster.running())
+        stored = await eu.storage.get(before.record.key)
+        assert stored is not None
+        assert stored.record.field_values()["body"] == "changed while eu was down"
+        assert eu.storage.record_count == 21
+        assert eu.replicator.rounds > 0
+
+
+async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_differences(
+    tmp_path: Path,
+) -> None:
+    """SPEC §5: agreeing replicas exchange one root hash; differing ones only what differs.
+
+    The bytes of an in-sync round are the same at 100 and at 2000 records. Then
+    us, cut off from eu (restarted without peers, so it pushes nothing), writes
+    K records; one round started by eu pulls exactly those K. A difference of
+    hundreds of records takes several bounded rounds.
+    """
+    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+
+        async def fill(client: AsyncClient, start: int, stop: int) -> None:
+            async def one(i: int) -> None:
+                await client.remember(REPO, "bulk", f"r{i:05d}", body=f"record {i}", tags=["b"])
+
+            for batch in range(start, stop, 100):
+                await asyncio.gather(*(one(i) for i in range(batch, min(batch + 100, stop))))
+
+        async with AsyncClient(us.address) as client:
+            await fill(client, 0, 100)
+            await wait_converged([us, eu])
+            small, small_sent, small_received = await one_round(eu, "us")
+            await fill(client, 100, 2000)
+            await wait_converged([us, eu], within=30)
+            large, large_sent, large_received = await one_round(eu, "us")
+        assert small.in_sync and large.in_sync
+        assert eu.storage.record_count == 2000
+        assert (small_sent, small_received) == (large_sent, large_received), (
+            f"an in-sync round cost {small_sent}+{small_received} bytes at 100 records"
+            f" and {large_sent}+{large_received} at 2000"
+        )
+        assert small_sent + small_received < 200
+
+        # Divergence: us writes K records (3 new, 4 updates) while cut off from eu.
+        await cluster.stop("us")
+        us = await cluster.start("us", peers={})
+        async with AsyncClient(us.address) as client:
+            for i in range(3):
+                await client.remember(REPO, "bulk", f"new{i}", body="written while cut off")
+            for i in range(4):
+                await client.update(key_of("bulk", f"r{i * 300:05d}"), fields={"body": "changed"})
+        k = 7
+        states = await us.storage.states(list(await digests_of(us)))
+        store_bytes = sum(len(state) for state in states.values())
+        received_before = eu.replicator._peers["us"].stats.records_received
+
+        repair, sent, received = await one_round(eu, "us")
+        assert not repair.in_sync
+        assert (repair.pulled, repair.pushed, repair.divergence) == (k, 0, k), repair
+        assert eu.replicator._peers["us"].stats.records_received - received_before == k
+        assert sent + received < store_bytes / 20, (
+            f"repairing {k} records moved {sent + received} bytes of a {store_bytes}-byte store"
+        )
+        again, _, _ = await one_round(eu, "us")
+        assert again.in_sync
+        await assert_identical([us, eu])
+
+        # A large difference is repaired by several bounded rounds, not one huge one.
+        big = 600
+        async with AsyncClient(us.address) as client:
+            await fill(client, 2000, 2000 + big)
+        pulled = []
+        while True:
+            result, _, _ = await one_round(eu, "us")
+            if result.in_sync:
+                break
+            assert result.pulled <= big // 2, f"one round pulled {result.pulled} of {big}"
+            pulled.append(result.pulled)
+            assert len(pulled) < 50, f"no convergence after rounds pulling {pulled}"
+        assert sum(pulled) == big and len(pulled) >= 2, pulled
+        await assert_identical([us, eu])
+
+
+# -- clock safety ---------------------------------------------------------------------------
+
+
+def push_request(region: str, hlc: int, *states: bytes) -> replication_pb2.PushRequest:
+    origin = replication_pb2.Origin(region=region, node_id="test-node", hlc=hlc)
+    return replication_pb2.PushRequest(origin=origin, states=list(states))
+
+
+async def test_a_peer_clock_beyond_max_offset_is_refused_counted_and_nothing_merged(
+    tmp_path: Path,
+) -> None:
+    """SPEC §3: a remote stamp > max_clock_offset ahead is not merged; the exchange is refused.
+
+    Posing as the configured peer eu with a raw Replication stub: a Push whose
+    origin clock is 10 s ahead, then one whose state's stamps are, then a Tree
+    call from the future. Each is FAILED_PRECONDITION / CLOCK_SKEW, changes
+    nothing, and counts in us's Info for eu.
+    """
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us")  # eu never starts: this test speaks for it
+        async with AsyncClient(us.address) as client:
+            made = await client.remember(REPO, "clock", "c", title="t", body="original")
+        key = made.record.key
+        stored = await us.storage.get(key)
+        assert stored is not None
+        ahead = pack(wall_clock_ms() + 10_000)
+        future_state = codec.encode(
+            stored.record.set_fields({"body": "from the future"}, Stamp(0, ahead, "future-node"))
+        )
+        fresh_key = key_of("clock", "fresh")
+        fresh_state = codec.encode(
+            Record(fresh_key)
+            .create("eu", Stamp(0, pack(wall_clock_ms()), "test-node"))
+            .set_fields({"body": "fine"}, Stamp(0, pack(wall_clock_ms()), "test-node"))
+        )
+        count = us.storage.record_count
+
+        async with grpc.aio.insecure_channel(us.address) as channel:
+            stub = replication_pb2_grpc.ReplicationStub(channel)
+            refusals: list[grpc.aio.AioRpcError] = []
+            calls: list[Any] = [
+                lambda: stub.Push(push_request("eu", ahead, fresh_state), timeout=10),
+                lambda: stub.Push(
+                    push_request("eu", pack(wall_clock_ms()), future_state), timeout=10
+                ),
+                lambda: stub.Tree(
+                    replication_pb2.TreeRequest(
+                        origin=replication_pb2.Origin(region="eu", node_id="n", hlc=ahead),
+                        level=0,
+                        nodes=[0],
+                    ),
+                    timeout=10,
+                ),
+            ]
+            for number, call in enumerate(calls, start=1):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call()
+                refusals.append(refused.value)
+                assert (await peer_info(us, "eu")).skew_alarms == number
+            for refusal in refusals:
+                assert refusal.code() == grpc.StatusCode.FAILED_PRECONDITION, refusal
+                details = error_info(refusal)
+                assert (details.reason, details.domain) == ("CLOCK_SKEW", "fencemark")
+                assert details.metadata["region"] == "eu"
+                assert int(details.metadata["ahead_ms"]) > 9_000
+                assert details.metadata["max_offset_ms"] == "500"
+            # Nothing of a refused exchange was merged, and the clock did not jump.
+            assert us.storage.record_count == count
+            after = await us.storage.get(key)
+            assert after is not None and after.digest == stored.digest
+            assert await us.storage.get(fresh_key) is None
+            assert us.replica.clock.last < ahead
+
+            # An unknown origin from the future is refused as well (and counted nowhere).
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await stub.Push(push_request("mars", ahead, fresh_state), timeout=10)
+            assert error_info(unknown.value).reason == "CLOCK_SKEW"
+            assert (await peer_info(us, "eu")).skew_alarms == len(calls)
+
+            # The same states from a clock in range are merged.
+            fine = await stub.Push(
+                push_request("eu", pack(wall_clock_ms()), fresh_state), timeout=10
+            )
+            assert (fine.merged, fine.unchanged) == (1, 0)
+
+
+async def test_merging_a_state_slightly_ahead_advances_the_local_clock(tmp_path: Path) -> None:
+    """SPEC §3: receiving a state advances the HLC past its stamps: a later local write wins."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us")
+        async with AsyncClient(us.address) as client:
+            made = await client.remember(REPO, "clock", "ahead", body="original")
+            stored = await us.storage.get(made.record.key)
+            assert stored is not None
+            ahead = pack(wall_clock_ms() + 300)  # within max_clock_offset (500 ms)
+            remote = stored.record.set_fields({"body": "remote"}, Stamp(0, ahead, "zz-remote"))
+            async with grpc.aio.insecure_channel(us.address) as channel:
+                stub = replication_pb2_grpc.ReplicationStub(channel)
+                pushed = await stub.Push(
+                    push_request("eu", pack(wall_clock_ms()), codec.encode(remote)), timeout=10
+                )
+            assert pushed.merged == 1
+            assert us.replica.clock.last >= ahead
+            assert (await client.get(made.record.key)).body == "remote"
+            # At once, while the wall clock is still behind the merged stamp:
+            local = await client.update(made.record.key, fields={"body": "local, later"})
+        assert local.body == "local, later"
+        after = await us.storage.get(made.record.key)
+        assert after is not None
+        assert after.record.fields["body"].stamp.hlc > ahead
+
+
+async def test_a_node_with_a_fast_clock_is_refused_by_its_peers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPEC §3 end to end: ap's wall clock runs 10 s fast; us merges nothing of ap's.
+
+    us counts ap's refused pushes and rounds (skew_alarms in Info), ap counts
+    the rounds us refused, a round us starts refuses ap's states, and us still
+    replicates its own writes to ap.
+    """
+    from fencemark.node import server
+    from fencemark.node.crdt import HybridClock
+
+    def fast_clock(**kwargs: Any) -> HybridClock:
+        return HybridClock(wall_ms=lambda: wall_clock_ms() + 10_000, **kwargs)
+
+    async with Cluster(tmp_path, ["us", "ap"], anti_entropy_interval=0.1) as cluster:
+        us = await cluster.start("us")
+        with monkeypatch.context() as patch:
+            patch.setattr(server, "HybridClock", fast_clock)
+            ap = await cluster.start("ap")
+        async with AsyncClient(ap.address) as at_ap, AsyncClient(us.address) as at_us:
+            from_ap = (await at_ap.remember(REPO, "skew", "from-ap", body="ahead")).record
+            from_us = (await at_us.remember(REPO, "skew", "from-us", body="behind")).record
+            await eventually(
+                lambda: visible_everywhere([ap], from_us.key, from_us.digest),
+                "us's write reaching ap",
+            )
+
+            async def alarmed() -> bool:
+                at_us_side = await peer_info(us, "ap")
+                at_ap_side = await peer_info(ap, "us")
+                return at_us_side.skew_alarms >= 2 and at_ap_side.skew_alarms >= 1
+
+            await eventually(alarmed, "skew alarms on both sides")
+        # us pulling from ap: the fetched state is from the future, the round is refused.
+        with pytest.raises(ClockSkewed) as skewed:
+            await one_round(us, "ap")
+        assert (skewed.value.region, skewed.value.max_offset_ms) == ("ap", 500)
+        assert skewed.value.ahead_ms > 5_000  # written 10 s ahead, a moment ago
+        assert await us.storage.get(from_ap.key) is None, "us merged a state from the future"
+        assert us.replica.clock.last < pack(wall_clock_ms() + 1_000), "us's clock jumped ahead"
+        assert "FAILED_PRECONDITION" in (await peer_info(ap, "us")).last_error
+
+
+# -- region scoping (SPEC §4) ---------------------------------------------------------------
+
+
+async def test_claims_and_fenced_writes_are_decided_only_by_the_home_region(
+    tmp_path: Path,
+) -> None:
+    """SPEC §4: at us, a record homed in eu answers wrong_region, naming eu."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+        async with AsyncClient(us.address) as at_us, AsyncClient(eu.address) as at_eu:
+            made = (await at_eu.remember(REPO, "home", "h", title="homed in eu")).record
+            assert made.home_region == "eu"
+            await eventually(
+                lambda: visible_everywhere([us], made.key, made.digest), "the record at us"
+            )
+            token = (
+                await at_eu.claim(made.key, "worker-a", lease_seconds=LONG_LEASE)
+            ).fencing_token
+            await eventually(lambda: fence_seen(us, made.key, token), "the grant replicated to us")
+
+            claim = await at_us.claim(made.key, "worker-b", lease_seconds=LONG_LEASE)
+            assert (claim.granted, claim.reason, claim.home_region) == (False, "wrong_region", "eu")
+            renew = await at_us.renew_claim(made.key, token)
+            assert (renew.renewed, renew.reason, renew.home_region) == (False, "wrong_region", "eu")
+            release = await at_us.release_claim(made.key, token)
+            assert (release.released, release.reason, release.home_region) == (
+                False,
+                "wrong_region",
+                "eu",
+            )
+            for fenced in (
+                at_us.update(made.key, fields={"body": "x"}, fencing_token=token),
+                at_us.delete(made.key, fencing_token=token),
+                at_us.remember(REPO, "home", "h", body="x", fencing_token=token),
+            ):
+                with pytest.raises(ClaimConflict) as conflict:
+                    await fenced
+                assert (conflict.value.reason, conflict.value.home_region) == ("wrong_region", "eu")
+            with pytest.raises(WrongRegion) as wrong:
+                await at_us.remember(REPO, "home", "new", title="n", tags=["homeRegion:eu"])
+            assert wrong.value.home_region == "eu"
+            assert await us.storage.get(key_of("home", "new")) is None
+            # The live claim is still eu's, untouched by all this.
+            status = await at_eu.claim_status(made.key)
+            assert status.claim is not None and status.claim.fencing_token == token
+
+
+async def fence_seen(node: NodeServer, key: str, token: int, *, released: bool = False) -> bool:
+    stored = await node.storage.get(key)
+    if stored is None:
+        return False
+    fence = stored.record.fence
+    return fence.fence == token and (token in fence.released) == released
+
+
+async def test_unfenced_writes_elsewhere_respect_the_fence_they_know(tmp_path: Path) -> None:
+    """SPEC §3/§4: an unfenced write at us is refused while us sees eu's live claim,
+    admitted under the fence it knows once released, and loses to any write made
+    under a newer token, whatever the clocks say.
+    """
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+        async with AsyncClient(eu.address) as at_eu:
+            made = (await at_eu.remember(REPO, "fence", "f", body="initial")).record
+            t1 = (await at_eu.claim(made.key, "worker-a", lease_seconds=LONG_LEASE)).fencing_token
+            await eventually(lambda: fence_seen(us, made.key, t1), "eu's claim seen at us")
+            async with AsyncClient(us.address) as at_us:
+                with pytest.raises(ClaimConflict) as conflict:
+                    await at_us.update(made.key, fields={"body": "unfenced at us"})
+                assert (conflict.value.reason, conflict.value.fence) == ("claimed", t1)
+                assert (await at_eu.release_claim(made.key, t1)).released
+                await eventually(
+                    lambda: fence_seen(us, made.key, t1, released=True), "the release seen at us"
+                )
+                await at_us.update(made.key, fields={"body": "unfenced at us"})
+            admitted = await us.storage.get(made.key)
+            assert admitted is not None
+            assert admitted.record.fields["body"].stamp.epoch == t1, "stamped with us's fence"
+
+            # Partition: us is cut off (new port, no peers); eu grants t2 and writes under it.
+            await cluster.stop("us")
+            us = await cluster.start_isolated("us")
+            t2 = (await at_eu.claim(made.key, "worker-b", lease_seconds=LONG_LEASE)).fencing_token
+            assert t2 > t1
+            await at_eu.update(made.key, fields={"body": "fenced at eu"}, fencing_token=t2)
+            await asyncio.sleep(0.01)
+            async with AsyncClient(us.address) as at_us:  # later in time: a larger clock
+                await at_us.update(made.key, fields={"body": "unfenced at us, later"})
+        late = await us.storage.get(made.key)
+        fenced = await eu.storage.get(made.key)
+        assert late is not None and fenced is not None
+        late_stamp = late.record.fields["body"].stamp
+        fenced_stamp = fenced.record.fields["body"].stamp
+        assert (late_stamp.epoch, fenced_stamp.epoch) == (t1, t2)
+        assert late_stamp.hlc > fenced_stamp.hlc, "the older fence's write is the later one"
+
+        await cluster.stop("us")
+        us = await cluster.start("us")
+        await wait_converged([us, eu])
+        for node in (us, eu):
+            async with AsyncClient(node.address) as client:
+                assert (await client.get(made.key)).body == "fenced at eu", node.config.region
+
+
+async def test_a_blind_delete_elsewhere_neither_rehomes_nor_deletes_a_later_creation(
+    tmp_path: Path,
+) -> None:
+    """SPEC §2/§3 regression: us, cut off, deletes a key it has never seen (a tombstone is
+    always written); later, eu creates that key, is told ``created`` and homed in eu,
+    and grants a claim on it. After the partition heals, the record must still be
+    eu's (``homeRegion`` never changes after creation) and, being written after the
+    delete, visible (LWW on the ``deleted`` flag) with eu's claim live.
+
+    Found: the tombstone's home (us, earlier stamp) wins the first-writer-wins
+    merge of ``home``, and the creation never wrote ``deleted=False``, so the
+    record ends homed in us, deleted, and eu's claim holder is refused
+    ``wrong_region``.
+    """
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+        await cluster.stop("us")
+        us = await cluster.start_isolated("us")
+        key = key_of("blind", "b")
+        async with AsyncClient(us.address) as at_us:
+            tombstone = await at_us.delete(key)
+        assert tombstone.deleted
+        await asyncio.sleep(0.01)  # the creation comes later, by any clock
+        async with AsyncClient(eu.address) as at_eu:
+            made = await at_eu.remember(REPO, "blind", "b", body="created after the delete")
+            assert (made.created, made.record.home_region) == (True, "eu")
+            token = (await at_eu.claim(key, "worker", lease_seconds=LONG_LEASE)).fencing_token
+
+            await cluster.stop("us")
+            us = await cluster.start("us")
+            await wait_converged([us, eu])
+            got = (await at_eu.list(REPO, topic="blind", include_deleted=True)).records
+            assert [(r.home_region, r.deleted) for r in got] == [("eu", False)], got
+            await at_eu.update(key, fields={"body": "still mine"}, fencing_token=token)
+
+
+# -- catch-up after disk loss -----------------------------------------------------------------
+
+
+async def claims_health(node: NodeServer) -> int:
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=CLAIMS_SERVICE)
+        response = await stub.Check(request, timeout=10)
+    return int(response.status)
+
+
+async def test_an_empty_node_grants_no_claims_until_it_has_synced(tmp_path: Path) -> None:
+    """SPEC §4: an empty node with peers reports NOT_SERVING for claims until it caught up."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        eu = await cluster.start("eu")  # its only peer, us, is not up yet
+        async with AsyncClient(eu.address, retries=0) as at_eu:
+            await asyncio.sleep(0.3)
+            assert not (await at_eu.info()).claims_serving
+            assert await claims_health(eu) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await at_eu.health() == "SERVING"  # reads and writes are served
+            made = (await at_eu.remember(REPO, "catch", "c", title="t")).record
+            for call in (
+                at_eu.claim(made.key, "worker-a", lease_seconds=LONG_LEASE),
+                at_eu.renew_claim(made.key, 1),
+                at_eu.release_claim(made.key, 1),
+            ):
+                with pytest.raises(Unavailable):
+                    await call
+            assert (await peer_info(eu, "us")).reachable is False
+
+            await cluster.start("us")
+
+            async def serving() -> bool:
+                return (await at_eu.info()).claims_serving and (
+                    await claims_health(eu) == health_pb2.HealthCheckResponse.SERVING
+                )
+
+            await eventually(serving, "eu serving claims once synced with us", within=20)
+            granted = await at_eu.claim(made.key, "worker-a", lease_seconds=LONG_LEASE)
+            assert granted.granted and granted.fencing_token == 1
+
+
+async def test_a_node_that_lost_its_disk_never_reissues_a_token(tmp_path: Path) -> None:
+    """SPEC §4: after disk loss, the first new token is above every token granted before."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+        old_id = us.storage.node_id
+        async with AsyncClient(us.address) as at_us:
+            churned = (await at_us.remember(REPO, "disk", "churned", title="t")).record
+            held = (await at_us.remember(REPO, "disk", "held", title="t")).record
+            tokens = []
+            for owner in ("a", "b", "c"):
+                token = (
+                    await at_us.claim(churned.key, owner, lease_seconds=LONG_LEASE)
+                ).fencing_token
+                assert (await at_us.release_claim(churned.key, token)).released
+                tokens.append(token)
+            held_token = (
+                await at_us.claim(held.key, "holder", lease_seconds=LONG_LEASE)
+            ).fencing_token
+        assert tokens == [1, 2, 3]
+        await wait_converged([us, eu])
+
+        await cluster.stop("us")
+        cluster.wipe("us")
+        us = await cluster.start("us")
+        assert us.storage.node_id != old_id, "a lost disk comes back as a new node"
+        async with AsyncClient(us.address) as at_us:
+
+            async def serving() -> bool:
+                return (await at_us.info()).claims_serving
+
+            await eventually(serving, "the fresh us serving claims after catching up")
+            again = await at_us.claim(churned.key, "d", lease_seconds=LONG_LEASE)
+            assert again.granted and again.fencing_token > max(tokens), again
+            other = await at_us.claim(held.key, "intruder", lease_seconds=LONG_LEASE)
+            assert (other.granted, other.reason) == (False, "contended"), "the live claim survived"
+            retry = await at_us.claim(held.key, "holder", lease_seconds=LONG_LEASE)
+            assert (retry.granted, retry.fencing_token) == (True, held_token)
+        await wait_converged([us, eu])
+
+
+async def test_a_read_only_region_replicates_by_pulling(tmp_path: Path) -> None:
+    """SPEC §5/§6: a node without writes has no Push; it converges by anti-entropy, and
+    its peers do not report pushes to it as pending forever (``push_backlog``).
+    """
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us")
+        eu = await cluster.start("eu", enable_writes=False)
+        await all_serving(cluster)
+        async with AsyncClient(us.address) as at_us:
+            for i in range(5):
+                await at_us.remember(REPO, "ro", f"r{i}", body=str(i))
+        await wait_converged([us, eu])
+
+        async def nothing_pending() -> bool:
+            return (await peer_info(us, "eu")).push_backlog == 0
+
+        async def backlog() -> str:
+            return f"push_backlog {(await peer_info(us, 'eu')).push_backlog} for a read-only peer"
+
+        await eventually(nothing_pending, "no pushes pending", within=3, explain=backlog)
+
+
+# -- Node.Info per peer, and back-off ----------------------------------------------------------
+
+
+async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Path) -> None:
+    """SPEC §5: per-peer last sync, counters and reachability; a failing peer is backed off."""
+    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=0.05) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+        async with AsyncClient(us.address) as at_us:
+            await at_us.remember(REPO, "info", "first", body="1")
+
+            async def synced() -> bool:
+                peer = await peer_info(us, "eu")
+                return peer.HasField("last_sync") and peer.records_sent >= 1
+
+            await eventually(synced, "a completed round and a push from us to eu")
+            before = await peer_info(us, "eu")
+            assert before.reachable and not before.last_error
+            assert before.address == cluster.addresses["eu"]
+            assert before.bytes_sent > 0 and before.bytes_received > 0
+            at_eu_side = await peer_info(eu, "us")
+            assert at_eu_side.records_received >= 1 and at_eu_side.HasField("last_sync")
+
+            for i in range(3):
+                await at_us.remember(REPO, "info", f"more-{i}", body=str(i))
+
+            async def grew() -> bool:
+                now = await peer_info(us, "eu")
+                return (
+                    now.records_sent >= before.records_sent + 3
+                    and now.bytes_sent > before.bytes_sent
+                    and now.bytes_received > before.bytes_received
+                    and now.last_sync.ToNanoseconds() > before.last_sync.ToNanoseconds()
+                )
+
+            await eventually(grew, "counters and last_sync moving on")
+
+            await cluster.stop("eu")
+            await at_us.remember(REPO, "info", "while-down", body="x")
+
+            async def down() -> bool:
+                peer = await peer_info(us, "eu")
+                return not peer.reachable and bool(peer.last_error) and peer.push_backlog >= 1
+
+            await eventually(down, "eu reported unreachable with a reason")
+            await asyncio.sleep(1.0)  # let the back-off grow past its first steps
+            stats = us.replicator._peers["eu"].stats
+            failures, rounds = stats.failures, us.replicator.rounds
+            await asyncio.sleep(2.0)
+            attempts = stats.failures - failures
+            # Without back-off: a round every ~50 ms and a push retry loop = hundreds.
+            assert attempts <= 6, f"{attempts} attempts to reach a down peer in 2 s"
+            assert us.replicator.rounds - rounds <= 4
+            lagging = await peer_info(us, "eu")
+            assert lagging.lag_ms >= 2000 and not lagging.reachable
