@@ -21,6 +21,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient, ClaimConflict, NotFound, Unavailable, WrongRegion
+from fencemark.node.admission import RECOVERY_GAP
 from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
 from fencemark.node.errors import ClockSkewed
@@ -708,6 +709,8 @@ async def test_an_empty_node_grants_no_claims_until_it_has_synced(tmp_path: Path
                 at_eu.claim(made.key, "worker-a", lease_seconds=LONG_LEASE),
                 at_eu.renew_claim(made.key, 1),
                 at_eu.release_claim(made.key, 1),
+                # a fenced write needs the fence this node has not learned yet
+                at_eu.update(made.key, fields={"body": "x"}, fencing_token=1),
             ):
                 with pytest.raises(Unavailable):
                     await call
@@ -764,6 +767,51 @@ async def test_a_node_that_lost_its_disk_never_reissues_a_token(tmp_path: Path) 
             retry = await at_us.claim(held.key, "holder", lease_seconds=LONG_LEASE)
             assert (retry.granted, retry.fencing_token) == (True, held_token)
         await wait_converged([us, eu])
+
+
+async def test_a_grant_that_never_replicated_is_not_reissued_after_disk_loss(
+    tmp_path: Path,
+) -> None:
+    """Regression: catch-up alone cannot learn a grant that never left the lost disk.
+
+    us grants while its only peer is down, then loses its disk. After catching up,
+    its first grant on that record jumps above ``RECOVERY_GAP``, so the worker
+    holding the lost token is refused ``superseded``, never readmitted.
+    """
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+        async with AsyncClient(us.address) as at_us:
+            item = (await at_us.remember(REPO, "gap", "item", title="t")).record
+            first = await at_us.claim(item.key, "a", lease_seconds=LONG_LEASE)
+            await at_us.release_claim(item.key, first.fencing_token)
+            await wait_converged([us, eu])
+            await cluster.stop("eu")
+            lost = await at_us.claim(item.key, "lost-worker", lease_seconds=1)
+            assert lost.fencing_token == first.fencing_token + 1  # exists only on us's disk
+        await cluster.stop("us")
+        cluster.wipe("us")
+        await cluster.start("eu")
+        us = await cluster.start("us")
+        async with AsyncClient(us.address) as at_us:
+
+            async def serving() -> bool:
+                return (await at_us.info()).claims_serving
+
+            await eventually(serving, "the fresh us serving claims after catching up")
+            assert (await at_us.claim_status(item.key)).fence == first.fencing_token
+            fresh = await at_us.claim(item.key, "b", lease_seconds=LONG_LEASE)
+            assert fresh.granted
+            assert fresh.fencing_token == first.fencing_token + 1 + RECOVERY_GAP
+            with pytest.raises(ClaimConflict) as refused:
+                await at_us.update(
+                    item.key, fields={"body": "late"}, fencing_token=lost.fencing_token
+                )
+            assert refused.value.reason == "superseded"
+            # The gap is taken once: the next grant follows on.
+            await at_us.release_claim(item.key, fresh.fencing_token)
+            after = await at_us.claim(item.key, "c", lease_seconds=LONG_LEASE)
+            assert after.fencing_token == fresh.fencing_token + 1
 
 
 async def test_a_read_only_region_replicates_by_pulling(tmp_path: Path) -> None:

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from fencemark.node.crdt import FenceState, Grant, Record
 from fencemark.node.errors import ClaimConflict, Reason
 
+# A node that lost its disk grants its first token of each record this far above
+# the fence it caught up to (docs/replication.md, catch-up): a grant of its
+# earlier life that never reached a peer then stays below every new token.
+RECOVERY_GAP = 1 << 20
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -59,6 +64,15 @@ def admit_write(record: Record, token: int, *, home: str, region: str, now_ms: i
     return token
 
 
+def next_token(fence: FenceState, recovered_hlc: int = 0) -> int:
+    """The token a grant gets: ``fence + 1``, plus ``RECOVERY_GAP`` for the first
+    grant a recovered node makes on a record (one whose holder it did not grant)."""
+    holder = fence.holder()
+    if recovered_hlc and (holder is None or holder.granted_hlc < recovered_hlc):
+        return fence.fence + 1 + RECOVERY_GAP
+    return fence.fence + 1
+
+
 def _not_here(record: Record, region: str, *, tombstone_ok: bool = False) -> Outcome | None:
     """The outcome when ``region``'s node cannot decide claims on ``record``.
 
@@ -84,6 +98,7 @@ def decide_claim(
     hlc: int,
     region: str,
     queued_ahead: bool,
+    recovered_hlc: int = 0,
 ) -> tuple[FenceState, Outcome]:
     """Grant, retry or refuse a claim; returns the new fence state and the outcome.
 
@@ -106,7 +121,7 @@ def decide_claim(
         return fence, Outcome(False, Reason.CONTENDED, home_region=home, fence=fence.fence)
     if queued_ahead:
         return fence, Outcome(False, Reason.CONTENDED, home_region=home, fence=fence.fence)
-    token = fence.fence + 1
+    token = next_token(fence, recovered_hlc)
     granted = fence.grant(token, Grant(hlc, owner, region), expiry)
     return granted, Outcome(True, None, token, expiry, home, token)
 

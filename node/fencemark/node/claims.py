@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fencemark.node import validation
 from fencemark.node.admission import Outcome, decide_claim, decide_release, decide_renew
 from fencemark.node.crdt import FenceState, Grant, Record
-from fencemark.node.errors import InvalidInput, NotServing, Reason
+from fencemark.node.errors import InvalidInput, Reason
 from fencemark.node.replica import Replica
 from fencemark.node.storage import Stored
 
@@ -42,8 +42,12 @@ class Status:
 class Claims:
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
-        self.serving = True
         self._queues: dict[str, deque[_Waiter]] = {}
+
+    @property
+    def serving(self) -> bool:
+        """Whether this node grants claims now (``Replica.deciding``)."""
+        return self.replica.deciding
 
     def queue_depth(self, key: str) -> int:
         return len(self._queues.get(key, ()))
@@ -114,6 +118,7 @@ class Claims:
                 hlc=replica.clock.now(),
                 region=replica.region,
                 queued_ahead=queued_ahead,
+                recovered_hlc=replica.recovered_hlc,
             )
             return current.with_fence(fence), outcome
 
@@ -170,8 +175,7 @@ class Claims:
         )
 
     def _check_serving(self) -> None:
-        if not self.serving:
-            raise NotServing("this node is catching up with its peers and grants no claims yet")
+        self.replica.check_deciding()
 
 
 def _token(token: int) -> None:

@@ -121,15 +121,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     from fencemark.client import AsyncClient, FencemarkError
 
     async def run() -> list[str]:
-        lines = [f"{'target':<22} {'region':<10} {'node':<13} {'health':<12} {'writes':<7} records"]
+        lines = [
+            f"{'target':<22} {'region':<8} {'node':<13} {'health':<9} {'claims':<11}"
+            f" {'writes':<6} {'records':>8}  peers (sync age)"
+        ]
         for target in args.targets:
             try:
-                async with AsyncClient(target, timeout=args.timeout, retries=1) as client:
+                async with AsyncClient(target, timeout=args.timeout, retries=0) as client:
                     info = await client.info()
                     health = await client.health()
+                peers = ", ".join(
+                    f"{p.region} {p.lag_ms}ms" if p.reachable else f"{p.region} UNREACHABLE"
+                    for p in info.peers
+                )
+                claims = "serving" if info.claims_serving else "catching-up"
                 lines.append(
-                    f"{target:<22} {info.region:<10} {info.node_id:<13} {health:<12}"
-                    f" {'on' if info.writes_enabled else 'off':<7} {info.record_count}"
+                    f"{target:<22} {info.region:<8} {info.node_id:<13} {health:<9} {claims:<11}"
+                    f" {'on' if info.writes_enabled else 'off':<6} {info.record_count:>8}"
+                    f"  {peers or '-'}"
                 )
             except FencemarkError as exc:
                 lines.append(f"{target:<22} unreachable: {exc}")
@@ -202,7 +211,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def load_config(path: str) -> dict[str, Any]:
-    """A node's TOML configuration file (keys as the flags; see docs/operations)."""
+    """A node's TOML configuration file (keys as the flags; docs/replication.md#peers)."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

@@ -18,7 +18,7 @@ from typing import TypeVar
 from fencemark.node import validation
 from fencemark.node.admission import admit_write
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec
-from fencemark.node.errors import InvalidInput, NotFound, WrongRegion
+from fencemark.node.errors import InvalidInput, NotFound, NotServing, WrongRegion
 from fencemark.node.storage import Storage, Stored
 
 T = TypeVar("T")
@@ -60,6 +60,31 @@ class Replica:
         self.node_id = storage.node_id
         self._locks = KeyLocks()
         self._write_listeners: list[Callable[[str], None]] = []
+        # False while a node that started empty catches up with its peers: it
+        # cannot decide home-only operations (claims, fenced writes) yet.
+        self.deciding = True
+        recovered = storage.meta.get("recovered_hlc")
+        self.recovered_hlc = int(recovered) if recovered else 0
+
+    async def recovered(self, *, peers_had_records: bool) -> None:
+        """Caught up after starting empty: decide again.
+
+        If the peers held records, this node may be one that lost its disk, and a
+        grant of its earlier life may never have reached them: new tokens then
+        start above a gap (``admission.next_token``). A brand-new cluster, whose
+        nodes all start empty, finds nothing and needs no gap.
+        """
+        if peers_had_records:
+            self.recovered_hlc = self.clock.now()
+            await self.storage.put_meta("recovered_hlc", str(self.recovered_hlc))
+        self.deciding = True
+
+    def check_deciding(self, fencing_token: int = 1) -> None:
+        if fencing_token and not self.deciding:
+            raise NotServing(
+                "this node is catching up with its peers: it decides no claims and no"
+                " fenced writes until it has seen their states"
+            )
 
     def on_local_write(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(key)`` after each local write is durable (eager push)."""
@@ -198,6 +223,7 @@ class Replica:
         validation.fields(fields)
         validation.tags(tags)
         home_tag = validation.home_tag(tags)
+        self.check_deciding(fencing_token)
         plain_tags = [t for t in tags if not t.startswith(validation.HOME_TAG_PREFIX)]
 
         def change(current: Record) -> tuple[Record, bool]:
@@ -249,6 +275,7 @@ class Replica:
         both = set(add_tags) & set(remove_tags)
         if both:
             raise InvalidInput.field("remove_tags", f"also in add_tags: {sorted(both)[:5]}")
+        self.check_deciding(fencing_token)
 
         def change(current: Record) -> tuple[Record, None]:
             if not current.visible:
@@ -275,6 +302,7 @@ class Replica:
     async def delete(self, key: str, *, fencing_token: int = 0) -> Stored:
         """Write a tombstone; always written, even for a key never seen here."""
         validation.key(key)
+        self.check_deciding(fencing_token)
 
         def change(current: Record) -> tuple[Record, None]:
             home = current.home_region or self.region

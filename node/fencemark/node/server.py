@@ -139,11 +139,13 @@ class NodeServer:
         # A node that lost its disk must not grant again before it has seen the
         # grants its peers hold (SPEC §4): it would reissue tokens.
         catching_up = bool(peers) and storage.record_count == 0
-        claims.serving = not catching_up
+        replica.deciding = not catching_up
         health_servicer = health_aio.HealthServicer()
 
         async def caught_up() -> None:
-            claims.serving = True
+            await replica.recovered(
+                peers_had_records=any(p.records_received for p in peers.values())
+            )
             await health_servicer.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
         replicator = Replicator(

@@ -53,7 +53,7 @@ class Stored(NamedTuple):
 
 @dataclass
 class _Pending:
-    stored: Stored
+    stored: Stored | None  # None: only meta changes ride on this commit
     state: bytes
     done: asyncio.Future[None]
 
@@ -92,6 +92,8 @@ class Storage:
         self._commit_seq = 0
         self._queue: asyncio.Queue[_Pending | None] = asyncio.Queue()
         self._hlc_pending = 0
+        self._meta_pending: dict[str, str] = {}
+        self.meta: dict[str, str] = {}
         self._writer_task = asyncio.create_task(self._write_loop(), name="storage-writer")
 
     @classmethod
@@ -100,25 +102,38 @@ class Storage:
         await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
         fresh = not await asyncio.to_thread(path.exists)
         writer = await aiosqlite.connect(path, isolation_level=None)
-        await writer.execute("PRAGMA journal_mode=WAL")
-        # FULL: in WAL mode NORMAL does not fsync at commit; an ack means on disk.
-        await writer.execute("PRAGMA synchronous=FULL")
-        await writer.executescript(SCHEMA)
-        node_id = await _meta(writer, "node_id")
-        if node_id is None:
-            # A node that lost its disk comes back as a new node: the identity is
-            # part of what is lost, so stamps from the two lives never collide.
-            node_id = secrets.token_hex(6)
-            await writer.execute("INSERT INTO meta VALUES ('node_id', ?)", (node_id,))
-        hlc_high = int(await _meta(writer, "hlc_high") or 0)
-        reader = await aiosqlite.connect(path, isolation_level=None)
-        await reader.execute("PRAGMA query_only=ON")
-        # The digest tree is loaded once; from then on every commit updates it.
-        tree = DigestTree()
-        rows = list(await reader.execute_fetchall("SELECT key, digest FROM records"))
-        tree.load((key, bytes(digest)) for key, digest in rows)
-        count = len(rows)
-        return cls(path, writer, reader, str(node_id), hlc_high, fresh, cache_size, tree, count)
+        reader: aiosqlite.Connection | None = None
+        try:
+            await writer.execute("PRAGMA journal_mode=WAL")
+            # FULL: in WAL mode NORMAL does not fsync at commit; an ack means on disk.
+            await writer.execute("PRAGMA synchronous=FULL")
+            await _migrate(writer)
+            await writer.executescript(SCHEMA)
+            meta = {name: str(value) for name, value in await writer.execute_fetchall(
+                "SELECT name, value FROM meta"
+            )}  # fmt: skip
+            if "node_id" not in meta:
+                # A node that lost its disk comes back as a new node: the identity
+                # is part of what is lost, so stamps from two lives never collide.
+                meta["node_id"] = secrets.token_hex(6)
+                await writer.execute("INSERT INTO meta VALUES ('node_id', ?)", (meta["node_id"],))
+            reader = await aiosqlite.connect(path, isolation_level=None)
+            await reader.execute("PRAGMA query_only=ON")
+            # The digest tree is loaded once; from then on every commit updates it.
+            tree = DigestTree()
+            rows = list(await reader.execute_fetchall("SELECT key, digest FROM records"))
+            tree.load((key, bytes(digest)) for key, digest in rows)
+        except BaseException:
+            if reader is not None:
+                await reader.close()
+            await writer.close()
+            raise
+        hlc_high = int(meta.get("hlc_high", 0))
+        storage = cls(
+            path, writer, reader, meta["node_id"], hlc_high, fresh, cache_size, tree, len(rows)
+        )
+        storage.meta = meta
+        return storage
 
     async def close(self) -> None:
         await self._queue.put(None)
@@ -199,6 +214,13 @@ class Storage:
         await done
         return stored
 
+    async def put_meta(self, name: str, value: str) -> None:
+        """Persist a node setting (e.g. when it recovered); returns once on disk."""
+        self._meta_pending[name] = value
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(None, b"", done))
+        await done
+
     async def _write_loop(self) -> None:
         while True:
             first = await self._queue.get()
@@ -226,9 +248,11 @@ class Storage:
                 bucket_of(p.stored.record.key),
             )
             for p in batch
+            if p.stored is not None
         ]
         keys = [row[0] for row in rows]
         hlc_high = max(self.hlc_high, self._hlc_pending)
+        meta, self._meta_pending = {**self._meta_pending, "hlc_high": str(hlc_high)}, {}
         try:
             await self._writer.execute("BEGIN IMMEDIATE")
             marks = ",".join("?" * len(keys))
@@ -241,10 +265,10 @@ class Storage:
                 " state = excluded.state, digest = excluded.digest, deleted = excluded.deleted",
                 rows,
             )
-            await self._writer.execute(
-                "INSERT INTO meta VALUES ('hlc_high', ?)"
+            await self._writer.executemany(
+                "INSERT INTO meta VALUES (?, ?)"
                 " ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-                (hlc_high,),
+                list(meta.items()),
             )
             await self._writer.execute("COMMIT")
         except Exception as exc:
@@ -256,6 +280,7 @@ class Storage:
                     p.done.set_exception(exc)
             return
         self.hlc_high = hlc_high
+        self.meta.update(meta)
         current = {key: bytes(digest) for key, digest in before}
         for key, _, digest, _, _ in rows:
             if key not in current:
@@ -267,7 +292,8 @@ class Storage:
         self.stats.writes += len(batch)
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
         for p in batch:
-            self._remember(p.stored.record.key, p.stored)
+            if p.stored is not None:
+                self._remember(p.stored.record.key, p.stored)
             if not p.done.done():
                 p.done.set_result(None)
 
@@ -278,8 +304,15 @@ class Storage:
             self._cache.popitem(last=False)
 
 
-async def _meta(conn: aiosqlite.Connection, name: str) -> str | None:
-    cursor = await conn.execute("SELECT value FROM meta WHERE name = ?", (name,))
-    row = await cursor.fetchone()
-    await cursor.close()
-    return None if row is None else str(row[0])
+async def _migrate(conn: aiosqlite.Connection) -> None:
+    """Bring a file written by an earlier version up to SCHEMA (idempotent)."""
+    columns = {row[1] for row in await conn.execute_fetchall("PRAGMA table_info(records)")}
+    if columns and "bucket" not in columns:  # before replication: no digest-tree buckets
+        log.info("adding digest-tree buckets to an existing data file")
+        await conn.execute("BEGIN IMMEDIATE")
+        await conn.execute("ALTER TABLE records ADD COLUMN bucket INTEGER NOT NULL DEFAULT -1")
+        keys = [row[0] for row in await conn.execute_fetchall("SELECT key FROM records")]
+        await conn.executemany(
+            "UPDATE records SET bucket = ? WHERE key = ?", [(bucket_of(k), k) for k in keys]
+        )
+        await conn.execute("COMMIT")

@@ -19,10 +19,10 @@ Two mechanisms:
   ones the peer lacks (`Push`). Replicas that agree exchange one root hash.
 
 The digest tree has a fixed shape: 16^4 = 65536 leaf buckets under four
-levels of 16-way inner nodes. A record's bucket is the first two bytes of
-BLAKE2b-16(key) read big-endian; a node's hash is the XOR of
-BLAKE2b-128(key || digest) over every record below it (16 zero bytes when
-empty), so it is maintained incrementally on every write.
+levels of 16-way inner nodes. A record's bucket is BLAKE2b(key) with a 2-byte
+digest, read big-endian; a node's hash is the XOR of
+BLAKE2b-128(key || 0x00 || digest) over every record below it (16 zero bytes
+when empty), so it is maintained incrementally on every write.
 
 Every request names its origin. A node refuses, with FAILED_PRECONDITION and
 `google.rpc.ErrorInfo` reason `CLOCK_SKEW`, an exchange whose origin clock or
@@ -85,7 +85,9 @@ class PushRequest(_message.Message):
     def origin(self) -> Global___Origin: ...
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """Canonical record states. At most 512 states and 8 MiB per request."""
+        """Canonical record states. At most 512 states; senders keep a request under
+        6 MiB (a single larger state travels alone).
+        """
 
     def __init__(
         self,
@@ -283,7 +285,7 @@ class FetchResponse(_message.Message):
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Canonical states of the requested keys the node holds (unknown keys are
-        left out); a response stops early rather than exceed 8 MiB.
+        left out); a response stops early rather than exceed 6 MiB.
         """
 
     @_builtins.property

@@ -19,10 +19,10 @@ Two mechanisms:
   ones the peer lacks (`Push`). Replicas that agree exchange one root hash.
 
 The digest tree has a fixed shape: 16^4 = 65536 leaf buckets under four
-levels of 16-way inner nodes. A record's bucket is the first two bytes of
-BLAKE2b-16(key) read big-endian; a node's hash is the XOR of
-BLAKE2b-128(key || digest) over every record below it (16 zero bytes when
-empty), so it is maintained incrementally on every write.
+levels of 16-way inner nodes. A record's bucket is BLAKE2b(key) with a 2-byte
+digest, read big-endian; a node's hash is the XOR of
+BLAKE2b-128(key || 0x00 || digest) over every record below it (16 zero bytes
+when empty), so it is maintained incrementally on every write.
 
 Every request names its origin. A node refuses, with FAILED_PRECONDITION and
 `google.rpc.ErrorInfo` reason `CLOCK_SKEW`, an exchange whose origin clock or
