@@ -18,6 +18,7 @@ import pytest
 
 from fencemark.node.crdt import FenceState, Grant, Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack
+from fencemark.node.digest_tree import DigestTree, bucket_of
 from fencemark.node.storage import Storage
 
 NODE = "storage-test"
@@ -289,3 +290,30 @@ async def test_scan_shows_tombstones_only_when_asked(storage: Storage) -> None:
     live = await storage.scan(lower, upper, limit=10, include_deleted=False)
     assert [s.record.key for s in live] == [key(1), key(2), key(3)]
     assert await storage.count() == 3
+
+
+async def test_a_data_file_from_before_replication_is_migrated(tmp_path: Path) -> None:
+    """Regression: a file without the bucket column failed with 'no such column'."""
+    path = tmp_path / "old.sqlite3"
+    record = Record("repo/r/mem/t/old").create("local", Stamp(0, pack(1_000), "n"))
+    state = codec.encode(record)
+    with contextlib.closing(sqlite3.connect(path)) as old:
+        old.executescript(
+            "CREATE TABLE records (key TEXT PRIMARY KEY, state BLOB NOT NULL,"
+            " digest BLOB NOT NULL, deleted INTEGER NOT NULL) WITHOUT ROWID;"
+            "CREATE TABLE meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID;"
+        )
+        old.execute(
+            "INSERT INTO records VALUES (?, ?, ?, 0)", (record.key, state, codec.digest(state))
+        )
+        old.commit()
+    storage = await Storage.open(path)
+    try:
+        assert storage.record_count == 1
+        entries = await storage.bucket_entries([bucket_of(record.key)])
+        assert entries == [(record.key, codec.digest(state))]
+        expected = DigestTree()
+        expected.update(record.key, None, codec.digest(state))
+        assert storage.tree.root == expected.root
+    finally:
+        await storage.close()
