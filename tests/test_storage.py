@@ -101,11 +101,10 @@ async def test_node_id_survives_reopen_and_a_new_file_gets_a_new_one(
     tmp_path: Path, db: Path
 ) -> None:
     first = await Storage.open(db)
-    assert first.fresh
     node_id = first.node_id
     await first.close()
     again = await Storage.open(db)
-    assert (again.node_id, again.fresh) == (node_id, False)
+    assert again.node_id == node_id
     await again.close()
     other = await Storage.open(tmp_path / "other.sqlite3")
     assert other.node_id != node_id

@@ -149,11 +149,6 @@ class Replica:
             raise NotFound(key)
         return stored
 
-    async def get_any(self, key: str) -> Stored | None:
-        """The state of ``key`` whatever it is (tombstones included)."""
-        validation.key(key)
-        return await self.storage.get(key)
-
     async def list(
         self,
         repo: str,

@@ -73,7 +73,6 @@ class Storage:
         reader: aiosqlite.Connection,
         node_id: str,
         hlc_high: int,
-        fresh: bool,
         cache_size: int,
         tree: DigestTree,
         count: int,
@@ -85,7 +84,6 @@ class Storage:
         self._reader = reader
         self.node_id = node_id
         self.hlc_high = hlc_high
-        self.fresh = fresh
         self.stats = CommitStats()
         self._cache: OrderedDict[str, Stored] = OrderedDict()
         self._cache_size = cache_size
@@ -100,7 +98,6 @@ class Storage:
     async def open(cls, path: Path, *, cache_size: int = 10_000) -> Storage:
         """Open (creating if needed) the node's database file."""
         await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
-        fresh = not await asyncio.to_thread(path.exists)
         writer = await aiosqlite.connect(path, isolation_level=None)
         reader: aiosqlite.Connection | None = None
         try:
@@ -129,9 +126,7 @@ class Storage:
             await writer.close()
             raise
         hlc_high = int(meta.get("hlc_high", 0))
-        storage = cls(
-            path, writer, reader, meta["node_id"], hlc_high, fresh, cache_size, tree, len(rows)
-        )
+        storage = cls(path, writer, reader, meta["node_id"], hlc_high, cache_size, tree, len(rows))
         storage.meta = meta
         return storage
 
