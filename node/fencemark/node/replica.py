@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from fencemark.node import validation
 from fencemark.node.admission import admit_write
-from fencemark.node.crdt import HybridClock, Record, Stamp, codec
+from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
 from fencemark.node.errors import InvalidInput, NotFound, NotServing, WrongRegion
 from fencemark.node.storage import Storage, Stored
 
@@ -239,7 +239,7 @@ class Replica:
                 # Recreated: it starts from what this call says, never from what
                 # was deleted (a concurrent write may have reached the tombstone).
                 stale_fields = {name: "" for name in current.field_values()}
-                stale_tags = set(current.tag_values()) - set(plain_tags)
+                stale_tags = tagset.value(current.tags) - set(plain_tags)
                 changed = changed.set_deleted(False, stamp).remove_tags(stale_tags, stamp)
                 changed = changed.set_fields({**stale_fields, **fields}, stamp)
             else:
