@@ -5,13 +5,15 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard proto/fencemark/v1/*.proto)
 
-.PHONY: help venv proto proto-check lint typecheck test check demo clean
+.PHONY: help venv proto proto-check lint typecheck test check demo clean inspector
 
 help:
-	@echo "make demo        start a local node and run the SPEC walkthrough against it"
+	@echo "make demo        the main job: agents in three local regions drain a backlog under faults"
 	@echo "make test        run the whole test suite"
 	@echo "make check       lint, type-check and verify generated code is fresh"
 	@echo "make proto       regenerate fencemark.v1 from proto/"
+	@echo "make image       build the fencemark:dev docker image air-gapped (docs/deploy.md)"
+	@echo "make inspector   install Node 22 and the pinned MCP Inspector CLI into .tools/"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -62,5 +64,29 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fencemark demo
 
+# Node >= 22 and the pinned MCP Inspector CLI, into .tools/node22 (gitignored),
+# for tests/test_mcp_inspector.py (which skips locally without them, fails in CI).
+inspector:
+	bash .ci/ensure-inspector
+
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# -- deployment (docs/deploy.md) ---------------------------------------------------
+FENCEMARK_IMAGE      ?= fencemark:dev
+FENCEMARK_BASE_IMAGE ?= fencemark/base:bookworm
+
+.PHONY: docker-engine base-image image
+
+# A Docker engine and the tools the deployment needs (installs and starts them as needed).
+docker-engine:
+	deploy/ensure-docker.sh
+
+# The Debian base image, from Debian packages (no registry); kept once built.
+base-image: docker-engine
+	deploy/build-base-image.sh --tag $(FENCEMARK_BASE_IMAGE)
+
+# The Fencemark image, air-gapped: base image, wheels built here, docker build.
+image: $(STAMP) base-image
+	PYTHON=$(BIN)/python deploy/build-image.sh \
+	  --base-image $(FENCEMARK_BASE_IMAGE) --tag $(FENCEMARK_IMAGE)

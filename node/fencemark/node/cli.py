@@ -117,6 +117,18 @@ def cmd_walkthrough(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    from fencemark.mcp.server import run
+
+    return run(
+        args.target,
+        regions=args.regions,
+        timeout=args.timeout,
+        transport=args.transport,
+        listen=args.listen,
+    )
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from fencemark.client import AsyncClient, FencemarkError
 
@@ -146,6 +158,42 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     print("\n".join(asyncio.run(run())))
     return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 iff the node reports SERVING (standard grpc.health.v1 Check): a probe."""
+    from fencemark.client import AsyncClient, FencemarkError
+
+    async def check() -> str:
+        if args.service:
+            return await _service_health(args.target, args.service, args.timeout)
+        async with AsyncClient(args.target, timeout=args.timeout, retries=0) as client:
+            return await client.health()
+
+    subject = f"{args.target} {args.service or '(node)'}"
+    try:
+        status = asyncio.run(check())
+    except FencemarkError as exc:
+        print(f"fencemark health: {subject}: {exc}", file=sys.stderr)
+        return 1
+    print(f"fencemark health: {subject}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+async def _service_health(target: str, service: str, deadline_s: float) -> str:
+    """One named service's health status, e.g. ``fencemark.v1.Claims`` while catching up."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from fencemark.client.errors import from_rpc_error
+
+    request = health_pb2.HealthCheckRequest(service=service)
+    async with grpc.aio.insecure_channel(target) as channel:
+        try:
+            response = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=deadline_s)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -303,6 +351,23 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     walk.add_argument("--lease-seconds", type=float, default=2.0)
     walk.set_defaults(func=cmd_walkthrough)
 
+    mcp = client_parser(
+        "mcp", "serve the repocontext_* MCP tools (stdio or streamable HTTP) for a node"
+    )
+    mcp.add_argument(
+        "--regions",
+        default=None,
+        metavar="REGION=HOST:PORT,...",
+        help="route claims and fenced writes to each record's home region",
+    )
+    mcp.add_argument("--transport", choices=("stdio", "http"), default="stdio")
+    mcp.add_argument(
+        "--listen",
+        default="127.0.0.1:7480",
+        help="HOST:PORT for --transport http (port 0 picks one); the endpoint is /mcp",
+    )
+    mcp.set_defaults(func=cmd_mcp)
+
     demo = sub.add_parser(
         "demo",
         help="the main job: agents in three regions drain a backlog under faults, then verify",
@@ -337,6 +402,15 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     )
     status.add_argument("--timeout", type=float, default=3.0)
     status.set_defaults(func=cmd_status)
+
+    health = client_parser("health", "grpc.health.v1 Check: exit 0 iff SERVING (a probe)")
+    health.add_argument(
+        "--service",
+        default="",
+        help="a service's health instead of the node's, e.g. fencemark.v1.Claims",
+    )
+    # A probe answers fast or not at all: shorter than docker's 5 s healthcheck timeout.
+    health.set_defaults(func=cmd_health, timeout=3.0)
 
     _add_rpc_commands(client_parser)
     return parser

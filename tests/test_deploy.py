@@ -1,0 +1,473 @@
+"""SPEC §7 ``deploy/``: the image and the three-region compose stack, on a real engine.
+
+Tests marked ``docker`` drive the real ``docker`` and ``docker-compose`` CLIs. They
+are skipped when no Docker engine answers, except under CI (``CI`` set), where
+that is a failure: CI runs ``deploy/ensure-docker.sh`` first, and must not pass
+by skipping them. The image is the one ``make image`` built (found by tag), or
+is built here by the same scripts. Traffic goes only to ports published on
+127.0.0.1 and to containers these tests created; everything created is removed.
+
+``fencemark health``, the image's HEALTHCHECK, is tested against in-process
+nodes without Docker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from fencemark.client import AsyncClient
+from tests.conftest import StartNode
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+IMAGE = os.environ.get("FENCEMARK_IMAGE") or "fencemark:dev"
+BASE_IMAGE = os.environ.get("FENCEMARK_BASE_IMAGE") or "fencemark/base:bookworm"
+DATA_VARIABLE = "REPOCONTEXT_MEMORY_ARCHIVE_PATH"
+IMAGE_UID = 10001
+REVISION_LABEL = "org.opencontainers.image.revision"
+REGIONS = ("us", "eu", "ap")
+CLAIMS_SERVICE = "fencemark.v1.Claims"
+# Bounds, in seconds. A base image takes about 1.5 min, the image about 1 min.
+BUILD_LIMIT_S = 600.0
+HEALTHY_LIMIT_S = 90.0
+CONVERGE_LIMIT_S = 30.0
+
+
+# -- running commands ----------------------------------------------------------------
+
+
+def run(
+    args: Sequence[str],
+    *,
+    limit_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command to completion within ``limit_s``; ``check`` asserts exit 0."""
+    try:
+        done = subprocess.run(
+            list(args), capture_output=True, text=True, timeout=limit_s, env=env, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{' '.join(args)} still running after {limit_s} s") from exc
+    if check:
+        assert done.returncode == 0, (
+            f"{' '.join(args)} exited {done.returncode}\n"
+            f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+        )
+    return done
+
+
+def fencemark(*args: str, limit_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """The host's ``fencemark`` command (this interpreter), exit code unchecked."""
+    return run([sys.executable, "-m", "fencemark.node", *args], limit_s=limit_s, check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    """This environment without deployment settings, plus ``settings``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FENCEMARK_", "COMPOSE_")) and k != DATA_VARIABLE
+    }
+    return {**env, **settings}
+
+
+def wait_until(what: str, limit_s: float, probe: Callable[[], bool]) -> None:
+    """Poll ``probe()`` every half second until it holds, for at most ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {limit_s} s")
+        time.sleep(0.5)
+
+
+# -- the engine and the image --------------------------------------------------------
+
+
+def _engine_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _missing(what: str) -> None:
+    """Skip for want of ``what``; under CI, fail instead."""
+    if os.environ.get("CI"):
+        pytest.fail(
+            f"CI is set and {what}: the docker tests must run there"
+            " (.ci/run calls deploy/ensure-docker.sh before the tests)",
+            pytrace=False,
+        )
+    pytest.skip(f"{what} (deploy/ensure-docker.sh installs and starts it)")
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> None:
+    if not _engine_answers():
+        _missing("no Docker engine answers")
+
+
+@pytest.fixture(scope="session")
+def compose(docker_engine: None) -> list[str]:
+    """The compose command: Debian's docker-compose (v1.29), else ``docker compose`` (v2)."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    _missing("neither docker-compose nor docker compose is installed")
+    raise AssertionError("unreachable")
+
+
+def image_exists(tag: str) -> bool:
+    return run(["docker", "image", "inspect", tag], check=False).returncode == 0
+
+
+def image_is_stale(tag: str) -> bool:
+    """Whether ``tag`` was built from another commit than this clean checkout's.
+
+    Images outlive a checkout on the same machine; in a tree with uncommitted
+    changes the label cannot tell, and the tag is trusted (``make image`` rebuilds).
+    """
+    git = ["git", "-C", str(ROOT)]
+    head = run([*git, "rev-parse", "HEAD"], check=False).stdout.strip()
+    if not head or run([*git, "diff", "--quiet", "HEAD"], check=False).returncode != 0:
+        return False
+    labels = inspect("image", tag)["Config"]["Labels"] or {}  # type: ignore[index]
+    return bool(labels.get(REVISION_LABEL) != head)
+
+
+@pytest.fixture(scope="session")
+def image(docker_engine: None) -> str:
+    """``IMAGE`` as ``make image`` built it, else built here by the same scripts."""
+    if not image_exists(IMAGE) or image_is_stale(IMAGE):
+        run([str(DEPLOY / "build-base-image.sh"), "--tag", BASE_IMAGE], limit_s=BUILD_LIMIT_S)
+        run(
+            [str(DEPLOY / "build-image.sh"), "--base-image", BASE_IMAGE, "--tag", IMAGE],
+            limit_s=BUILD_LIMIT_S,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
+    return IMAGE
+
+
+def inspect(kind: str, name: str) -> dict[str, object]:
+    found: list[dict[str, object]] = json.loads(run(["docker", kind, "inspect", name]).stdout)
+    return found[0]
+
+
+# -- fencemark health, without docker ------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_health_exits_0_when_the_node_serves(start_node: StartNode) -> None:
+    node = await start_node()
+    done = await asyncio.to_thread(fencemark, "health", "--target", node.address)
+    assert done.returncode == 0, done.stderr
+    assert "SERVING" in done.stdout
+
+
+@pytest.mark.slow
+async def test_health_of_a_service_exits_1_while_it_does_not_serve(
+    start_node: StartNode,
+) -> None:
+    """A fresh node whose only peer never answers does not decide claims yet."""
+    node = await start_node(peers={"eu": f"127.0.0.1:{free_port()}"})
+    done = await asyncio.to_thread(
+        fencemark, "health", "--target", node.address, "--service", CLAIMS_SERVICE
+    )
+    assert done.returncode == 1
+    assert f"{CLAIMS_SERVICE}: NOT_SERVING" in done.stdout
+    overall = await asyncio.to_thread(fencemark, "health", "--target", node.address)
+    assert overall.returncode == 0, overall.stderr
+
+
+@pytest.mark.slow
+async def test_health_exits_1_for_an_unknown_service(start_node: StartNode) -> None:
+    node = await start_node()
+    done = await asyncio.to_thread(
+        fencemark, "health", "--target", node.address, "--service", "no.such.Service"
+    )
+    assert done.returncode == 1
+    assert "no.such.Service" in done.stderr
+
+
+@pytest.mark.slow
+def test_health_exits_1_when_nothing_listens() -> None:
+    target = f"127.0.0.1:{free_port()}"
+    done = fencemark("health", "--target", target, "--timeout", "1")
+    assert done.returncode == 1
+    assert target in done.stderr and "UNAVAILABLE" in done.stderr
+
+
+# -- the compose file, read ----------------------------------------------------------
+
+
+def test_every_compose_variable_is_documented_in_env_example() -> None:
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE_FILE.read_text()))
+    example = (DEPLOY / ".env.example").read_text()
+    documented = set(re.findall(r"^([A-Z0-9_]+)=", example, flags=re.MULTILINE))
+    assert DATA_VARIABLE in used
+    assert used == documented
+
+
+def test_compose_publishes_ports_on_loopback_only() -> None:
+    published = re.findall(r'^\s*- "([^"]*:7400)"', COMPOSE_FILE.read_text(), flags=re.MULTILINE)
+    assert len(published) == len(REGIONS)
+    assert all(mapping.startswith("127.0.0.1:") for mapping in published)
+
+
+# -- the image -----------------------------------------------------------------------
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(2 * BUILD_LIMIT_S)
+def test_image_is_built_air_gapped_and_runs_as_non_root(image: str) -> None:
+    config = inspect("image", image)["Config"]
+    assert isinstance(config, dict)
+    labels = config["Labels"] or {}
+    assert labels.get("org.opencontainers.image.base.name") == BASE_IMAGE, (
+        f"{image} was not built on the air-gapped base (make image builds it so)"
+    )
+    # Imported from a debootstrap tree, never pulled: a pulled image has a digest.
+    assert inspect("image", BASE_IMAGE)["RepoDigests"] in (None, [])
+    assert config["User"] == f"{IMAGE_UID}:{IMAGE_UID}"
+    assert "7400/tcp" in config["ExposedPorts"]
+    assert "/var/lib/fencemark" in config["Volumes"]
+    assert config["Cmd"] == ["node"]
+    assert "health" in config["Healthcheck"]["Test"]
+
+
+@pytest.fixture
+def container_name() -> Iterator[str]:
+    """A unique name; the container is removed afterwards, whatever happened."""
+    name = f"fencemark-test-{uuid.uuid4().hex[:10]}"
+    yield name
+    run(["docker", "rm", "--force", "--volumes", name], check=False)
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(2 * BUILD_LIMIT_S)
+def test_container_is_healthy_and_stops_gracefully_on_sigterm(
+    image: str, container_name: str
+) -> None:
+    run(["docker", "run", "--detach", "--name", container_name,
+         "--label", "fencemark.test=deploy", "--publish", "127.0.0.1::7400",
+         "--env", "FENCEMARK_REGION=us", "--env", "FENCEMARK_ENABLE_WRITES=1", image])  # fmt: skip
+    host_port = run(["docker", "port", container_name, "7400/tcp"]).stdout.split()[0]
+    assert host_port.startswith("127.0.0.1:")
+
+    wait_until(
+        "fencemark health through the published port",
+        HEALTHY_LIMIT_S,
+        lambda: fencemark("health", "--target", host_port, "--timeout", "1").returncode == 0,
+    )
+    # The image's own HEALTHCHECK (its first run is one interval, 10 s, after the start).
+    wait_until(
+        "docker health status healthy",
+        HEALTHY_LIMIT_S,
+        lambda: inspect("container", container_name)["State"]["Health"]["Status"] == "healthy",  # type: ignore[index]
+    )
+    pid1 = run(["docker", "exec", container_name, "cat", "/proc/1/cmdline"]).stdout
+    assert pid1.split("\0")[1:3] == ["/opt/fencemark/bin/fencemark", "node"]
+
+    started = time.monotonic()
+    run(["docker", "stop", "--time", "20", container_name], limit_s=30)
+    stopped_in = time.monotonic() - started
+    state = inspect("container", container_name)["State"]
+    assert isinstance(state, dict)
+    logs = run(["docker", "logs", container_name]).stderr
+    assert state["ExitCode"] == 0, logs
+    assert stopped_in < 10, f"docker stop took {stopped_in:.1f} s: SIGTERM was not handled"
+    assert "Traceback" not in logs
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(2 * BUILD_LIMIT_S)
+def test_a_data_directory_it_cannot_write_is_refused_in_words(
+    image: str, container_name: str, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    if data.stat().st_uid == IMAGE_UID:
+        pytest.skip("the test directory already belongs to the image's user")
+    done = run(
+        ["docker", "run", "--name", container_name, "--volume", f"{data}:/var/lib/fencemark",
+         image],
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 78, done.stderr
+    assert "cannot write the data directory /var/lib/fencemark" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# -- the compose stack ---------------------------------------------------------------
+
+
+class Stack:
+    """One compose project of deploy/docker-compose.yml, isolated from the host's .env."""
+
+    def __init__(self, compose: list[str], tmp_path: Path, settings: dict[str, str]) -> None:
+        self.project = f"fencemarktest{uuid.uuid4().hex[:10]}"
+        # An empty env file, so that a developer's deploy/.env changes nothing here.
+        env_file = tmp_path / "empty.env"
+        env_file.touch()
+        self.command = [*compose, "--env-file", str(env_file), "--file", str(COMPOSE_FILE),
+                        "--project-name", self.project]  # fmt: skip
+        self.env = clean_env(FENCEMARK_IMAGE=IMAGE, **settings)
+
+    def __call__(
+        self, *args: str, limit_s: float = 120.0, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        return run([*self.command, *args], limit_s=limit_s, env=self.env, check=check)
+
+    def containers(self) -> list[str]:
+        """Every container of this project, whatever its state."""
+        label = f"label=com.docker.compose.project={self.project}"
+        return run(["docker", "ps", "--all", "--quiet", "--filter", label]).stdout.split()
+
+    def container(self, service: str) -> str:
+        return self("ps", "-q", service).stdout.strip()
+
+    def health(self, service: str) -> str:
+        container = self.container(service)
+        if not container:
+            return "missing"
+        state = inspect("container", container)["State"]
+        assert isinstance(state, dict)
+        if state["Status"] != "running":
+            return str(state["Status"])
+        return str(state["Health"]["Status"])
+
+
+def data_root(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """One data directory per region, writable by the nodes' user, and that user."""
+    root = tmp_path / "archive"
+    for region in REGIONS:
+        (root / region).mkdir(parents=True, mode=0o750)
+    if os.geteuid() == 0:
+        for path in (root, *(root / r for r in REGIONS)):
+            os.chown(path, IMAGE_UID, IMAGE_UID)
+        return root, {}
+    return root, {"FENCEMARK_UID": str(os.getuid()), "FENCEMARK_GID": str(os.getgid())}
+
+
+async def record_digests(target: str) -> dict[str, bytes]:
+    """Every record (tombstones too) of the repos written here: key -> digest."""
+    async with AsyncClient(target, timeout=5.0, retries=0) as client:
+        return {
+            record.key: record.digest
+            for repo in ("lattice", "deploy-test")
+            async for record in client.iter_records(repo, include_deleted=True)
+        }
+
+
+async def write_one_record_per_region(ports: dict[str, int]) -> None:
+    for region, port in ports.items():
+        async with AsyncClient(f"127.0.0.1:{port}", timeout=5.0) as client:
+            await client.remember(
+                "deploy-test", "regions", region, title=f"written in {region}",
+                tags=[f"homeRegion:{region}"],
+            )  # fmt: skip
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(2 * BUILD_LIMIT_S)
+def test_compose_stack_runs_the_walkthrough_and_converges(
+    image: str, compose: list[str], tmp_path: Path
+) -> None:
+    root, user = data_root(tmp_path)
+    ports = {region: free_port() for region in REGIONS}
+    stack = Stack(
+        compose,
+        tmp_path,
+        {
+            DATA_VARIABLE: str(root),
+            **{f"FENCEMARK_{r.upper()}_PORT": str(p) for r, p in ports.items()},
+            **user,
+        },
+    )
+    try:
+        stack("up", "--detach")
+        for region, port in ports.items():
+            published = stack("port", region, "7400").stdout.strip()
+            assert published == f"127.0.0.1:{port}", f"{region} is published on {published}"
+        wait_until(
+            "every region healthy (deciding claims)",
+            HEALTHY_LIMIT_S,
+            lambda: all(stack.health(r) == "healthy" for r in REGIONS),
+        )
+
+        walkthrough = fencemark("walkthrough", "--target", f"127.0.0.1:{ports['us']}")
+        assert walkthrough.returncode == 0, walkthrough.stdout + walkthrough.stderr
+        asyncio.run(write_one_record_per_region(ports))
+
+        seen: dict[str, dict[str, bytes]] = {}
+
+        def converged() -> bool:
+            for region, port in ports.items():
+                seen[region] = asyncio.run(record_digests(f"127.0.0.1:{port}"))
+            first = seen[REGIONS[0]]
+            return len(first) == 1 + len(REGIONS) and all(s == first for s in seen.values())
+
+        try:
+            wait_until("all regions holding the same records", CONVERGE_LIMIT_S, converged)
+        except AssertionError as exc:
+            shown = {r: {k: d.hex()[:12] for k, d in s.items()} for r, s in seen.items()}
+            raise AssertionError(f"{exc}; last seen: {shown}") from None
+        for region, port in ports.items():
+            status = fencemark("status", "--targets", f"127.0.0.1:{port}")
+            assert f" {region} " in status.stdout and "UNREACHABLE" not in status.stdout, (
+                status.stdout
+            )
+    except BaseException:
+        print(stack("logs", "--no-color", "--tail", "40", check=False).stdout)
+        raise
+    finally:
+        down = stack("down", "--volumes", "--remove-orphans", "--timeout", "20", check=False)
+        assert down.returncode == 0, down.stderr
+    assert not stack.containers()
+
+
+@pytest.mark.docker
+def test_compose_refuses_to_start_without_the_data_path(compose: list[str], tmp_path: Path) -> None:
+    stack = Stack(compose, tmp_path, {})
+    done = stack("up", "--detach", check=False)
+    assert done.returncode != 0
+    assert DATA_VARIABLE in done.stderr + done.stdout
+    assert not stack.containers()
+
+
+@pytest.mark.docker
+def test_env_example_is_a_working_configuration(compose: list[str], tmp_path: Path) -> None:
+    """``cp .env.example .env`` gives a file compose accepts, with every region's data under it."""
+    done = run(
+        [*compose, "--env-file", str(DEPLOY / ".env.example"), "--file", str(COMPOSE_FILE),
+         "config"],
+        env=clean_env(),
+    )  # fmt: skip
+    for region in REGIONS:
+        assert f"/srv/fencemark/{region}" in done.stdout
