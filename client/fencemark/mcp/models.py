@@ -1,0 +1,252 @@
+"""What the ``repocontext_*`` tools return: their structured content and output schemas.
+
+Names are camelCase on the wire (``fencingToken``, ``leaseExpiresAtUtc``,
+``homeRegion``), as agents written against the seed's tools expect; every
+timestamp is an absolute UTC instant decided by the home node's clock. A field
+that does not apply to an answer is left out (e.g. ``fencingToken`` of a claim
+that was not granted). What each value guarantees is in docs/consistency.md.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from fencemark.client.types import (
+    ClaimResult,
+    ClaimStatus,
+    Record,
+    ReleaseResult,
+    RenewResult,
+)
+
+__all__ = [
+    "CONFLICT_EXCEPTION",
+    "ClaimConflictOut",
+    "ClaimOut",
+    "ClaimStatusOut",
+    "ListOut",
+    "LiveClaimOut",
+    "RecordOut",
+    "ReleaseOut",
+    "RememberOut",
+    "RenewOut",
+    "UpdateOut",
+]
+
+# The name agents written against the seed catch; a fenced-write refusal carries it.
+CONFLICT_EXCEPTION: Final = "RepoContextClaimConflictException"
+WELL_KNOWN_FIELDS = ("kind", "author", "title", "body")
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, serialize_by_alias=True, frozen=True
+    )
+
+    def wire(self) -> dict[str, object]:
+        """The structured content: camelCase keys, JSON types, absent fields left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class RecordOut(_Out):
+    """A record as the answering node knows it."""
+
+    key: str = Field(description="repo/{repoId}/mem/{topic}/{id}")
+    repo_id: str
+    topic: str
+    id: str
+    kind: str | None = None
+    author: str | None = None
+    title: str | None = None
+    body: str | None = None
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="Free-form fields other than kind, author, title and body.",
+    )
+    tags: list[str] = Field(description="Sorted; exactly one is homeRegion:R.")
+    home_region: str = Field(description="The region whose node decides claims and fenced writes.")
+    fence: int = Field(description="The largest fencing token ever granted; 0 if none.")
+    updated_at_utc: datetime | None = None
+
+    @classmethod
+    def of(cls, record: Record) -> RecordOut:
+        return cls(
+            key=record.key,
+            repo_id=record.repo,
+            topic=record.topic,
+            id=record.id,
+            kind=record.kind or None,
+            author=record.author or None,
+            title=record.title or None,
+            body=record.body or None,
+            fields={k: v for k, v in record.fields.items() if k not in WELL_KNOWN_FIELDS},
+            tags=list(record.tags),
+            home_region=record.home_region,
+            fence=record.fence,
+            updated_at_utc=record.updated_at,
+        )
+
+
+class ClaimConflictOut(_Out):
+    """Why a write was refused by the record's claim (the tool result has isError: true)."""
+
+    exception: Literal["RepoContextClaimConflictException"] = CONFLICT_EXCEPTION
+    key: str
+    conflict: str = Field(
+        description="claimed, superseded, expired, released, unknown_token or wrong_region."
+    )
+    fence: int = Field(description="The record's fence: the largest token ever granted.")
+    home_region: str = Field(description="The region that decides fenced writes of the record.")
+    message: str
+
+
+class RememberOut(_Out):
+    """The outcome of repocontext_remember: the record, or (isError) the claim conflict."""
+
+    created: bool | None = Field(
+        default=None, description="True when this call created the record, false when it merged."
+    )
+    record: RecordOut | None = Field(default=None, description="The record after the write.")
+    error: ClaimConflictOut | None = Field(
+        default=None, description="Present only when the write was refused (isError: true)."
+    )
+
+
+class UpdateOut(_Out):
+    """The outcome of repocontext_update: the record, or (isError) the claim conflict."""
+
+    record: RecordOut | None = Field(default=None, description="The record after the write.")
+    error: ClaimConflictOut | None = Field(
+        default=None, description="Present only when the write was refused (isError: true)."
+    )
+
+
+class ClaimOut(_Out):
+    """The outcome of repocontext_claim. Not granted is an answer, not an error."""
+
+    key: str
+    owner: str
+    granted: bool
+    fencing_token: int | None = Field(
+        default=None, description="Present when granted: pass it to every write of this item."
+    )
+    lease_expires_at_utc: datetime | None = Field(
+        default=None, description="When the lease ends unless renewed (the home node's clock)."
+    )
+    reason: str | None = Field(
+        default=None,
+        description="Why not granted: contended, timeout, missing or wrong_region.",
+    )
+    home_region: str | None = None
+
+    @classmethod
+    def of(cls, key: str, owner: str, result: ClaimResult) -> ClaimOut:
+        return cls(
+            key=key,
+            owner=owner,
+            granted=result.granted,
+            fencing_token=result.fencing_token if result.granted else None,
+            lease_expires_at_utc=result.lease_expires_at if result.granted else None,
+            reason=result.reason or None,
+            home_region=result.home_region or None,
+        )
+
+
+class RenewOut(_Out):
+    """The outcome of repocontext_renew_claim; renewed: false means stop working on the item."""
+
+    key: str
+    renewed: bool
+    fencing_token: int
+    lease_expires_at_utc: datetime | None = None
+    reason: str | None = Field(
+        default=None,
+        description="Why not renewed: superseded (you lost the item), expired, released, "
+        "missing, unknown_token or wrong_region.",
+    )
+    home_region: str | None = None
+
+    @classmethod
+    def of(cls, key: str, token: int, result: RenewResult) -> RenewOut:
+        return cls(
+            key=key,
+            renewed=result.renewed,
+            fencing_token=result.fencing_token or token,
+            lease_expires_at_utc=result.lease_expires_at if result.renewed else None,
+            reason=result.reason or None,
+            home_region=result.home_region or None,
+        )
+
+
+class ReleaseOut(_Out):
+    """The outcome of repocontext_release_claim (idempotent; the fence never goes down)."""
+
+    key: str
+    released: bool
+    reason: str | None = Field(
+        default=None, description="Why not released: unknown_token, missing or wrong_region."
+    )
+    fence: int
+    home_region: str | None = None
+
+    @classmethod
+    def of(cls, key: str, result: ReleaseResult) -> ReleaseOut:
+        return cls(
+            key=key,
+            released=result.released,
+            reason=result.reason or None,
+            fence=result.fence,
+            home_region=result.home_region or None,
+        )
+
+
+class LiveClaimOut(_Out):
+    owner: str
+    fencing_token: int
+    lease_expires_at_utc: datetime | None = None
+
+
+class ClaimStatusOut(_Out):
+    """A snapshot of a record's claim. It proves nothing: authoritative is always false."""
+
+    key: str
+    claim: LiveClaimOut | None = Field(
+        default=None, description="The live claim; absent when none is live."
+    )
+    fence: int
+    queue_depth: int = Field(description="Claims waiting in line (waitSeconds) at this node.")
+    authoritative: Literal[False] = Field(
+        description="Always false: only a write presenting the token proves ownership."
+    )
+    home_region: str
+
+    @classmethod
+    def of(cls, key: str, status: ClaimStatus) -> ClaimStatusOut:
+        live = status.claim
+        return cls(
+            key=key,
+            claim=None
+            if live is None
+            else LiveClaimOut(
+                owner=live.owner,
+                fencing_token=live.fencing_token,
+                lease_expires_at_utc=live.lease_expires_at,
+            ),
+            fence=status.fence,
+            queue_depth=status.queue_depth,
+            authoritative=False,  # whatever a node says: a snapshot proves nothing
+            home_region=status.home_region,
+        )
+
+
+class ListOut(_Out):
+    """One page of a repo's records, in key order."""
+
+    records: list[RecordOut]
+    next_page_token: str | None = Field(
+        default=None, description="Present when more records follow: pass it as pageToken."
+    )

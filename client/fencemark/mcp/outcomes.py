@@ -1,0 +1,172 @@
+"""How a tool call ends: a result, or a tool error a model can read and act on.
+
+A claim, renewal or release that is not granted is a normal result (see
+``models``). Everything that did not happen is a tool error (``isError:
+true``) whose text says what went wrong and what to do, never a stack trace:
+
+- a write refused by the record's claim names ``RepoContextClaimConflictException``
+  and carries the conflict word, the fence and the home region as structured
+  content (``{"error": {...}}``, which the tool's output schema admits: a client
+  such as the MCP Inspector validates error results against it too);
+- bad arguments name the argument, in the tools' camelCase spelling;
+- an unreachable node says so and that the call can be retried.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+
+from mcp_types import CallToolResult, TextContent
+from pydantic import BaseModel, ValidationError
+
+from fencemark.client.errors import (
+    ClaimConflict,
+    FencemarkError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    Unimplemented,
+    WrongRegion,
+)
+from fencemark.mcp.models import CONFLICT_EXCEPTION, ClaimConflictOut
+
+__all__ = [
+    "argument_name",
+    "conflict_result",
+    "error_result",
+    "failure_result",
+    "invalid_arguments_text",
+    "success",
+]
+
+# Request fields (as the node names them in INVALID_ARGUMENT) -> tool arguments.
+_ARGUMENT_NAMES = {
+    "repo": "repoId",
+    "lease_seconds": "leaseSeconds",
+    "wait_seconds": "waitSeconds",
+    "fencing_token": "fencingToken",
+    "page_token": "pageToken",
+}
+
+# What an agent should do after each conflict word (docs/api.md, "The error model").
+_CONFLICT_ADVICE = {
+    "claimed": "The record is claimed by another worker: claim it with repocontext_claim and "
+    "pass its fencingToken, or wait until the claim is released.",
+    "superseded": "A higher fencing token has been granted: you lost this item. Stop working "
+    "on it now and do not retry this write.",
+    "expired": "Your lease lapsed before this write. Stop; claim the item again if you still "
+    "want it.",
+    "released": "Your token was released. Claim the item again if you still want it.",
+    "unknown_token": "That token was never granted for this record: pass the fencingToken "
+    "repocontext_claim returned.",
+    "wrong_region": "Only the node of the record's home region decides fenced writes: run the "
+    "MCP server with --regions naming that region's node.",
+}
+_MAX_SHOWN_INPUT = 80
+
+
+def success(out: BaseModel) -> CallToolResult:
+    """A result: structured content, and the same JSON as text for the model to read."""
+    structured = out.model_dump(mode="json", by_alias=True, exclude_none=True)
+    text = json.dumps(structured, indent=2, ensure_ascii=False)
+    return CallToolResult(
+        content=[TextContent(type="text", text=text)], structured_content=structured
+    )
+
+
+def error_result(text: str, structured: Mapping[str, object] | None = None) -> CallToolResult:
+    return CallToolResult(
+        content=[TextContent(type="text", text=text)],
+        structured_content=dict(structured) if structured is not None else None,
+        is_error=True,
+    )
+
+
+def conflict_result(tool: str, key: str, refused: ClaimConflict) -> CallToolResult:
+    """A write refused by the record's claim: a tool error naming the conflict."""
+    conflict = ClaimConflictOut(
+        key=key,
+        conflict=refused.reason,
+        fence=refused.fence,
+        home_region=refused.home_region,
+        message=refused.message,
+    )
+    advice = _CONFLICT_ADVICE.get(refused.reason, "")
+    text = (
+        f"{CONFLICT_EXCEPTION}: {tool} of {key} was refused: {refused.reason}"
+        f" (fence {refused.fence}, home region {refused.home_region or 'unknown'})."
+        f" {advice} Node says: {refused.message}"
+    )
+    return error_result(text, {"error": conflict.model_dump(mode="json", by_alias=True)})
+
+
+def failure_result(
+    tool: str, error: FencemarkError, *, target: str, key: str = "", applied_maybe: bool = False
+) -> CallToolResult:
+    """Any other failed call, as a sentence naming what failed and what to do.
+
+    ``applied_maybe`` is for writes the client does not retry (``update``): after
+    a lost reply the write may have landed, so retrying blindly is not safe.
+    """
+    subject = f"{tool} of {key}" if key else tool
+    if isinstance(error, InvalidArgument):
+        problems = error.violations or [("", error.message)]
+        listed = "; ".join(
+            f"{argument_name(name)}: {why}" if name else why for name, why in problems
+        )
+        return error_result(f"Invalid arguments for {tool}: {listed}")
+    if isinstance(error, WrongRegion):
+        return error_result(
+            f"WrongRegion: {subject} was refused: a new record is created only in its home"
+            f" region, {error.home_region!r}. Run the MCP server with --regions naming that"
+            f" region's node, or create the record there. Node says: {error.message}"
+        )
+    if isinstance(error, NotFound):
+        return error_result(
+            f"NotFound: {subject}: no such record (or it was deleted). Keys look like"
+            " repo/{repoId}/mem/{topic}/{id}; create a record with repocontext_remember."
+        )
+    if isinstance(error, Unavailable):
+        caution = (
+            " An update is not retried for you and may or may not have been applied:"
+            " repocontext_recall the record before writing again."
+            if applied_maybe
+            else ""
+        )
+        return error_result(
+            f"Unavailable (retryable): {subject} failed because the Fencemark node"
+            f" (target {target}) could not be reached in time: {error}. Retry in a few"
+            f" seconds.{caution}"
+        )
+    if isinstance(error, Unimplemented):
+        return error_result(
+            f"Unimplemented: {subject}: the node does not serve this call, e.g. it was"
+            f" started without --enable-writes. Node says: {error.message}"
+        )
+    return error_result(f"FencemarkError: {subject} failed: {error}")
+
+
+def argument_name(field: str) -> str:
+    """The tool argument a request field stands for: ``lease_seconds`` -> ``leaseSeconds``."""
+    head, bracket, rest = field.partition("[")
+    return _ARGUMENT_NAMES.get(head, head) + bracket + rest
+
+
+def invalid_arguments_text(tool: str, error: ValidationError) -> str:
+    """Argument validation errors, one per argument, without pydantic's internals."""
+    problems = [_problem(problem) for problem in error.errors(include_url=False)]
+    return f"Invalid arguments for {tool}: " + "; ".join(problems)
+
+
+def _problem(problem: Mapping[str, object]) -> str:
+    location = problem.get("loc", ())
+    parts = [str(part) for part in location] if isinstance(location, Iterable) else []
+    where = (parts[0] + "".join(f"[{part}]" for part in parts[1:])) if parts else "arguments"
+    if problem.get("type") == "missing":
+        return f"{where} is required"
+    shown = repr(problem.get("input"))
+    if len(shown) > _MAX_SHOWN_INPUT:
+        shown = shown[: _MAX_SHOWN_INPUT - 3] + "..."
+    message = str(problem.get("msg", "is invalid"))
+    return f"{where}: {message[:1].lower()}{message[1:]} (got {shown})"

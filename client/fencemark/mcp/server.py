@@ -1,0 +1,234 @@
+"""The MCP server: the ``repocontext_*`` tools on the official ``mcp`` SDK's ``MCPServer``.
+
+It is a client of one node (``target``), or of a region map, through the
+published ``AsyncClient``: home-only calls (claims, renewals, releases, fenced
+writes) are routed to the record's home region when ``regions`` names it.
+
+Fail-closed (SPEC §6): when the node reports ``writes_enabled: false`` at
+startup, the mutating tools are not registered at all, so they are not listed;
+the read tools stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from mcp.server import MCPServer
+from mcp.server.mcpserver.context import Context
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp_types import CallToolResult, InputRequiredResult
+from pydantic import ValidationError
+
+from fencemark.client import AsyncClient, FencemarkError
+from fencemark.mcp.outcomes import invalid_arguments_text
+from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS, RepoContextTools
+
+__all__ = [
+    "INSTRUCTIONS",
+    "RepoContextServer",
+    "create_server",
+    "open_server",
+    "parse_listen",
+    "parse_regions",
+    "serve",
+]
+
+SERVER_NAME = "fencemark"
+HTTP_PATH = "/mcp"
+DEFAULT_LISTEN = "127.0.0.1:7480"
+
+INSTRUCTIONS = """\
+Fencemark stores agent memory and backlog items as records that several agents can drain
+safely. To work on an item: repocontext_claim it (owner unique to you); pass the returned
+fencingToken to every repocontext_update of it; repocontext_renew_claim before
+leaseExpiresAtUtc (e.g. every leaseSeconds/3); repocontext_release_claim when done. A claim
+that is not granted is an answer (reason contended, timeout, missing, wrong_region): pick
+other work. If a renewal answers renewed: false with reason superseded, or a write fails with
+RepoContextClaimConflictException (superseded, expired, released), you lost the item: stop
+writing to it at once. repocontext_claim_status is never authoritative."""
+
+
+class RepoContextServer(MCPServer[Any]):
+    """``MCPServer`` whose argument validation errors name each argument plainly."""
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
+    ) -> CallToolResult | InputRequiredResult:
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as error:
+            cause = error.__cause__
+            if isinstance(cause, ValidationError) and not isinstance(error, UnexpectedToolError):
+                raise ToolError(invalid_arguments_text(name, cause)) from cause
+            raise
+
+
+def create_server(client: AsyncClient, *, writes_enabled: bool) -> RepoContextServer:
+    """The tools over ``client``; without ``writes_enabled`` only the read tools exist."""
+    server = RepoContextServer(
+        SERVER_NAME, instructions=INSTRUCTIONS, version=_version(), log_level="WARNING"
+    )
+    tools = RepoContextTools(client)
+    for spec in (*MUTATING_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS:
+        server.add_tool(
+            spec.bind(tools),
+            name=spec.name,
+            title=spec.annotations.title,
+            description=spec.description,
+            annotations=spec.annotations,
+        )
+    return server
+
+
+async def open_server(client: AsyncClient) -> RepoContextServer:
+    """Ask ``client.target`` whether it takes writes (``Node.Info``), then build the server.
+
+    Raises ``FencemarkError`` (e.g. ``Unavailable``) when the node cannot say.
+    """
+    info = await client.info()
+    return create_server(client, writes_enabled=info.writes_enabled)
+
+
+def parse_regions(spec: str | None) -> dict[str, str]:
+    """``us=127.0.0.1:7400,eu=127.0.0.1:7401`` -> ``{"us": ..., "eu": ...}``."""
+    regions: dict[str, str] = {}
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, address = (part.strip() for part in item.partition("="))
+        if not sep or not name or not address:
+            raise ValueError(f"--regions takes REGION=HOST:PORT,... got {item.strip()!r}")
+        if name in regions:
+            raise ValueError(f"--regions names region {name!r} twice")
+        regions[name] = address
+    return regions
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port)."""
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen takes HOST:PORT, got {listen!r}")
+    return host, int(port)
+
+
+async def serve(
+    target: str,
+    *,
+    regions: Mapping[str, str] | None = None,
+    call_timeout: float = 10.0,
+    transport: str = "stdio",
+    listen: str = DEFAULT_LISTEN,
+    log: TextIO = sys.stderr,
+) -> int:
+    """Run the server until stdin closes (stdio) or SIGTERM/SIGINT (http); the exit code.
+
+    Messages for people go to ``log`` (stderr): on stdio, stdout is the protocol.
+    """
+    async with AsyncClient(target, regions=regions, timeout=call_timeout) as client:
+        try:
+            info = await client.info()
+        except FencemarkError as error:
+            print(
+                f"fencemark mcp: cannot reach the Fencemark node at {target}: {error}."
+                " Start one (fencemark node --enable-writes) or pass --target HOST:PORT.",
+                file=log,
+                flush=True,
+            )
+            return 1
+        server = create_server(client, writes_enabled=info.writes_enabled)
+        tools = len(await server.list_tools())
+        about = (
+            f"node {info.node_id} of region {info.region!r} at {target}, writes"
+            f" {'enabled' if info.writes_enabled else 'disabled'}: {tools} tools"
+        )
+        if transport == "stdio":
+            print(f"fencemark mcp: serving over stdio for {about}", file=log, flush=True)
+            await server.run_stdio_async()
+            return 0
+        return await _serve_http(server, listen, about, log)
+
+
+async def _serve_http(server: RepoContextServer, listen: str, about: str, log: TextIO) -> int:
+    import uvicorn
+
+    host, port = parse_listen(listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        print(f"fencemark mcp: cannot listen on {listen}: {error}", file=log, flush=True)
+        return 2
+    bound = sock.getsockname()[1]
+    shown_host = f"[{host}]" if family == socket.AF_INET6 else host
+    app = server.streamable_http_app(host=host, streamable_http_path=HTTP_PATH)
+    web = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+
+    def stop(signum: int, frame: object) -> None:
+        web.should_exit = True
+
+    # uvicorn re-raises a signal it handled once it has stopped; with these
+    # handlers that ends the call gracefully instead of killing the process.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        print(
+            f"fencemark mcp: serving streamable HTTP on http://{shown_host}:{bound}{HTTP_PATH}"
+            f" for {about}",
+            file=log,
+            flush=True,
+        )
+        await web.serve(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        sock.close()
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fencemark")
+    except PackageNotFoundError:
+        return ""
+
+
+def run(
+    target: str,
+    *,
+    regions: str | None = None,
+    timeout: float = 10.0,
+    transport: str = "stdio",
+    listen: str = DEFAULT_LISTEN,
+) -> int:
+    """``fencemark mcp``: parse the flags' values, then ``serve``; the exit code."""
+    try:
+        region_map = parse_regions(regions)
+        if transport == "http":
+            parse_listen(listen)
+    except ValueError as error:
+        print(f"fencemark mcp: {error}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(
+            serve(
+                target,
+                regions=region_map,
+                call_timeout=timeout,
+                transport=transport,
+                listen=listen,
+            )
+        )
+    except KeyboardInterrupt:
+        return 130

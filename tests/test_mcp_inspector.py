@@ -1,0 +1,211 @@
+"""A third-party client: the MCP Inspector CLI (npm @modelcontextprotocol/inspector).
+
+It lists and calls the tools of ``fencemark mcp`` over stdio (the Inspector
+spawns the server) and over streamable HTTP (a server subprocess on a free
+loopback port), and drives the SPEC §1 walkthrough, whose refusals must come
+back as tool errors. The Inspector exits 0 for a result and 5 (``TOOL_ERROR``)
+for a result with ``isError: true``; it also validates every structured content
+against the tool's output schema, error results included (a mismatch exits 1).
+
+It runs on Node >= 22 from the project-local prefix ``.ci/ensure-inspector``
+installs (``make inspector``). Without it these tests skip, except under CI
+(``CI`` set), where they fail: CI must have installed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fencemark.mcp import MUTATING_TOOL_NAMES, READ_TOOL_NAMES
+from fencemark.node.server import NodeServer
+from tests.conftest import StartNode
+from tests.test_mcp import clean_env, http_server, mcp_command
+from tests.test_mcp_walkthrough import (
+    KEY,
+    Call,
+    Outcome,
+    expect_conflict,
+    expect_ok,
+    run_walkthrough,
+)
+
+pytestmark = pytest.mark.slow  # every test spawns Node and Python processes
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALLER = ROOT / ".ci" / "ensure-inspector"
+PREFIX = Path(os.environ.get("FENCEMARK_INSPECTOR_PREFIX", ROOT / ".tools" / "node22"))
+BIN = PREFIX / "node_modules" / ".bin"
+EXIT_OK, EXIT_TOOL_ERROR = 0, 5
+INSPECTOR_LIMIT_S = 90.0
+ALL_TOOLS = {*MUTATING_TOOL_NAMES, *READ_TOOL_NAMES}
+
+
+def pinned_version() -> str:
+    found = re.search(r"^INSPECTOR_VERSION=(\S+)", INSTALLER.read_text(), re.MULTILINE)
+    assert found, f"{INSTALLER} pins no INSPECTOR_VERSION"
+    return found.group(1)
+
+
+@dataclass(frozen=True)
+class Inspector:
+    """The installed Inspector CLI and the Node that runs it."""
+
+    node: Path
+    script: Path
+    home: Path
+
+    async def run(self, *args: str) -> tuple[int, Any, str]:
+        """Run ``mcp-inspector --cli ARGS``: exit code, the JSON on stdout, stderr."""
+        env = {
+            **clean_env(),
+            "PATH": f"{self.node.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "HOME": str(self.home),  # whatever it keeps under ~/.mcp-inspector stays here
+            "NO_COLOR": "1",
+        }
+        proc = await asyncio.create_subprocess_exec(
+            str(self.node),
+            str(self.script),
+            "--cli",
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd=self.home,
+        )
+        async with asyncio.timeout(INSPECTOR_LIMIT_S):
+            out, err = await proc.communicate()
+        assert proc.returncode is not None
+        stdout = out.decode(errors="replace")
+        try:
+            payload = json.loads(stdout) if stdout.strip() else None
+        except ValueError:
+            payload = stdout
+        return proc.returncode, payload, err.decode(errors="replace")
+
+    async def list_tools(self, *server: str) -> list[dict[str, Any]]:
+        code, payload, err = await self.run(
+            "--method", "tools/list", "--strict", "--format", "json", *server
+        )
+        assert code == EXIT_OK, f"tools/list exited {code}: {err}"
+        tools: list[dict[str, Any]] = payload["result"]["tools"]
+        return tools
+
+    def caller(self, *server: str) -> Call:
+        """``call(tool, arguments)`` through the Inspector, for the walkthrough."""
+
+        async def call(tool: str, arguments: dict[str, Any]) -> Outcome:
+            code, payload, err = await self.run(
+                "--method", "tools/call", "--tool-name", tool,
+                "--tool-args-json", json.dumps(arguments), "--format", "json", *server,
+            )  # fmt: skip
+            assert code in (EXIT_OK, EXIT_TOOL_ERROR), f"{tool} exited {code}: {payload} {err}"
+            result = payload["result"]
+            is_error = bool(result.get("isError"))
+            assert is_error == (code == EXIT_TOOL_ERROR), f"exit {code} for isError {is_error}"
+            if is_error:
+                assert "tool_is_error" in err
+            text = "\n".join(block["text"] for block in result["content"] if "text" in block)
+            return Outcome(is_error, result.get("structuredContent") or {}, text)
+
+        return call
+
+
+@pytest.fixture(scope="module")
+def installed() -> tuple[Path, Path]:
+    node, script = BIN / "node", BIN / "mcp-inspector"
+    if not (node.exists() and script.exists()):
+        why = f"the MCP Inspector is not installed under {PREFIX}: run `make inspector`"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{why} (.ci/run must run .ci/ensure-inspector before the tests)")
+        pytest.skip(why)
+    return node, script.resolve()
+
+
+@pytest.fixture
+def inspector(installed: tuple[Path, Path], tmp_path: Path) -> Inspector:
+    home = tmp_path / "home"
+    home.mkdir()
+    node, script = installed
+    return Inspector(node=node, script=script, home=home)
+
+
+def stdio_server(target: str) -> list[str]:
+    """The Inspector's target: the command that starts ``fencemark mcp`` over stdio."""
+    return ["--", *mcp_command(target)]
+
+
+async def test_the_inspector_is_the_pinned_version_on_node_22(inspector: Inspector) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        str(inspector.node), str(inspector.script), "--version",
+        stdout=asyncio.subprocess.PIPE, env=clean_env(),
+    )  # fmt: skip
+    async with asyncio.timeout(INSPECTOR_LIMIT_S):
+        out, _ = await proc.communicate()
+    assert out.decode().strip() == pinned_version()
+    version = await asyncio.create_subprocess_exec(
+        str(inspector.node), "--version", stdout=asyncio.subprocess.PIPE
+    )
+    major = int((await version.communicate())[0].decode().lstrip("v").split(".")[0])
+    assert major >= 22
+
+
+async def test_the_inspector_lists_the_tools_over_stdio(
+    inspector: Inspector, node: NodeServer, start_node: StartNode
+) -> None:
+    """``--strict`` also fails on any tool schema the Inspector finds unportable."""
+    tools = await inspector.list_tools(*stdio_server(node.address))
+    assert {tool["name"] for tool in tools} == ALL_TOOLS
+    for tool in tools:
+        assert tool["description"] and tool["inputSchema"]["type"] == "object"
+        assert tool["outputSchema"]["type"] == "object", tool["name"]
+    read_only = await start_node(enable_writes=False)
+    tools = await inspector.list_tools(*stdio_server(read_only.address))
+    assert {tool["name"] for tool in tools} == set(READ_TOOL_NAMES)
+
+
+async def test_the_inspector_calls_the_tools_over_stdio(
+    inspector: Inspector, node: NodeServer
+) -> None:
+    call = inspector.caller(*stdio_server(node.address))
+    made = expect_ok(
+        await call(
+            "repocontext_remember",
+            {"repoId": "lattice", "topic": "backlog", "id": "issue-2101", "tags": ["backlog"]},
+        )
+    )
+    assert made["record"]["key"] == KEY
+    claim = expect_ok(
+        await call("repocontext_claim", {"key": KEY, "owner": "worker-a", "leaseSeconds": 60})
+    )
+    token = claim["fencingToken"]
+    lost = expect_ok(
+        await call("repocontext_claim", {"key": KEY, "owner": "worker-b", "leaseSeconds": 60})
+    )
+    assert (lost["granted"], lost["reason"]) == (False, "contended")  # exit 0: an answer
+    refused = await call("repocontext_update", {"key": KEY, "fields": {"body": "x"}})
+    expect_conflict(refused, "claimed", token)  # exit 5: a tool error
+    bad = await call("repocontext_claim", {"key": KEY, "owner": "w", "leaseSeconds": 7200})
+    assert bad.is_error and "leaseSeconds" in bad.text
+
+
+async def test_the_walkthrough_through_the_inspector_over_http(
+    inspector: Inspector, node: NodeServer
+) -> None:
+    """Each step is one Inspector run against one ``fencemark mcp --transport http``.
+
+    worker-a's lease is 5 s rather than 1 s: an Inspector run takes most of a
+    second, and step 3 makes two of them while the claim must still be live.
+    """
+    async with http_server(node.address) as url:
+        tools = await inspector.list_tools("--transport", "http", url)
+        assert {tool["name"] for tool in tools} == ALL_TOOLS
+        await run_walkthrough(inspector.caller("--transport", "http", url), lease_seconds=5.0)
