@@ -37,6 +37,14 @@ async def views(clients: dict[str, AsyncClient]) -> dict[str, dict[str, Record]]
     }
 
 
+async def all_deciding(clients: dict[str, AsyncClient], limit: float = 30.0) -> None:
+    """Nodes that started empty catch up with their peers before they decide claims."""
+    started = time.monotonic()
+    while not all([(await c.info()).claims_serving for c in clients.values()]):
+        assert time.monotonic() - started < limit, "nodes did not catch up"
+        await asyncio.sleep(0.1)
+
+
 async def converged(clients: dict[str, AsyncClient], limit: float = 20.0) -> dict[str, Record]:
     started = time.monotonic()
     while True:
@@ -53,6 +61,7 @@ async def test_a_cut_off_region_serves_reads_and_writes_and_converges_after_the_
 ) -> None:
     clients = {r: AsyncClient(a, timeout=5) for r, a in cluster.addresses.items()}
     try:
+        await all_deciding(clients)
         for region in REGIONS:
             await clients[region].remember(
                 "part", "t", f"home-{region}", title="before", tags=[f"homeRegion:{region}"]
@@ -99,6 +108,7 @@ async def test_during_a_cut_home_only_calls_fail_fast_elsewhere_and_reads_still_
     us = AsyncClient(cluster.addresses["us"], regions=cluster.routes_from("us"), timeout=3)
     ap = AsyncClient(cluster.addresses["ap"], timeout=5)
     try:
+        await all_deciding({"us": us, "ap": ap})
         made = await ap.remember("part", "t", "homed-ap", title="x", tags=["homeRegion:ap"])
         await converged({"us": us, "ap": ap})
         assert cluster.mesh is not None
