@@ -9,44 +9,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import signal
 import sys
 import tomllib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fencemark.node import __version__, validation
+from fencemark.node.cli_rpc import add_rpc_commands
 from fencemark.node.errors import InvalidInput
 from fencemark.node.replication.peers import parse_peers
 from fencemark.node.server import NodeConfig, default_data_dir, serve
 
 DEFAULT_TARGET = "127.0.0.1:7400"
 TRUE_WORDS = {"1", "true", "yes", "on"}
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, bytes):
-        return value.hex()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    raise TypeError(f"cannot show {type(value).__name__}")
-
-
-def _print_json(value: object) -> None:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    print(json.dumps(value, default=_json_default, indent=2, ensure_ascii=False))
-
-
-# -- node -------------------------------------------------------------------------
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -74,40 +53,6 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 # -- client commands ----------------------------------------------------------------
-
-
-def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[object]]) -> int:
-    from fencemark.client import AsyncClient, ClaimConflict, FencemarkError
-
-    async def run() -> object:
-        async with AsyncClient(args.target, timeout=args.timeout) as client:
-            return await call(client)
-
-    try:
-        result = asyncio.run(run())
-    except ClaimConflict as exc:
-        print(
-            f"fencemark: refused: {exc.reason} (fence {exc.fence},"
-            f" home region {exc.home_region}): {exc}",
-            file=sys.stderr,
-        )
-        return 1
-    except FencemarkError as exc:
-        print(f"fencemark: {exc}", file=sys.stderr)
-        return 1
-    _print_json(result)
-    return 0
-
-
-def _fields(pairs: Sequence[str]) -> dict[str, str]:
-    out = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep:
-            print(f"fencemark: --field takes NAME=VALUE, got {pair!r}", file=sys.stderr)
-            raise SystemExit(2)
-        out[name] = value
-    return out
 
 
 def cmd_walkthrough(args: argparse.Namespace) -> int:
@@ -412,113 +357,8 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     # A probe answers fast or not at all: shorter than docker's 5 s healthcheck timeout.
     health.set_defaults(func=cmd_health, timeout=3.0)
 
-    _add_rpc_commands(client_parser)
+    add_rpc_commands(client_parser)
     return parser
-
-
-def _add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    """One subcommand per RPC, with the RPC's field names as flags."""
-    p = client_parser("remember", "Records.Remember: create or merge a record")
-    for name in ("repo", "topic", "id"):
-        p.add_argument(f"--{name}", required=True)
-    for name in ("kind", "author", "title", "body"):
-        p.add_argument(f"--{name}", default="")
-    p.add_argument("--tag", action="append", default=[], dest="tags")
-    p.add_argument("--field", action="append", default=[], dest="fields", metavar="NAME=VALUE")
-    p.add_argument("--fencing-token", type=int, default=0)
-    p.set_defaults(
-        func=lambda a: _client_call(
-            a,
-            lambda c: c.remember(
-                a.repo, a.topic, a.id, kind=a.kind, author=a.author, title=a.title,
-                body=a.body, tags=a.tags, fields=_fields(a.fields),
-                fencing_token=a.fencing_token,
-            ),
-        )
-    )  # fmt: skip
-
-    p = client_parser("get", "Records.Get: one record")
-    p.add_argument("key")
-    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.get(a.key)))
-
-    p = client_parser("update", "Records.Update: write fields and tags")
-    p.add_argument("key")
-    p.add_argument("--field", action="append", default=[], dest="fields", metavar="NAME=VALUE")
-    p.add_argument("--add-tag", action="append", default=[], dest="add_tags")
-    p.add_argument("--remove-tag", action="append", default=[], dest="remove_tags")
-    p.add_argument("--fencing-token", type=int, default=0)
-    p.set_defaults(
-        func=lambda a: _client_call(
-            a,
-            lambda c: c.update(
-                a.key, fields=_fields(a.fields), add_tags=a.add_tags,
-                remove_tags=a.remove_tags, fencing_token=a.fencing_token,
-            ),
-        )
-    )  # fmt: skip
-
-    p = client_parser("delete", "Records.Delete: write a tombstone")
-    p.add_argument("key")
-    p.add_argument("--fencing-token", type=int, default=0)
-    p.set_defaults(
-        func=lambda a: _client_call(a, lambda c: c.delete(a.key, fencing_token=a.fencing_token))
-    )
-
-    p = client_parser("list", "Records.List: a page of records")
-    p.add_argument("--repo", required=True)
-    p.add_argument("--topic", default="")
-    p.add_argument("--tag", default="")
-    p.add_argument("--page-size", type=int, default=0)
-    p.add_argument("--page-token", default="")
-    p.add_argument("--include-deleted", action="store_true")
-    p.set_defaults(
-        func=lambda a: _client_call(
-            a,
-            lambda c: c.list(
-                a.repo, topic=a.topic, tag=a.tag, page_size=a.page_size,
-                page_token=a.page_token, include_deleted=a.include_deleted,
-            ),
-        )
-    )  # fmt: skip
-
-    p = client_parser("claim", "Claims.Claim: ask for a record's lease")
-    p.add_argument("key")
-    p.add_argument("--owner", required=True)
-    p.add_argument("--lease-seconds", type=float, default=0.0)
-    p.add_argument("--wait-seconds", type=float, default=0.0)
-    p.set_defaults(
-        func=lambda a: _client_call(
-            a,
-            lambda c: c.claim(
-                a.key, a.owner, lease_seconds=a.lease_seconds, wait_seconds=a.wait_seconds
-            ),
-        )
-    )
-
-    p = client_parser("renew-claim", "Claims.RenewClaim: extend a live claim")
-    p.add_argument("key")
-    p.add_argument("--fencing-token", type=int, required=True)
-    p.add_argument("--lease-seconds", type=float, default=0.0)
-    p.set_defaults(
-        func=lambda a: _client_call(
-            a,
-            lambda c: c.renew_claim(a.key, a.fencing_token, lease_seconds=a.lease_seconds),
-        )
-    )
-
-    p = client_parser("release-claim", "Claims.ReleaseClaim: end a claim")
-    p.add_argument("key")
-    p.add_argument("--fencing-token", type=int, required=True)
-    p.set_defaults(
-        func=lambda a: _client_call(a, lambda c: c.release_claim(a.key, a.fencing_token))
-    )
-
-    p = client_parser("claim-status", "Claims.ClaimStatus: what the node knows of a claim")
-    p.add_argument("key")
-    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.claim_status(a.key)))
-
-    p = client_parser("info", "Node.Info: the node's identity and state")
-    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.info()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
