@@ -397,8 +397,9 @@ class AsyncClient:
         response = await self._call(self._router.default.node.Info, node_pb2.InfoRequest())
         return convert.node_info_from_proto(response)
 
-    async def health(self) -> str:
-        """``target``'s overall health status name, e.g. ``"SERVING"``."""
-        request = health_pb2.HealthCheckRequest(service="")
+    async def health(self, service: str = "") -> str:
+        """``target``'s health status name, e.g. ``"SERVING"``: overall, or one
+        service's (``fencemark.v1.Claims`` is NOT_SERVING while a node catches up)."""
+        request = health_pb2.HealthCheckRequest(service=convert.check_str("service", service))
         response = await self._call(self._router.default.health_check, request)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))

@@ -110,10 +110,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     from fencemark.client import AsyncClient, FencemarkError
 
     async def check() -> str:
-        if args.service:
-            return await _service_health(args.target, args.service, args.timeout)
         async with AsyncClient(args.target, timeout=args.timeout, retries=0) as client:
-            return await client.health()
+            return await client.health(args.service)
 
     subject = f"{args.target} {args.service or '(node)'}"
     try:
@@ -123,22 +121,6 @@ def cmd_health(args: argparse.Namespace) -> int:
         return 1
     print(f"fencemark health: {subject}: {status}")
     return 0 if status == "SERVING" else 1
-
-
-async def _service_health(target: str, service: str, deadline_s: float) -> str:
-    """One named service's health status, e.g. ``fencemark.v1.Claims`` while catching up."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from fencemark.client.errors import from_rpc_error
-
-    request = health_pb2.HealthCheckRequest(service=service)
-    async with grpc.aio.insecure_channel(target) as channel:
-        try:
-            response = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=deadline_s)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
