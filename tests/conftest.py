@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 
 from fencemark.client import AsyncClient
 from fencemark.node.server import NodeConfig, NodeServer
+from tests import dockerenv
 
 settings.register_profile(
     "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -70,3 +71,16 @@ async def node(start_node: StartNode) -> NodeServer:
 async def client(node: NodeServer) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(node.address) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> None:
+    """A Docker engine answers; else skip (locally) or fail (under CI)."""
+    if not dockerenv.engine_answers():
+        dockerenv.missing("no Docker engine answers")
+
+
+@pytest.fixture(scope="session")
+def image(docker_engine: None) -> str:
+    """The Fencemark image's tag, built air-gapped if ``make image`` has not built it."""
+    return dockerenv.ensure_image()

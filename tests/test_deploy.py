@@ -1,10 +1,8 @@
 """SPEC §7 ``deploy/``: the image and the three-region compose stack, on a real engine.
 
-Tests marked ``docker`` drive the real ``docker`` and ``docker-compose`` CLIs. They
-are skipped when no Docker engine answers, except under CI (``CI`` set), where
-that is a failure: CI runs ``deploy/ensure-docker.sh`` first, and must not pass
-by skipping them. The image is the one ``make image`` built (found by tag), or
-is built here by the same scripts. Traffic goes only to ports published on
+Tests marked ``docker`` drive the real ``docker`` and ``docker-compose`` CLIs,
+through the ``docker_engine`` and ``image`` fixtures (tests/dockerenv.py: skipped
+without an engine, failed under CI). Traffic goes only to ports published on
 127.0.0.1 and to containers these tests created; everything created is removed.
 
 ``fencemark health``, the image's HEALTHCHECK, is tested against in-process
@@ -14,35 +12,37 @@ nodes without Docker.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fencemark.client import AsyncClient
 from tests.conftest import StartNode
+from tests.dockerenv import (
+    BASE_IMAGE,
+    BUILD_LIMIT_S,
+    DEPLOY,
+    IMAGE,
+    IMAGE_UID,
+    free_port,
+    inspect,
+    missing,
+    run,
+    wait_until,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
-IMAGE = os.environ.get("FENCEMARK_IMAGE") or "fencemark:dev"
-BASE_IMAGE = os.environ.get("FENCEMARK_BASE_IMAGE") or "fencemark/base:bookworm"
 DATA_VARIABLE = "REPOCONTEXT_MEMORY_ARCHIVE_PATH"
-IMAGE_UID = 10001
-REVISION_LABEL = "org.opencontainers.image.revision"
 REGIONS = ("us", "eu", "ap")
 CLAIMS_SERVICE = "fencemark.v1.Claims"
-# Bounds, in seconds. A base image takes about 1.5 min, the image about 1 min.
-BUILD_LIMIT_S = 600.0
 HEALTHY_LIMIT_S = 90.0
 CONVERGE_LIMIT_S = 30.0
 
@@ -50,38 +50,9 @@ CONVERGE_LIMIT_S = 30.0
 # -- running commands ----------------------------------------------------------------
 
 
-def run(
-    args: Sequence[str],
-    *,
-    limit_s: float = 60.0,
-    env: dict[str, str] | None = None,
-    check: bool = True,
-) -> subprocess.CompletedProcess[str]:
-    """Run a command to completion within ``limit_s``; ``check`` asserts exit 0."""
-    try:
-        done = subprocess.run(
-            list(args), capture_output=True, text=True, timeout=limit_s, env=env, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{' '.join(args)} still running after {limit_s} s") from exc
-    if check:
-        assert done.returncode == 0, (
-            f"{' '.join(args)} exited {done.returncode}\n"
-            f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-        )
-    return done
-
-
 def fencemark(*args: str, limit_s: float = 60.0) -> subprocess.CompletedProcess[str]:
     """The host's ``fencemark`` command (this interpreter), exit code unchecked."""
     return run([sys.executable, "-m", "fencemark.node", *args], limit_s=limit_s, check=False)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def clean_env(**settings: str) -> dict[str, str]:
@@ -94,42 +65,7 @@ def clean_env(**settings: str) -> dict[str, str]:
     return {**env, **settings}
 
 
-def wait_until(what: str, limit_s: float, probe: Callable[[], bool]) -> None:
-    """Poll ``probe()`` every half second until it holds, for at most ``limit_s``."""
-    deadline = time.monotonic() + limit_s
-    while not probe():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {limit_s} s")
-        time.sleep(0.5)
-
-
-# -- the engine and the image --------------------------------------------------------
-
-
-def _engine_answers() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _missing(what: str) -> None:
-    """Skip for want of ``what``; under CI, fail instead."""
-    if os.environ.get("CI"):
-        pytest.fail(
-            f"CI is set and {what}: the docker tests must run there"
-            " (.ci/run calls deploy/ensure-docker.sh before the tests)",
-            pytrace=False,
-        )
-    pytest.skip(f"{what} (deploy/ensure-docker.sh installs and starts it)")
-
-
-@pytest.fixture(scope="session")
-def docker_engine() -> None:
-    if not _engine_answers():
-        _missing("no Docker engine answers")
+# -- the compose command ------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -139,44 +75,8 @@ def compose(docker_engine: None) -> list[str]:
         return ["docker-compose"]
     if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
         return ["docker", "compose"]
-    _missing("neither docker-compose nor docker compose is installed")
+    missing("neither docker-compose nor docker compose is installed")
     raise AssertionError("unreachable")
-
-
-def image_exists(tag: str) -> bool:
-    return run(["docker", "image", "inspect", tag], check=False).returncode == 0
-
-
-def image_is_stale(tag: str) -> bool:
-    """Whether ``tag`` was built from another commit than this clean checkout's.
-
-    Images outlive a checkout on the same machine; in a tree with uncommitted
-    changes the label cannot tell, and the tag is trusted (``make image`` rebuilds).
-    """
-    git = ["git", "-C", str(ROOT)]
-    head = run([*git, "rev-parse", "HEAD"], check=False).stdout.strip()
-    if not head or run([*git, "diff", "--quiet", "HEAD"], check=False).returncode != 0:
-        return False
-    labels = inspect("image", tag)["Config"]["Labels"] or {}  # type: ignore[index]
-    return bool(labels.get(REVISION_LABEL) != head)
-
-
-@pytest.fixture(scope="session")
-def image(docker_engine: None) -> str:
-    """``IMAGE`` as ``make image`` built it, else built here by the same scripts."""
-    if not image_exists(IMAGE) or image_is_stale(IMAGE):
-        run([str(DEPLOY / "build-base-image.sh"), "--tag", BASE_IMAGE], limit_s=BUILD_LIMIT_S)
-        run(
-            [str(DEPLOY / "build-image.sh"), "--base-image", BASE_IMAGE, "--tag", IMAGE],
-            limit_s=BUILD_LIMIT_S,
-            env={**os.environ, "PYTHON": sys.executable},
-        )
-    return IMAGE
-
-
-def inspect(kind: str, name: str) -> dict[str, object]:
-    found: list[dict[str, object]] = json.loads(run(["docker", kind, "inspect", name]).stdout)
-    return found[0]
 
 
 # -- fencemark health, without docker ------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 from fencemark.node import __version__, validation
 from fencemark.node.cli_rpc import add_rpc_commands
 from fencemark.node.errors import InvalidInput
+from fencemark.node.proxy_command import add_proxy_command
 from fencemark.node.replication.peers import parse_peers
 from fencemark.node.server import NodeConfig, default_data_dir, serve
 
@@ -339,6 +340,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     # A probe answers fast or not at all: shorter than docker's 5 s healthcheck timeout.
     health.set_defaults(func=cmd_health, timeout=3.0)
 
+    add_proxy_command(sub)
     add_rpc_commands(client_parser)
     return parser
 

@@ -1,0 +1,327 @@
+"""Region containers on a test network, and the faults a nemesis injects into them.
+
+Everything here is real: one container per region from the locally built image
+(testcontainers, with the docker SDK underneath), a bridge network created for
+this run, each node's data in a host directory bind-mounted as its volume, and
+a ``fencemark proxy`` container on the link between the first two regions.
+
+Traffic stays where the chaos tier may send it. Nodes talk to each other on the
+run's own network (by their region name, a network alias). The test reaches
+each node through the port it publishes on 127.0.0.1, and node-to-node faults
+are iptables rules inside the node's own network namespace (``docker exec
+--user 0`` with ``NET_ADMIN``), matching only the peers' addresses on that
+network, so the test's own connections are never cut.
+
+Faults:
+
+- :meth:`partition`: DROP every packet between regions of different groups
+  (a lost packet, not a refusal, as across a real WAN partition);
+- :meth:`lose_packets`: drop a random fraction of node-to-node packets
+  (iptables ``statistic``);
+- :meth:`slow_link`: latency and a bandwidth cap on the proxied link;
+- :meth:`kill` / :meth:`start_node`: ``kill -9`` (SIGKILL to PID 1) and a restart on
+  the same volume;
+- :meth:`wipe`: the volume's contents removed while the node is down (disk loss);
+- :meth:`pause` / :meth:`unpause`: the cgroup freezer (``docker pause``).
+
+Ryuk cannot be pulled here, so testcontainers runs with it disabled
+(``TESTCONTAINERS_RYUK_DISABLED=true``) and :meth:`close` removes every
+container and the network itself; every object carries the label
+``fencemark.chaos=<run id>`` so that a crashed run's leftovers can be found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from testcontainers.core.container import DockerContainer
+from testcontainers.core.network import Network
+
+from tests.dockerenv import IMAGE_UID, free_port
+
+# Read when the first container starts, not at import.
+os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+
+NODE_PORT = 7400
+PROXY_PORTS = (7501, 7502)
+DATA_IN_CONTAINER = "/var/lib/fencemark"
+CONTROL_IN_CONTAINER = "/control"
+LABEL = "fencemark.chaos"
+STOP_LIMIT_S = 30.0
+
+
+@dataclass
+class Region:
+    name: str
+    container: DockerContainer
+    port: int  # published on 127.0.0.1
+    data: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class ChaosCluster:
+    """Region nodes in containers: start them, break them, heal them, remove them."""
+
+    def __init__(
+        self,
+        image: str,
+        regions: Sequence[str],
+        root: Path,
+        *,
+        run_id: str,
+        anti_entropy_interval: float = 1.0,
+    ) -> None:
+        if len(regions) < 2:
+            raise ValueError("a chaos cluster needs at least two regions")
+        self.image = image
+        self.names = tuple(regions)
+        self.root = root
+        self.run_id = run_id
+        self.anti_entropy_interval = anti_entropy_interval
+        self.proxied = (self.names[0], self.names[1])  # the link the proxy carries
+        self.network = Network(docker_network_kw={"labels": {LABEL: run_id}, "driver": "bridge"})
+        self.regions: dict[str, Region] = {}
+        self.proxy: DockerContainer | None = None
+        self.control = root / "control"
+        # Who the nodes run as: the image's user, unless the data directories
+        # (made here) must stay writable by an unprivileged test runner.
+        as_root = os.geteuid() == 0
+        self.user = f"{IMAGE_UID}:{IMAGE_UID}" if as_root else f"{os.getuid()}:{os.getgid()}"
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def up(self) -> None:
+        """Create the network, the proxy and every region's node (not yet serving)."""
+        self.network.create()
+        self.control.mkdir(parents=True, exist_ok=True)
+        self.control.chmod(0o755)
+        self.set_link_faults({})
+        a, b = self.proxied
+        self.proxy = self._container(
+            "proxy",
+            command=[
+                "proxy",
+                "--link", f"{a}-{b}=0.0.0.0:{PROXY_PORTS[0]}={b}:{NODE_PORT}",
+                "--link", f"{b}-{a}=0.0.0.0:{PROXY_PORTS[1]}={a}:{NODE_PORT}",
+                "--control", f"{CONTROL_IN_CONTAINER}/faults.json",
+            ],
+            volumes=[(str(self.control), CONTROL_IN_CONTAINER, "ro")],
+        )  # fmt: skip
+        self.proxy.start()
+        for name in self.names:
+            data = self.root / "data" / name
+            data.mkdir(parents=True)
+            if os.geteuid() == 0:
+                os.chown(data, IMAGE_UID, IMAGE_UID)
+            port = free_port()
+            container = self._container(
+                name,
+                command=["node"],
+                env={
+                    "FENCEMARK_REGION": name,
+                    "FENCEMARK_ENABLE_WRITES": "1",
+                    "FENCEMARK_PEERS": ",".join(
+                        f"{peer}={self.peer_address(name, peer)}"
+                        for peer in self.names
+                        if peer != name
+                    ),
+                    "FENCEMARK_ANTI_ENTROPY_INTERVAL": str(self.anti_entropy_interval),
+                    "FENCEMARK_LOG_LEVEL": "WARNING",
+                },
+                volumes=[(str(data), DATA_IN_CONTAINER, "rw")],
+                port=port,
+            )
+            self.regions[name] = Region(name, container, port, data)
+            container.start()
+
+    def _container(
+        self,
+        alias: str,
+        *,
+        command: list[str],
+        volumes: Iterable[tuple[str, str, str]],
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> DockerContainer:
+        container = DockerContainer(
+            self.image,
+            command=command,  # type: ignore[arg-type]  # a list is passed through to docker
+            env=env or {},
+            name=f"fencemark-chaos-{self.run_id}-{alias}",
+            network=self.network,
+            network_aliases=[alias],
+            volumes=list(volumes),
+        )
+        if port is not None:
+            # Published on loopback only (with_bind_ports binds every interface).
+            container.ports[f"{NODE_PORT}/tcp"] = ("127.0.0.1", port)  # type: ignore[assignment]
+        return container.with_kwargs(
+            user=self.user,
+            cap_add=["NET_ADMIN"],
+            labels={LABEL: self.run_id},
+            # The image's HEALTHCHECK probes a node; the proxy is none, and the
+            # test watches the nodes itself.
+            healthcheck={"test": ["NONE"]},
+        )
+
+    def peer_address(self, src: str, dst: str) -> str:
+        """How ``src``'s node reaches ``dst``'s: directly, or through the proxy."""
+        if (src, dst) == self.proxied:
+            return f"proxy:{PROXY_PORTS[0]}"
+        if (dst, src) == self.proxied:
+            return f"proxy:{PROXY_PORTS[1]}"
+        return f"{dst}:{NODE_PORT}"
+
+    def close(self, logs_to: Path | None = None) -> None:
+        """Save every container's log under ``logs_to``, then remove containers and network."""
+        containers = [(r.name, r.container) for r in self.regions.values()]
+        if self.proxy is not None:
+            containers.append(("proxy", self.proxy))
+        for name, container in containers:
+            wrapped = container._container  # None when it never started
+            if wrapped is None:
+                continue
+            if logs_to is not None:
+                logs_to.mkdir(parents=True, exist_ok=True)
+                try:
+                    (logs_to / f"{name}.log").write_bytes(wrapped.logs())
+                except Exception as exc:  # a log is a nicety, the cleanup is not
+                    (logs_to / f"{name}.log").write_text(f"no log: {exc}\n")
+            container.stop(force=True, delete_volume=True)
+        if self.network._network is not None:
+            self.network.remove()
+
+    # -- what the test needs to know -------------------------------------------------
+
+    def ip(self, name: str) -> str:
+        """``name``'s address on the run's network (it may change across restarts)."""
+        container = self.proxy if name == "proxy" else self.regions[name].container
+        assert container is not None
+        wrapped = container.get_wrapped_container()
+        wrapped.reload()
+        networks: dict[str, Any] = wrapped.attrs["NetworkSettings"]["Networks"]
+        return str(networks[self.network.name]["IPAddress"])
+
+    def status(self, name: str) -> str:
+        wrapped = self.regions[name].container.get_wrapped_container()
+        wrapped.reload()
+        return str(wrapped.status)
+
+    # -- network faults --------------------------------------------------------------
+
+    def _rules(self, name: str, rules: Sequence[str]) -> None:
+        """Replace ``name``'s INPUT/OUTPUT rules by ``rules`` (iptables argument strings)."""
+        script = "iptables -F INPUT && iptables -F OUTPUT"
+        for rule in rules:
+            script += f" && iptables {rule}"
+        container = self.regions[name].container.get_wrapped_container()
+        code, output = container.exec_run(["sh", "-c", script], user="0")
+        if code != 0:
+            raise RuntimeError(f"iptables in {name} exited {code}: {output.decode()[-500:]}")
+
+    def _peer_ips(self, name: str, others: Iterable[str]) -> list[str]:
+        """The addresses ``name`` exchanges traffic with when it talks to ``others``."""
+        ips = []
+        for other in others:
+            ips.append(self.ip(other))
+            if {name, other} == set(self.proxied):
+                ips.append(self.ip("proxy"))
+        return ips
+
+    def partition(self, groups: Sequence[set[str]]) -> None:
+        """Drop every packet between regions in different groups; groups cover each once."""
+        group_of = {name: i for i, group in enumerate(groups) for name in group}
+        if sorted(group_of) != sorted(self.names) or sum(map(len, groups)) != len(self.names):
+            raise ValueError(f"groups {groups} must cover {self.names} once each")
+        for name in self.names:
+            cut_off = [o for o in self.names if group_of[o] != group_of[name]]
+            ips = self._peer_ips(name, cut_off)
+            self._rules(name, _both_ways(ips, "-j DROP"))
+
+    def lose_packets(self, probability: float) -> None:
+        """Drop each node-to-node packet with ``probability``, in both directions."""
+        for name in self.names:
+            ips = self._peer_ips(name, [o for o in self.names if o != name])
+            match = f"-m statistic --mode random --probability {probability:.3f} -j DROP"
+            self._rules(name, _both_ways(ips, match))
+
+    def heal_network(self) -> None:
+        """Remove every iptables fault from every running node."""
+        for name in self.names:
+            if self.status(name) == "running":
+                self._rules(name, [])
+
+    def set_link_faults(self, faults: dict[str, dict[str, object]]) -> None:
+        """Write the proxy's control file (``fencemark proxy``), atomically."""
+        staged = self.control / "faults.json.tmp"
+        staged.write_text(json.dumps(faults))
+        staged.chmod(0o644)
+        staged.replace(self.control / "faults.json")
+
+    def slow_link(self, latency_ms: float, bandwidth: float | None) -> None:
+        a, b = self.proxied
+        faults: dict[str, object] = {"latency_ms": latency_ms, "bandwidth": bandwidth}
+        self.set_link_faults({f"{a}-{b}": faults, f"{b}-{a}": faults})
+
+    # -- process faults --------------------------------------------------------------
+
+    def kill(self, name: str) -> None:
+        """``kill -9`` the node (PID 1): no shutdown handler runs."""
+        container = self.regions[name].container.get_wrapped_container()
+        container.kill(signal="SIGKILL")
+        self._wait_status(name, "exited")
+
+    def start_node(self, name: str) -> None:
+        """Start a stopped node again, on the same volume and published port."""
+        self.regions[name].container.get_wrapped_container().start()
+        self._wait_status(name, "running")
+
+    def wipe(self, name: str) -> None:
+        """Disk loss: remove everything in a stopped node's volume."""
+        if self.status(name) == "running":
+            raise RuntimeError(f"wipe {name}: stop it first")
+        for entry in self.regions[name].data.iterdir():
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+    def pause(self, name: str) -> None:
+        self.regions[name].container.get_wrapped_container().pause()
+
+    def unpause(self, name: str) -> None:
+        self.regions[name].container.get_wrapped_container().unpause()
+
+    def heal_all(self) -> None:
+        """Every fault undone: nodes running and unpaused, network and link clean."""
+        for name in self.names:
+            status = self.status(name)
+            if status == "paused":
+                self.unpause(name)
+            elif status != "running":
+                self.start_node(name)
+        self.heal_network()
+        self.set_link_faults({})
+
+    def _wait_status(self, name: str, wanted: str) -> None:
+        deadline = time.monotonic() + STOP_LIMIT_S
+        while (status := self.status(name)) != wanted:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} is {status}, not {wanted}, after {STOP_LIMIT_S} s")
+            time.sleep(0.05)
+
+
+def _both_ways(ips: Iterable[str], action: str) -> list[str]:
+    """iptables rules applying ``action`` to packets from and to each of ``ips``."""
+    return [rule for ip in ips for rule in (f"-A INPUT -s {ip} {action}",
+                                            f"-A OUTPUT -d {ip} {action}")]  # fmt: skip

@@ -1,0 +1,130 @@
+"""Docker helpers shared by the deployment tests and the chaos tier.
+
+The engine and the image are session fixtures in ``tests/conftest.py``
+(``docker_engine``, ``image``): without an engine they skip, except under CI
+(``CI`` set), where a missing engine is a failure — CI runs
+``deploy/ensure-docker.sh`` first and must not pass by skipping. The image is
+the one ``make image`` built (found by tag), or is built by the same scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+IMAGE = os.environ.get("FENCEMARK_IMAGE") or "fencemark:dev"
+BASE_IMAGE = os.environ.get("FENCEMARK_BASE_IMAGE") or "fencemark/base:bookworm"
+IMAGE_UID = 10001
+REVISION_LABEL = "org.opencontainers.image.revision"
+# Bounds, in seconds. A base image takes about 1.5 min, the image about 1 min.
+BUILD_LIMIT_S = 600.0
+
+
+# -- running commands ----------------------------------------------------------------
+
+
+def run(
+    args: Sequence[str],
+    *,
+    limit_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command to completion within ``limit_s``; ``check`` asserts exit 0."""
+    try:
+        done = subprocess.run(
+            list(args), capture_output=True, text=True, timeout=limit_s, env=env, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{' '.join(args)} still running after {limit_s} s") from exc
+    if check:
+        assert done.returncode == 0, (
+            f"{' '.join(args)} exited {done.returncode}\n"
+            f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+        )
+    return done
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def wait_until(what: str, limit_s: float, probe: Callable[[], bool]) -> None:
+    """Poll ``probe()`` every half second until it holds, for at most ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {limit_s} s")
+        time.sleep(0.5)
+
+
+# -- the engine and the image --------------------------------------------------------
+
+
+def engine_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def missing(what: str) -> None:
+    """Skip for want of ``what``; under CI, fail instead."""
+    if os.environ.get("CI"):
+        pytest.fail(
+            f"CI is set and {what}: the docker tests must run there"
+            " (.ci/run calls deploy/ensure-docker.sh before the tests)",
+            pytrace=False,
+        )
+    pytest.skip(f"{what} (deploy/ensure-docker.sh installs and starts it)")
+
+
+def image_exists(tag: str) -> bool:
+    return run(["docker", "image", "inspect", tag], check=False).returncode == 0
+
+
+def image_is_stale(tag: str) -> bool:
+    """Whether ``tag`` was built from another commit than this clean checkout's.
+
+    Images outlive a checkout on the same machine; in a tree with uncommitted
+    changes the label cannot tell, and the tag is trusted (``make image`` rebuilds).
+    """
+    git = ["git", "-C", str(ROOT)]
+    head = run([*git, "rev-parse", "HEAD"], check=False).stdout.strip()
+    if not head or run([*git, "diff", "--quiet", "HEAD"], check=False).returncode != 0:
+        return False
+    labels = inspect("image", tag)["Config"]["Labels"] or {}  # type: ignore[index]
+    return bool(labels.get(REVISION_LABEL) != head)
+
+
+def ensure_image() -> str:
+    """``IMAGE`` as ``make image`` built it, else built here by the same scripts."""
+    if not image_exists(IMAGE) or image_is_stale(IMAGE):
+        run([str(DEPLOY / "build-base-image.sh"), "--tag", BASE_IMAGE], limit_s=BUILD_LIMIT_S)
+        run(
+            [str(DEPLOY / "build-image.sh"), "--base-image", BASE_IMAGE, "--tag", IMAGE],
+            limit_s=BUILD_LIMIT_S,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
+    return IMAGE
+
+
+def inspect(kind: str, name: str) -> dict[str, object]:
+    found: list[dict[str, object]] = json.loads(run(["docker", kind, "inspect", name]).stdout)
+    return found[0]
