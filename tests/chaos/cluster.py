@@ -14,7 +14,8 @@ network, so the test's own connections are never cut.
 
 Faults:
 
-- :meth:`partition`: DROP every packet between regions of different groups
+- :meth:`partition` / :meth:`cut`: DROP every packet between regions of different
+  groups, or of given pairs
   (a lost packet, not a refusal, as across a real WAN partition);
 - :meth:`lose_packets`: drop a random fraction of node-to-node packets
   (iptables ``statistic``);
@@ -243,10 +244,16 @@ class ChaosCluster:
         group_of = {name: i for i, group in enumerate(groups) for name in group}
         if sorted(group_of) != sorted(self.names) or sum(map(len, groups)) != len(self.names):
             raise ValueError(f"groups {groups} must cover {self.names} once each")
+        self.cut([(a, b) for a in self.names for b in self.names if group_of[a] < group_of[b]])
+
+    def cut(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Drop every packet between the two regions of each pair (and only those)."""
+        apart: dict[str, set[str]] = {name: set() for name in self.names}
+        for a, b in pairs:
+            apart[a].add(b)
+            apart[b].add(a)
         for name in self.names:
-            cut_off = [o for o in self.names if group_of[o] != group_of[name]]
-            ips = self._peer_ips(name, cut_off)
-            self._rules(name, _both_ways(ips, "-j DROP"))
+            self._rules(name, _both_ways(self._peer_ips(name, sorted(apart[name])), "-j DROP"))
 
     def lose_packets(self, probability: float) -> None:
         """Drop each node-to-node packet with ``probability``, in both directions."""

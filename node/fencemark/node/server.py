@@ -162,6 +162,10 @@ class NodeServer:
                 # gRPC sets SO_REUSEPORT by default on Linux: a second node on the
                 # same port would start and share its connections. Refuse instead.
                 ("grpc.so_reuseport", 0),
+                # Peers ping idle replication connections (replicator.KEEPALIVE_MS):
+                # accept those pings instead of answering GOAWAY "too_many_pings".
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ]
         )
         servicers = {

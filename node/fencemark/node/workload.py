@@ -104,6 +104,7 @@ class Agent:
         self.rng = random.Random(seed)
         self.finished = 0
         self.paused_refusal: str | None = None  # what the paused worker was told
+        self.last: Event | None = None  # the latest operation's event
 
     async def _call(self, op: str, key: str, token: int, call: Awaitable[T], **kw: str) -> T | None:
         invoked = time.monotonic()
@@ -124,10 +125,9 @@ class Agent:
             outcome, detail = "unknown", exc.code.name if exc.code else "unavailable"
         except FencemarkError as exc:
             outcome, detail = "fail", type(exc).__name__
-        self.history.add(
-            Event(self.name, op, key, token, outcome, invoked, time.monotonic(),
-                  detail, kw.get("value", ""))
-        )  # fmt: skip
+        self.last = Event(self.name, op, key, token, outcome, invoked, time.monotonic(),
+                          detail, kw.get("value", ""))  # fmt: skip
+        self.history.add(self.last)
         return result
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -150,9 +150,11 @@ class Agent:
             if claim is None or not claim.granted:
                 await asyncio.sleep(self.rng.uniform(0.02, 0.1))
                 continue
+            # A grant spans its claim call: it took effect somewhere in between.
+            assert self.last is not None
             self.history.add(
                 Event(self.name, "grant", item.key, claim.fencing_token, "ok",
-                      time.monotonic(), time.monotonic())
+                      self.last.invoked, self.last.completed)
             )  # fmt: skip
             await self._work_on(item.key, claim.fencing_token)
 
@@ -217,18 +219,23 @@ class Check:
 
 def check_history(history: History, finals: Mapping[str, Mapping[str, Record]]) -> list[Check]:
     """Judge the history and every region's final states (key -> Record)."""
-    grants: dict[str, list[Event]] = {}
-    for event in history.events:
-        if event.op == "grant":
-            grants.setdefault(event.key, []).append(event)
+    grants = grants_by_key(history)
     return [
-        _fencing_safety(history, grants),
-        _tokens_increase(grants),
+        fencing_safety(history, grants),
+        tokens_increase(grants),
         _writes_everywhere(history, finals),
     ]
 
 
-def _fencing_safety(history: History, grants: Mapping[str, list[Event]]) -> Check:
+def grants_by_key(history: History) -> dict[str, list[Event]]:
+    grants: dict[str, list[Event]] = {}
+    for event in history.events:
+        if event.op == "grant":
+            grants.setdefault(event.key, []).append(event)
+    return grants
+
+
+def fencing_safety(history: History, grants: Mapping[str, list[Event]]) -> Check:
     violations = []
     for event in history.events:
         if event.op not in ("write", "finish", "stale-write") or event.outcome != "ok":
@@ -250,19 +257,33 @@ def _fencing_safety(history: History, grants: Mapping[str, list[Event]]) -> Chec
         late = since is not None and event.invoked > since
         if late and event.outcome == "ok" and event.op in ("write", "finish", "stale-write"):
             violations.append(f"{event.agent} wrote {event.key} after being told superseded")
+        elif event.op == "stale-write" and event.outcome == "ok":
+            # Written after the worker stalled past its lease: expired or superseded.
+            violations.append(f"{event.agent} wrote {event.key} with a lapsed token {event.token}")
     detail = "; ".join(violations[:3]) or "no write got through with a stale token"
     return Check("fencing safety", not violations, detail)
 
 
-def _tokens_increase(grants: Mapping[str, list[Event]]) -> Check:
-    repeats = []
+def tokens_increase(grants: Mapping[str, list[Event]]) -> Check:
+    """Per record: a grant that completed before another began has a smaller token,
+    and no token is granted to two owners (the same owner's re-claim is a retry)."""
+    violations = []
     for key, events in grants.items():
-        tokens = [e.token for e in sorted(events, key=lambda e: e.completed)]
-        if tokens != sorted(set(tokens)):
-            repeats.append(f"{key}: {tokens}")
+        owners: dict[int, str] = {}
+        for grant in events:
+            holder = owners.setdefault(grant.token, grant.agent)
+            if holder != grant.agent:
+                violations.append(
+                    f"{key}: token {grant.token} granted to {holder} and {grant.agent}"
+                )
+        for first in events:
+            for then in events:
+                same_claim = first.token == then.token and first.agent == then.agent
+                if first.completed < then.invoked and first.token >= then.token and not same_claim:
+                    violations.append(f"{key}: token {then.token} granted after {first.token}")
     count = sum(len(events) for events in grants.values())
-    detail = "; ".join(repeats[:3]) or f"{count} grants, none reused"
-    return Check("tokens strictly increase", not repeats, detail)
+    detail = "; ".join(violations[:3]) or f"{count} grants, in order, none reused"
+    return Check("tokens strictly increase", not violations, detail)
 
 
 def _writes_everywhere(history: History, finals: Mapping[str, Mapping[str, Record]]) -> Check:

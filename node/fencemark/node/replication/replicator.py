@@ -48,9 +48,23 @@ R = TypeVar("R", bound=Message)
 
 MAX_FRONTIER = 256  # tree nodes descended into per level and round
 PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy repairs
+# A partition that drops packets (rather than refusing connections) leaves a TCP
+# connection that looks open while its retransmission timer backs off towards
+# minutes; after the heal, calls on it would keep timing out. Keepalive pings
+# find such a connection dead within KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS and the
+# channel reconnects, with its reconnect backoff capped so a healed link is
+# used again within seconds (the chaos tier's partitions are such drops).
+KEEPALIVE_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+MAX_RECONNECT_BACKOFF_MS = 5_000
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 ]
 
 

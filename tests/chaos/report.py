@@ -1,0 +1,168 @@
+"""A chaos run's report: ``report.json``, ``report.md`` and ``timeline.png``.
+
+Written under the results folder (``tests/chaos/results/<run>/`` unless
+``FENCEMARK_CHAOS_RESULTS`` names another), beside ``history.jsonl`` (every
+event) and ``logs/`` (each container's log); ``results/latest`` points at the
+newest run. docs/chaos.md explains how to read them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+
+from matplotlib import pyplot
+
+from fencemark.node.workload import History
+from tests.chaos.checker import Verdict
+from tests.chaos.nemesis import Played
+from tests.chaos.workload import Sample
+
+COLOURS = {
+    "isolate": "tab:red",
+    "halves": "tab:red",
+    "bridge": "salmon",
+    "kill": "black",
+    "wipe": "tab:purple",
+    "pause": "tab:gray",
+    "agent-pause": "khaki",
+    "loss": "tab:orange",
+    "slow": "tab:cyan",
+}
+
+
+def write(
+    folder: Path,
+    *,
+    settings: Mapping[str, Any],
+    verdicts: Sequence[Verdict],
+    played: Sequence[Played],
+    samples: Sequence[Sample],
+    history: History,
+    heal_at: float,
+) -> dict[str, Any]:
+    folder.mkdir(parents=True, exist_ok=True)
+    passed = all(v.ok for v in verdicts)
+    counts = Counter(f"{e.op}:{e.outcome}" for e in history.events)
+    report: dict[str, Any] = {
+        "passed": passed,
+        "settings": dict(settings),
+        "invariants": [asdict(v) for v in verdicts],
+        "nemesis": [asdict(p) for p in played],
+        "operations": dict(sorted(counts.items())),
+        "refusals": dict(
+            sorted(
+                Counter(
+                    e.detail for e in history.events if e.outcome == "fail" and e.detail
+                ).items()
+            )
+        ),
+        "convergence_timeline": [asdict(s) for s in samples],
+        "final_heal_at": round(heal_at, 3),
+    }
+    (folder / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    with (folder / "history.jsonl").open("w") as out:
+        for event in history.events:
+            row = asdict(event)
+            row["invoked"] = round(event.invoked - history.started, 4)
+            row["completed"] = round(event.completed - history.started, 4)
+            out.write(json.dumps(row) + "\n")
+    (folder / "report.md").write_text(markdown(report))
+    timeline(folder / "timeline.png", played, samples, heal_at, settings)
+    return report
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    settings = report["settings"]
+    lines = [
+        f"# Chaos run, seed {settings['seed']}: {'PASSED' if report['passed'] else 'FAILED'}",
+        "",
+        f"{settings['regions']} regions, {settings['agents']} agents, lease"
+        f" {settings['lease_seconds']} s, {len(report['nemesis'])} faults over"
+        f" {settings['seconds']:.0f} s of nemesis."
+        f" Replay: `FENCEMARK_CHAOS_SEED={settings['seed']}`.",
+        "",
+        "| invariant | result | detail |",
+        "|---|---|---|",
+        *(
+            f"| {v['name']} | {'ok' if v['ok'] else '**VIOLATED**'} | {v['detail']} |"
+            for v in report["invariants"]
+        ),
+        "",
+        "## Nemesis",
+        "",
+        "| at (s) | fault | targets | lasted (s) | note |",
+        "|---:|---|---|---:|---|",
+        *(
+            f"| {p['started']:.1f} | {p['kind']} | {' '.join(p['targets'])} |"
+            f" {p['ended'] - p['started']:.1f} | {p['detail']} |"
+            for p in report["nemesis"]
+        ),
+        "",
+        "## Operations",
+        "",
+        "| operation:outcome | count |",
+        "|---|---:|",
+        *(f"| {k} | {n} |" for k, n in report["operations"].items()),
+        "",
+        "Refusals by reason: "
+        + (", ".join(f"{k} {n}" for k, n in report["refusals"].items()) or "none"),
+        "",
+        "![timeline](timeline.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def timeline(
+    path: Path,
+    played: Sequence[Played],
+    samples: Sequence[Sample],
+    heal_at: float,
+    settings: Mapping[str, Any],
+) -> None:
+    """Faults as shaded spans; per region, the records it is behind on over time."""
+    figure, axes = pyplot.subplots(figsize=(12, 4.5))
+    seen: set[str] = set()
+    for fault in played:
+        label = fault.kind if fault.kind not in seen else None
+        seen.add(fault.kind)
+        axes.axvspan(
+            fault.started,
+            fault.ended,
+            color=COLOURS.get(fault.kind, "tab:blue"),
+            alpha=0.25,
+            label=label,
+        )
+        axes.annotate(
+            " ".join(fault.targets)[:12],
+            (fault.started, 0),
+            fontsize=7,
+            rotation=90,
+            va="bottom",
+            xytext=(2, 2),
+            textcoords="offset points",
+        )
+    for region in sorted({r for s in samples for r in s.divergent}):
+        points = [
+            (s.at, s.divergent[region]) for s in samples if s.divergent.get(region) is not None
+        ]
+        if points:
+            axes.plot(*zip(*points, strict=True), marker=".", linewidth=1, label=f"{region}")
+    axes.axvline(heal_at, color="green", linestyle="--", label="final heal")
+    axes.set_xlabel("seconds since the run started")
+    axes.set_ylabel("records behind another region")
+    axes.set_title(f"chaos run, seed {settings['seed']}: faults, and how far behind each region is")
+    axes.legend(loc="upper left", fontsize=7, ncol=2)
+    axes.set_ylim(bottom=0)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)

@@ -1,0 +1,296 @@
+"""What runs against the chaos cluster while the nemesis breaks it, and what it records.
+
+- Agents (``fencemark.node.workload.Agent``), several per region: claim a todo
+  item (routed to its home region), write fenced progress (each write to a
+  field of its own), renew, finish, release. A region's agents reach their own
+  node directly and other regions through a host-side :class:`ProxyMesh`, which
+  the nemesis cuts along with the nodes' links, so a partition separates agents
+  from remote homes as it separates the nodes.
+- A producer that keeps the backlog topped up, creating items at their home.
+- A prober per region, straight at its own node: a read, an unfenced write to
+  an unclaimed record (each to a field of its own), and a home-only call that
+  the region must refuse (a claim on a record homed elsewhere, without routing).
+- A sampler: once a second, how many records each region is behind on, for the
+  convergence timeline.
+
+Every operation lands in one :class:`History` (invoke/ok/fail/unknown, with its
+start and end on the run's monotonic clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from fencemark.client import (
+    AsyncClient,
+    ClaimConflict,
+    ClaimResult,
+    FencemarkError,
+    Record,
+    Unavailable,
+)
+from fencemark.node.proxy import ProxyMesh
+from fencemark.node.workload import REPO, TAG, TOPIC, Agent, Event, History
+
+NOTES_TOPIC = "notes"
+CALL_TIMEOUT_S = 2.0  # an agent's deadline per call: no call of theirs hangs longer
+# A probe's deadline. Availability is about answering at all, not latency: on
+# this shared 2-core machine one fsync can stall every container for a second or two.
+PROBE_TIMEOUT_S = 5.0
+SAMPLE_TIMEOUT_S = 1.0
+PROBE_INTERVAL_S = 0.25
+SAMPLE_INTERVAL_S = 1.0
+
+
+@dataclass
+class Sample:
+    """One look at every region: records it is behind on (None: it did not answer)."""
+
+    at: float
+    divergent: dict[str, int | None]
+
+
+@dataclass
+class Workload:
+    addresses: Mapping[str, str]  # region -> the node's published address
+    mesh: ProxyMesh  # host-side links from each region to the others' nodes
+    history: History
+    rng: random.Random
+    lease_seconds: float = 2.0
+    agents_per_region: int = 2
+    backlog: int = 12  # todo items the producer keeps available
+    homes: dict[str, str] = field(default_factory=dict)  # key -> home region
+    notes: dict[str, str] = field(default_factory=dict)  # region -> its note record's key
+    samples: list[Sample] = field(default_factory=list)
+    agents: list[Agent] = field(default_factory=list)
+    _clients: list[AsyncClient] = field(default_factory=list)
+    _created: int = 0
+
+    @property
+    def regions(self) -> list[str]:
+        return sorted(self.addresses)
+
+    def now(self) -> float:
+        return time.monotonic() - self.history.started
+
+    def client(
+        self,
+        region: str,
+        *,
+        routed: bool = False,
+        timeout: float = CALL_TIMEOUT_S,
+        retries: int = 0,
+    ) -> AsyncClient:
+        """A client at ``region``'s node; ``routed`` reaches other homes through the mesh."""
+        routes = {region: self.addresses[region], **self.mesh.peers(region)} if routed else None
+        made = AsyncClient(self.addresses[region], regions=routes, timeout=timeout, retries=retries)
+        self._clients.append(made)
+        return made
+
+    async def close(self) -> None:
+        for made in self._clients:
+            await made.close()
+
+    def _record(
+        self,
+        who: str,
+        op: str,
+        key: str,
+        outcome: str,
+        invoked: float,
+        detail: str = "",
+        value: str = "",
+        token: int = 0,
+    ) -> None:
+        self.history.add(
+            Event(who, op, key, token, outcome, invoked, time.monotonic(), detail, value)
+        )
+
+    # -- setup -----------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """One note record per region (never claimed), and the first backlog."""
+        for region in self.regions:
+            made = await self.client(region, retries=4).remember(
+                REPO,
+                NOTES_TOPIC,
+                f"notes-{region}",
+                title=f"notes kept in {region}",
+                tags=[f"homeRegion:{region}"],
+            )
+            self.notes[region] = made.record.key
+            self.homes[made.record.key] = region
+        direct = {region: self.client(region, retries=4) for region in self.regions}
+        for _ in range(self.backlog):
+            await self._create(direct)
+        self.agents = [
+            Agent(
+                f"{region}-agent-{i}",
+                region,
+                self.client(region, routed=True, retries=2),
+                self.history,
+                lease_seconds=self.lease_seconds,
+                steps=2,
+                work_seconds=0.1,
+                seed=self.rng.randrange(1 << 30),
+            )
+            for region in self.regions
+            for i in range(self.agents_per_region)
+        ]
+
+    async def _create(self, direct: Mapping[str, AsyncClient]) -> None:
+        home = self.regions[self._created % len(self.regions)]
+        name = f"item-{self._created:05d}"
+        self._created += 1
+        invoked = time.monotonic()
+        try:
+            made = await direct[home].remember(
+                REPO,
+                TOPIC,
+                name,
+                kind="Task",
+                author="chaos",
+                title=f"Backlog item {name}",
+                fields={"status": "todo"},
+                tags=[TAG, f"homeRegion:{home}"],
+            )
+        except Unavailable:
+            self._record("producer", "create", name, "unknown", invoked, home)
+            return
+        except FencemarkError as exc:
+            self._record("producer", "create", name, "fail", invoked, type(exc).__name__)
+            return
+        self.homes[made.record.key] = home
+        self._record("producer", "create", made.record.key, "ok", invoked, home)
+
+    # -- the concurrent parts --------------------------------------------------------
+
+    def tasks(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+        return [
+            *(asyncio.create_task(agent.run(stop)) for agent in self.agents),
+            asyncio.create_task(self._produce(stop)),
+            *(asyncio.create_task(self._probe(region, stop)) for region in self.regions),
+            asyncio.create_task(self._sample(stop)),
+        ]
+
+    async def _produce(self, stop: asyncio.Event) -> None:
+        direct = {region: self.client(region) for region in self.regions}
+        while not await _stopped(stop, 0.5):
+            todo = None
+            for region in self.rng.sample(self.regions, len(self.regions)):
+                with contextlib.suppress(FencemarkError):
+                    listing = direct[region].iter_records(REPO, topic=TOPIC, tag=TAG)
+                    todo = sum([r.fields.get("status") != "done" async for r in listing])
+                    break
+            for _ in range(max(0, self.backlog - todo) if todo is not None else 0):
+                await self._create(direct)
+
+    async def _probe(self, region: str, stop: asyncio.Event) -> None:
+        """Reads, unfenced writes and a refused home-only call, at ``region``'s node only."""
+        node = self.client(region, timeout=PROBE_TIMEOUT_S)
+        who = f"probe-{region}"
+        elsewhere = self.notes[self.regions[(self.regions.index(region) + 1) % len(self.regions)]]
+        n = 0
+        while not await _stopped(stop, PROBE_INTERVAL_S):
+            key = self.notes[region]
+            invoked = time.monotonic()
+            try:
+                await node.get(key)
+                self._record(who, "probe-read", key, "ok", invoked)
+            except FencemarkError as exc:
+                self._record(who, "probe-read", key, _outcome(exc), invoked, _detail(exc))
+            n += 1
+            name, value = f"note.{region}.{n}", f"{region}:{n}"
+            invoked = time.monotonic()
+            try:
+                await node.update(key, fields={name: value})
+                self._record(who, "note", key, "ok", invoked, name, value)
+            except FencemarkError as exc:  # the reason as the detail, the field as the value
+                self._record(who, "note", key, _outcome(exc), invoked, _detail(exc), name)
+            invoked = time.monotonic()
+            try:
+                claimed = await node.claim(elsewhere, who, lease_seconds=self.lease_seconds)
+                outcome = "ok" if claimed.granted else "fail"
+                self._record(who, "probe-home-only", elsewhere, outcome, invoked, _reason(claimed))
+            except FencemarkError as exc:
+                self._record(
+                    who, "probe-home-only", elsewhere, _outcome(exc), invoked, _detail(exc)
+                )
+
+    async def _sample(self, stop: asyncio.Event) -> None:
+        readers = {region: self.client(region, timeout=SAMPLE_TIMEOUT_S) for region in self.regions}
+        while not await _stopped(stop, SAMPLE_INTERVAL_S):
+            self.samples.append(await self.sample(readers))
+
+    async def sample(self, readers: Mapping[str, AsyncClient]) -> Sample:
+        at = self.now()
+        views: dict[str, dict[str, Version] | None] = {}
+        for region, reader in readers.items():
+            try:
+                views[region] = versions(await all_records(reader))
+            except FencemarkError:
+                views[region] = None
+        return Sample(at, divergence(views))
+
+
+Version = tuple[float, bytes]  # a record at one region: (updated_at, digest)
+
+
+def divergence(views: Mapping[str, Mapping[str, Version] | None]) -> dict[str, int | None]:
+    """Per region: records it lacks or holds in an older version than another region does.
+
+    The newest version of a record is the largest ``(updated_at, digest)`` any
+    answering region holds; a region that holds it is not behind on that
+    record. All zero means byte-identical (``None``: the region did not answer).
+    """
+    answered = [view for view in views.values() if view is not None]
+    newest: dict[str, Version] = {}
+    for view in answered:
+        for key, version in view.items():
+            newest[key] = max(newest.get(key, version), version)
+    return {
+        region: None
+        if view is None
+        else sum(view.get(key) != version for key, version in newest.items())
+        for region, view in views.items()
+    }
+
+
+def versions(records: Mapping[str, Record]) -> dict[str, Version]:
+    return {
+        key: (r.updated_at.timestamp() if r.updated_at else 0.0, r.digest)
+        for key, r in records.items()
+    }
+
+
+async def all_records(client: AsyncClient) -> dict[str, Record]:
+    listing = client.iter_records(REPO, include_deleted=True)
+    return {record.key: record async for record in listing}
+
+
+async def _stopped(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep ``seconds`` unless ``stop`` is set first; whether it is set."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+    return stop.is_set()
+
+
+def _outcome(exc: FencemarkError) -> str:
+    return "unknown" if isinstance(exc, Unavailable) else "fail"
+
+
+def _detail(exc: FencemarkError) -> str:
+    if isinstance(exc, ClaimConflict):
+        return exc.reason
+    if isinstance(exc, Unavailable) and exc.code is not None:
+        return exc.code.name
+    return type(exc).__name__
+
+
+def _reason(result: ClaimResult) -> str:
+    return result.reason or ("granted" if result.granted else "")
