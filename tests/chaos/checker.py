@@ -72,12 +72,7 @@ def check(
                 "stale writes refused": _count(history, ("stale-write",), "fail"),
             },
         ),
-        Verdict(
-            "2. tokens strictly increase",
-            tokens.ok,
-            tokens.detail,
-            {"grants": sum(len(g) for g in grants.values())},
-        ),
+        token_order(tokens.ok, tokens.detail, grants, played, homes, history.started),
         acknowledged_writes(history, played, finals, homes),
         converged(convergence),
         availability(history, played),
@@ -86,6 +81,44 @@ def check(
 
 def _count(history: History, ops: Sequence[str], outcome: str) -> float:
     return float(sum(e.op in ops and e.outcome == outcome for e in history.events))
+
+
+# -- 2. tokens --------------------------------------------------------------------------
+
+
+def token_order(
+    ok: bool,
+    detail: str,
+    grants: Mapping[str, Sequence[Event]],
+    played: Sequence[Played],
+    homes: Mapping[str, str],
+    started: float,
+) -> Verdict:
+    """The token check, and how often it was put to the test: records granted both
+    before and after their home region was killed or lost its disk."""
+    crossed = {"kill": 0, "wipe": 0}
+    for key, events in grants.items():
+        times = [e.completed - started for e in events]
+        for fault in played:
+            if fault.kind in crossed and fault.targets[0] == homes.get(key):
+                before = any(t < fault.started for t in times)
+                after = any(t > fault.ended for t in times)
+                crossed[fault.kind] += before and after
+    if ok:
+        detail += (
+            f"; {crossed['kill']} records granted again after their home was"
+            f" killed, {crossed['wipe']} after it lost its disk"
+        )
+    return Verdict(
+        "2. tokens strictly increase",
+        ok,
+        detail,
+        {
+            "grants": sum(len(g) for g in grants.values()),
+            "records granted across a kill -9": crossed["kill"],
+            "records granted across a disk loss": crossed["wipe"],
+        },
+    )
 
 
 # -- 3. acknowledged writes ------------------------------------------------------------

@@ -105,6 +105,15 @@ def test_tokens_granted_out_of_order_or_twice_are_caught() -> None:
     )
 
 
+def test_grants_across_a_wipe_of_the_home_are_counted() -> None:
+    wipe = Played("wipe", ("us",), 20.0, 25.0)
+    h = history(event("us-agent-0", "grant", 1.0, token=3),
+                event("eu-agent-0", "grant", 30.0, token=3 + 2**20), *SERVED)  # fmt: skip
+    verdict = verdicts(h, [PARTITION, wipe])["tokens strictly increase"]
+    assert verdict.ok and verdict.numbers["records granted across a disk loss"] == 1
+    assert verdict.numbers["records granted across a kill -9"] == 0
+
+
 def test_overlapping_claims_may_complete_in_either_order() -> None:
     """Token 6's reply arrived first, but the calls overlapped: no order to break."""
     h = history(event("us-agent-0", "grant", 1.0, token=5, took=2.0),
