@@ -33,7 +33,13 @@ from tests.chaos.workload import CALL_TIMEOUT_S
 NETWORK_FAULTS = (*PARTITIONS, "loss", "slow")
 DISK_LOSS_GRACE_S = 5.0  # healthy seconds a node had to pass a write on before a wipe
 CONVERGE_ROUNDS = 20  # anti-entropy rounds convergence may take after the final heal
-WRONG_REGION_FAST_S = 1.0  # a refused home-only call at a non-home node answers within this
+# A home-only call at a node that is not the record's home is refused within this;
+# generous because three nodes and the test share two cores: it separates an
+# answer from a hang, it is not a latency target (bench/ measures latency).
+WRONG_REGION_FAST_S = 2.0
+# A failed home-only call of an agent returns within its deadline, plus this for
+# the test process's own scheduling.
+DEADLINE_SLACK_S = 1.0
 HOME_ONLY_OPS = ("claim", "write", "renew", "finish", "release")
 
 
@@ -244,7 +250,7 @@ def availability(history: History, played: Sequence[Played]) -> Verdict:
                 )
         elif event.op in HOME_ONLY_OPS and event.outcome != "ok":
             slowest_refusal = max(slowest_refusal, took)
-            if took > CALL_TIMEOUT_S + 0.5 or not event.detail:
+            if took > CALL_TIMEOUT_S + DEADLINE_SLACK_S or not event.detail:
                 problems.append(
                     f"{event.agent} {event.op} {event.key} took {took:.2f} s"
                     f" to {event.outcome} ({event.detail!r}) during {kind}"

@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from docker.errors import DockerException
+
 from fencemark.client import AsyncClient, FencemarkError
 from fencemark.node.proxy import ProxyMesh
 from fencemark.node.workload import Agent
@@ -52,6 +54,7 @@ class Played:
     ended: float
     detail: str = ""
     cut: tuple[tuple[str, str], ...] = ()  # for partitions: the region pairs cut apart
+    injected: bool = True  # False: the engine refused the fault (see detail); healed at once
 
 
 def schedule(
@@ -130,7 +133,19 @@ class Nemesis:
             await asyncio.sleep(fault.gap)
             started = self.clock()
             self.log(f"nemesis: {fault.kind} {' '.join(fault.targets)} ({fault.seconds:.1f} s)")
-            detail = await self._inject(fault)
+            try:
+                detail = await self._inject(fault)
+            except (DockerException, RuntimeError) as exc:
+                # The engine, not Fencemark, failed (e.g. the cgroup freezer timing
+                # out): heal everything, say so in the report, and go on.
+                self.log(f"nemesis: {fault.kind} could not be injected: {exc}")
+                await asyncio.to_thread(self.cluster.heal_all)
+                self.mesh.heal()
+                why = f"not injected: {exc}"[:300]
+                self.played.append(
+                    Played(fault.kind, fault.targets, started, self.clock(), why, injected=False)
+                )
+                continue
             self.played.append(
                 Played(
                     fault.kind,
@@ -164,7 +179,7 @@ class Nemesis:
             took = await self._until_deciding(region)
             return f"{region} deciding claims again {took:.1f} s after its restart"
         if fault.kind == "pause":
-            await asyncio.to_thread(self.cluster.pause, region)
+            await self._retry(self.cluster.pause, region)
             await asyncio.sleep(fault.seconds)
             await asyncio.to_thread(self.cluster.unpause, region)
             return ""
@@ -188,6 +203,19 @@ class Nemesis:
             await asyncio.to_thread(self.cluster.set_link_faults, {})
             return "-".join(self.cluster.proxied)
         raise ValueError(f"unknown fault kind {fault.kind!r}")
+
+    @staticmethod
+    async def _retry(action: Callable[[str], None], region: str, attempts: int = 5) -> None:
+        """``action(region)`` in a thread, retried: the freezer sometimes cannot freeze a
+        process in the middle of an fsync at once ("unable to freeze")."""
+        for attempt in range(attempts):
+            try:
+                await asyncio.to_thread(action, region)
+                return
+            except DockerException:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.2)
 
     async def _until_deciding(self, region: str) -> float:
         """Seconds until a restarted node serves claims again (after catch-up), bounded."""

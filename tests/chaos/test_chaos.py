@@ -31,7 +31,7 @@ from fencemark.node.workload import History
 from tests.chaos import report
 from tests.chaos.checker import CONVERGE_ROUNDS, Convergence, check
 from tests.chaos.cluster import ChaosCluster
-from tests.chaos.nemesis import Nemesis, schedule, wait_for
+from tests.chaos.nemesis import KINDS, Nemesis, schedule, wait_for
 from tests.chaos.workload import SAMPLE_TIMEOUT_S, Workload, all_records, divergence, versions
 
 REGIONS = ("us", "eu", "ap")
@@ -203,6 +203,9 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         + "; ".join(f"{v.name}: {v.detail}" for v in verdicts if not v.ok)
         + f" (report: {folder})"
     )
+    # A run that never managed to inject a kind of fault did not test what it claims.
+    missed = sorted(set(KINDS) - {p.kind for p in nemesis.played if p.injected})
+    assert not missed, f"chaos seed {settings.seed}: never injected {missed} (report: {folder})"
 
 
 def test_divergence_counts_the_records_a_region_is_behind_on() -> None:
