@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from fencemark.node import validation
@@ -43,6 +43,15 @@ class Claims:
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self._queues: dict[str, deque[_Waiter]] = {}
+        # Claim outcomes decided here ("granted" or the reason) and queue entries:
+        # read by the metrics collector (fencemark.node.telemetry).
+        self.outcomes: Counter[str] = Counter()
+        self.waits = 0
+
+    @property
+    def waiting(self) -> int:
+        """Callers waiting in line, over every record."""
+        return sum(len(line) for line in self._queues.values())
 
     @property
     def serving(self) -> bool:
@@ -61,9 +70,12 @@ class Claims:
         wait_s = validation.wait(wait_seconds)
         self._check_serving()
         outcome = await self._try(key, owner, lease_ms, queued_ahead=self.queue_depth(key) > 0)
-        if outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0:
-            return outcome
-        return await self._wait_in_line(key, owner, lease_ms, wait_s, outcome.home_region)
+        if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
+            self.waits += 1
+            outcome = await self._wait_in_line(key, owner, lease_ms, wait_s, outcome.home_region)
+        reason = outcome.reason.value if outcome.reason is not None else "granted"
+        self.outcomes["granted" if outcome.ok else reason] += 1
+        return outcome
 
     async def _wait_in_line(
         self, key: str, owner: str, lease_ms: int, wait_s: float, home: str

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ from fencemark.node.errors import InvalidInput
 from fencemark.node.proxy_command import add_proxy_command
 from fencemark.node.replication.peers import parse_peers
 from fencemark.node.server import NodeConfig, default_data_dir, serve
+from fencemark.node.telemetry import LOG_FORMATS, configure_logging
 
 DEFAULT_TARGET = "127.0.0.1:7400"
 TRUE_WORDS = {"1", "true", "yes", "on"}
@@ -44,6 +44,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_clock_offset_ms=args.max_clock_offset_ms,
         peers=peers,
         anti_entropy_interval=args.anti_entropy_interval,
+        metrics_listen=args.metrics_listen,
     )
     try:
         asyncio.run(serve(config))
@@ -76,30 +77,50 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from fencemark.client import AsyncClient, FencemarkError
+    """A cluster overview: one row per node, one indented row per peer it replicates with."""
+    from fencemark.client import AsyncClient, FencemarkError, NodeInfo
+
+    async def look(target: str) -> tuple[NodeInfo, str] | FencemarkError:
+        try:
+            async with AsyncClient(target, timeout=args.timeout, retries=0) as client:
+                return await client.info(), await client.health()
+        except FencemarkError as exc:
+            return exc
 
     async def run() -> list[str]:
+        seen = await asyncio.gather(*(look(target) for target in args.targets))
+        width = max(22, *(len(t) + 1 for t in args.targets))
         lines = [
-            f"{'target':<22} {'region':<8} {'node':<13} {'health':<9} {'claims':<11}"
-            f" {'writes':<6} {'records':>8}  peers (sync age)"
+            f"{'TARGET':<{width}} {'REGION':<8} {'NODE':<13} {'HEALTH':<12} {'CLAIMS':<12}"
+            f" {'WRITES':<6} {'RECORDS':>8}"
         ]
-        for target in args.targets:
-            try:
-                async with AsyncClient(target, timeout=args.timeout, retries=0) as client:
-                    info = await client.info()
-                    health = await client.health()
-                peers = ", ".join(
-                    f"{p.region} {p.lag_ms}ms" if p.reachable else f"{p.region} UNREACHABLE"
-                    for p in info.peers
+        serving, lags, divergence, skew = 0, [], 0, 0
+        for target, answer in zip(args.targets, seen, strict=True):
+            if isinstance(answer, FencemarkError):
+                lines.append(f"{target:<{width}} unreachable: {answer}")
+                continue
+            info, health = answer
+            serving += health == "SERVING"
+            claims = "serving" if info.claims_serving else "catching-up"
+            lines.append(
+                f"{target:<{width}} {info.region:<8} {info.node_id:<13} {health:<12} {claims:<12}"
+                f" {'on' if info.writes_enabled else 'off':<6} {info.record_count:>8}"
+            )
+            for p in info.peers:
+                lags.append(p.lag_ms)
+                divergence += p.divergence
+                skew += p.skew_alarms
+                state = "reachable" if p.reachable else "UNREACHABLE"
+                row = (
+                    f"  peer {p.region:<8} {state:<12} lag {p.lag_ms / 1000:>6.1f} s"
+                    f"  divergence {p.divergence:>5}  skew alarms {p.skew_alarms:>3}"
+                    f"  push backlog {p.push_backlog:>5}"
                 )
-                claims = "serving" if info.claims_serving else "catching-up"
-                lines.append(
-                    f"{target:<22} {info.region:<8} {info.node_id:<13} {health:<9} {claims:<11}"
-                    f" {'on' if info.writes_enabled else 'off':<6} {info.record_count:>8}"
-                    f"  {peers or '-'}"
-                )
-            except FencemarkError as exc:
-                lines.append(f"{target:<22} unreachable: {exc}")
+                lines.append(row + (f"  last error: {p.last_error}" if p.last_error else ""))
+        lines.append(
+            f"{serving} of {len(args.targets)} nodes serving; largest peer lag"
+            f" {max(lags, default=0) / 1000:.1f} s; divergence {divergence}; skew alarms {skew}"
+        )
         return lines
 
     print("\n".join(asyncio.run(run())))
@@ -214,7 +235,16 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     )
     parser.add_argument("--version", action="version", version=f"fencemark {__version__}")
     parser.add_argument(
-        "--log-level", default=os.environ.get("FENCEMARK_LOG_LEVEL", "WARNING"), help="log level"
+        "--log-level",
+        default=os.environ.get("FENCEMARK_LOG_LEVEL", "WARNING"),
+        help="log level (env FENCEMARK_LOG_LEVEL); INFO adds one line per request",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=os.environ.get("FENCEMARK_LOG_FORMAT") or "text",
+        help="text for people, json (one object per line, with request ids) for log"
+        " pipelines (env FENCEMARK_LOG_FORMAT)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -260,6 +290,12 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         type=float,
         default=_setting(config, "anti_entropy_interval", 1.0),
         help="mean seconds between anti-entropy rounds (jittered ±50%%)",
+    )
+    node.add_argument(
+        "--metrics-listen",
+        default=_setting(config, "metrics_listen", ""),
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
     )
     configured = os.environ.get("FENCEMARK_PEERS")
     node.set_defaults(
@@ -322,7 +358,11 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     cluster.add_argument("--data", default=None, help="data root (default: XDG data dir)")
     cluster.set_defaults(func=cmd_cluster)
 
-    status = sub.add_parser("status", help="one line per node: region, health, records")
+    status = sub.add_parser(
+        "status",
+        help="cluster overview: each node's health, records and claims, and per peer:"
+        " reachability, lag, divergence, skew alarms",
+    )
     status.add_argument(
         "--targets",
         nargs="+",
@@ -351,9 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     known, _ = pre.parse_known_args(argv)
     config = load_config(known.config) if known.config else {}
     args = build_parser(config).parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format)
     result: int = args.func(args)
     return result

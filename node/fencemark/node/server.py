@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.service import ReplicationService
 from fencemark.node.service import ClaimsService, NodeService, RecordsService
 from fencemark.node.storage import Storage
+from fencemark.node.telemetry import NodeMetrics, Telemetry
 from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class NodeConfig:
     grace_seconds: float = 5.0
     peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
     anti_entropy_interval: float = 1.0
+    metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" serves none
 
     @property
     def db_path(self) -> Path:
@@ -113,6 +115,8 @@ class NodeServer:
         health_servicer: Any,
         port: int,
         replicator: Replicator,
+        metrics: NodeMetrics,
+        stop_metrics: Callable[[], None] | None,
     ) -> None:
         self.config = config
         self.storage = storage
@@ -122,6 +126,8 @@ class NodeServer:
         self.health = health_servicer
         self.port = port
         self.replicator = replicator
+        self.metrics = metrics
+        self._stop_metrics = stop_metrics
         self.stopped = False
 
     @property
@@ -155,7 +161,11 @@ class NodeServer:
             catching_up=catching_up,
             on_caught_up=caught_up,
         )
+        metrics = NodeMetrics(config.region)
+        storage.on_commit = metrics.observe_commit
+        metrics.watch(replica, claims, peers)
         server = grpc.aio.server(
+            interceptors=[Telemetry(metrics)],
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", MAX_SEND_BYTES),
@@ -166,7 +176,7 @@ class NodeServer:
                 # accept those pings instead of answering GOAWAY "too_many_pings".
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ]
+            ],
         )
         servicers = {
             "Records": RecordsService(replica),
@@ -205,7 +215,9 @@ class NodeServer:
             not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
             await health_servicer.set(CLAIMS_SERVICE, not_serving)
         replicator.start()
-        node = cls(config, storage, replica, claims, server, health_servicer, port, replicator)
+        stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
+        node = cls(config, storage, replica, claims, server, health_servicer, port, replicator,
+                   metrics, stop_metrics)  # fmt: skip
         log.info(
             "region %s node %s listening on %s (writes %s, data %s)",
             config.region,
@@ -225,6 +237,8 @@ class NodeServer:
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
         await self.replicator.stop()
         await self.storage.close()
+        if self._stop_metrics is not None:
+            await asyncio.to_thread(self._stop_metrics)
         log.info("region %s node stopped", self.config.region)
 
 

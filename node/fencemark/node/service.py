@@ -32,6 +32,7 @@ from fencemark.node.errors import (
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.storage import Stored
+from fencemark.node.telemetry import note_refusal
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
 if TYPE_CHECKING:
@@ -92,6 +93,18 @@ def to_status(error: FencemarkError) -> grpc.Status:
     return _status(code_pb2.INTERNAL, str(error), "INTERNAL", {})
 
 
+def refusal_reason(error: FencemarkError) -> str:
+    """A refusal's machine-readable reason, lower case: the claim conflict
+    (``superseded``, ...) or the ErrorInfo reason (``wrong_region``, ...)."""
+    if isinstance(error, ClaimConflict):
+        return error.conflict.value
+    kinds: tuple[tuple[type[FencemarkError], str], ...] = (
+        (InvalidInput, "invalid_argument"), (WrongRegion, "wrong_region"),
+        (NotFound, "not_found"), (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),
+    )  # fmt: skip
+    return next((reason for kind, reason in kinds if isinstance(error, kind)), "internal")
+
+
 def refusals(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """Turn a refusal raised by the rules into its gRPC status."""
 
@@ -102,6 +115,7 @@ def refusals(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
         try:
             return await method(self, request, context)
         except FencemarkError as error:
+            note_refusal(refusal_reason(error))
             status = to_status(error)
             await context.abort(status.code, status.details, status.trailing_metadata)
             raise AssertionError("unreachable: abort raises") from error
@@ -212,7 +226,11 @@ class RecordsService:
 
 
 def _reason(outcome: Outcome) -> str:
-    return outcome.reason.value if outcome.reason is not None else ""
+    """An outcome's reason, noted as the call's refusal when it was not granted."""
+    reason = outcome.reason.value if outcome.reason is not None else ""
+    if not outcome.ok:
+        note_refusal(reason)
+    return reason
 
 
 class ClaimsService:

@@ -15,7 +15,9 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -85,6 +87,8 @@ class Storage:
         self.node_id = node_id
         self.hlc_high = hlc_high
         self.stats = CommitStats()
+        # Called after each successful group commit with (writes, seconds): metrics.
+        self.on_commit: Callable[[int, float], None] | None = None
         self._cache: OrderedDict[str, Stored] = OrderedDict()
         self._cache_size = cache_size
         self._commit_seq = 0
@@ -248,6 +252,7 @@ class Storage:
         keys = [row[0] for row in rows]
         hlc_high = max(self.hlc_high, self._hlc_pending)
         meta, self._meta_pending = {**self._meta_pending, "hlc_high": str(hlc_high)}, {}
+        started = time.perf_counter()
         try:
             await self._writer.execute("BEGIN IMMEDIATE")
             marks = ",".join("?" * len(keys))
@@ -286,6 +291,8 @@ class Storage:
         self.stats.commits += 1
         self.stats.writes += len(batch)
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+        if self.on_commit is not None:
+            self.on_commit(len(batch), time.perf_counter() - started)
         for p in batch:
             if p.stored is not None:
                 self._remember(p.stored.record.key, p.stored)

@@ -1,0 +1,297 @@
+"""What a node tells its operators: Prometheus metrics, request ids, JSON logs.
+
+- :class:`NodeMetrics` owns one registry per node (several nodes may share a
+  process in tests and ``fencemark cluster``). Counters and histograms are
+  updated as things happen; everything the node already counts (replication
+  per peer, records, catch-up) is read at scrape time by a collector, so there
+  is one source of truth. ``docs/operations.md`` lists every metric.
+- :class:`Telemetry` is a gRPC server interceptor: it gives every call a request
+  id (the caller's ``x-request-id`` metadata, else a fresh one), times it, and
+  counts it by method and status code, and — when the rules refused it — by
+  machine-readable reason. A refusal's reason is noted by the servicer through
+  :func:`note_refusal` (the servicer knows it; the status code alone does not).
+- :func:`configure_logging`: ``text`` or ``json`` lines; JSON lines carry the
+  request id of the call being served, so a refusal in the log can be matched
+  to the client that saw it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+    from fencemark.node.claims import Claims
+    from fencemark.node.replica import Replica
+    from fencemark.node.replication.peers import PeerStats
+
+REQUEST_ID_METADATA = "x-request-id"
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+_refusal: contextvars.ContextVar[str] = contextvars.ContextVar("refusal", default="")
+
+
+def request_id() -> str:
+    """The id of the call being served ("" outside a call)."""
+    return _request_id.get()
+
+
+def note_refusal(reason: str) -> None:
+    """The call being served was refused for ``reason`` (a SPEC reason, lower case)."""
+    if reason:
+        _refusal.set(reason)
+
+
+# -- metrics -------------------------------------------------------------------------
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class NodeMetrics:
+    """The metrics of one node, in a registry of its own."""
+
+    def __init__(self, region: str) -> None:
+        self.region = region
+        self.port = 0  # where /metrics is served, once serve() has bound it
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fencemark_requests", "RPCs served, by method and gRPC status code",
+            ["method", "code"], registry=r,
+        )  # fmt: skip
+        self.refusals = Counter(
+            "fencemark_refusals", "RPCs the rules refused, by method and machine-readable reason",
+            ["method", "reason"], registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "fencemark_request_seconds", "RPC service time, by method", ["method"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.commit_batch = Histogram(
+            "fencemark_commit_batch_writes", "Writes per group commit (one fsync each)",
+            buckets=BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.commit_seconds = Histogram(
+            "fencemark_commit_seconds", "Time to commit and fsync one group of writes",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.build = Gauge("fencemark_node_info", "This node: region and version (always 1)",
+                           ["region", "version"], registry=r)  # fmt: skip
+
+    def observe_commit(self, writes: int, seconds: float) -> None:
+        self.commit_batch.observe(writes)
+        self.commit_seconds.observe(seconds)
+
+    def watch(self, replica: Replica, claims: Claims, peers: Mapping[str, PeerStats]) -> None:
+        """Read the node's own counters at every scrape."""
+        from fencemark.node import __version__
+
+        self.build.labels(self.region, __version__).set(1)
+        self.registry.register(_StateCollector(replica, claims, peers))
+
+    def serve(self, listen: str) -> Callable[[], None]:
+        """Serve ``/metrics`` over HTTP on ``listen`` (HOST:PORT); returns a stopper."""
+        host, _, port = listen.rpartition(":")
+        server, thread = start_http_server(int(port), host.strip("[]"), registry=self.registry)
+        self.port = int(server.server_port)
+
+        def stop() -> None:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+
+        return stop
+
+
+class _StateCollector(Collector):
+    """Gauges and counters read from what the node keeps anyway, at scrape time."""
+
+    def __init__(self, replica: Replica, claims: Claims, peers: Mapping[str, PeerStats]) -> None:
+        self.replica = replica
+        self.claims = claims
+        self.peers = peers
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "fencemark_records", "Records held (tombstones included)",
+            value=self.replica.storage.record_count,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "fencemark_claims_serving", "1 when this node decides claims (0 while catching up)",
+            value=1 if self.claims.serving else 0,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "fencemark_claim_waiters", "Callers waiting in claim queues", value=self.claims.waiting
+        )
+        outcomes = CounterMetricFamily(
+            "fencemark_claims",
+            "Claims decided here: granted, or the reason not",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(self.claims.outcomes.items()):
+            outcomes.add_metric([outcome], count)
+        yield outcomes
+        yield CounterMetricFamily(
+            "fencemark_claim_waits", "Claims that queued (wait_seconds) behind a holder",
+            value=self.claims.waits,
+        )  # fmt: skip
+        per_peer: dict[str, tuple[type, str, Callable[[PeerStats], float]]] = {
+            "fencemark_replication_records_sent": (
+                CounterMetricFamily, "Record states sent to the peer", lambda p: p.records_sent),
+            "fencemark_replication_records_received": (
+                CounterMetricFamily, "Record states from the peer that changed a record here",
+                lambda p: p.records_received),
+            "fencemark_replication_bytes_sent": (
+                CounterMetricFamily, "Replication bytes sent to the peer", lambda p: p.bytes_sent),
+            "fencemark_replication_bytes_received": (
+                CounterMetricFamily, "Replication bytes from the peer",
+                lambda p: p.bytes_received),
+            "fencemark_replication_skew_alarms": (
+                CounterMetricFamily, "Exchanges refused: the peer's clock ran ahead",
+                lambda p: p.skew_alarms),
+            "fencemark_replication_lag_seconds": (
+                GaugeMetricFamily, "Seconds since the last completed round with the peer",
+                lambda p: p.lag_ms() / 1000),
+            "fencemark_replication_divergence": (
+                GaugeMetricFamily, "Records that differed in the last round with the peer",
+                lambda p: p.divergence),
+            "fencemark_replication_reachable": (
+                GaugeMetricFamily, "1 when the last round with the peer succeeded",
+                lambda p: 1 if p.reachable else 0),
+        }  # fmt: skip
+        for name, (family, help_text, value) in per_peer.items():
+            metric = family(name, help_text, labels=["peer"])
+            for peer in self.peers.values():
+                metric.add_metric([peer.region], value(peer))
+            yield metric
+
+
+# -- the interceptor ---------------------------------------------------------------------
+
+Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+access_log = logging.getLogger("fencemark.node.access")
+
+
+# Generic in grpc-stubs only: not subscriptable at runtime.
+class Telemetry(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Request ids, timing and counts for every unary call."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        given = dict(details.invocation_metadata or ()).get(REQUEST_ID_METADATA, "")
+        inner: Handler = handler.unary_unary  # type: ignore[assignment]
+        metrics = self.metrics
+
+        async def observed(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            _request_id.set(str(given)[:64] or uuid.uuid4().hex[:16])
+            _refusal.set("")
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await inner(request, context)
+            except BaseException:
+                code = _code(context)
+                raise
+            finally:
+                took = time.perf_counter() - started
+                metrics.requests.labels(method, code.name).inc()
+                metrics.latency.labels(method).observe(took)
+                reason = _refusal.get()
+                if reason:
+                    metrics.refusals.labels(method, reason).inc()
+                access_log.info(
+                    "%s %s in %.1f ms%s", method, code.name, took * 1000,
+                    f" ({reason})" if reason else "",
+                    extra={"method": method, "code": code.name,
+                           "duration_ms": round(took * 1000, 2), "reason": reason},
+                )  # fmt: skip
+
+        return grpc.unary_unary_rpc_method_handler(
+            observed,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
+    code: object = context.code()  # a StatusCode, or an int in some grpcio versions
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    return grpc.StatusCode.UNKNOWN
+
+
+# -- logs --------------------------------------------------------------------------------
+
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request id, extras."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if rid := getattr(record, "request_id", ""):
+            line["request_id"] = rid
+        for key, value in vars(record).items():
+            if key not in _STANDARD and key not in line and key != "request_id":
+                line[key] = value
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id()
+        return True
+
+
+LOG_FORMATS = ("text", "json")
+
+
+def configure_logging(level: str, fmt: str = "text") -> None:
+    """Root logging for a ``fencemark`` process: ``text`` for people, ``json`` for tools."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"--log-format: expected one of {LOG_FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler()
+    handler.addFilter(_RequestIdFilter())
+    if fmt == "json":
+        formatter: logging.Formatter = JsonFormatter()
+        formatter.converter = time.gmtime
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

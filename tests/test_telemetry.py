@@ -1,0 +1,177 @@
+"""Metrics, request ids and JSON logs, read the way operators read them.
+
+The metrics are scraped over HTTP from a real node's endpoint and parsed with
+Prometheus' own parser; the logs come from a real ``fencemark node`` process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fencemark.client import AsyncClient, ClaimConflict
+from fencemark.node.server import NodeServer
+from fencemark.node.telemetry import REQUEST_ID_METADATA
+from fencemark.v1 import records_pb2, records_pb2_grpc
+from tests.cluster import Cluster, eventually
+from tests.conftest import StartNode
+from tests.dockerenv import free_port
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(node: NodeServer) -> Samples:
+    """Every sample of the node's /metrics: (name, sorted labels) -> value."""
+    url = f"http://127.0.0.1:{node.metrics.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.slow
+async def test_requests_refusals_claims_and_commits_are_counted(start_node: StartNode) -> None:
+    node = await start_node(region="us", metrics_listen="127.0.0.1:0")
+    async with AsyncClient(node.address) as client:
+        made = await client.remember("m", "t", "a", title="x", tags=["homeRegion:us"])
+        key = made.record.key
+        first = await client.claim(key, "alice", lease_seconds=30)
+        second = await client.claim(key, "bob")  # contended: a value, not an error
+        assert first.granted and not second.granted
+        await client.update(key, fields={"p": "1"}, fencing_token=first.fencing_token)
+        with pytest.raises(ClaimConflict):
+            await client.update(key, fields={"p": "2"}, fencing_token=first.fencing_token + 1)
+    samples = await asyncio.to_thread(scrape, node)
+
+    assert value(samples, "fencemark_requests_total", method="Remember", code="OK") == 1
+    assert value(samples, "fencemark_requests_total", method="Update", code="OK") == 1
+    assert value(samples, "fencemark_requests_total", method="Update",
+                 code="FAILED_PRECONDITION") == 1  # fmt: skip
+    assert value(samples, "fencemark_refusals_total", method="Update", reason="unknown_token") == 1
+    assert value(samples, "fencemark_refusals_total", method="Claim", reason="contended") == 1
+    assert value(samples, "fencemark_claims_total", outcome="granted") == 1
+    assert value(samples, "fencemark_claims_total", outcome="contended") == 1
+    assert value(samples, "fencemark_request_seconds_count", method="Claim") == 2
+    assert value(samples, "fencemark_commit_batch_writes_count") >= 3  # remember, grant, update
+    assert value(samples, "fencemark_commit_seconds_sum") > 0
+    assert value(samples, "fencemark_records") == 1
+    assert value(samples, "fencemark_claims_serving") == 1
+    assert value(samples, "fencemark_node_info", region="us", version=_version()) == 1
+
+
+def _version() -> str:
+    from fencemark.node import __version__
+
+    return __version__
+
+
+@pytest.mark.slow
+async def test_replication_is_reported_per_peer(tmp_path: Path) -> None:
+    async with Cluster(tmp_path, ["us", "eu"], metrics_listen="127.0.0.1:0") as cluster:
+        us, eu = await cluster.start_all()
+        async with AsyncClient(us.address) as client:
+            await client.remember("m", "t", "a", title="x", tags=["homeRegion:us"])
+
+        async def sent() -> bool:
+            samples = await asyncio.to_thread(scrape, us)
+            return value(samples, "fencemark_replication_records_sent_total", peer="eu") >= 1
+
+        await eventually(sent, "us reports a record sent to eu")
+        samples = await asyncio.to_thread(scrape, us)
+        assert value(samples, "fencemark_replication_bytes_sent_total", peer="eu") > 0
+        assert value(samples, "fencemark_replication_reachable", peer="eu") == 1
+        assert ("fencemark_replication_lag_seconds", (("peer", "eu"),)) in samples
+        eu_samples = await asyncio.to_thread(scrape, eu)
+        assert value(eu_samples, "fencemark_replication_records_received_total", peer="us") >= 1
+
+
+async def test_no_metrics_endpoint_unless_asked(node: NodeServer) -> None:
+    assert node.metrics.port == 0
+
+
+@pytest.fixture
+def json_node(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A ``fencemark node`` process logging JSON at INFO, and its address."""
+    address = f"127.0.0.1:{free_port()}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fencemark.node", "--log-format", "json", "--log-level", "INFO",
+         "node", "--listen", address, "--enable-writes", "--data", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    process.stdout.readline()  # "fencemark node: region ... listening on ..."
+    yield process, address
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_json_logs_carry_the_callers_request_id(
+    json_node: tuple[subprocess.Popen[str], str],
+) -> None:
+    process, address = json_node
+    with grpc.insecure_channel(address) as channel:
+        stub = records_pb2_grpc.RecordsStub(channel)
+        stub.Remember(records_pb2.RememberRequest(repo="m", topic="t", id="a", title="x"),
+                      metadata=((REQUEST_ID_METADATA, "req-1234"),), timeout=10)  # fmt: skip
+        with pytest.raises(grpc.RpcError):
+            stub.Get(records_pb2.GetRequest(key="repo/m/mem/t/nope"), timeout=10)
+    process.terminate()
+    _, stderr = process.communicate(timeout=30)
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    access = [line for line in lines if line["logger"] == "fencemark.node.access"]
+    remembered = next(line for line in access if line["method"] == "Remember")
+    assert remembered["request_id"] == "req-1234"
+    assert remembered["code"] == "OK" and remembered["level"] == "INFO"
+    missing = next(line for line in access if line["method"] == "Get")
+    assert missing["code"] == "NOT_FOUND" and missing["reason"] == "not_found"
+    assert len(missing["request_id"]) == 16  # none given: one was made up
+    assert all(line["time"].endswith("Z") for line in lines)
+
+
+@pytest.mark.slow
+async def test_status_shows_every_peer_of_every_node_at_a_glance(tmp_path: Path) -> None:
+    async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
+        await cluster.start_all(["us", "eu"])  # ap's node is down: its peers say so
+        targets = [cluster.addresses["us"], cluster.addresses["eu"], cluster.addresses["ap"]]
+
+        async def status() -> str:
+            done = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "fencemark.node", "status", "--timeout", "2",
+                 "--targets", *targets],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        async def settled() -> bool:
+            shown = await status()
+            return "peer eu       reachable" in shown and "peer us       reachable" in shown
+
+        await eventually(settled, "us and eu see each other", within=20)
+        lines = (await status()).splitlines()
+    us_row = lines.index(next(line for line in lines if line.startswith(targets[0])))
+    assert lines[us_row].split()[1] == "us" and "SERVING" in lines[us_row]
+    peers = {line.split()[1]: line for line in lines[us_row + 1 : us_row + 3]}
+    assert "reachable" in peers["eu"] and "divergence" in peers["eu"]
+    assert "UNREACHABLE" in peers["ap"] and "last error:" in peers["ap"]
+    assert any(line.startswith(targets[2]) and "unreachable" in line for line in lines)
+    assert lines[-1].startswith("2 of 3 nodes serving")
