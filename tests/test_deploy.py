@@ -18,11 +18,13 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fencemark.client import AsyncClient
 from tests.conftest import StartNode
@@ -135,8 +137,9 @@ def test_every_compose_variable_is_documented_in_env_example() -> None:
 
 
 def test_compose_publishes_ports_on_loopback_only() -> None:
-    published = re.findall(r'^\s*- "([^"]*:7400)"', COMPOSE_FILE.read_text(), flags=re.MULTILINE)
-    assert len(published) == len(REGIONS)
+    text = COMPOSE_FILE.read_text()
+    published = re.findall(r'^\s*- "([^"]*:(?:7400|9400))"', text, flags=re.MULTILINE)
+    assert len(published) == 2 * len(REGIONS)  # the API and the metrics of each region
     assert all(mapping.startswith("127.0.0.1:") for mapping in published)
 
 
@@ -275,6 +278,18 @@ def data_root(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return root, {"FENCEMARK_UID": str(os.getuid()), "FENCEMARK_GID": str(os.getgid())}
 
 
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus endpoint's samples: 'name{label="value",...}' -> value."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {
+        sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                       + "}" if sample.labels else ""): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }  # fmt: skip
+
+
 async def record_digests(target: str) -> dict[str, bytes]:
     """Every record (tombstones too) of the repos written here: key -> digest."""
     async with AsyncClient(target, timeout=5.0, retries=0) as client:
@@ -301,12 +316,14 @@ def test_compose_stack_runs_the_walkthrough_and_converges(
 ) -> None:
     root, user = data_root(tmp_path)
     ports = {region: free_port() for region in REGIONS}
+    metrics_ports = {region: free_port() for region in REGIONS}
     stack = Stack(
         compose,
         tmp_path,
         {
             DATA_VARIABLE: str(root),
             **{f"FENCEMARK_{r.upper()}_PORT": str(p) for r, p in ports.items()},
+            **{f"FENCEMARK_{r.upper()}_METRICS_PORT": str(p) for r, p in metrics_ports.items()},
             **user,
         },
     )
@@ -338,6 +355,12 @@ def test_compose_stack_runs_the_walkthrough_and_converges(
         except AssertionError as exc:
             shown = {r: {k: d.hex()[:12] for k, d in s.items()} for r, s in seen.items()}
             raise AssertionError(f"{exc}; last seen: {shown}") from None
+        for region, port in metrics_ports.items():
+            metrics = scrape(f"http://127.0.0.1:{port}/metrics")
+            assert metrics["fencemark_records"] == 1 + len(REGIONS), region
+            for peer in REGIONS:
+                if peer != region:
+                    assert metrics[f'fencemark_replication_reachable{{peer="{peer}"}}'] == 1
         for region, port in ports.items():
             status = fencemark("status", "--targets", f"127.0.0.1:{port}")
             assert f" {region} " in status.stdout and "UNREACHABLE" not in status.stdout, (
