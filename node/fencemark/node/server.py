@@ -12,13 +12,14 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor, descriptor_pb2, message_factory
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
@@ -28,13 +29,20 @@ from grpc_reflection.v1alpha import reflection
 from fencemark.node.claims import Claims
 from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
+from fencemark.node.errors import InvalidInput
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import stats_for
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.service import ReplicationService
-from fencemark.node.service import ClaimsService, NodeService, RecordsService
+from fencemark.node.service import (
+    ClaimsService,
+    NodeService,
+    RecordsService,
+    refusal_reason,
+    to_status,
+)
 from fencemark.node.storage import Storage
-from fencemark.node.telemetry import NodeMetrics, Telemetry
+from fencemark.node.telemetry import NodeMetrics, Telemetry, note_refusal
 from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
@@ -95,11 +103,34 @@ def gated_handler(
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name),
-            request_deserializer=request.FromString,
+            decoding(getattr(servicer, method.name), request),
             response_serializer=response.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def decoding(
+    method: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]],
+    request_type: type[Message],
+) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
+    """The servicer method, taking the request's raw bytes.
+
+    gRPC would answer bytes that do not parse with UNKNOWN (and log a traceback);
+    they are bad input like any other: INVALID_ARGUMENT naming ``request``.
+    """
+
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError as exc:
+            name = request_type.DESCRIPTOR.full_name
+            error = InvalidInput.field("request", f"not a valid {name} message ({exc})")
+            note_refusal(refusal_reason(error))
+            status = to_status(error)
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        return await method(request, context)
+
+    return handler
 
 
 class NodeServer:
