@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fencemark.node import validation
 from fencemark.node.admission import Outcome, decide_claim, decide_release, decide_renew
 from fencemark.node.crdt import FenceState, Grant, Record
-from fencemark.node.errors import InvalidInput, Reason
+from fencemark.node.errors import Exhausted, InvalidInput, Reason
 from fencemark.node.replica import Replica
 from fencemark.node.storage import Stored
 
@@ -39,10 +39,23 @@ class Status:
     home_region: str
 
 
+MAX_WAITERS = 10_000  # callers waiting in claim queues, over every record and client
+MAX_WAITERS_PER_CLIENT = 100  # of them from one client (one peer address)
+
+
 class Claims:
-    def __init__(self, replica: Replica) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        *,
+        max_waiters: int = MAX_WAITERS,
+        max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT,
+    ) -> None:
         self.replica = replica
+        self.max_waiters = max_waiters
+        self.max_waiters_per_client = max_waiters_per_client
         self._queues: dict[str, deque[_Waiter]] = {}
+        self._waiting_by_client: Counter[str] = Counter()
         # Claim outcomes decided here ("granted" or the reason) and queue entries:
         # read by the metrics collector (fencemark.node.telemetry).
         self.outcomes: Counter[str] = Counter()
@@ -62,8 +75,20 @@ class Claims:
         return len(self._queues.get(key, ()))
 
     async def claim(
-        self, key: str, owner: str, *, lease_seconds: float = 0.0, wait_seconds: float = 0.0
+        self,
+        key: str,
+        owner: str,
+        *,
+        lease_seconds: float = 0.0,
+        wait_seconds: float = 0.0,
+        client: str = "",
     ) -> Outcome:
+        """Grant, or say why not; with ``wait_seconds``, wait in line that long first.
+
+        Waiting is bounded: beyond ``max_waiters`` in all, or
+        ``max_waiters_per_client`` from one ``client``, a caller that would wait
+        is refused with :class:`Exhausted` instead of queueing.
+        """
         validation.key(key)
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
@@ -71,8 +96,20 @@ class Claims:
         self._check_serving()
         outcome = await self._try(key, owner, lease_ms, queued_ahead=self.queue_depth(key) > 0)
         if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
+            if self.waiting >= self.max_waiters:
+                raise Exhausted("claim waiters", self.max_waiters)
+            if self._waiting_by_client[client] >= self.max_waiters_per_client:
+                raise Exhausted("claim waiters from one client", self.max_waiters_per_client)
             self.waits += 1
-            outcome = await self._wait_in_line(key, owner, lease_ms, wait_s, outcome.home_region)
+            self._waiting_by_client[client] += 1
+            try:
+                outcome = await self._wait_in_line(
+                    key, owner, lease_ms, wait_s, outcome.home_region
+                )
+            finally:
+                self._waiting_by_client[client] -= 1
+                if not self._waiting_by_client[client]:
+                    del self._waiting_by_client[client]
         reason = outcome.reason.value if outcome.reason is not None else "granted"
         self.outcomes["granted" if outcome.ok else reason] += 1
         return outcome

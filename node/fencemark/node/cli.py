@@ -45,6 +45,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         peers=peers,
         anti_entropy_interval=args.anti_entropy_interval,
         metrics_listen=args.metrics_listen,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_waiters=args.max_waiters,
+        max_waiters_per_client=args.max_waiters_per_client,
     )
     try:
         asyncio.run(serve(config))
@@ -296,6 +299,25 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         default=_setting(config, "metrics_listen", ""),
         metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
+    )
+    defaults = NodeConfig()
+    node.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=_setting(config, "max_concurrent_rpcs", defaults.max_concurrent_rpcs),
+        help="calls in flight beyond this are refused RESOURCE_EXHAUSTED",
+    )
+    node.add_argument(
+        "--max-waiters",
+        type=int,
+        default=_setting(config, "max_waiters", defaults.max_waiters),
+        help="claims waiting in queues (wait_seconds), over all records and clients",
+    )
+    node.add_argument(
+        "--max-waiters-per-client",
+        type=int,
+        default=_setting(config, "max_waiters_per_client", defaults.max_waiters_per_client),
+        help="claims waiting in queues from one client address",
     )
     configured = os.environ.get("FENCEMARK_PEERS")
     node.set_defaults(

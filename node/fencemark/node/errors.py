@@ -102,3 +102,12 @@ _CONFLICT_HELP = {
         "fenced writes are decided by the record's home region {home!r}: send the call there"
     ),
 }
+
+
+class Exhausted(FencemarkError):
+    """A bounded resource is full (``what``), e.g. a client's claim waiters."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        self.what = what
+        self.limit = limit
+        super().__init__(f"too many {what} (at most {limit}); retry later")

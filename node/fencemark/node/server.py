@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from fencemark.node.claims import Claims
+from fencemark.node.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT, Claims
 from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.errors import InvalidInput
@@ -81,6 +81,11 @@ class NodeConfig:
     peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
     anti_entropy_interval: float = 1.0
     metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" serves none
+    # Floods: calls in flight beyond this are refused RESOURCE_EXHAUSTED by gRPC;
+    # waiting claims are bounded in all and per client (fencemark.node.claims).
+    max_concurrent_rpcs: int = 1024
+    max_waiters: int = MAX_WAITERS
+    max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
 
     @property
     def db_path(self) -> Path:
@@ -171,7 +176,11 @@ class NodeServer:
         storage = await Storage.open(config.db_path, cache_size=config.cache_size)
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
-        claims = Claims(replica)
+        claims = Claims(
+            replica,
+            max_waiters=config.max_waiters,
+            max_waiters_per_client=config.max_waiters_per_client,
+        )
         peers = stats_for(config.peers)
         # A node that lost its disk must not grant again before it has seen the
         # grants its peers hold (SPEC §4): it would reissue tokens.
@@ -197,6 +206,7 @@ class NodeServer:
         metrics.watch(replica, claims, peers)
         server = grpc.aio.server(
             interceptors=[Telemetry(metrics)],
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", MAX_SEND_BYTES),

@@ -23,6 +23,7 @@ from fencemark.node.crdt import hlc
 from fencemark.node.errors import (
     ClaimConflict,
     ClockSkewed,
+    Exhausted,
     FencemarkError,
     InvalidInput,
     NotFound,
@@ -90,6 +91,9 @@ def to_status(error: FencemarkError) -> grpc.Status:
         return _status(code_pb2.FAILED_PRECONDITION, str(error), "CLOCK_SKEW", metadata)
     if isinstance(error, NotServing):
         return _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {})
+    if isinstance(error, Exhausted):
+        metadata = {"resource": error.what, "limit": str(error.limit)}
+        return _status(code_pb2.RESOURCE_EXHAUSTED, str(error), "RESOURCE_EXHAUSTED", metadata)
     return _status(code_pb2.INTERNAL, str(error), "INTERNAL", {})
 
 
@@ -101,6 +105,7 @@ def refusal_reason(error: FencemarkError) -> str:
     kinds: tuple[tuple[type[FencemarkError], str], ...] = (
         (InvalidInput, "invalid_argument"), (WrongRegion, "wrong_region"),
         (NotFound, "not_found"), (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),
+        (Exhausted, "resource_exhausted"),
     )  # fmt: skip
     return next((reason for kind, reason in kinds if isinstance(error, kind)), "internal")
 
@@ -233,6 +238,16 @@ def _reason(outcome: Outcome) -> str:
     return reason
 
 
+def client_of(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """Who is calling, for per-client limits: the peer's address without its port
+    ("ipv4:10.0.0.7:53211" -> "ipv4:10.0.0.7"), so more connections are no way around."""
+    peer = context.peer() or ""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return f"{scheme}:{rest.rsplit(':', 1)[0]}"
+    return peer
+
+
 class ClaimsService:
     def __init__(self, claims: Claims) -> None:
         self.claims = claims
@@ -246,6 +261,7 @@ class ClaimsService:
             request.owner,
             lease_seconds=request.lease_seconds,
             wait_seconds=request.wait_seconds,
+            client=client_of(context),
         )
         return claims_pb2.ClaimResponse(
             granted=outcome.ok,
