@@ -856,8 +856,13 @@ async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Pa
             assert before.reachable and not before.last_error
             assert before.address == cluster.addresses["eu"]
             assert before.bytes_sent > 0 and before.bytes_received > 0
-            at_eu_side = await peer_info(eu, "us")
-            assert at_eu_side.records_received >= 1 and at_eu_side.HasField("last_sync")
+
+            async def received() -> bool:
+                # us counts a push as sent when it goes out; eu, once it is merged.
+                at_eu_side = await peer_info(eu, "us")
+                return at_eu_side.records_received >= 1 and at_eu_side.HasField("last_sync")
+
+            await eventually(received, "eu counting the state it merged from us")
 
             for i in range(3):
                 await at_us.remember(REPO, "info", f"more-{i}", body=str(i))

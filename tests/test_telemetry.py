@@ -91,9 +91,11 @@ async def test_replication_is_reported_per_peer(tmp_path: Path) -> None:
 
         async def sent() -> bool:
             samples = await asyncio.to_thread(scrape, us)
-            return value(samples, "fencemark_replication_records_sent_total", peer="eu") >= 1
+            reachable = value(samples, "fencemark_replication_reachable", peer="eu") == 1
+            sent = value(samples, "fencemark_replication_records_sent_total", peer="eu")
+            return reachable and sent >= 1
 
-        await eventually(sent, "us reports a record sent to eu")
+        await eventually(sent, "us reports eu reachable and a record sent to it")
         samples = await asyncio.to_thread(scrape, us)
         assert value(samples, "fencemark_replication_bytes_sent_total", peer="eu") > 0
         assert value(samples, "fencemark_replication_reachable", peer="eu") == 1

@@ -182,6 +182,8 @@ def peer_info_from_proto(message: node_pb2.PeerInfo) -> PeerInfo:
         reachable=message.reachable,
         last_error=message.last_error,
         push_backlog=message.push_backlog,
+        merges_refused=message.merges_refused,
+        last_refusal=message.last_refusal,
     )
 
 

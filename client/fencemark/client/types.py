@@ -133,6 +133,8 @@ class PeerInfo:
     reachable: bool
     last_error: str
     push_backlog: int
+    merges_refused: int = 0  # states from the peer refused as invalid (docs/security.md)
+    last_refusal: str = ""
 
 
 @dataclass(frozen=True)

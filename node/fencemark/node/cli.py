@@ -48,6 +48,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_waiters=args.max_waiters,
         max_waiters_per_client=args.max_waiters_per_client,
+        max_token_jump=args.max_token_jump,
     )
     try:
         asyncio.run(serve(config))
@@ -118,6 +119,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"  peer {p.region:<8} {state:<12} lag {p.lag_ms / 1000:>6.1f} s"
                     f"  divergence {p.divergence:>5}  skew alarms {p.skew_alarms:>3}"
                     f"  push backlog {p.push_backlog:>5}"
+                    + (f"  REFUSED {p.merges_refused} states" if p.merges_refused else "")
                 )
                 lines.append(row + (f"  last error: {p.last_error}" if p.last_error else ""))
         lines.append(
@@ -318,6 +320,13 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         type=int,
         default=_setting(config, "max_waiters_per_client", defaults.max_waiters_per_client),
         help="claims waiting in queues from one client address",
+    )
+    node.add_argument(
+        "--max-token-jump",
+        type=int,
+        default=_setting(config, "max_token_jump", defaults.max_token_jump),
+        help="refuse to merge a grant further than this above the grant below it"
+        " (default 2^21: twice the jump a home makes after a disk loss)",
     )
     configured = os.environ.get("FENCEMARK_PEERS")
     node.set_defaults(

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from fencemark.node import validation
+from fencemark.node import integrity, validation
 from fencemark.node.admission import admit_write
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
 from fencemark.node.errors import InvalidInput, NotFound, NotServing, WrongRegion
@@ -63,6 +63,8 @@ class Replica:
         # False while a node that started empty catches up with its peers: it
         # cannot decide home-only operations (claims, fenced writes) yet.
         self.deciding = True
+        # What merges may bring (fencemark.node.integrity); the server sets the token bound.
+        self.bounds = integrity.Bounds(max_offset_ms=clock.max_offset_ms)
         recovered = storage.meta.get("recovered_hlc")
         self.recovered_hlc = int(recovered) if recovered else 0
 
@@ -126,6 +128,8 @@ class Replica:
     async def merge(self, remote: Record) -> bool:
         """Join a remote state into the local one; True when that changed anything.
 
+        A state that fails :func:`integrity.check` is not merged at all: it raises
+        :class:`~fencemark.node.integrity.MergeRefused` and nothing is written.
         The caller has checked the remote stamps (``clock.check``); receiving
         them advances the local clock past every stamp in the state, so a later
         local write always wins over what was merged (SPEC §3).
@@ -134,7 +138,8 @@ class Replica:
         self.clock.observe(remote.max_hlc())
 
         def change(current: Record) -> tuple[Record, bool]:
-            merged = current.merge(remote)
+            merged = integrity.check(current, remote, now_ms=self.clock.wall_ms(),
+                                     bounds=self.bounds)  # fmt: skip
             return merged, merged != current
 
         _, changed = await self.transact(remote.key, change, local=False)

@@ -30,6 +30,7 @@ from fencemark.node.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT, Claims
 from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.errors import InvalidInput
+from fencemark.node.integrity import DEFAULT_MAX_TOKEN_JUMP, Bounds
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import stats_for
 from fencemark.node.replication.replicator import Replicator
@@ -86,6 +87,8 @@ class NodeConfig:
     max_concurrent_rpcs: int = 1024
     max_waiters: int = MAX_WAITERS
     max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
+    # A merged grant more than this above the grant below it is refused (integrity.py).
+    max_token_jump: int = DEFAULT_MAX_TOKEN_JUMP
 
     @property
     def db_path(self) -> Path:
@@ -176,6 +179,7 @@ class NodeServer:
         storage = await Storage.open(config.db_path, cache_size=config.cache_size)
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
+        replica.bounds = Bounds(config.max_clock_offset_ms, max_token_jump=config.max_token_jump)
         claims = Claims(
             replica,
             max_waiters=config.max_waiters,

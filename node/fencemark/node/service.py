@@ -350,6 +350,8 @@ class NodeService:
             reachable=stats.reachable,
             last_error=stats.last_error,
             push_backlog=self.replicator.backlog(stats.region),
+            merges_refused=stats.merges_refused,
+            last_refusal=stats.last_refusal,
         )
 
     @refusals

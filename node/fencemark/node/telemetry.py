@@ -161,6 +161,9 @@ class _StateCollector(Collector):
             "fencemark_replication_skew_alarms": (
                 CounterMetricFamily, "Exchanges refused: the peer's clock ran ahead",
                 lambda p: p.skew_alarms),
+            "fencemark_replication_merges_refused": (
+                CounterMetricFamily, "States from the peer refused as invalid (docs/security.md)",
+                lambda p: p.merges_refused),
             "fencemark_replication_lag_seconds": (
                 GaugeMetricFamily, "Seconds since the last completed round with the peer",
                 lambda p: p.lag_ms() / 1000),

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65ncemark/v1/node.proto\x12\x0c\x66\x65ncemark.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\r\n\x0bInfoRequest\"\xac\x02\n\x08PeerInfo\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12-\n\tlast_sync\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06lag_ms\x18\x04 \x01(\x04\x12\x14\n\x0crecords_sent\x18\x05 \x01(\x04\x12\x18\n\x10records_received\x18\x06 \x01(\x04\x12\x12\n\nbytes_sent\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x08 \x01(\x04\x12\x12\n\ndivergence\x18\t \x01(\x04\x12\x13\n\x0bskew_alarms\x18\n \x01(\x04\x12\x11\n\treachable\x18\x0b \x01(\x08\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x14\n\x0cpush_backlog\x18\r \x01(\r\"\xf3\x01\n\x0cInfoResponse\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x16\n\x0ewrites_enabled\x18\x03 \x01(\x08\x12%\n\x05peers\x18\x04 \x03(\x0b\x32\x16.fencemark.v1.PeerInfo\x12\x14\n\x0crecord_count\x18\x05 \x01(\x04\x12\x16\n\x0e\x63laims_serving\x18\x06 \x01(\x08\x12\x1b\n\x13max_clock_offset_ms\x18\x07 \x01(\r\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\'\n\x03now\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp2J\n\x04Node\x12\x42\n\x04Info\x12\x19.fencemark.v1.InfoRequest\x1a\x1a.fencemark.v1.InfoResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65ncemark/v1/node.proto\x12\x0c\x66\x65ncemark.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\r\n\x0bInfoRequest\"\xda\x02\n\x08PeerInfo\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12-\n\tlast_sync\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06lag_ms\x18\x04 \x01(\x04\x12\x14\n\x0crecords_sent\x18\x05 \x01(\x04\x12\x18\n\x10records_received\x18\x06 \x01(\x04\x12\x12\n\nbytes_sent\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x08 \x01(\x04\x12\x12\n\ndivergence\x18\t \x01(\x04\x12\x13\n\x0bskew_alarms\x18\n \x01(\x04\x12\x11\n\treachable\x18\x0b \x01(\x08\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x14\n\x0cpush_backlog\x18\r \x01(\r\x12\x16\n\x0emerges_refused\x18\x0e \x01(\x04\x12\x14\n\x0clast_refusal\x18\x0f \x01(\t\"\xf3\x01\n\x0cInfoResponse\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x16\n\x0ewrites_enabled\x18\x03 \x01(\x08\x12%\n\x05peers\x18\x04 \x03(\x0b\x32\x16.fencemark.v1.PeerInfo\x12\x14\n\x0crecord_count\x18\x05 \x01(\x04\x12\x16\n\x0e\x63laims_serving\x18\x06 \x01(\x08\x12\x1b\n\x13max_clock_offset_ms\x18\x07 \x01(\r\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\'\n\x03now\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp2J\n\x04Node\x12\x42\n\x04Info\x12\x19.fencemark.v1.InfoRequest\x1a\x1a.fencemark.v1.InfoResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=74
   _globals['_INFOREQUEST']._serialized_end=87
   _globals['_PEERINFO']._serialized_start=90
-  _globals['_PEERINFO']._serialized_end=390
-  _globals['_INFORESPONSE']._serialized_start=393
-  _globals['_INFORESPONSE']._serialized_end=636
-  _globals['_NODE']._serialized_start=638
-  _globals['_NODE']._serialized_end=712
+  _globals['_PEERINFO']._serialized_end=436
+  _globals['_INFORESPONSE']._serialized_start=439
+  _globals['_INFORESPONSE']._serialized_end=682
+  _globals['_NODE']._serialized_start=684
+  _globals['_NODE']._serialized_end=758
 # @@protoc_insertion_point(module_scope)

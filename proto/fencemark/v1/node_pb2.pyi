@@ -53,6 +53,8 @@ class PeerInfo(_message.Message):
     REACHABLE_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     PUSH_BACKLOG_FIELD_NUMBER: _builtins.int
+    MERGES_REFUSED_FIELD_NUMBER: _builtins.int
+    LAST_REFUSAL_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The peer's region name."""
     address: _builtins.str
@@ -79,6 +81,12 @@ class PeerInfo(_message.Message):
     """Why the last attempt failed; empty after a success."""
     push_backlog: _builtins.int
     """Records waiting to be pushed to the peer."""
+    merges_refused: _builtins.int
+    """Record states from the peer this node refused to merge (docs/security.md:
+    e.g. a grant outside the record's home region, a token jump), and the last
+    refusal ("KEY: REASON: DETAIL"); empty if none.
+    """
+    last_refusal: _builtins.str
     @_builtins.property
     def last_sync(self) -> _timestamp_pb2.Timestamp:
         """When the last anti-entropy round with the peer completed; unset if never."""
@@ -99,10 +107,12 @@ class PeerInfo(_message.Message):
         reachable: _builtins.bool = ...,
         last_error: _builtins.str = ...,
         push_backlog: _builtins.int = ...,
+        merges_refused: _builtins.int = ...,
+        last_refusal: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_sync", b"last_sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "divergence", b"divergence", "lag_ms", b"lag_ms", "last_error", b"last_error", "last_sync", b"last_sync", "push_backlog", b"push_backlog", "reachable", b"reachable", "records_received", b"records_received", "records_sent", b"records_sent", "region", b"region", "skew_alarms", b"skew_alarms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "divergence", b"divergence", "lag_ms", b"lag_ms", "last_error", b"last_error", "last_refusal", b"last_refusal", "last_sync", b"last_sync", "merges_refused", b"merges_refused", "push_backlog", b"push_backlog", "reachable", b"reachable", "records_received", b"records_received", "records_sent", b"records_sent", "region", b"region", "skew_alarms", b"skew_alarms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

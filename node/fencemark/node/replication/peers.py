@@ -41,6 +41,8 @@ class PeerStats:
     bytes_received: int = 0
     divergence: int = 0
     skew_alarms: int = 0
+    merges_refused: int = 0  # states from this peer that failed integrity.check
+    last_refusal: str = ""
     reachable: bool = False
     last_error: str = ""
     failures: int = 0  # consecutive failed attempts

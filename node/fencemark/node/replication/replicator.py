@@ -308,7 +308,9 @@ class Replicator:
             fetch = replication_pb2.FetchRequest(origin=self._origin(), keys=pull[:MAX_STATES])
             found = await self._call(peer, "Fetch", fetch, replication_pb2.FetchResponse)
             records = decode_states(list(found.states))
-            peer.stats.records_received += await merge_all(self.replica, peer.stats.region, records)
+            peer.stats.records_received += await merge_all(
+                self.replica, peer.stats.region, records, peer.stats
+            )
             pulled += len(records)
             pull = [*found.truncated, *pull[MAX_STATES:]]
         # After the merge this node holds the join of both sides for every key of

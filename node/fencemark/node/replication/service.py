@@ -9,6 +9,7 @@ once every merged state is durable. Exchanges from a clock beyond
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import grpc
@@ -16,10 +17,13 @@ import grpc
 from fencemark.node.crdt import ClockSkew, Record, codec
 from fencemark.node.digest_tree import DEPTH, LEAVES, level_size
 from fencemark.node.errors import ClockSkewed, InvalidInput
+from fencemark.node.integrity import MergeRefused
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.service import refusals
 from fencemark.v1 import replication_pb2
+
+log = logging.getLogger(__name__)
 
 MAX_STATES = 512
 MAX_BATCH_BYTES = 6 << 20
@@ -47,12 +51,30 @@ def decode_states(states: list[bytes], field: str = "states") -> list[Record]:
     return records
 
 
-async def merge_all(replica: Replica, region: str, records: list[Record]) -> int:
-    """Merge states (after the clock check); returns how many changed a record."""
+async def merge_all(
+    replica: Replica, region: str, records: list[Record], peer: PeerStats | None = None
+) -> int:
+    """Merge states (after the clock check); returns how many changed a record.
+
+    A state that fails the integrity rules (``fencemark.node.integrity``) is not
+    merged; the others are. Each refusal is counted against the sending ``peer``
+    and logged with it.
+    """
     check_clock(replica, region, [r.max_hlc() for r in records])
     # Concurrent merges of different records share group commits.
-    changed = await asyncio.gather(*(replica.merge(r) for r in records))
-    return sum(changed)
+    results = await asyncio.gather(*(replica.merge(r) for r in records), return_exceptions=True)
+    changed = 0
+    for result in results:
+        if isinstance(result, MergeRefused):
+            log.warning("refused a state from %s: %s", region or "?", result)
+            if peer is not None:
+                peer.merges_refused += 1
+                peer.last_refusal = str(result)[:500]
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            changed += result
+    return changed
 
 
 class ReplicationService:
@@ -87,7 +109,7 @@ class ReplicationService:
             raise InvalidInput.field("states", f"at most {MAX_STATES} states per push")
         records = decode_states(list(request.states))
         try:
-            merged = await merge_all(self.replica, request.origin.region, records)
+            merged = await merge_all(self.replica, request.origin.region, records, peer)
         except ClockSkewed:
             if peer is not None:
                 peer.skew_alarms += 1

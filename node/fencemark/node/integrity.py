@@ -1,0 +1,105 @@
+"""What a node refuses to merge, whoever sends it (SPEC §5; issue 7, state integrity).
+
+A replicated fence is only as safe as what may be merged into it: one forged grant
+with a huge token would supersede every holder of a record, forever. Before a
+remote state is joined into the local one, :func:`check` holds it against rules
+that every state the cluster really wrote satisfies, so a refusal never blocks a
+legitimate state (and so never stops convergence):
+
+- ``epoch_beyond_fence``: a stamp's epoch is the fence its writer knew, and the
+  writer's state holds that grant; an epoch above the state's own fence would let a
+  write outrank every later one;
+- ``home_changed``: a record's home is fixed at creation. A state naming another home
+  is refused — unless neither side has granted a claim yet and the two creations are
+  within ``max_clock_offset`` of each other: two regions created the key
+  concurrently, and the earlier creation wins everywhere (``Record.merge``);
+- ``grant_outside_home``: every grant names the region that made it, and only the
+  record's home grants;
+- ``token_jump``: a home grants ``fence + 1``, or ``fence + 1 + RECOVERY_GAP`` once
+  after a disk loss; a token further above the grant below it than ``max_token_jump``
+  was never granted;
+- ``lease_too_long``: a lease expiry (new to this node) further ahead than the
+  longest lease plus ``max_clock_offset``;
+- ``orphan_token``: an expiry or a release for a token that no grant names.
+
+Stamps further ahead than ``max_clock_offset`` are refused before this (the clock
+check), and malformed states when they are decoded. What this does *not* stop is a
+configured peer forging a grant that names the home, within the token bound: the
+fence is authenticated by the peer's identity (mutual TLS), not yet by a signature
+of the home on each grant (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from fencemark.node.admission import RECOVERY_GAP
+from fencemark.node.crdt import Record
+from fencemark.node.crdt.hlc import physical_ms
+from fencemark.node.errors import FencemarkError
+from fencemark.node.validation import MAX_LEASE_S
+
+DEFAULT_MAX_TOKEN_JUMP = 2 * RECOVERY_GAP
+
+
+class MergeRefused(FencemarkError):
+    """A remote state this node will not merge; ``reason`` is machine-readable."""
+
+    def __init__(self, key: str, reason: str, detail: str) -> None:
+        self.key = key
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{key}: {reason}: {detail}")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    max_offset_ms: int
+    max_token_jump: int = DEFAULT_MAX_TOKEN_JUMP
+    max_lease_ms: int = round(MAX_LEASE_S * 1000)
+
+
+def check(local: Record, remote: Record, *, now_ms: int, bounds: Bounds) -> Record:
+    """The merge of ``remote`` into ``local``, or :class:`MergeRefused`."""
+    key = remote.key
+
+    def refuse(reason: str, detail: str) -> MergeRefused:
+        return MergeRefused(key, reason, detail)
+
+    fence = remote.fence.fence
+    for stamp in remote.stamps():
+        if stamp.epoch > fence:
+            raise refuse("epoch_beyond_fence", f"a stamp of epoch {stamp.epoch} > fence {fence}")
+
+    if local.home is not None and remote.home is not None and local.home.value != remote.home.value:
+        apart = abs(physical_ms(local.home.stamp.hlc) - physical_ms(remote.home.stamp.hlc))
+        granted = local.fence.grants or remote.fence.grants
+        if granted or apart > bounds.max_offset_ms:
+            raise refuse("home_changed", f"home {local.home.value!r}, not {remote.home.value!r}")
+
+    merged = local.merge(remote)
+    home = merged.home_region
+    grants = sorted(merged.fence.grants)
+    for token, grant in remote.fence.grants.items():
+        if token in local.fence.grants:
+            continue
+        if grant.region != home:
+            raise refuse("grant_outside_home", f"token {token} granted by {grant.region!r}, "
+                                               f"home is {home!r}")  # fmt: skip
+        below = grants[bisect.bisect_left(grants, token) - 1] if grants[0] < token else 0
+        if token - below > bounds.max_token_jump:
+            raise refuse("token_jump", f"token {token} is {token - below} above token {below}"
+                                       f" (at most {bounds.max_token_jump})")  # fmt: skip
+
+    latest = now_ms + bounds.max_lease_ms + bounds.max_offset_ms
+    for token, expiry in remote.fence.lease_expiry.items():
+        if token not in merged.fence.grants:
+            raise refuse("orphan_token", f"a lease expiry for token {token}, which no grant names")
+        if expiry > local.fence.expiry(token) and expiry > latest:
+            raise refuse("lease_too_long", f"token {token}'s lease ends {expiry - now_ms} ms"
+                                           " from now")  # fmt: skip
+    for token in remote.fence.released - local.fence.released:
+        if token not in merged.fence.grants:
+            raise refuse("orphan_token", f"a release of token {token}, which no grant names")
+    return merged

@@ -1,0 +1,214 @@
+"""What a node refuses to merge (fencemark.node.integrity), and that it refuses nothing real.
+
+Two halves. Hypothesis runs realistic scenarios — replicas of a key, written and
+gossiped the way nodes do it, with the home region the only one that creates and
+grants — and checks that no state any replica ever held is refused by any other:
+the rules cost no convergence. Then each forged state is refused with its reason,
+first by the pure check, then by a real node receiving it from a peer over gRPC,
+which merges nothing, counts it against that peer and keeps serving the truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fencemark.client import AsyncClient
+from fencemark.node.admission import RECOVERY_GAP
+from fencemark.node.crdt import Record, Stamp, codec
+from fencemark.node.crdt.fence import Grant
+from fencemark.node.crdt.hlc import pack
+from fencemark.node.integrity import Bounds, MergeRefused, check
+from fencemark.v1 import replication_pb2, replication_pb2_grpc
+from tests.cluster import Cluster
+from tests.strategies import (
+    EPOCH_MS,
+    KEY,
+    REGIONS,
+    Act,
+    Create,
+    Operation,
+    Scenario,
+    Tombstone,
+    scenarios,
+)
+
+HOME = REGIONS[0]
+BOUNDS = Bounds(max_offset_ms=500)
+NOW = EPOCH_MS + 10_000
+
+
+def realistic(scenario: Scenario) -> Scenario:
+    """As nodes do it: the record exists before anyone claims it, and only its home
+    region creates it (a node creates a record only in its own region)."""
+
+    def homed(op: Operation) -> Operation:
+        if isinstance(op, Create | Tombstone):
+            return dataclasses.replace(op, home_region=HOME)
+        return op
+
+    steps = tuple(
+        dataclasses.replace(s, op=homed(s.op)) if isinstance(s, Act) else s for s in scenario.steps
+    )
+    ancestor = (Create(HOME), *(homed(op) for op in scenario.ancestor))
+    return dataclasses.replace(scenario, steps=steps, ancestor=ancestor)
+
+
+@given(scenarios(3, max_steps=25).map(realistic))
+def test_no_state_a_replica_really_held_is_refused_by_another(scenario: Scenario) -> None:
+    seen: list[Record] = []
+    scenario.run(lambda _, __, nodes: seen.extend(node.record for node in nodes))
+    for local in seen[-6:]:
+        for remote in seen[::3]:
+            check(local, remote, now_ms=NOW, bounds=BOUNDS)
+
+
+# -- forged states --------------------------------------------------------------------------
+
+
+def stamp(ms: int = EPOCH_MS, epoch: int = 0, node: str = "n-home") -> Stamp:
+    return Stamp(epoch, pack(ms), node)
+
+
+def granted(tokens: tuple[int, ...] = (1,), region: str = HOME) -> Record:
+    record = Record(KEY).create(HOME, stamp())
+    fence = record.fence
+    for token in tokens:
+        fence = fence.grant(token, Grant(pack(EPOCH_MS + token), "worker", region), NOW + 60_000)
+    return record.with_fence(fence)
+
+
+def refused(local: Record, remote: Record) -> str:
+    with pytest.raises(MergeRefused) as caught:
+        check(local, remote, now_ms=NOW, bounds=BOUNDS)
+    return caught.value.reason
+
+
+def test_a_write_stamped_with_an_epoch_above_its_states_fence_is_refused() -> None:
+    forged = granted().set_fields({"body": "mine forever"}, stamp(epoch=1 << 40))
+    assert refused(granted(), forged) == "epoch_beyond_fence"
+
+
+def test_a_record_cannot_change_home() -> None:
+    elsewhere = Record(KEY).create("eu", stamp(EPOCH_MS - 60_000))  # "created" a minute earlier
+    assert refused(granted(), elsewhere) == "home_changed"
+
+
+def test_two_concurrent_creations_without_claims_are_not_a_conflict() -> None:
+    here = Record(KEY).create(HOME, stamp())
+    there = Record(KEY).create("eu", stamp(EPOCH_MS + 100, node="n-eu"))
+    assert check(here, there, now_ms=NOW, bounds=BOUNDS).home_region == HOME  # the earlier
+
+
+def test_a_grant_by_a_region_that_is_not_home_is_refused() -> None:
+    assert refused(granted(), granted((1, 2), region="eu")) == "grant_outside_home"
+
+
+def test_a_token_far_above_the_grant_below_it_is_refused() -> None:
+    assert refused(granted(), granted((1, 2 + BOUNDS.max_token_jump))) == "token_jump"
+    # The jump a home makes after a disk loss is fine, even from nothing.
+    after_loss = granted((1 + RECOVERY_GAP,))
+    assert check(Record(KEY), after_loss, now_ms=NOW, bounds=BOUNDS).fence.fence == 1 + RECOVERY_GAP
+
+
+def test_a_lease_longer_than_any_lease_is_refused() -> None:
+    held = granted()
+    forever = held.with_fence(held.fence.extend(1, NOW + 10 * BOUNDS.max_lease_ms))
+    assert refused(held, forever) == "lease_too_long"
+
+
+def test_expiries_and_releases_of_tokens_nobody_granted_are_refused() -> None:
+    held = granted()
+    phantom_release = held.with_fence(dataclasses.replace(held.fence, released=frozenset({7})))
+    assert refused(held, phantom_release) == "orphan_token"
+    phantom_lease = held.with_fence(
+        dataclasses.replace(held.fence, lease_expiry={**held.fence.lease_expiry, 7: NOW})
+    )
+    assert refused(held, phantom_lease) == "orphan_token"
+
+
+# -- a hostile peer, against a real node -----------------------------------------------------
+
+
+async def push_as_eu(address: str, *states: Record) -> replication_pb2.PushResponse:
+    origin = replication_pb2.Origin(region="eu", node_id="hostile", hlc=0)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = replication_pb2_grpc.ReplicationStub(channel)
+        request = replication_pb2.PushRequest(
+            origin=origin, states=[codec.encode(s) for s in states]
+        )
+        response: replication_pb2.PushResponse = await stub.Push(request, timeout=10)
+        return response
+
+
+@pytest.mark.slow
+async def test_a_hostile_peer_cannot_raise_a_fence_revive_a_release_or_move_a_home(
+    tmp_path: Path,
+) -> None:
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, _ = await cluster.start_all()
+        async with AsyncClient(us.address) as client:
+            for _ in range(200):  # bounded: us decides claims once it has seen eu
+                if (await client.info()).claims_serving:
+                    break
+                await asyncio.sleep(0.05)
+            await cluster.stop("eu")  # from now on the test speaks for eu
+            made = await client.remember("hostile", "t", "held", title="x", tags=["homeRegion:us"])
+            key = made.record.key
+            holder = await client.claim(key, "alice", lease_seconds=60)
+            other = await client.remember("hostile", "t", "done", title="y",
+                                          tags=["homeRegion:us"])  # fmt: skip
+            done = await client.claim(other.record.key, "bob", lease_seconds=60)
+            await client.release_claim(other.record.key, done.fencing_token)
+            held_state = (await us.storage.get(key)).record  # type: ignore[union-attr]
+            done_state = (await us.storage.get(other.record.key)).record  # type: ignore[union-attr]
+
+            now = us.replica.clock.wall_ms()
+            hlc = us.replica.clock.now()
+            fence = held_state.fence
+            raise_fence = held_state.with_fence(
+                fence.grant(fence.fence + 1 + 2 * RECOVERY_GAP + 5,
+                            Grant(hlc, "mallory", "us"), now + 60_000)
+            )  # fmt: skip
+            steal = held_state.with_fence(
+                fence.grant(fence.fence + 1, Grant(hlc, "mallory", "eu"), now + 60_000)
+            )
+            move_home = Record(key).create("eu", Stamp(0, pack(now - 3_600_000), "hostile"))
+            # Without the release, and with the lease pushed out an hour: a merge is a
+            # union, so the release stays; the longer lease is refused as too long.
+            revived_fence = dataclasses.replace(
+                done_state.fence, released=frozenset(),
+                lease_expiry={done.fencing_token: now + 7_200_000},
+            )  # fmt: skip
+            revive = done_state.with_fence(revived_fence)
+
+            answer = await push_as_eu(us.address, raise_fence, steal, move_home, revive)
+            assert answer.merged == 0
+
+            status = await client.claim_status(key)
+            assert status.fence == holder.fencing_token
+            assert status.claim is not None and status.claim.owner == "alice"
+            assert (await client.get(key)).home_region == "us"
+            released = await client.claim_status(other.record.key)
+            assert released.claim is None  # still released
+            renew = await client.renew_claim(key, holder.fencing_token)
+            assert renew.renewed  # alice still holds it
+
+            info = await client.info()
+            eu = next(p for p in info.peers if p.region == "eu")
+            assert eu.merges_refused == 4
+            assert "lease_too_long" in eu.last_refusal
+
+
+@given(st.integers(min_value=1, max_value=5))
+def test_bounds_follow_the_configured_token_jump(jump: int) -> None:
+    bounds = Bounds(max_offset_ms=500, max_token_jump=jump)
+    check(granted(), granted((1, 1 + jump)), now_ms=NOW, bounds=bounds)
+    with pytest.raises(MergeRefused):
+        check(granted(), granted((1, 2 + jump)), now_ms=NOW, bounds=bounds)
