@@ -5,11 +5,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard proto/fencemark/v1/*.proto)
 
-.PHONY: help venv proto proto-check lint typecheck test check demo clean inspector
+.PHONY: help venv proto proto-check lint typecheck test check demo bench clean inspector
 
 help:
 	@echo "make demo        the main job: agents in three local regions drain a backlog under faults"
 	@echo "make test        run the whole test suite"
+	@echo "make bench       the benchmarks against etcd and Redis (docs/performance.md)"
 	@echo "make check       lint, type-check and verify generated code is fresh"
 	@echo "make proto       regenerate fencemark.v1 from proto/"
 	@echo "make image       build the fencemark:dev docker image air-gapped (docs/deploy.md)"
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv $(VENV) || \
 	  { echo "python3 -m venv failed: on Debian run 'apt-get install -y python3-venv'"; exit 1; }
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	@touch $@
 
 venv: $(STAMP)
@@ -54,7 +55,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy node/fencemark client/fencemark tests
+	$(BIN)/mypy node/fencemark client/fencemark bench/fencemark tests
 
 check: proto-check lint typecheck
 
@@ -63,6 +64,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/fencemark demo
+
+# Every scenario, full length (several minutes); BENCH_ARGS="--quick" for a short run.
+bench: $(STAMP)
+	$(BIN)/fencemark bench $(BENCH_ARGS)
 
 # Node >= 22 and the pinned MCP Inspector CLI, into .tools/node22 (gitignored),
 # for tests/test_mcp_inspector.py (which skips locally without them, fails in CI).

@@ -27,7 +27,7 @@ def _requirement(name: str) -> str:
     return next(r for r in dependencies if re.match(rf"{name}\b(?![-_])", r))
 
 
-@pytest.mark.parametrize("bare", ["node", "client", "v1"])
+@pytest.mark.parametrize("bare", ["node", "client", "v1", "bench"])
 def test_no_bare_module_is_importable(bare: str, tmp_path: Path) -> None:
     """The installed package puts only `fencemark` on sys.path (run from a neutral cwd,
     so `python -m pytest` adding the repository root to sys.path does not count)."""
@@ -39,7 +39,12 @@ def test_no_bare_module_is_importable(bare: str, tmp_path: Path) -> None:
 
 
 def test_import_names_explain_themselves() -> None:
-    for name in ("fencemark.node", "fencemark.client", "fencemark.v1.records_pb2"):
+    for name in (
+        "fencemark.node",
+        "fencemark.client",
+        "fencemark.v1.records_pb2",
+        "fencemark.bench",
+    ):
         assert importlib.util.find_spec(name) is not None, name
 
 

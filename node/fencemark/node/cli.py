@@ -167,6 +167,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from fencemark.bench.runner import main as bench
+    except ImportError as exc:
+        print(
+            f"fencemark bench: {exc}; install the benchmark extra: pip install 'fencemark[bench]'",
+            file=sys.stderr,
+        )
+        return 2
+    docs = args.docs
+    if docs is None and not args.quick and not args.scenarios and not args.no_docs:
+        default = Path("docs") / "performance.md"  # a full run in the repository
+        docs = str(default) if default.is_file() else None
+    return bench(
+        args.scenarios, quick=args.quick, results=args.results, docs=None if args.no_docs else docs
+    )
+
+
 def _regions(spec: str) -> list[str]:
     regions = [r.strip() for r in spec.split(",") if r.strip()]
     try:
@@ -378,6 +396,23 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     demo.add_argument("--seed", type=int, default=None, help="replay a run's random choices")
     demo.add_argument("--data", default=None, help="data directory (default: a temporary one)")
     demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: claim cycle vs etcd and Redis, writes, lag, anti-entropy, footprint",
+        description="Run the benchmark scenarios (all by default: claims, writes, lag,"
+        " anti-entropy, footprint) with their baselines, and write JSON, Markdown and PNG"
+        " plots under --results. A full run of every scenario in the repository also"
+        " rewrites the headline of docs/performance.md.",
+    )
+    bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="scenarios to run")
+    bench.add_argument(
+        "--quick", action="store_true", help="short runs (under two minutes): a smoke test"
+    )
+    bench.add_argument("--results", default=str(Path("bench") / "results"), help="output dir")
+    bench.add_argument("--docs", default=None, help="the Markdown file to write the headline in")
+    bench.add_argument("--no-docs", action="store_true", help="never rewrite any docs")
+    bench.set_defaults(func=cmd_bench)
 
     cluster = sub.add_parser(
         "cluster", help="run a local multi-region cluster (one node process per region)"

@@ -151,6 +151,14 @@ class Replicator:
     def backlog(self, region: str) -> int:
         return len(self._peers[region].backlog)
 
+    def peer_stats(self, region: str) -> PeerStats:
+        return self._peers[region].stats
+
+    async def sync_with(self, region: str) -> RoundResult:
+        """One anti-entropy round with ``region``'s node now, outside the schedule
+        (``fencemark bench`` measures what one round costs)."""
+        return await self.sync_round(self._peers[region])
+
     # -- calls ---------------------------------------------------------------------
 
     def _origin(self) -> replication_pb2.Origin:

@@ -1,0 +1,412 @@
+"""Scenario 4: what anti-entropy costs, in sync and after a partition.
+
+- **In-sync rounds**: two in-process nodes holding the same N records (1k, 10k,
+  100k), each the other's peer through a ``FaultProxy`` that counts the bytes on
+  the wire (HTTP/2 framing included). Rounds are run one at a time
+  (``Replicator.sync_with``); each must find the replicas in sync.
+- **Repair after a partition**: three node processes (``us``, ``eu``, ``ap``)
+  whose node-to-node traffic goes through the fault-proxy mesh, with the same
+  base records. ``ap`` is cut off, K records are updated at ``us`` through the
+  API (``eu`` gets them by eager push), the mesh heals, and the clock runs until
+  every region's digest-tree root is the same: byte-identical replicas. The
+  mesh counts every byte the repair moved (pushes, rounds, fetches), shown
+  against the canonical bytes of the K differing states.
+- **Naive reference**: one full-state transfer — every state of a replica
+  fetched through a counting proxy — measured beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from fencemark.bench import plots
+from fencemark.bench.progress import Progress
+from fencemark.bench.records import BODY
+from fencemark.bench.results import ScenarioResult, Settings, Table, at_least, at_most, fmt
+from fencemark.bench.seed import copy_replica, seed, seed_key
+from fencemark.bench.stats import median
+from fencemark.client import AsyncClient
+from fencemark.node.cluster import LocalCluster, free_port
+from fencemark.node.proxy import FaultProxy, ProxyMesh
+from fencemark.node.server import NodeConfig, NodeServer
+from fencemark.v1 import replication_pb2, replication_pb2_grpc
+
+REGIONS = ("us", "eu", "ap")
+CONVERGE_TIMEOUT_S = 180.0
+WRITERS = 64
+FETCH_BATCH = 512
+ORIGIN = replication_pb2.Origin(region="bench", node_id="bench")  # not a peer: not counted
+
+
+class Seeds:
+    """Seeded data dirs by record count, made once per run and copied per use."""
+
+    def __init__(self, root: Path, home: str = "us") -> None:
+        self.root = root
+        self.home = home
+        self._made: dict[int, Path] = {}
+
+    async def get(self, count: int, progress: Progress) -> Path:
+        if count not in self._made:
+            progress.status(f"seeding {count:,} records")
+            began = time.monotonic()
+            self._made[count] = await seed(self.root / f"seed-{count}", count, home=self.home)
+            progress.line(f"seeded {count:,} records in {time.monotonic() - began:.1f} s")
+        return self._made[count]
+
+
+def _wire_bytes(*proxies: FaultProxy) -> int:
+    return sum(p.stats.bytes_to_upstream + p.stats.bytes_to_client for p in proxies)
+
+
+# -- in-sync rounds ---------------------------------------------------------------------
+
+
+async def in_sync_round_bytes(
+    seeds: Seeds, count: int, rounds: int, work: Path, progress: Progress
+) -> dict[str, Any]:
+    source = await seeds.get(count, progress)
+    dirs = {r: await copy_replica(source, work / f"insync-{count}" / r) for r in ("us", "eu")}
+    ports = {r: free_port() for r in dirs}
+    to_eu = await FaultProxy.start(f"127.0.0.1:{ports['eu']}", name="us->eu")
+    to_us = await FaultProxy.start(f"127.0.0.1:{ports['us']}", name="eu->us")
+    nodes: list[NodeServer] = []
+    try:
+        for region, peer, proxy in (("us", "eu", to_eu), ("eu", "us", to_us)):
+            config = NodeConfig(
+                region=region,
+                listen=f"127.0.0.1:{ports[region]}",
+                data_dir=dirs[region],
+                enable_writes=True,
+                peers={peer: proxy.address},
+                anti_entropy_interval=3600.0,  # only the rounds run here
+                grace_seconds=0.5,
+            )
+            nodes.append(await NodeServer.start(config))
+        us = nodes[0]
+        stats = us.replicator.peer_stats("eu")
+
+        # The first round opens the connection (and may find eu still starting):
+        # not a steady round, not counted.
+        async def connected() -> bool:
+            try:
+                await us.replicator.sync_with("eu")
+            except grpc.aio.AioRpcError:
+                return False
+            return True
+
+        await _until("us reaches eu", connected, 30, 0.2)
+        wire, messages, in_sync = [], [], []
+        for _ in range(rounds):
+            before_wire = _wire_bytes(to_eu)
+            before_messages = stats.bytes_sent + stats.bytes_received
+            result = await us.replicator.sync_with("eu")
+            wire.append(_wire_bytes(to_eu) - before_wire)
+            messages.append(stats.bytes_sent + stats.bytes_received - before_messages)
+            in_sync.append(result.in_sync)
+        return {
+            "records": count,
+            "wire_bytes": median(wire),
+            "message_bytes": median(messages),
+            "all_in_sync": all(in_sync),
+            "rounds": rounds,
+        }
+    finally:
+        for node in nodes:
+            await node.stop(0.5)
+        await to_eu.close()
+        await to_us.close()
+
+
+# -- repair after a partition -----------------------------------------------------------
+
+
+@dataclass
+class Repair:
+    k: int
+    canonical_bytes: int
+    repair_bytes: int
+    seconds: float
+    timeline: list[tuple[float, int]]  # (seconds since heal, differing level-2 tree nodes at ap)
+    links: dict[str, int]  # bytes each node-to-node link moved (src->dst: src's calls to dst)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "k": self.k,
+            "canonical_bytes": self.canonical_bytes,
+            "repair_bytes": self.repair_bytes,
+            "repair_over_canonical": self.repair_bytes / self.canonical_bytes
+            if self.canonical_bytes
+            else float("nan"),
+            "seconds_to_identical": self.seconds,
+            "bytes_by_link": self.links,
+        }
+
+
+@contextlib.asynccontextmanager
+async def _replication_stub(
+    address: str,
+) -> AsyncIterator[replication_pb2_grpc.ReplicationAsyncStub]:
+    channel = grpc.aio.insecure_channel(
+        address, options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    try:
+        yield replication_pb2_grpc.ReplicationStub(channel)
+    finally:
+        await channel.close(None)
+
+
+async def _tree(
+    stub: replication_pb2_grpc.ReplicationAsyncStub, level: int, nodes: list[int]
+) -> list[bytes]:
+    request = replication_pb2.TreeRequest(origin=ORIGIN, level=level, nodes=nodes)
+    response = await stub.Tree(request, timeout=10)
+    return list(response.hashes)
+
+
+async def _fetch_sizes(stub: replication_pb2_grpc.ReplicationAsyncStub, keys: Sequence[str]) -> int:
+    """Canonical bytes of the states of ``keys``, as the node holds them."""
+    total = 0
+    for start in range(0, len(keys), FETCH_BATCH):
+        pending = list(keys[start : start + FETCH_BATCH])
+        while pending:
+            request = replication_pb2.FetchRequest(origin=ORIGIN, keys=pending)
+            response = await stub.Fetch(request, timeout=30)
+            total += sum(len(state) for state in response.states)
+            pending = list(response.truncated)
+    return total
+
+
+async def _write_divergence(address: str, keys: Sequence[str], tag: str) -> None:
+    """Update every key once through the API, ``WRITERS`` clients at a time."""
+    queue = list(keys)
+
+    async def writer() -> None:
+        async with AsyncClient(address, retries=0) as client:
+            while queue:
+                key = queue.pop()
+                await client.update(key, fields={"body": f"{BODY} ({tag})"})
+
+    await asyncio.gather(*(writer() for _ in range(WRITERS)))
+
+
+async def _same_roots(stubs: Sequence[replication_pb2_grpc.ReplicationAsyncStub]) -> bool:
+    roots = [(await _tree(stub, 0, [0]))[0] for stub in stubs]
+    return len(set(roots)) == 1
+
+
+async def _until(what: str, check: Any, limit_s: float, poll: float = 0.05) -> float:
+    """Seconds until ``await check()`` is true, polling every ``poll`` s (at most ``limit_s``)."""
+    began = time.monotonic()
+    while not await check():
+        if time.monotonic() - began > limit_s:
+            raise TimeoutError(f"{what}: not reached within {limit_s:.0f} s")
+        await asyncio.sleep(poll)
+    return time.monotonic() - began
+
+
+async def repair_after_partition(
+    seeds: Seeds, base: int, k: int, work: Path, progress: Progress
+) -> Repair:
+    source = await seeds.get(base, progress)
+    root = work / f"repair-{k}"
+    for region in REGIONS:
+        await copy_replica(source, root / region)
+    cluster = await LocalCluster.start(REGIONS, root, faults=True)
+    mesh = cluster.mesh
+    assert mesh is not None
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            stubs = {
+                r: await stack.enter_async_context(_replication_stub(a))
+                for r, a in cluster.addresses.items()
+            }
+            keys = [seed_key(i) for i in range(k)]
+            mesh.isolate("ap")
+            progress.status(f"K={k:,}: ap cut off, writing {k:,} updates at us")
+            await _write_divergence(cluster.addresses["us"], keys, f"k{k}")
+            await _until("us and eu in sync", lambda: _same_roots([stubs["us"], stubs["eu"]]), 120)
+            canonical = await _fetch_sizes(stubs["us"], keys)
+            links = _mesh_links(mesh)
+            before = {name: _wire_bytes(link) for name, link in links.items()}
+            mesh.heal()
+            healed = time.monotonic()
+            progress.status(f"K={k:,}: healed, waiting for byte-identical replicas")
+            timeline: list[tuple[float, int]] = []
+            level2 = list(range(256))
+
+            async def identical() -> bool:
+                ours = await _tree(stubs["us"], 2, level2)
+                theirs = await _tree(stubs["ap"], 2, level2)
+                differing = sum(a != b for a, b in zip(ours, theirs, strict=True))
+                timeline.append((time.monotonic() - healed, differing))
+                return differing == 0 and await _same_roots(list(stubs.values()))
+
+            seconds = await _until("byte-identical replicas", identical, CONVERGE_TIMEOUT_S, 0.1)
+            moved = {name: _wire_bytes(link) - before[name] for name, link in links.items()}
+        return Repair(k, canonical, sum(moved.values()), seconds, timeline, moved)
+    finally:
+        await cluster.stop()
+
+
+def _mesh_links(mesh: ProxyMesh) -> dict[str, FaultProxy]:
+    return {
+        f"{src}->{dst}": mesh.link(src, dst) for src in REGIONS for dst in REGIONS if src != dst
+    }
+
+
+async def naive_full_state(
+    seeds: Seeds, base: int, work: Path, progress: Progress
+) -> dict[str, Any]:
+    """Every state of one replica fetched through a counting proxy: bytes and seconds."""
+    source = await seeds.get(base, progress)
+    data = await copy_replica(source, work / "naive" / "us")
+    node = await NodeServer.start(
+        NodeConfig(region="us", listen="127.0.0.1:0", data_dir=data, grace_seconds=0.5)
+    )
+    proxy = await FaultProxy.start(node.address, name="naive")
+    try:
+        keys = [seed_key(i) for i in range(base)]
+        began = time.monotonic()
+        async with _replication_stub(proxy.address) as stub:
+            state_bytes = await _fetch_sizes(stub, keys)
+        seconds = time.monotonic() - began
+        return {
+            "records": base,
+            "state_bytes": state_bytes,
+            "wire_bytes": _wire_bytes(proxy),
+            "seconds": seconds,
+        }
+    finally:
+        await proxy.close()
+        await node.stop(0.5)
+
+
+# -- the scenario -------------------------------------------------------------------------
+
+
+async def run_anti_entropy(
+    settings: Settings, progress: Progress, work: Path, out: Path, seeds: Seeds
+) -> ScenarioResult:
+    in_sync = []
+    for count in settings.in_sync_records:
+        progress.status(f"in-sync rounds at {count:,} records")
+        row = await in_sync_round_bytes(seeds, count, settings.in_sync_rounds, work, progress)
+        progress.line(
+            f"in-sync round at {count:,} records: {row['wire_bytes']:.0f} bytes on the wire"
+        )
+        in_sync.append(row)
+    naive = await naive_full_state(seeds, settings.divergence_base, work, progress)
+    repairs = []
+    for k in settings.divergence:
+        repair = await repair_after_partition(seeds, settings.divergence_base, k, work, progress)
+        progress.line(
+            f"K={k:,}: {repair.repair_bytes:,} bytes repaired vs {repair.canonical_bytes:,}"
+            f" canonical, byte-identical {repair.seconds:.2f} s after the heal"
+        )
+        repairs.append(repair)
+
+    sync_table = Table(
+        f"In-sync anti-entropy round (median of {settings.in_sync_rounds} rounds)",
+        ["records", "bytes on the wire", "message bytes", "in sync"],
+        [
+            [fmt(r["records"]), fmt(r["wire_bytes"]), fmt(r["message_bytes"]),
+             "yes" if r["all_in_sync"] else "NO"]
+            for r in in_sync
+        ],
+    )  # fmt: skip
+    repair_table = Table(
+        f"Repair after a partition: three regions, {settings.divergence_base:,} records,"
+        " K updated at us while ap was cut off",
+        ["K", "canonical bytes of the K states", "bytes moved by repair", "ratio",
+         "seconds to byte-identical", "naive full-state bytes"],
+        [
+            [fmt(r.k), fmt(r.canonical_bytes), fmt(r.repair_bytes),
+             f"{fmt(r.repair_bytes / r.canonical_bytes, 2)}x", fmt(r.seconds, 2),
+             fmt(naive["wire_bytes"])]
+            for r in repairs
+        ],
+    )  # fmt: skip
+    targets = []
+    largest = max(in_sync, key=lambda r: r["records"])
+    targets.append(
+        at_most(
+            f"in-sync round at {largest['records']:,} records",
+            largest["wire_bytes"],
+            1024,
+            " bytes",
+        )
+    )
+    for r in repairs:
+        targets.append(
+            at_most(
+                f"repair bytes / canonical bytes, K={r.k:,}",
+                r.repair_bytes / r.canonical_bytes if r.canonical_bytes else float("nan"),
+                1.5,
+                "x",
+            )
+        )
+    for r in repairs:
+        if r.k == 10_000:
+            targets.append(at_most("10k divergent records converge", r.seconds, 10, " s"))
+    flat = [r["wire_bytes"] for r in in_sync]
+    targets.append(
+        at_least("in-sync round is flat (smallest / largest)", min(flat) / max(flat), 0.9, "")
+    )
+    plot_bytes = plots.lines(
+        out / "anti_entropy_bytes.png",
+        "Anti-entropy bytes",
+        {
+            "in-sync round (x = records)": (
+                [r["records"] for r in in_sync],
+                [r["wire_bytes"] for r in in_sync],
+            ),
+            "repair (x = K differing)": (
+                [r.k for r in repairs],
+                [r.repair_bytes for r in repairs],
+            ),
+            "canonical bytes of the K states": (
+                [r.k for r in repairs],
+                [r.canonical_bytes for r in repairs],
+            ),
+            f"naive full-state transfer ({settings.divergence_base:,} records)": (
+                [r.k for r in repairs],
+                [naive["wire_bytes"] for _ in repairs],
+            ),
+        },
+        "records (in sync) or K differing records (repair)",
+        "bytes (log scale)",
+        logx=True,
+        logy=True,
+    )
+    plot_converge = plots.lines(
+        out / "anti_entropy_convergence.png",
+        "Convergence after the heal: differing level-2 tree nodes, ap vs us",
+        {
+            f"K={r.k:,}": ([t for t, _ in r.timeline], [float(d) for _, d in r.timeline])
+            for r in repairs
+        },
+        "seconds since the heal",
+        "differing tree nodes (of 256)",
+    )
+    return ScenarioResult(
+        "anti-entropy",
+        "Anti-entropy cost in sync and after a partition",
+        {
+            "in_sync": in_sync,
+            "repair": [r.to_json() for r in repairs],
+            "naive_full_state": naive,
+            "divergence_base": settings.divergence_base,
+        },
+        [sync_table, repair_table],
+        targets,
+        [plot_bytes, plot_converge],
+    )

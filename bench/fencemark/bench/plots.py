@@ -1,0 +1,93 @@
+"""PNG plots (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+
+
+def latency_cdfs(
+    path: Path,
+    title: str,
+    panels: Mapping[str, Mapping[str, Sequence[float]]],
+    xlabel: str = "latency (ms, log scale)",
+) -> Path:
+    """One panel per key of ``panels`` (e.g. "16 clients"), one CDF line per system."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (panel, series) in zip(axes[0], panels.items(), strict=True):
+        for name, samples in series.items():
+            ordered = sorted(s for s in samples if s > 0)
+            if not ordered:
+                continue
+            ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
+            ax.plot(ordered, ys, label=name)
+        ax.set_xscale("log")
+        ax.set_title(panel)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("fraction of operations")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def grouped_bars(
+    path: Path,
+    title: str,
+    groups: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    ylabel: str,
+) -> Path:
+    """Bars per group (e.g. client counts), one bar per system."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(series))
+    for index, (name, values) in enumerate(series.items()):
+        xs = [g + index * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def lines(
+    path: Path,
+    title: str,
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    xlabel: str,
+    ylabel: str,
+    *,
+    logx: bool = False,
+    logy: bool = False,
+) -> Path:
+    """One line per series of ``(xs, ys)``."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,112 @@
+"""``fencemark bench --quick`` end to end: every scenario produces numbers and files.
+
+A smoke test of the benchmark harness (issue 6), run against the real thing —
+node processes, etcd and a durable Redis from Debian packages. It asserts
+nothing about speed: figures from a shared two-core machine are for
+``docs/performance.md``, never for pass/fail. Without ``etcd`` or
+``redis-server`` it skips locally and fails under CI (``.ci/run`` installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fencemark.bench.runner import DOCS_BEGIN, DOCS_END, SCENARIOS
+from fencemark.bench.servers import missing_servers
+from tests.test_cli import fencemark
+
+pytestmark = pytest.mark.slow
+
+PLOTS = (
+    "claim_cycle_latency.png",
+    "claim_cycle_rpcs.png",
+    "writes_latency.png",
+    "replication_lag.png",
+    "anti_entropy_bytes.png",
+    "anti_entropy_convergence.png",
+)
+
+
+@pytest.fixture(scope="module")
+def servers() -> None:
+    missing = missing_servers()
+    if missing:
+        why = f"the baselines are not installed: apt-get install -y {' '.join(missing)}"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{why} (.ci/run installs them before the tests)")
+        pytest.skip(why)
+
+
+def numbers(value: Any) -> list[float]:
+    """Every number in a JSON value."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in numbers(v)]
+    return []
+
+
+async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
+    servers: None, tmp_path: Path
+) -> None:
+    results = tmp_path / "results"
+    ran = await fencemark("bench", "--quick", "--results", str(results), limit_s=280)
+    assert ran.code == 0, ran.stdout + ran.stderr[-4000:]
+    report = json.loads((results / "results.json").read_text())
+    assert report["mode"] == "quick"
+    assert report["failed"] == {}
+    assert set(report["scenarios"]) == set(SCENARIOS)
+    for name, scenario in report["scenarios"].items():
+        figures = numbers(scenario["data"])
+        assert figures and all(math.isfinite(f) for f in figures), (name, scenario["data"])
+        for target in scenario["targets"]:
+            assert target["measured"] is not None, (name, target)
+            assert target["met"] in (True, False), (name, target)
+    claims = report["scenarios"]["claims"]["data"]
+    for clients in ("1", "16", "64"):
+        for system in ("fencemark", "grpc-health", "etcd", "redis"):
+            row = claims[clients][system]
+            assert row["ops_per_s"] > 0 and row["errors"] == 0, (clients, system, row)
+    markdown = (results / "results.md").read_text()
+    assert "### Targets" in markdown and "| target |" in markdown
+    for plot in PLOTS:
+        assert (results / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+    assert "results.md" in ran.stdout
+
+
+async def test_a_full_run_writes_its_headline_between_the_markers_of_the_docs(
+    tmp_path: Path,
+) -> None:
+    """The headline section is rewritten in place; what surrounds it stays."""
+    from fencemark.bench.results import ScenarioResult, Settings, Table, at_most
+    from fencemark.bench.runner import write_docs
+
+    docs = tmp_path / "performance.md"
+    docs.write_text(f"# Performance\n\nbefore\n\n{DOCS_BEGIN}\nold\n{DOCS_END}\n\nafter\n")
+    plot = tmp_path / "plot.png"
+    plot.write_bytes(b"\x89PNG\r\n\x1a\n")
+    result = ScenarioResult(
+        "lag",
+        "Replication lag",
+        {"p99_ms": 12.0},
+        [Table("Lag", ["seen at", "p99 ms"], [["eu", "12.0"]])],
+        [at_most("replication lag p99", 12.0, 50, " ms")],
+        [plot],
+    )
+    write_docs([result], Settings.full(), tmp_path, docs)
+    text = docs.read_text()
+    assert text.startswith("# Performance\n\nbefore\n\n") and text.endswith("\n\nafter\n")
+    assert "old" not in text
+    assert "| replication lag p99 | ≤ 50 ms | 12.00 ms | **met** |" in text
+    assert (tmp_path / "performance" / "plot.png").exists()
+    assert "![plot](performance/plot.png)" in text
