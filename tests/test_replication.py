@@ -839,6 +839,35 @@ async def test_a_read_only_region_replicates_by_pulling(tmp_path: Path) -> None:
 # -- Node.Info per peer, and back-off ----------------------------------------------------------
 
 
+async def test_a_peer_that_calls_in_is_retried_at_once_not_after_its_back_off(
+    tmp_path: Path,
+) -> None:
+    """A node backed off from a peer that was down (up to 30 s) takes the peer's own
+    call as proof it is up: its writes reach the peer within a round, not a back-off."""
+    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=0.05) as cluster:
+        us, _ = await cluster.start_all()
+        await all_serving(cluster)
+        await cluster.stop("eu")
+        async with AsyncClient(us.address) as at_us:
+            await at_us.remember(REPO, "heard", "while-down", body="x")
+            peer = us.replicator._peers["eu"]
+
+            async def backed_off() -> bool:
+                return peer.stats.failures >= 1
+
+            await eventually(backed_off, "us failing to reach eu")
+            peer.stats.failures = 8  # as after minutes down: the longest back-off, 30 s
+            peer.retry_at = time.monotonic() + 30.0
+            eu = await cluster.start("eu")
+
+            async def delivered() -> bool:
+                info = await peer_info(us, "eu")
+                return info.reachable and info.push_backlog == 0
+
+            await eventually(delivered, "us pushing to eu right after eu called", within=10)
+            assert await eu.storage.get(key_of("heard", "while-down")) is not None
+
+
 async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Path) -> None:
     """SPEC §5: per-peer last sync, counters and reachability; a failing peer is backed off."""
     async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=0.05) as cluster:

@@ -229,7 +229,7 @@ class NodeServer:
             "Node": NodeService(
                 replica, claims, replicator, peers, writes_enabled=config.enable_writes
             ),
-            "Replication": ReplicationService(replica, peers),
+            "Replication": ReplicationService(replica, peers, replicator.heard_from),
         }
         server.add_generic_rpc_handlers(
             tuple(

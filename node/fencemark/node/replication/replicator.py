@@ -199,6 +199,14 @@ class Replicator:
                 peer.backlog[key] = None
                 peer.wake.set()
 
+    def heard_from(self, region: str) -> None:
+        """``region``'s node just called this one: it is up, so a back-off from its
+        earlier failures is over — push and sync with it now, not up to 30 s later."""
+        peer = self._peers.get(region)
+        if peer is not None and peer.retry_at > time.monotonic():
+            peer.retry_at = 0.0
+            peer.wake.set()
+
     async def _push_loop(self, peer: _Peer) -> None:
         while True:
             await peer.wake.wait()
@@ -206,7 +214,11 @@ class Replicator:
             while peer.backlog and peer.pushes_allowed():
                 pause = peer.retry_at - time.monotonic()
                 if pause > 0:
-                    await asyncio.sleep(pause)
+                    # Backed off; heard_from() (the peer called in) ends it early.
+                    peer.wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(peer.wake.wait(), pause)
+                    continue
                 # Take the keys out before reading their states: a write landing
                 # while this batch is in flight puts its key back for the next one.
                 keys = list(itertools.islice(peer.backlog, MAX_STATES))

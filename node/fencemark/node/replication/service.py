@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -78,14 +79,22 @@ async def merge_all(
 
 
 class ReplicationService:
-    def __init__(self, replica: Replica, peers: dict[str, PeerStats]) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        peers: dict[str, PeerStats],
+        heard_from: Callable[[str], None] | None = None,
+    ) -> None:
         self.replica = replica
         self.peers = peers
+        self.heard_from = heard_from  # Replicator.heard_from: a peer that calls is up
 
     def _admit(self, origin: replication_pb2.Origin, request_bytes: int) -> PeerStats | None:
         peer = self.peers.get(origin.region)
         if peer is not None:
             peer.bytes_received += request_bytes
+            if self.heard_from is not None:
+                self.heard_from(origin.region)
         try:
             check_clock(self.replica, origin.region, [origin.hlc])
         except ClockSkewed:
