@@ -133,7 +133,7 @@ def token_order(
 def acked_by(event: Event, homes: Mapping[str, str]) -> str:
     """The region whose node acknowledged ``event``: fenced writes and creations are
     decided at the record's home; a probe's note at the probe's own region."""
-    if event.op == "note":
+    if event.op == "note" or event.agent.startswith("probe-"):
         return event.agent.removeprefix("probe-")
     return homes.get(event.key, "")
 
@@ -143,14 +143,17 @@ def lost_with_disk(acked_at: float, region: str, played: Sequence[Played]) -> bo
     (seconds since the run started, like the faults' times) before it could pass it
     on: fewer than DISK_LOSS_GRACE_S healthy seconds between the ack and the wipe."""
     for wipe in played:
-        if wipe.kind != "wipe" or wipe.targets[0] != region or wipe.started < acked_at:
+        # The kill lands a moment after the fault starts: a write acknowledged in
+        # between was acknowledged by the node whose disk is then lost.
+        lost_at = wipe.down_at or wipe.started
+        if wipe.kind != "wipe" or wipe.targets[0] != region or lost_at < acked_at:
             continue
         healthy_since = acked_at
         for fault in played:
             touches = region in fault.targets or fault.kind in ("loss", "slow")
             if touches and fault is not wipe and healthy_since < fault.ended <= wipe.started:
                 healthy_since = fault.ended
-        return wipe.started - healthy_since < DISK_LOSS_GRACE_S
+        return lost_at - healthy_since < DISK_LOSS_GRACE_S
     return False
 
 

@@ -55,6 +55,9 @@ class Played:
     detail: str = ""
     cut: tuple[tuple[str, str], ...] = ()  # for partitions: the region pairs cut apart
     injected: bool = True  # False: the engine refused the fault (see detail); healed at once
+    # kill, wipe: when the node was dead for sure (SIGKILL delivered; for a wipe, the
+    # disk gone). A write the node acknowledged before this was acknowledged by it.
+    down_at: float = 0.0
 
 
 def schedule(
@@ -125,14 +128,21 @@ class Nemesis:
         self.clock = clock
         self.log = log
         self.played: list[Played] = []
+        self._down_at = 0.0
 
-    async def play(self, faults: Sequence[Fault], stop: asyncio.Event) -> None:
-        for fault in faults:
-            if stop.is_set():
+    async def play(
+        self, faults: Sequence[Fault], stop: asyncio.Event, until: float | None = None
+    ) -> None:
+        """Play ``faults`` in order; past the first of each kind, none starts after ``until``
+        (run clock), since restarts and stalled agents take longer than scheduled."""
+        for index, fault in enumerate(faults):
+            late = until is not None and index >= len(KINDS) and self.clock() >= until
+            if stop.is_set() or late:
                 return
             await asyncio.sleep(fault.gap)
             started = self.clock()
             self.log(f"nemesis: {fault.kind} {' '.join(fault.targets)} ({fault.seconds:.1f} s)")
+            self._down_at = 0.0
             try:
                 detail = await self._inject(fault)
             except (DockerException, RuntimeError) as exc:
@@ -154,6 +164,7 @@ class Nemesis:
                     self.clock(),
                     detail,
                     tuple(cut_pairs(fault)) if fault.kind in PARTITIONS else (),
+                    down_at=self._down_at,
                 )
             )
             self.log(f"nemesis: {fault.kind} healed{': ' + detail if detail else ''}")
@@ -174,6 +185,7 @@ class Nemesis:
             await asyncio.to_thread(self.cluster.kill, region)
             if fault.kind == "wipe":
                 await asyncio.to_thread(self.cluster.wipe, region)
+            self._down_at = self.clock()
             await asyncio.sleep(fault.seconds)
             await asyncio.to_thread(self.cluster.start_node, region)
             took = await self._until_deciding(region)

@@ -134,7 +134,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         tasks = workload.tasks(stop)
         await asyncio.sleep(WARM_UP_S)
         try:
-            await nemesis.play(faults, stop)
+            await nemesis.play(faults, stop, until=workload.now() + settings.seconds)
             await asyncio.sleep(COOL_DOWN_S)
         finally:
             stop.set()

@@ -140,6 +140,17 @@ def test_a_write_lost_with_its_nodes_disk_right_after_the_ack_is_counted_not_fai
     assert verdict.ok and verdict.numbers["lost with a disk"] == 1
 
 
+def test_a_write_acknowledged_while_the_kill_was_landing_is_lost_with_the_disk() -> None:
+    """The long run's case: acknowledged 30 ms after the wipe began, before the node died."""
+    note = event("probe-us", "note", 30.0, detail="note.us.1", value="us:1", key=NOTES)
+    wipe = Played("wipe", ("us",), 29.9, 40.0, down_at=30.3)
+    verdict = verdicts(history(note, *SERVED), [PARTITION, wipe])["no acknowledged write lost"]
+    assert verdict.ok and verdict.numbers["lost with a disk"] == 1
+    after = event("probe-us", "note", 31.0, detail="note.us.2", value="us:2", key=NOTES)
+    verdict = verdicts(history(after, *SERVED), [PARTITION, wipe])["no acknowledged write lost"]
+    assert not verdict.ok  # acknowledged by the new, empty node: no excuse
+
+
 def test_a_write_its_node_had_time_to_pass_on_is_not_excused_by_a_later_wipe() -> None:
     note = event("probe-us", "note", 30.0, detail="note.us.1", value="us:1", key=NOTES)
     wipe = Played("wipe", ("us",), 30.2 + DISK_LOSS_GRACE_S + 1, 50.0)

@@ -44,6 +44,7 @@ CALL_TIMEOUT_S = 2.0  # an agent's deadline per call: no call of theirs hangs lo
 PROBE_TIMEOUT_S = 5.0
 SAMPLE_TIMEOUT_S = 1.0
 PROBE_INTERVAL_S = 0.25
+NOTES_PER_RECORD = 100  # then a probe starts a new note record (MAX_FIELDS is 256)
 SAMPLE_INTERVAL_S = 1.0
 
 
@@ -114,17 +115,11 @@ class Workload:
     # -- setup -----------------------------------------------------------------------
 
     async def prepare(self) -> None:
-        """One note record per region (never claimed), and the first backlog."""
+        """A note record per region (never claimed), and the first backlog."""
         for region in self.regions:
-            made = await self.client(region, retries=4).remember(
-                REPO,
-                NOTES_TOPIC,
-                f"notes-{region}",
-                title=f"notes kept in {region}",
-                tags=[f"homeRegion:{region}"],
-            )
-            self.notes[region] = made.record.key
-            self.homes[made.record.key] = region
+            key = await self._new_notes(self.client(region, retries=4), region, 0)
+            assert key is not None, f"could not create {region}'s first note record"
+            self.notes[region] = key
         direct = {region: self.client(region, retries=4) for region in self.regions}
         for _ in range(self.backlog):
             await self._create(direct)
@@ -142,6 +137,20 @@ class Workload:
             for region in self.regions
             for i in range(self.agents_per_region)
         ]
+
+    async def _new_notes(self, node: AsyncClient, region: str, index: int) -> str | None:
+        """Create ``region``'s ``index``-th note record at its own node; its key, or None."""
+        name = f"notes-{region}-{index}"
+        invoked = time.monotonic()
+        try:
+            made = await node.remember(REPO, NOTES_TOPIC, name, title=f"notes kept in {region}",
+                                       tags=[f"homeRegion:{region}"])  # fmt: skip
+        except FencemarkError as exc:
+            self._record(f"probe-{region}", "create", name, _outcome(exc), invoked, _detail(exc))
+            return None
+        self.homes[made.record.key] = region
+        self._record(f"probe-{region}", "create", made.record.key, "ok", invoked, region)
+        return made.record.key
 
     async def _create(self, direct: Mapping[str, AsyncClient]) -> None:
         home = self.regions[self._created % len(self.regions)]
@@ -195,8 +204,12 @@ class Workload:
         node = self.client(region, timeout=PROBE_TIMEOUT_S)
         who = f"probe-{region}"
         elsewhere = self.notes[self.regions[(self.regions.index(region) + 1) % len(self.regions)]]
-        n = 0
+        n = written = records = 0
         while not await _stopped(stop, PROBE_INTERVAL_S):
+            if written >= NOTES_PER_RECORD:  # a record holds at most 256 fields: a new one
+                made = await self._new_notes(node, region, records + 1)
+                if made is not None:
+                    self.notes[region], written, records = made, 0, records + 1
             key = self.notes[region]
             invoked = time.monotonic()
             try:
@@ -210,6 +223,7 @@ class Workload:
             try:
                 await node.update(key, fields={name: value})
                 self._record(who, "note", key, "ok", invoked, name, value)
+                written += 1
             except FencemarkError as exc:  # the reason as the detail, the field as the value
                 self._record(who, "note", key, _outcome(exc), invoked, _detail(exc), name)
             invoked = time.monotonic()
