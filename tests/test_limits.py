@@ -7,6 +7,8 @@ ErrorInfo naming the resource and its limit) instead of queueing without end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -23,6 +25,28 @@ async def held_record(node: NodeServer, client: AsyncClient) -> str:
     claim = await client.claim(made.record.key, "holder", lease_seconds=HOLD_S)
     assert claim.granted
     return made.record.key
+
+
+@contextlib.asynccontextmanager
+async def waiting(
+    node: NodeServer, client: AsyncClient, key: str, count: int
+) -> AsyncIterator[None]:
+    """``count`` claims queued on ``key`` (bounded wait until they are); cancelled after."""
+    waiters = [
+        asyncio.create_task(client.claim(key, f"waiter-{i}", wait_seconds=HOLD_S))
+        for i in range(count)
+    ]
+    try:
+        for _ in range(100):
+            if node.claims.waiting == count:
+                break
+            await asyncio.sleep(0.05)
+        assert node.claims.waiting == count
+        yield
+    finally:
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
 
 
 @pytest.mark.slow
@@ -61,21 +85,11 @@ async def test_waiters_are_bounded_in_all(start_node: StartNode) -> None:
     node = await start_node(max_waiters=2, max_waiters_per_client=10)
     async with AsyncClient(node.address, retries=0) as client:
         key = await held_record(node, client)
-        waiters = [
-            asyncio.create_task(client.claim(key, f"waiter-{i}", wait_seconds=HOLD_S))
-            for i in range(2)
-        ]
-        for _ in range(100):
-            if node.claims.waiting == 2:
-                break
-            await asyncio.sleep(0.05)
-        with pytest.raises(FencemarkError) as refused:
-            await client.claim(key, "third", wait_seconds=HOLD_S)
+        async with waiting(node, client, key, 2):
+            with pytest.raises(FencemarkError) as refused:
+                await client.claim(key, "third", wait_seconds=HOLD_S)
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "at most 2" in str(refused.value)
-        for task in waiters:
-            task.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
 
 
 @pytest.mark.slow
@@ -83,20 +97,10 @@ async def test_calls_in_flight_are_bounded(start_node: StartNode) -> None:
     node = await start_node(max_concurrent_rpcs=2, max_waiters_per_client=10)
     async with AsyncClient(node.address, retries=0) as client:
         key = await held_record(node, client)
-        waiters = [
-            asyncio.create_task(client.claim(key, f"waiter-{i}", wait_seconds=HOLD_S))
-            for i in range(2)
-        ]
-        for _ in range(100):
-            if node.claims.waiting == 2:
-                break
-            await asyncio.sleep(0.05)
-        with pytest.raises(FencemarkError) as refused:
-            await client.get(key)
+        async with waiting(node, client, key, 2):
+            with pytest.raises(FencemarkError) as refused:
+                await client.get(key)
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        for task in waiters:
-            task.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
         for _ in range(100):  # the node notices the cancellations: capacity comes back
             try:
                 assert (await client.get(key)).key == key
