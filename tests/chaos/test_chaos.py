@@ -20,6 +20,7 @@ import os
 import random
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,7 +128,8 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         await workload.prepare()
         agents = [agent.name for agent in workload.agents]
         faults = schedule(rng, REGIONS, agents, settings.seconds, LEASE_SECONDS)
-        log(f"{len(faults)} faults: {', '.join(f.kind for f in faults)}")
+        kinds = Counter(f.kind for f in faults)
+        log(f"{len(faults)} faults scheduled: " + ", ".join(f"{k} x{n}" for k, n in kinds.items()))
 
         nemesis = Nemesis(cluster, mesh, workload.agents, workload.now, log)
         stop = asyncio.Event()
