@@ -26,6 +26,7 @@ from tests.chaos.checker import Verdict
 from tests.chaos.nemesis import Played
 from tests.chaos.workload import Sample
 
+MAX_LABELLED_FAULTS = 30
 COLOURS = {
     "isolate": "tab:red",
     "halves": "tab:red",
@@ -142,15 +143,16 @@ def timeline(
             alpha=0.25,
             label=label,
         )
-        axes.annotate(
-            " ".join(fault.targets)[:12],
-            (fault.started, 0),
-            fontsize=7,
-            rotation=90,
-            va="bottom",
-            xytext=(2, 2),
-            textcoords="offset points",
-        )
+        if len(played) <= MAX_LABELLED_FAULTS:  # a long run's labels would be a smear
+            axes.annotate(
+                " ".join(fault.targets)[:12],
+                (fault.started, 0),
+                fontsize=7,
+                rotation=90,
+                va="bottom",
+                xytext=(2, 2),
+                textcoords="offset points",
+            )
     for region in sorted({r for s in samples for r in s.divergent}):
         points = [
             (s.at, s.divergent[region]) for s in samples if s.divergent.get(region) is not None
