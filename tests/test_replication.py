@@ -842,7 +842,7 @@ async def test_a_read_only_region_replicates_by_pulling(tmp_path: Path) -> None:
 async def test_a_peer_that_calls_in_is_retried_at_once_not_after_its_back_off(
     tmp_path: Path,
 ) -> None:
-    """A node backed off from a peer that was down (up to 30 s) takes the peer's own
+    """A node backed off from a peer that was down (up to 5 s) takes the peer's own
     call as proof it is up: its writes reach the peer within a round, not a back-off."""
     async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=0.05) as cluster:
         us, _ = await cluster.start_all()
@@ -856,7 +856,7 @@ async def test_a_peer_that_calls_in_is_retried_at_once_not_after_its_back_off(
                 return peer.stats.failures >= 1
 
             await eventually(backed_off, "us failing to reach eu")
-            peer.stats.failures = 8  # as after minutes down: the longest back-off, 30 s
+            peer.stats.failures = 8  # as after minutes down; a back-off longer than any real one
             peer.retry_at = time.monotonic() + 30.0
             eu = await cluster.start("eu")
 

@@ -48,6 +48,10 @@ R = TypeVar("R", bound=Message)
 
 MAX_FRONTIER = 256  # tree nodes descended into per level and round
 PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy repairs
+# A failing peer is retried after 0.5 s doubling up to this, jittered by 0.5x-1.5x.
+# Kept short: after a symmetric partition neither side calls the other until a
+# back-off ends, so this bounds how long a healed link lies idle (docs/performance.md).
+MAX_BACKOFF_S = 5.0
 # A partition that drops packets (rather than refusing connections) leaves a TCP
 # connection that looks open while its retransmission timer backs off towards
 # minutes; after the heal, calls on it would keep timing out. Keepalive pings
@@ -106,7 +110,7 @@ class _Peer:
 
     def back_off(self, why: str) -> None:
         self.stats.failed(why)
-        delay = min(30.0, 0.25 * 2 ** min(self.stats.failures, 8))
+        delay = min(MAX_BACKOFF_S, 0.25 * 2 ** min(self.stats.failures, 8))
         self.retry_at = time.monotonic() + delay * random.uniform(0.5, 1.5)
 
 
