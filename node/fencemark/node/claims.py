@@ -110,8 +110,9 @@ class Claims:
                 self._waiting_by_client[client] -= 1
                 if not self._waiting_by_client[client]:
                     del self._waiting_by_client[client]
-        reason = outcome.reason.value if outcome.reason is not None else "granted"
-        self.outcomes["granted" if outcome.ok else reason] += 1
+        self.outcomes[
+            "granted" if outcome.ok or outcome.reason is None else outcome.reason.value
+        ] += 1
         return outcome
 
     async def _wait_in_line(

@@ -80,10 +80,10 @@ def check(local: Record, remote: Record, *, now_ms: int, bounds: Bounds) -> Reco
 
     merged = local.merge(remote)
     home = merged.home_region
-    grants = sorted(merged.fence.grants)
-    for token, grant in remote.fence.grants.items():
-        if token in local.fence.grants:
-            continue
+    new = {t: g for t, g in remote.fence.grants.items() if t not in local.fence.grants}
+    # Most merges bring field writes, not grants: sort the tokens only when needed.
+    grants = sorted(merged.fence.grants) if new else []
+    for token, grant in new.items():
         if grant.region != home:
             raise refuse("grant_outside_home", f"token {token} granted by {grant.region!r}, "
                                                f"home is {home!r}")  # fmt: skip

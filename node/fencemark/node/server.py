@@ -39,11 +39,10 @@ from fencemark.node.service import (
     ClaimsService,
     NodeService,
     RecordsService,
-    refusal_reason,
-    to_status,
+    refuse,
 )
 from fencemark.node.storage import Storage
-from fencemark.node.telemetry import NodeMetrics, Telemetry, note_refusal
+from fencemark.node.telemetry import NodeMetrics, Telemetry
 from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
@@ -132,10 +131,9 @@ def decoding(
             request = request_type.FromString(raw)
         except DecodeError as exc:
             name = request_type.DESCRIPTOR.full_name
-            error = InvalidInput.field("request", f"not a valid {name} message ({exc})")
-            note_refusal(refusal_reason(error))
-            status = to_status(error)
-            await context.abort(status.code, status.details, status.trailing_metadata)
+            await refuse(
+                context, InvalidInput.field("request", f"not a valid {name} message ({exc})")
+            )
         return await method(request, context)
 
     return handler

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import any_pb2, timestamp_pb2
@@ -110,6 +110,14 @@ def refusal_reason(error: FencemarkError) -> str:
     return next((reason for kind, reason in kinds if isinstance(error, kind)), "internal")
 
 
+async def refuse(context: grpc.aio.ServicerContext[Any, Any], error: FencemarkError) -> NoReturn:
+    """End the call with ``error``'s gRPC status, noting its reason for the metrics."""
+    note_refusal(refusal_reason(error))
+    status = to_status(error)
+    await context.abort(status.code, status.details, status.trailing_metadata)
+    raise AssertionError("unreachable: abort raises") from error
+
+
 def refusals(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """Turn a refusal raised by the rules into its gRPC status."""
 
@@ -120,10 +128,7 @@ def refusals(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
         try:
             return await method(self, request, context)
         except FencemarkError as error:
-            note_refusal(refusal_reason(error))
-            status = to_status(error)
-            await context.abort(status.code, status.details, status.trailing_metadata)
-            raise AssertionError("unreachable: abort raises") from error
+            await refuse(context, error)
 
     return wrapper
 

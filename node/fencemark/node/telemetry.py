@@ -226,12 +226,13 @@ class Telemetry(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 reason = _refusal.get()
                 if reason:
                     metrics.refusals.labels(method, reason).inc()
-                access_log.info(
-                    "%s %s in %.1f ms%s", method, code.name, took * 1000,
-                    f" ({reason})" if reason else "",
-                    extra={"method": method, "code": code.name,
-                           "duration_ms": round(took * 1000, 2), "reason": reason},
-                )  # fmt: skip
+                if access_log.isEnabledFor(logging.INFO):  # off by default: no cost per call
+                    access_log.info(
+                        "%s %s in %.1f ms%s", method, code.name, took * 1000,
+                        f" ({reason})" if reason else "",
+                        extra={"method": method, "code": code.name,
+                               "duration_ms": round(took * 1000, 2), "reason": reason},
+                    )  # fmt: skip
 
         return grpc.unary_unary_rpc_method_handler(
             observed,
