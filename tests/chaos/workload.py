@@ -242,14 +242,22 @@ class Workload:
             self.samples.append(await self.sample(readers))
 
     async def sample(self, readers: Mapping[str, AsyncClient]) -> Sample:
+        sample, _ = await self.look(readers)
+        return sample
+
+    async def look(
+        self, readers: Mapping[str, AsyncClient]
+    ) -> tuple[Sample, dict[str, dict[str, Record] | None]]:
+        """Every region's records (None: it did not answer), and the sample they make."""
         at = self.now()
-        views: dict[str, dict[str, Version] | None] = {}
+        seen: dict[str, dict[str, Record] | None] = {}
         for region, reader in readers.items():
             try:
-                views[region] = versions(await all_records(reader))
+                seen[region] = await all_records(reader)
             except FencemarkError:
-                views[region] = None
-        return Sample(at, divergence(views))
+                seen[region] = None
+        views = {r: None if records is None else versions(records) for r, records in seen.items()}
+        return Sample(at, divergence(views)), seen
 
 
 Version = tuple[float, bytes]  # a record at one region: (updated_at, digest)
