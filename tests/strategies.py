@@ -31,7 +31,7 @@ from typing import TypeVar
 from hypothesis import strategies as st
 
 from fencemark.node.crdt import HybridClock, Record, Stamp
-from fencemark.node.crdt.fence import Grant
+from fencemark.node.crdt.fence import HISTORY, Grant
 
 T = TypeVar("T")
 
@@ -183,8 +183,25 @@ class Release:
             node.record = node.record.with_fence(fence.release(1 + self.pick % fence.fence))
 
 
+@dataclass(frozen=True)
+class BusyRun:
+    """The home grants and releases ``times`` claims in a row, as on an item worked
+    on again and again: histories outgrow ``fence.HISTORY`` and get folded."""
+
+    times: int
+    owner: str
+
+    def apply(self, node: SimNode) -> None:
+        assert node.home, "only the home region grants"
+        for _ in range(self.times):
+            GrantNext(self.owner, 60_000).apply(node)
+            fence = node.record.fence
+            node.record = node.record.with_fence(fence.release(fence.fence))
+            node.wall_ms += 1
+
+
 WriteOp = Create | SetFields | AddTags | RemoveTags | SetDeleted | Clear | Tombstone
-ClaimOp = GrantNext | Extend | Release
+ClaimOp = GrantNext | Extend | Release | BusyRun
 Operation = WriteOp | ClaimOp
 
 tag_names = st.frozensets(st.sampled_from(TAGS), min_size=1, max_size=2)
@@ -215,6 +232,7 @@ def claim_ops() -> st.SearchStrategy[ClaimOp]:
         st.builds(GrantNext, st.sampled_from(OWNERS), lease_ms),
         st.builds(Extend, st.integers(0, 7), lease_ms),
         st.builds(Release, st.integers(0, 7)),
+        st.builds(BusyRun, st.integers(1, HISTORY + 2), st.sampled_from(OWNERS)),
     )
 
 

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict, ClaimResult, InvalidArgument
+from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.server import NodeServer
 from tests.conftest import StartNode
 
@@ -475,6 +476,36 @@ async def test_release_readmits_unfenced_writes_but_a_superseded_token_stays_ref
     renewal = await client.renew_claim(key, old)
     assert (renewal.renewed, renewal.reason) == (False, "superseded")
     assert (await client.get(key)).body == "unfenced"
+
+
+async def test_an_item_claimed_many_times_stays_small_and_its_first_token_stays_refused(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """An item worked on again and again keeps the latest HISTORY grants
+    (fence.HISTORY), not all of them: its state stops growing, and a token folded
+    out of the history is still superseded, still releasable (a no-op), never renewed."""
+    key = await make(client, "busy")
+    first = await claim(client, key, "worker-0")
+    await client.release_claim(key, first)
+    sizes = []
+    grants = 0
+    for i in range(1, 3 * HISTORY):
+        token = await claim(client, key, f"worker-{i}")
+        await client.update(key, fields={"body": f"pass {i}"}, fencing_token=token)
+        assert (await client.release_claim(key, token)).released
+        stored = await node.storage.get(key)
+        assert stored is not None
+        sizes.append(stored.size)
+        grants = len(stored.record.fence.grants)
+    assert grants == HISTORY
+    assert sizes[-1] == sizes[-HISTORY], f"the state kept growing: {sizes}"
+    with pytest.raises(ClaimConflict) as refused:
+        await client.update(key, fields={"body": "late"}, fencing_token=first)
+    assert (refused.value.reason, refused.value.fence) == ("superseded", token)
+    again = await client.release_claim(key, first)
+    assert (again.released, again.fence) == (True, token)
+    assert (await client.renew_claim(key, first)).reason == "superseded"
+    assert (await client.get(key)).body == f"pass {3 * HISTORY - 1}"
 
 
 # -- status --------------------------------------------------------------------------------

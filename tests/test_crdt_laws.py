@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, find, given, settings
 from hypothesis import strategies as st
 
+from fencemark.node.admission import token_problem
 from fencemark.node.crdt import (
     LWW,
     DecodeError,
@@ -26,7 +27,9 @@ from fencemark.node.crdt import (
     encode,
     lww,
 )
+from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import pack
+from fencemark.node.errors import Reason
 from tests.strategies import (
     EPOCH_MS,
     FIELD_NAMES,
@@ -124,10 +127,14 @@ def test_fence_never_decreases(scenario: Scenario) -> None:
         for i, node in enumerate(nodes):
             old, new = seen[i], node.record.fence
             assert new.fence >= old.fence, f"fence of node {i} went down at step {index}: {step}"
-            assert old.grants.keys() <= new.grants.keys()
-            assert old.released <= new.released
+            assert new.floor() >= old.floor()
+            # Only what falls below the (rising) floor of the bounded history is folded.
+            kept = new.floor()
+            assert {t for t in old.grants if t >= kept} <= new.grants.keys()
+            assert {t for t in old.released if t >= kept} <= new.released
             for token, expiry in old.lease_expiry.items():
-                assert new.expiry(token) >= expiry
+                if token >= kept:
+                    assert new.expiry(token) >= expiry
             seen[i] = new
 
     scenario.run(observe)
@@ -162,6 +169,40 @@ def test_claim_is_live_only_for_an_unreleased_unexpired_fence() -> None:
     newer = fence.release(1).grant(2, Grant(pack(EPOCH_MS + 1), "worker-b", "local"), expiry)
     assert newer.is_live(EPOCH_MS)
     assert newer.holder() == Grant(pack(EPOCH_MS + 1), "worker-b", "local")
+
+
+def test_a_record_claimed_thousands_of_times_keeps_a_bounded_history() -> None:
+    """Regression: every claim added a grant, an expiry and a release for good, so a
+    busy item's state (and the cost of encoding it on every write) grew without
+    bound. The fence keeps the latest HISTORY grants; older tokens stay refused."""
+    record = Record(KEY).create("local", Stamp(0, pack(EPOCH_MS), "n"))
+    sizes = []
+    for token in range(1, 5001):
+        grant = Grant(pack(EPOCH_MS + token), f"worker-{token % 7}", "local")
+        fence = record.fence.grant(token, grant, EPOCH_MS + 60_000).release(token)
+        record = record.with_fence(fence)
+        sizes.append(len(encode(record)))
+    fence = record.fence
+    assert fence.fence == 5000
+    assert sorted(fence.grants) == list(range(5001 - HISTORY, 5001))
+    assert (
+        fence.released == frozenset(fence.grants)
+        and fence.lease_expiry.keys() == fence.grants.keys()
+    )
+    assert sizes[-1] == sizes[1000], "the encoding stopped growing once the history was full"
+    assert decode(encode(record)) == record
+    # Folded tokens: still below the fence, so still superseded; releasing or
+    # renewing one changes nothing, and an old state merged in brings nothing back.
+    assert token_problem(fence, 7, EPOCH_MS) == Reason.SUPERSEDED
+    assert fence.release(7) == fence and fence.extend(7, EPOCH_MS + 90_000) == fence
+    old = FenceState().grant(7, Grant(pack(EPOCH_MS + 7), "worker-0", "local"), EPOCH_MS + 90_000)
+    assert fence.merge(old) == fence == old.merge(fence)
+
+
+def test_the_strategies_reach_folded_histories() -> None:
+    """The whole-record laws above cover folding only if their states get there."""
+    states = find(replicas(3), lambda states: len({s.fence.floor() for s in states}) > 1)
+    assert max(s.fence.floor() for s in states) > 0
 
 
 def test_grants_that_disagree_still_merge_as_a_join() -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from fencemark.node.admission import RECOVERY_GAP
 from fencemark.node.crdt import Record
+from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import physical_ms
 from fencemark.node.errors import FencemarkError
 from fencemark.node.validation import MAX_LEASE_S
@@ -80,26 +81,43 @@ def check(local: Record, remote: Record, *, now_ms: int, bounds: Bounds) -> Reco
 
     merged = local.merge(remote)
     home = merged.home_region
-    new = {t: g for t, g in remote.fence.grants.items() if t not in local.fence.grants}
+    # Grants the join keeps that were not here before (older ones it folds away
+    # below its floor can supersede nothing, forged or not).
+    new = {
+        t: g
+        for t, g in remote.fence.grants.items()
+        if t not in local.fence.grants and t in merged.fence.grants
+    }
     # Most merges bring field writes, not grants: sort the tokens only when needed.
     grants = sorted(merged.fence.grants) if new else []
     for token, grant in new.items():
         if grant.region != home:
             raise refuse("grant_outside_home", f"token {token} granted by {grant.region!r}, "
                                                f"home is {home!r}")  # fmt: skip
-        below = grants[bisect.bisect_left(grants, token) - 1] if grants[0] < token else 0
+        if grants[0] < token:
+            below = grants[bisect.bisect_left(grants, token) - 1]
+        elif local.fence.fence or len(remote.fence.grants) < HISTORY:
+            below = local.fence.fence
+        else:
+            # The lowest grant of a folded history, for a record this node has
+            # no grant of: nothing to measure its jump from (docs/security.md).
+            continue
         if token - below > bounds.max_token_jump:
             raise refuse("token_jump", f"token {token} is {token - below} above token {below}"
                                        f" (at most {bounds.max_token_jump})")  # fmt: skip
 
     latest = now_ms + bounds.max_lease_ms + bounds.max_offset_ms
+
+    def named(token: int) -> bool:
+        return token in remote.fence.grants or token in local.fence.grants
+
     for token, expiry in remote.fence.lease_expiry.items():
-        if token not in merged.fence.grants:
+        if not named(token):
             raise refuse("orphan_token", f"a lease expiry for token {token}, which no grant names")
         if expiry > local.fence.expiry(token) and expiry > latest:
             raise refuse("lease_too_long", f"token {token}'s lease ends {expiry - now_ms} ms"
                                            " from now")  # fmt: skip
     for token in remote.fence.released - local.fence.released:
-        if token not in merged.fence.grants:
+        if not named(token):
             raise refuse("orphan_token", f"a release of token {token}, which no grant names")
     return merged

@@ -12,6 +12,15 @@ Three lattices side by side, each with an obvious join:
 The *fence* is the largest granted token (0 when none); it only ever grows.
 A claim is live when ``fence > 0``, ``fence`` is not released and
 ``now < lease_expiry[fence]`` (SPEC §3).
+
+History is bounded: a state keeps the entries of its ``HISTORY`` largest granted
+tokens and folds away everything below them (``_compact``). Every rule only
+looks at the fence token, so nothing observable changes, but an item claimed
+every minute for a year no longer carries half a million grants. Compacting
+after every join is still a join: the floor of ``a ⊔ b`` is the ``HISTORY``-th
+largest token of both sides' grants, which every entry the join keeps already
+clears on its own side (docs/architecture.md, *The fence keeps a bounded
+history*; tests/test_crdt_laws.py checks the laws on long claim histories).
 """
 
 from __future__ import annotations
@@ -21,6 +30,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from fencemark.node.crdt.lww import merge_maps
+
+# Grants kept per record (the latest ones); older tokens are superseded forever
+# whether or not their entries are kept. Part of the CRDT: every node must agree.
+HISTORY = 16
 
 
 class Grant(NamedTuple):
@@ -44,6 +57,24 @@ class FenceState:
             grants=merge_maps(self.grants, other.grants, max),
             lease_expiry=merge_maps(self.lease_expiry, other.lease_expiry, max),
             released=self.released | other.released,
+        )._compact()
+
+    def floor(self) -> int:
+        """The smallest token whose entries this state keeps (0: all of them):
+        the ``HISTORY``-th largest granted token, once there are that many."""
+        if len(self.grants) < HISTORY:
+            return 0
+        return sorted(self.grants)[-HISTORY]
+
+    def _compact(self) -> FenceState:
+        """Drop the entries of tokens below the ``HISTORY`` latest grants."""
+        floor = self.floor()
+        if not floor:
+            return self
+        return FenceState(
+            grants={t: g for t, g in self.grants.items() if t >= floor},
+            lease_expiry={t: e for t, e in self.lease_expiry.items() if t >= floor},
+            released=frozenset(t for t in self.released if t >= floor),
         )
 
     # -- value ----------------------------------------------------------------
@@ -75,11 +106,11 @@ class FenceState:
             grants={**self.grants, token: grant},
             lease_expiry={**self.lease_expiry, token: max(expiry_ms, self.expiry(token))},
             released=self.released,
-        )
+        )._compact()
 
     def extend(self, token: int, expiry_ms: int) -> FenceState:
         """Move ``token``'s expiry to ``expiry_ms`` unless it is already later."""
-        if expiry_ms <= self.expiry(token):
+        if expiry_ms <= self.expiry(token) or token < self.floor():
             return self
         return FenceState(
             grants=self.grants,
@@ -88,6 +119,6 @@ class FenceState:
         )
 
     def release(self, token: int) -> FenceState:
-        if token in self.released:
+        if token in self.released or token < self.floor():
             return self
         return FenceState(self.grants, self.lease_expiry, self.released | {token})
