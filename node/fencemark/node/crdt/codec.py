@@ -51,6 +51,9 @@ def digest(encoded: bytes) -> bytes:
 
 
 def _varint(out: bytearray, n: int) -> None:
+    if 0 <= n < 0x80:  # most integers in a state (counts, small tokens): one byte
+        out.append(n)
+        return
     if not 0 <= n <= MAX_UINT:
         raise ValueError(f"cannot encode {n}: integers in a state are uint64")
     while n >= 0x80:
@@ -121,22 +124,35 @@ class _Reader:
         self.pos = 0
 
     def byte(self) -> int:
-        if self.pos >= len(self.data):
+        pos = self.pos
+        if pos >= len(self.data):
             raise DecodeError("truncated")
-        b = self.data[self.pos]
-        self.pos += 1
-        return b
+        self.pos = pos + 1
+        return self.data[pos]
 
     def varint(self) -> int:
-        n = shift = 0
+        data, pos = self.data, self.pos
+        try:
+            b = data[pos]
+        except IndexError:
+            raise DecodeError("truncated") from None
+        if b < 0x80:  # the common one-byte case, without the loop
+            self.pos = pos + 1
+            return b
+        n, shift = b & 0x7F, 7
         while True:
-            b = self.byte()
-            if shift and b == 0:
+            pos += 1
+            try:
+                b = data[pos]
+            except IndexError:
+                raise DecodeError("truncated") from None
+            if b == 0:
                 raise DecodeError("non-minimal varint")
             n |= (b & 0x7F) << shift
             if n > MAX_UINT:
                 raise DecodeError("varint exceeds uint64")
-            if not b & 0x80:
+            if b < 0x80:
+                self.pos = pos + 1
                 return n
             shift += 7
             if shift > 63:  # a uint64 takes at most 10 bytes
@@ -144,13 +160,13 @@ class _Reader:
 
     def str(self) -> str:
         size = self.varint()
-        end = self.pos + size
+        start = self.pos
+        end = start + size
         if end > len(self.data):
             raise DecodeError("truncated string")
-        raw = self.data[self.pos : end]
         self.pos = end
         try:
-            return raw.decode("utf-8")
+            return self.data[start:end].decode("utf-8")
         except UnicodeDecodeError as exc:
             raise DecodeError("invalid UTF-8") from exc
 
