@@ -91,10 +91,7 @@ async def test_the_writer_commits_with_synchronous_full(storage: Storage) -> Non
     # synchronous is a per-connection setting, invisible to any other connection:
     # ask the writer's own connection. FULL (2) fsyncs the WAL at every commit,
     # which is what "an acknowledged write is on disk" needs in WAL mode.
-    cursor = await storage._writer.execute("PRAGMA synchronous")
-    row = await cursor.fetchone()
-    await cursor.close()
-    assert row is not None and row[0] == 2
+    assert await storage.pragma("synchronous") == 2
 
 
 async def test_node_id_survives_reopen_and_a_new_file_gets_a_new_one(

@@ -3,24 +3,30 @@
 Writes go through one writer task that commits whatever has queued up since its
 last commit in a single transaction (group commit): a caller's ``put`` returns
 only after the transaction holding its state is on disk, yet concurrent callers
-share fsyncs instead of queueing behind one another. Reads use a second
-connection (WAL lets it read while the writer commits) and an LRU cache of
-decoded states that is updated only after a commit, so nothing not yet durable is
-ever served.
+share fsyncs instead of queueing behind one another. The whole commit — read the
+digests it replaces, upsert the states and the settings, COMMIT — is one function
+run on the writer connection's own thread: one hand-off from the event loop per
+group, not one per statement (docs/performance.md, *Claim path*). Reads use a
+second connection through aiosqlite (WAL lets it read while the writer commits)
+and an LRU cache of decoded states that is updated only after a commit, so
+nothing not yet durable is ever served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
+import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import aiosqlite
 
@@ -28,6 +34,10 @@ from fencemark.node.crdt import Record, codec
 from fencemark.node.digest_tree import DigestTree, bucket_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Rows per upsert statement: one statement is one step however many rows it has,
+# and 5 parameters a row stay far below SQLite's 32766-variable limit.
+ROWS_PER_STATEMENT = 500
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -71,7 +81,7 @@ class Storage:
     def __init__(
         self,
         path: Path,
-        writer: aiosqlite.Connection,
+        writer: _Writer,
         reader: aiosqlite.Connection,
         node_id: str,
         hlc_high: int,
@@ -101,23 +111,10 @@ class Storage:
     @classmethod
     async def open(cls, path: Path, *, cache_size: int = 10_000) -> Storage:
         """Open (creating if needed) the node's database file."""
-        await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
-        writer = await aiosqlite.connect(path, isolation_level=None)
+        writer = _Writer()
         reader: aiosqlite.Connection | None = None
         try:
-            await writer.execute("PRAGMA journal_mode=WAL")
-            # FULL: in WAL mode NORMAL does not fsync at commit; an ack means on disk.
-            await writer.execute("PRAGMA synchronous=FULL")
-            await _migrate(writer)
-            await writer.executescript(SCHEMA)
-            meta = {name: str(value) for name, value in await writer.execute_fetchall(
-                "SELECT name, value FROM meta"
-            )}  # fmt: skip
-            if "node_id" not in meta:
-                # A node that lost its disk comes back as a new node: the identity
-                # is part of what is lost, so stamps from two lives never collide.
-                meta["node_id"] = secrets.token_hex(6)
-                await writer.execute("INSERT INTO meta VALUES ('node_id', ?)", (meta["node_id"],))
+            meta = await writer.run(_open_writer, writer, path)
             reader = await aiosqlite.connect(path, isolation_level=None)
             await reader.execute("PRAGMA query_only=ON")
             # The digest tree is loaded once; from then on every commit updates it.
@@ -140,6 +137,14 @@ class Storage:
             await self._writer_task
         await self._reader.close()
         await self._writer.close()
+
+    async def pragma(self, name: str) -> object:
+        """A setting of the writer's own connection (``synchronous`` is per connection)."""
+        if not name.isidentifier():
+            raise ValueError(f"not a pragma name: {name!r}")
+        return await self._writer.run(
+            lambda: self._writer.conn.execute(f"PRAGMA {name}").fetchone()[0]
+        )
 
     # -- reads ----------------------------------------------------------------
 
@@ -249,44 +254,24 @@ class Storage:
             for p in batch
             if p.stored is not None
         ]
-        keys = [row[0] for row in rows]
         hlc_high = max(self.hlc_high, self._hlc_pending)
         meta, self._meta_pending = {**self._meta_pending, "hlc_high": str(hlc_high)}, {}
         started = time.perf_counter()
         try:
-            await self._writer.execute("BEGIN IMMEDIATE")
-            marks = ",".join("?" * len(keys))
-            before = await self._writer.execute_fetchall(
-                f"SELECT key, digest FROM records WHERE key IN ({marks})", keys
-            )
-            await self._writer.executemany(
-                "INSERT INTO records (key, state, digest, deleted, bucket) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT (key) DO UPDATE SET"
-                " state = excluded.state, digest = excluded.digest, deleted = excluded.deleted",
-                rows,
-            )
-            await self._writer.executemany(
-                "INSERT INTO meta VALUES (?, ?)"
-                " ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-                list(meta.items()),
-            )
-            await self._writer.execute("COMMIT")
+            before = await self._writer.run(_commit_rows, self._writer.conn, rows, meta)
         except Exception as exc:
             log.exception("commit of %d writes failed", len(batch))
-            with contextlib.suppress(Exception):
-                await self._writer.execute("ROLLBACK")
             for p in batch:
                 if not p.done.done():
                     p.done.set_exception(exc)
             return
         self.hlc_high = hlc_high
         self.meta.update(meta)
-        current = {key: bytes(digest) for key, digest in before}
         for key, _, digest, _, _ in rows:
-            if key not in current:
+            if key not in before:
                 self.record_count += 1
-            self.tree.update(key, current.get(key), digest)
-            current[key] = digest
+            self.tree.update(key, before.get(key), digest)
+            before[key] = digest
         self._commit_seq += 1
         self.stats.commits += 1
         self.stats.writes += len(batch)
@@ -306,15 +291,113 @@ class Storage:
             self._cache.popitem(last=False)
 
 
-async def _migrate(conn: aiosqlite.Connection) -> None:
+class _Writer:
+    """The write connection and the one thread it is used on.
+
+    Its calls take the stdlib ``sqlite3`` connection directly: a function given to
+    :meth:`run` does all its statements in one trip from the event loop.
+    """
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fencemark-sqlite-writer")
+        self._conn: sqlite3.Connection | None = None
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        assert self._conn is not None, "the writer connection is not open"
+        return self._conn
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
+
+    def connect(self, path: Path) -> sqlite3.Connection:
+        # check_same_thread stays on: only this writer's thread ever uses it.
+        self._conn = sqlite3.connect(path, isolation_level=None)
+        return self._conn
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self.run(self._conn.close)
+            self._conn = None
+        self._thread.shutdown(wait=True)
+
+
+def _open_writer(writer: _Writer, path: Path) -> dict[str, str]:
+    """Open the file for writing, bring it up to SCHEMA; returns the meta table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = writer.connect(path)
+    conn.execute("PRAGMA journal_mode=WAL")
+    # FULL: in WAL mode NORMAL does not fsync at commit; an ack means on disk.
+    conn.execute("PRAGMA synchronous=FULL")
+    _migrate(conn)
+    conn.executescript(SCHEMA)
+    meta = {str(name): str(value) for name, value in conn.execute("SELECT name, value FROM meta")}
+    if "node_id" not in meta:
+        # A node that lost its disk comes back as a new node: the identity is
+        # part of what is lost, so stamps from two lives never collide.
+        meta["node_id"] = secrets.token_hex(6)
+        conn.execute("INSERT INTO meta VALUES ('node_id', ?)", (meta["node_id"],))
+    return meta
+
+
+_UPSERT_TAIL = (
+    " ON CONFLICT (key) DO UPDATE SET"
+    " state = excluded.state, digest = excluded.digest, deleted = excluded.deleted"
+)
+
+
+def _commit_rows(
+    conn: sqlite3.Connection, rows: list[tuple[str, bytes, bytes, int, int]], meta: dict[str, str]
+) -> dict[str, bytes]:
+    """One group commit, on the writer's thread; returns the digests it replaced.
+
+    Rows go in as multi-row upserts (one statement, one step, per up to
+    ROWS_PER_STATEMENT rows) rather than one step per row: each step gives up the
+    GIL, and winning it back from a busy event loop can take a switch interval.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        before: dict[str, bytes] = {}
+        for start in range(0, len(rows), ROWS_PER_STATEMENT):
+            chunk = rows[start : start + ROWS_PER_STATEMENT]
+            keys = [row[0] for row in chunk]
+            marks = ",".join("?" * len(keys))
+            before.update(
+                (key, bytes(digest))
+                for key, digest in conn.execute(
+                    f"SELECT key, digest FROM records WHERE key IN ({marks})", keys
+                )
+            )
+            values = ",".join(["(?, ?, ?, ?, ?)"] * len(chunk))
+            conn.execute(
+                f"INSERT INTO records (key, state, digest, deleted, bucket) VALUES {values}"
+                + _UPSERT_TAIL,
+                [v for row in chunk for v in row],
+            )
+        pairs = ",".join(["(?, ?)"] * len(meta))
+        conn.execute(
+            f"INSERT INTO meta VALUES {pairs}"
+            " ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+            [v for item in meta.items() for v in item],
+        )
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    return before
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
     """Bring a file written by an earlier version up to SCHEMA (idempotent)."""
-    columns = {row[1] for row in await conn.execute_fetchall("PRAGMA table_info(records)")}
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(records)")}
     if columns and "bucket" not in columns:  # before replication: no digest-tree buckets
         log.info("adding digest-tree buckets to an existing data file")
-        await conn.execute("BEGIN IMMEDIATE")
-        await conn.execute("ALTER TABLE records ADD COLUMN bucket INTEGER NOT NULL DEFAULT -1")
-        keys = [row[0] for row in await conn.execute_fetchall("SELECT key FROM records")]
-        await conn.executemany(
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ALTER TABLE records ADD COLUMN bucket INTEGER NOT NULL DEFAULT -1")
+        keys = [row[0] for row in conn.execute("SELECT key FROM records")]
+        conn.executemany(
             "UPDATE records SET bucket = ? WHERE key = ?", [(bucket_of(k), k) for k in keys]
         )
-        await conn.execute("COMMIT")
+        conn.execute("COMMIT")
