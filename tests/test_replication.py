@@ -270,9 +270,10 @@ async def test_a_write_made_while_its_key_is_being_pushed_is_pushed_too(tmp_path
 async def test_anti_entropy_alone_repairs_a_node_that_was_down(tmp_path: Path) -> None:
     """SPEC §5: what a push missed, anti-entropy repairs.
 
-    eu is down while us writes; us's pushes to eu fail; then us stops too, so
-    its push queue (memory only) is gone. Restarted on their data, eu can only
-    learn those writes from an anti-entropy round.
+    eu is down while us writes; us's calls to eu fail, and once they have for
+    UNREACHABLE_AFTER_S seconds us drops its push queue for eu and queues
+    nothing more for it; then us stops too. Restarted on their data, eu can only
+    learn those writes from its own anti-entropy rounds.
     """
     async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
         await cluster.start_all()
@@ -290,12 +291,14 @@ async def test_anti_entropy_alone_repairs_a_node_that_was_down(tmp_path: Path) -
             await us.update(before.record.key, fields={"body": "changed while eu was down"})
             await us.delete(key_of("ae", "while-down-0"))
 
-        async def push_failed() -> bool:
-            stats = cluster["us"].replicator._peers["eu"].stats
-            return not stats.reachable and stats.failures > 0 and "push" in stats.last_error
+        async def given_up() -> bool:
+            replicator = cluster["us"].replicator
+            return replicator._peers["eu"].unreachable() and replicator.backlog("eu") == 0
 
-        await eventually(push_failed, "a failed push from us to eu")
-        assert cluster["us"].replicator.backlog("eu") > 0
+        await eventually(given_up, "us dropping its push queue for eu", within=30)
+        async with AsyncClient(cluster["us"].address) as us:
+            await us.remember(REPO, "ae", "after-giving-up", body="queued for nobody")
+        assert cluster["us"].replicator.backlog("eu") == 0
         await wait_converged([cluster["us"], cluster["ap"]])  # ap, which was up, has it all
         await cluster.stop("us")
 
@@ -305,7 +308,7 @@ async def test_anti_entropy_alone_repairs_a_node_that_was_down(tmp_path: Path) -
         stored = await eu.storage.get(before.record.key)
         assert stored is not None
         assert stored.record.field_values()["body"] == "changed while eu was down"
-        assert eu.storage.record_count == 21
+        assert eu.storage.record_count == 22
         assert eu.replicator.rounds > 0
 
 
@@ -360,7 +363,7 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
 
         repair, sent, received = await one_round(eu, "us")
         assert not repair.in_sync
-        assert (repair.pulled, repair.pushed, repair.divergence) == (k, 0, k), repair
+        assert (repair.pulled, repair.divergence) == (k, k), repair
         assert eu.replicator._peers["us"].stats.records_received - received_before == k
         assert sent + received < store_bytes / 20, (
             f"repairing {k} records moved {sent + received} bytes of a {store_bytes}-byte store"
@@ -382,6 +385,22 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
             pulled.append(result.pulled)
             assert len(pulled) < 50, f"no convergence after rounds pulling {pulled}"
         assert sum(pulled) == big and len(pulled) >= 2, pulled
+        await assert_identical([us, eu])
+
+        # Rounds only pull, and not what is behind: us, ahead again, fetches none of
+        # eu's older states; eu's round takes us's newer ones, each exactly once.
+        await cluster.stop("us")
+        us = await cluster.start("us", peers={})
+        async with AsyncClient(us.address) as client:
+            for i in range(5):
+                await client.update(key_of("bulk", f"r{i * 7:05d}"), fields={"body": "ahead"})
+        await cluster.stop("us")
+        us = await cluster.start("us")
+        ahead, _, _ = await one_round(us, "eu")
+        assert (ahead.in_sync, ahead.pulled, ahead.divergence) == (False, 0, 5), ahead
+        behind, _, _ = await one_round(eu, "us")
+        assert (behind.pulled, behind.divergence) == (5, 5), behind
+        assert (await one_round(us, "eu"))[0].in_sync
         await assert_identical([us, eu])
 
 
@@ -520,6 +539,7 @@ async def test_a_node_with_a_fast_clock_is_refused_by_its_peers(
         async with AsyncClient(ap.address) as at_ap, AsyncClient(us.address) as at_us:
             from_ap = (await at_ap.remember(REPO, "skew", "from-ap", body="ahead")).record
             from_us = (await at_us.remember(REPO, "skew", "from-us", body="behind")).record
+
             await eventually(
                 lambda: visible_everywhere([ap], from_us.key, from_us.digest),
                 "us's write reaching ap",

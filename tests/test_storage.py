@@ -307,7 +307,7 @@ async def test_a_data_file_from_before_replication_is_migrated(tmp_path: Path) -
     try:
         assert storage.record_count == 1
         entries = await storage.bucket_entries([bucket_of(record.key)])
-        assert entries == [(record.key, codec.digest(state))]
+        assert entries == [(record.key, codec.digest(state), record.max_hlc())]
         expected = DigestTree()
         expected.update(record.key, None, codec.digest(state))
         assert storage.tree.root == expected.root

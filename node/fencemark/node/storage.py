@@ -36,7 +36,7 @@ from fencemark.node.digest_tree import DigestTree, bucket_of
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Rows per upsert statement: one statement is one step however many rows it has,
-# and 5 parameters a row stay far below SQLite's 32766-variable limit.
+# and 6 parameters a row stay far below SQLite's 32766-variable limit.
 ROWS_PER_STATEMENT = 500
 
 SCHEMA = """
@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS records (
     state   BLOB NOT NULL,     -- canonical CRDT encoding (crdt/codec.py)
     digest  BLOB NOT NULL,     -- BLAKE2b-128 of state
     deleted INTEGER NOT NULL,
-    bucket  INTEGER NOT NULL   -- digest_tree.bucket_of(key)
+    bucket  INTEGER NOT NULL,  -- digest_tree.bucket_of(key)
+    max_hlc INTEGER NOT NULL   -- Record.max_hlc(): what anti-entropy compares first
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS records_by_bucket ON records (bucket, key);
 CREATE TABLE IF NOT EXISTS meta (
@@ -180,15 +181,16 @@ class Storage:
     async def count(self) -> int:
         return self.record_count
 
-    async def bucket_entries(self, buckets: list[int]) -> list[tuple[str, bytes]]:
-        """``(key, digest)`` of every record in the given leaf buckets, in key order."""
+    async def bucket_entries(self, buckets: list[int]) -> list[tuple[str, bytes, int]]:
+        """``(key, digest, max_hlc)`` of every record in the given leaf buckets, in key order."""
         if not buckets:
             return []
         marks = ",".join("?" * len(buckets))
         rows = await self._reader.execute_fetchall(
-            f"SELECT key, digest FROM records WHERE bucket IN ({marks}) ORDER BY key", buckets
+            f"SELECT key, digest, max_hlc FROM records WHERE bucket IN ({marks}) ORDER BY key",
+            buckets,
         )
-        return [(key, bytes(digest)) for key, digest in rows]
+        return [(key, bytes(digest), int(hlc)) for key, digest, hlc in rows]
 
     async def states(self, keys: list[str]) -> dict[str, bytes]:
         """Canonical states of the given keys that exist (as stored, not decoded)."""
@@ -250,6 +252,7 @@ class Storage:
                 p.stored.digest,
                 int(p.stored.record.is_deleted),
                 bucket_of(p.stored.record.key),
+                p.stored.record.max_hlc(),
             )
             for p in batch
             if p.stored is not None
@@ -267,7 +270,7 @@ class Storage:
             return
         self.hlc_high = hlc_high
         self.meta.update(meta)
-        for key, _, digest, _, _ in rows:
+        for key, _, digest, _, _, _ in rows:
             if key not in before:
                 self.record_count += 1
             self.tree.update(key, before.get(key), digest)
@@ -343,12 +346,15 @@ def _open_writer(writer: _Writer, path: Path) -> dict[str, str]:
 
 _UPSERT_TAIL = (
     " ON CONFLICT (key) DO UPDATE SET"
-    " state = excluded.state, digest = excluded.digest, deleted = excluded.deleted"
+    " state = excluded.state, digest = excluded.digest, deleted = excluded.deleted,"
+    " max_hlc = excluded.max_hlc"
 )
 
 
 def _commit_rows(
-    conn: sqlite3.Connection, rows: list[tuple[str, bytes, bytes, int, int]], meta: dict[str, str]
+    conn: sqlite3.Connection,
+    rows: list[tuple[str, bytes, bytes, int, int, int]],
+    meta: dict[str, str],
 ) -> dict[str, bytes]:
     """One group commit, on the writer's thread; returns the digests it replaced.
 
@@ -369,10 +375,10 @@ def _commit_rows(
                     f"SELECT key, digest FROM records WHERE key IN ({marks})", keys
                 )
             )
-            values = ",".join(["(?, ?, ?, ?, ?)"] * len(chunk))
+            values = ",".join(["(?, ?, ?, ?, ?, ?)"] * len(chunk))
             conn.execute(
-                f"INSERT INTO records (key, state, digest, deleted, bucket) VALUES {values}"
-                + _UPSERT_TAIL,
+                "INSERT INTO records (key, state, digest, deleted, bucket, max_hlc)"
+                f" VALUES {values}{_UPSERT_TAIL}",
                 [v for row in chunk for v in row],
             )
         pairs = ",".join(["(?, ?)"] * len(meta))
@@ -392,12 +398,22 @@ def _commit_rows(
 def _migrate(conn: sqlite3.Connection) -> None:
     """Bring a file written by an earlier version up to SCHEMA (idempotent)."""
     columns = {row[1] for row in conn.execute("PRAGMA table_info(records)")}
-    if columns and "bucket" not in columns:  # before replication: no digest-tree buckets
+    if not columns:
+        return  # a new file: SCHEMA creates everything
+    conn.execute("BEGIN IMMEDIATE")
+    if "bucket" not in columns:  # before replication: no digest-tree buckets
         log.info("adding digest-tree buckets to an existing data file")
-        conn.execute("BEGIN IMMEDIATE")
         conn.execute("ALTER TABLE records ADD COLUMN bucket INTEGER NOT NULL DEFAULT -1")
         keys = [row[0] for row in conn.execute("SELECT key FROM records")]
         conn.executemany(
             "UPDATE records SET bucket = ? WHERE key = ?", [(bucket_of(k), k) for k in keys]
         )
-        conn.execute("COMMIT")
+    if "max_hlc" not in columns:  # before pull-only anti-entropy compared it
+        log.info("adding each record's largest HLC to an existing data file")
+        conn.execute("ALTER TABLE records ADD COLUMN max_hlc INTEGER NOT NULL DEFAULT 0")
+        states = list(conn.execute("SELECT key, state FROM records"))
+        conn.executemany(
+            "UPDATE records SET max_hlc = ? WHERE key = ?",
+            [(codec.decode(state).max_hlc(), key) for key, state in states],
+        )
+    conn.execute("COMMIT")

@@ -211,18 +211,27 @@ class BucketEntry(_message.Message):
 
     KEY_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
+    MAX_HLC_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     digest: _builtins.bytes
     """BLAKE2b-128 of the record's canonical state."""
+    max_hlc: _builtins.int
+    """The largest HLC anywhere in the state (Record.max_hlc). A puller skips a key
+    whose state here has a smaller one than its own: that state cannot add
+    anything the puller's newer one lacks often enough to pay for the bytes, and
+    if it does, this node pulls the puller's state, and the next comparison has
+    equal values and fetches (docs/replication.md, step 4).
+    """
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
         digest: _builtins.bytes = ...,
+        max_hlc: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "key", b"key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "key", b"key", "max_hlc", b"max_hlc"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

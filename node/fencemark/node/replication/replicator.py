@@ -3,13 +3,16 @@
 - Eager push: every local write enqueues its key for every peer (a bounded,
   de-duplicated queue per peer); a worker per peer pushes the latest states in
   batches. A slow or dead peer only fills its own queue, never blocks a client;
-  what overflows is left to anti-entropy.
+  what overflows is left to anti-entropy, and so is the whole queue of a peer
+  that stays unreachable (``UNREACHABLE_AFTER_S``).
 - Anti-entropy: every ``interval`` (jittered) a random peer that is not backed
   off gets one round: compare digest-tree roots; if they differ, descend level
   by level into differing nodes (at most ``MAX_FRONTIER`` per level), list the
-  differing leaf buckets, pull what the peer has that differs, merge it, and push
-  back whatever still differs. A round is bounded; a round that was cut short or
-  repaired something is followed by another one soon.
+  differing leaf buckets, and pull what the peer has that differs and merge it.
+  Rounds only pull: every node repairs itself, one round at a time, so no state
+  is delivered twice by rounds of different nodes racing each other. A round is
+  bounded; a round that was cut short or repaired something is followed by
+  another one soon.
 - Catch-up: a node that starts with an empty store while peers are configured
   grants no claims until it has completed a full pass with its reachable peers
   (docs/replication.md).
@@ -48,6 +51,14 @@ R = TypeVar("R", bound=Message)
 
 MAX_FRONTIER = 256  # tree nodes descended into per level and round
 PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy repairs
+# A peer that no call has reached (UNAVAILABLE, DEADLINE_EXCEEDED) for this many
+# attempts in a row and this many seconds has its push queue dropped, and no keys
+# are queued for it until it is reached again: once back, it pulls what it missed
+# in its own rounds. Pushing the backlog as well would deliver every state twice
+# (docs/performance.md, *Repair bytes*). Short blips, and peers still starting,
+# keep their queue; a peer that answers but refuses (clock skew) keeps it too.
+UNREACHABLE_AFTER = 3
+UNREACHABLE_AFTER_S = 5.0
 # A failing peer is retried after 0.5 s doubling up to this, jittered by 0.5x-1.5x.
 # Kept short: after a symmetric partition neither side calls the other until a
 # back-off ends, so this bounds how long a healed link lies idle (docs/performance.md).
@@ -76,8 +87,7 @@ CHANNEL_OPTIONS = [
 class RoundResult:
     in_sync: bool
     pulled: int = 0
-    pushed: int = 0
-    divergence: int = 0
+    divergence: int = 0  # keys whose digests differed in the compared buckets
     truncated: bool = False
 
     @property
@@ -96,6 +106,8 @@ class _Peer:
         self.retry_at = 0.0
         self.accepts_push = True
         self.push_probe_at = 0.0  # when to try pushing again to a peer that refused
+        self.unanswered = 0  # calls in a row that did not reach the peer
+        self.unanswered_since = 0.0  # ... since when
 
     def pushes_allowed(self) -> bool:
         """False while the peer refuses pushes (writes disabled); retried every minute."""
@@ -108,10 +120,26 @@ class _Peer:
         self.push_probe_at = time.monotonic() + 60.0
         self.backlog.clear()  # it pulls by itself; nothing queued would be sent
 
-    def back_off(self, why: str) -> None:
+    def unreachable(self) -> bool:
+        return (
+            self.unanswered >= UNREACHABLE_AFTER
+            and time.monotonic() - self.unanswered_since >= UNREACHABLE_AFTER_S
+        )
+
+    def back_off(self, why: str, code: grpc.StatusCode | None = None) -> None:
         self.stats.failed(why)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if not self.unanswered:
+                self.unanswered_since = time.monotonic()
+            self.unanswered += 1
+            if self.unreachable():
+                self.backlog.clear()  # it pulls what it missed once it is back
         delay = min(MAX_BACKOFF_S, 0.25 * 2 ** min(self.stats.failures, 8))
         self.retry_at = time.monotonic() + delay * random.uniform(0.5, 1.5)
+
+    def answered(self) -> None:
+        self.stats.succeeded()
+        self.unanswered = 0
 
 
 class Replicator:
@@ -197,7 +225,7 @@ class Replicator:
 
     def _enqueue(self, key: str) -> None:
         for peer in self._peers.values():
-            if not peer.pushes_allowed():
+            if not peer.pushes_allowed() or peer.unreachable():
                 continue
             if key in peer.backlog or len(peer.backlog) < PUSH_QUEUE_LIMIT:
                 peer.backlog[key] = None
@@ -205,9 +233,14 @@ class Replicator:
 
     def heard_from(self, region: str) -> None:
         """``region``'s node just called this one: it is up, so a back-off from its
-        earlier failures is over — push and sync with it now, not up to 30 s later."""
+        earlier failures is over — push and sync with it now, not seconds later —
+        and writes are queued for it again."""
         peer = self._peers.get(region)
-        if peer is not None and peer.retry_at > time.monotonic():
+        if peer is None:
+            return
+        if peer.unreachable():
+            peer.unanswered = 0  # reachable again; its own call proved it
+        if peer.retry_at > time.monotonic():
             peer.retry_at = 0.0
             peer.wake.set()
 
@@ -239,9 +272,9 @@ class Replicator:
                         peer.refuses_pushes()  # a read-only peer: it pulls instead
                     elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         peer.stats.skew_alarms += 1  # the peer refused our clock
-                    peer.back_off(f"push: {exc.code().name}: {exc.details()}")
+                    peer.back_off(f"push: {exc.code().name}: {exc.details()}", exc.code())
                     continue
-                peer.stats.succeeded()
+                peer.answered()
 
     # -- anti-entropy ----------------------------------------------------------------
 
@@ -253,7 +286,7 @@ class Replicator:
             result = None
             if ready:
                 result = await self._guarded_round(random.choice(ready))
-            busy = result is not None and (result.truncated or result.pulled or result.pushed)
+            busy = result is not None and (result.truncated or result.pulled)
             await asyncio.sleep(0.02 if busy else self.interval * random.uniform(0.5, 1.5))
 
     async def _guarded_round(self, peer: _Peer) -> RoundResult | None:
@@ -267,9 +300,9 @@ class Replicator:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 peer.stats.skew_alarms += 1  # the peer refused our clock
-            peer.back_off(f"{exc.code().name}: {exc.details()}")
+            peer.back_off(f"{exc.code().name}: {exc.details()}", exc.code())
             return None
-        peer.stats.succeeded()
+        peer.answered()
         peer.stats.last_sync = time.time()
         peer.stats.divergence = result.divergence
         return result
@@ -294,7 +327,7 @@ class Replicator:
             await self._on_caught_up()
 
     async def sync_round(self, peer: _Peer) -> RoundResult:
-        """One bounded anti-entropy round with ``peer``; both end up with the join."""
+        """One bounded anti-entropy round with ``peer``: this node pulls what differs."""
         self.rounds += 1
         tree = self.replica.storage.tree
         request = replication_pb2.TreeRequest(origin=self._origin(), level=0, nodes=[0])
@@ -318,16 +351,30 @@ class Replicator:
     async def _repair_buckets(
         self, peer: _Peer, buckets: list[int], truncated: bool
     ) -> RoundResult:
-        theirs: dict[str, bytes] = {}
+        theirs: dict[str, tuple[bytes, int]] = {}
         for start in range(0, len(buckets), MAX_BUCKETS):
             listing = replication_pb2.BucketsRequest(
                 origin=self._origin(), buckets=buckets[start : start + MAX_BUCKETS]
             )
             entries = await self._call(peer, "Buckets", listing, replication_pb2.BucketsResponse)
-            theirs.update((e.key, e.digest) for e in entries.entries)
-        mine = dict(await self.replica.storage.bucket_entries(buckets))
-        differing = [key for key, digest in theirs.items() if mine.get(key) != digest]
-        pull, pulled = differing, 0
+            theirs.update((e.key, (e.digest, e.max_hlc)) for e in entries.entries)
+        mine = {
+            key: (digest, hlc)
+            for key, digest, hlc in await self.replica.storage.bucket_entries(buckets)
+        }
+        differing = {
+            key for key, (digest, _) in theirs.items() if mine.get(key, (b"",))[0] != digest
+        }
+        differing |= mine.keys() - theirs.keys()
+        # Skip states whose largest HLC is below ours: typically an older version
+        # of ours. Should one hold something ours lacks, the peer pulls ours (its
+        # HLC is larger) and the next comparison fetches the join; a node catching
+        # up after disk loss takes everything (docs/replication.md, step 4).
+        differing_theirs = [key for key in theirs if key in differing]
+        behind = set()
+        if not self.catching_up:
+            behind = {k for k in differing_theirs if k in mine and theirs[k][1] < mine[k][1]}
+        pull, pulled = [key for key in differing_theirs if key not in behind], 0
         while pull:
             fetch = replication_pb2.FetchRequest(origin=self._origin(), keys=pull[:MAX_STATES])
             found = await self._call(peer, "Fetch", fetch, replication_pb2.FetchResponse)
@@ -337,17 +384,4 @@ class Replicator:
             )
             pulled += len(records)
             pull = [*found.truncated, *pull[MAX_STATES:]]
-        # After the merge this node holds the join of both sides for every key of
-        # these buckets; push whatever the peer does not have yet.
-        after = dict(await self.replica.storage.bucket_entries(buckets))
-        push = [key for key, digest in after.items() if theirs.get(key) != digest]
-        if push and peer.pushes_allowed():
-            states = await self.replica.storage.states(push)
-            try:
-                await self._push(peer, [states[k] for k in push if k in states])
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                peer.refuses_pushes()
-        divergence = len(set(differing) | set(push))
-        return RoundResult(False, pulled, len(push), divergence, truncated)
+        return RoundResult(False, pulled, len(differing), truncated)

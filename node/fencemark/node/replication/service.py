@@ -157,7 +157,7 @@ class ReplicationService:
             raise InvalidInput.field("buckets", f"buckets are 0-{LEAVES - 1}")
         entries = await self.replica.storage.bucket_entries(list(request.buckets))
         response = replication_pb2.BucketsResponse(
-            entries=[replication_pb2.BucketEntry(key=k, digest=d) for k, d in entries]
+            entries=[replication_pb2.BucketEntry(key=k, digest=d, max_hlc=h) for k, d, h in entries]
         )
         self._sent(peer, response.ByteSize())
         return response
