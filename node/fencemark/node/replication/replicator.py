@@ -11,8 +11,7 @@
   differing leaf buckets, and pull what the peer has that differs and merge it.
   Rounds only pull: every node repairs itself, one round at a time, so no state
   is delivered twice by rounds of different nodes racing each other. A round is
-  bounded; a round that was cut short or repaired something is followed by
-  another one soon.
+  bounded; a round that pulled something is followed by another one soon.
 - Catch-up: a node that starts with an empty store while peers are configured
   grants no claims until it has completed a full pass with its reachable peers
   (docs/replication.md).
@@ -286,7 +285,9 @@ class Replicator:
             result = None
             if ready:
                 result = await self._guarded_round(random.choice(ready))
-            busy = result is not None and (result.truncated or result.pulled)
+            # Hurry only while pulling: a round that pulled nothing, even a truncated
+            # one, found a peer that is behind, and that peer pulls in its own rounds.
+            busy = result is not None and result.pulled > 0
             await asyncio.sleep(0.02 if busy else self.interval * random.uniform(0.5, 1.5))
 
     async def _guarded_round(self, peer: _Peer) -> RoundResult | None:
