@@ -179,7 +179,8 @@ def test_container_is_healthy_and_stops_gracefully_on_sigterm(
 ) -> None:
     run(["docker", "run", "--detach", "--name", container_name,
          "--label", "fencemark.test=deploy", "--publish", "127.0.0.1::7400",
-         "--env", "FENCEMARK_REGION=us", "--env", "FENCEMARK_ENABLE_WRITES=1", image])  # fmt: skip
+         "--env", "FENCEMARK_REGION=us", "--env", "FENCEMARK_ENABLE_WRITES=1",
+         "--env", "FENCEMARK_INSECURE=1", image])  # fmt: skip
     host_port = run(["docker", "port", container_name, "7400/tcp"]).stdout.split()[0]
     assert host_port.startswith("127.0.0.1:")
 
