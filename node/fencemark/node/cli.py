@@ -249,7 +249,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         cluster = await LocalCluster.start(regions, root, base_port=args.base_port)
         try:
-            print(f"fencemark cluster: {len(regions)} regions, data under {root}")
+            print(
+                f"fencemark cluster: {len(regions)} regions, plaintext (--insecure),"
+                f" data under {root}"
+            )
             for region, address in cluster.addresses.items():
                 print(f"  region {region:<8} listening on {address}")
             first = cluster.addresses[regions[0]]
