@@ -304,7 +304,7 @@ async def second_node(listen: str, data: Path) -> Ran:
     """Start ``fencemark node --listen LISTEN``; it must fail, so it is stopped if it serves."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fencemark.node", "node",
-        "--listen", listen, "--data", str(data), "--region", "local",
+        "--listen", listen, "--data", str(data), "--region", "local", "--insecure",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=clean_env(),
     )  # fmt: skip
     assert proc.stdout is not None

@@ -23,10 +23,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fencemark.client import AsyncClient
+from fencemark.client import AsyncClient, tls_credentials
 from tests.conftest import StartNode
 from tests.dockerenv import (
     BASE_IMAGE,
@@ -179,7 +180,8 @@ def test_container_is_healthy_and_stops_gracefully_on_sigterm(
 ) -> None:
     run(["docker", "run", "--detach", "--name", container_name,
          "--label", "fencemark.test=deploy", "--publish", "127.0.0.1::7400",
-         "--env", "FENCEMARK_REGION=us", "--env", "FENCEMARK_ENABLE_WRITES=1", image])  # fmt: skip
+         "--env", "FENCEMARK_REGION=us", "--env", "FENCEMARK_ENABLE_WRITES=1",
+         "--env", "FENCEMARK_INSECURE=1", image])  # fmt: skip
     host_port = run(["docker", "port", container_name, "7400/tcp"]).stdout.split()[0]
     assert host_port.startswith("127.0.0.1:")
 
@@ -269,10 +271,10 @@ class Stack:
 def data_root(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """One data directory per region, writable by the nodes' user, and that user."""
     root = tmp_path / "archive"
-    for region in REGIONS:
-        (root / region).mkdir(parents=True, mode=0o750)
+    for name in (*REGIONS, "certs"):  # certs/: the stack's CA and certificates
+        (root / name).mkdir(parents=True, mode=0o750)
     if os.geteuid() == 0:
-        for path in (root, *(root / r for r in REGIONS)):
+        for path in (root, *(root / r for r in (*REGIONS, "certs"))):
             os.chown(path, IMAGE_UID, IMAGE_UID)
         return root, {}
     return root, {"FENCEMARK_UID": str(os.getuid()), "FENCEMARK_GID": str(os.getgid())}
@@ -290,9 +292,18 @@ def scrape(url: str) -> dict[str, float]:
     }  # fmt: skip
 
 
-async def record_digests(target: str) -> dict[str, bytes]:
+def operator(root: Path) -> grpc.ChannelCredentials:
+    """The stack's client certificate ``operator``, made by its ``certs`` service."""
+    return tls_credentials(root / "certs", "operator")
+
+
+def tls_flags(root: Path) -> list[str]:
+    return ["--tls-dir", str(root / "certs"), "--tls-name", "operator"]
+
+
+async def record_digests(target: str, root: Path) -> dict[str, bytes]:
     """Every record (tombstones too) of the repos written here: key -> digest."""
-    async with AsyncClient(target, timeout=5.0, retries=0) as client:
+    async with AsyncClient(target, timeout=5.0, retries=0, credentials=operator(root)) as client:
         return {
             record.key: record.digest
             for repo in ("lattice", "deploy-test")
@@ -300,9 +311,11 @@ async def record_digests(target: str) -> dict[str, bytes]:
         }
 
 
-async def write_one_record_per_region(ports: dict[str, int]) -> None:
+async def write_one_record_per_region(ports: dict[str, int], root: Path) -> None:
     for region, port in ports.items():
-        async with AsyncClient(f"127.0.0.1:{port}", timeout=5.0) as client:
+        async with AsyncClient(
+            f"127.0.0.1:{port}", timeout=5.0, credentials=operator(root)
+        ) as client:
             await client.remember(
                 "deploy-test", "regions", region, title=f"written in {region}",
                 tags=[f"homeRegion:{region}"],
@@ -338,15 +351,17 @@ def test_compose_stack_runs_the_walkthrough_and_converges(
             lambda: all(stack.health(r) == "healthy" for r in REGIONS),
         )
 
-        walkthrough = fencemark("walkthrough", "--target", f"127.0.0.1:{ports['us']}")
+        walkthrough = fencemark(
+            "walkthrough", "--target", f"127.0.0.1:{ports['us']}", *tls_flags(root)
+        )
         assert walkthrough.returncode == 0, walkthrough.stdout + walkthrough.stderr
-        asyncio.run(write_one_record_per_region(ports))
+        asyncio.run(write_one_record_per_region(ports, root))
 
         seen: dict[str, dict[str, bytes]] = {}
 
         def converged() -> bool:
             for region, port in ports.items():
-                seen[region] = asyncio.run(record_digests(f"127.0.0.1:{port}"))
+                seen[region] = asyncio.run(record_digests(f"127.0.0.1:{port}", root))
             first = seen[REGIONS[0]]
             return len(first) == 1 + len(REGIONS) and all(s == first for s in seen.values())
 
@@ -362,7 +377,7 @@ def test_compose_stack_runs_the_walkthrough_and_converges(
                 if peer != region:
                     assert metrics[f'fencemark_replication_reachable{{peer="{peer}"}}'] == 1
         for region, port in ports.items():
-            status = fencemark("status", "--targets", f"127.0.0.1:{port}")
+            status = fencemark("status", "--targets", f"127.0.0.1:{port}", *tls_flags(root))
             assert f" {region} " in status.stdout and "UNREACHABLE" not in status.stdout, (
                 status.stdout
             )

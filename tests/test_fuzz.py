@@ -138,7 +138,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     data = tmp_path_factory.mktemp("fuzz")
     process = subprocess.Popen(
         [sys.executable, "-m", "fencemark.node", "node", "--region", "us", "--listen", address,
-         "--enable-writes", "--data", str(data)],
+         "--enable-writes", "--insecure", "--data", str(data)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert process.stdout is not None

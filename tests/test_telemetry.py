@@ -114,7 +114,7 @@ def json_node(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen(
         [sys.executable, "-m", "fencemark.node", "--log-format", "json", "--log-level", "INFO",
-         "node", "--listen", address, "--enable-writes", "--data", str(tmp_path)],
+         "node", "--listen", address, "--enable-writes", "--insecure", "--data", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert process.stdout is not None

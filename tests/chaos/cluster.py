@@ -130,6 +130,9 @@ class ChaosCluster:
                 command=["node"],
                 env={
                     "FENCEMARK_REGION": name,
+                    # Plaintext: the fault proxy relays TCP between regions and the
+                    # tier tests replication under faults, not the handshake.
+                    "FENCEMARK_INSECURE": "1",
                     "FENCEMARK_ENABLE_WRITES": "1",
                     "FENCEMARK_PEERS": ",".join(
                         f"{peer}={self.peer_address(name, peer)}"

@@ -13,11 +13,13 @@ from fencemark.client.errors import (
     FencemarkError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     Unavailable,
     Unimplemented,
     WrongRegion,
 )
 from fencemark.client.retry import retry_safe_methods
+from fencemark.client.tls import tls_credentials
 from fencemark.client.types import (
     ClaimResult,
     ClaimStatus,
@@ -43,6 +45,7 @@ __all__ = [
     "NodeInfo",
     "NotFound",
     "PeerInfo",
+    "PermissionDenied",
     "Record",
     "RecordPage",
     "ReleaseResult",
@@ -52,4 +55,5 @@ __all__ = [
     "Unimplemented",
     "WrongRegion",
     "retry_safe_methods",
+    "tls_credentials",
 ]

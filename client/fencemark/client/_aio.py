@@ -64,6 +64,10 @@ class AsyncClient:
     Create it inside the event loop that uses it (``async with
     AsyncClient("host:port") as client``): a grpc.aio channel belongs to the
     loop it was made in.
+
+    ``credentials`` secure every channel: for a node serving mutual TLS, pass
+    ``tls_credentials(DIR, NAME)`` (the CA and this client's certificate, as
+    ``fencemark certs`` writes them). Without, calls are plaintext.
     """
 
     def __init__(
@@ -73,10 +77,11 @@ class AsyncClient:
         regions: Mapping[str, str] | None = None,
         timeout: float = 10.0,
         retries: int = 4,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = convert.check_str("target", target)
         self.timeout = convert.check_seconds("timeout", timeout)
-        self._router = Router(target, convert.check_regions(regions), retries)
+        self._router = Router(target, convert.check_regions(regions), retries, credentials)
 
     @property
     def regions(self) -> dict[str, str]:

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mappin
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
+import grpc
+
 from fencemark.client._aio import AsyncClient
 from fencemark.client.types import Record
 
@@ -59,6 +61,7 @@ class Client:
         regions: Mapping[str, str] | None = None,
         timeout: float = 10.0,
         retries: int = 4,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         # Daemon: a client that was never closed must not keep the process alive.
@@ -72,7 +75,12 @@ class Client:
             self._async_client = self._run(
                 _in_loop(
                     functools.partial(
-                        AsyncClient, target, regions=regions, timeout=timeout, retries=retries
+                        AsyncClient,
+                        target,
+                        regions=regions,
+                        timeout=timeout,
+                        retries=retries,
+                        credentials=credentials,
                     )
                 )
             )

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
@@ -96,8 +97,15 @@ class Stubs:
 class Router:
     """Channels by address, and the home region of the keys seen so far."""
 
-    def __init__(self, target: str, regions: Mapping[str, str], retries: int) -> None:
+    def __init__(
+        self,
+        target: str,
+        regions: Mapping[str, str],
+        retries: int,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.target = target
+        self.credentials = credentials  # None: plaintext
         self.regions = dict(regions)
         self._options = channel_options(retries)
         self._stubs: dict[str, Stubs] = {}
@@ -111,7 +119,11 @@ class Router:
         if stubs is None:
             if self._closed:
                 raise RuntimeError("the client is closed")
-            stubs = Stubs(aio.insecure_channel(address, options=self._options))
+            if self.credentials is None:
+                channel = aio.insecure_channel(address, options=self._options)
+            else:
+                channel = aio.secure_channel(address, self.credentials, options=self._options)
+            stubs = Stubs(channel)
             self._stubs[address] = stubs
         return stubs
 

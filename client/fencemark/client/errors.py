@@ -24,6 +24,7 @@ __all__ = [
     "FencemarkError",
     "InvalidArgument",
     "NotFound",
+    "PermissionDenied",
     "Unavailable",
     "Unimplemented",
     "WrongRegion",
@@ -88,6 +89,25 @@ class NotFound(FencemarkError):
     """No such record (or it is deleted)."""
 
 
+class PermissionDenied(FencemarkError):
+    """The node refused the caller (PERMISSION_DENIED): nothing was read or written.
+
+    ``reason`` is ``missing_right`` (the identity lacks ``right``: read, write,
+    claim or replicate), ``no_identity`` (the certificate names no fencemark
+    identity), or for replication calls ``unauthenticated_peer``,
+    ``unknown_region`` or ``region_mismatch``; ``identity`` is who the node
+    took the caller for (e.g. ``client/alice``).
+    """
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, *, reason: str, identity: str, right: str
+    ) -> None:
+        super().__init__(code, message)
+        self.reason = reason
+        self.identity = identity
+        self.right = right
+
+
 class Unavailable(FencemarkError):
     """The node could not be reached in time (UNAVAILABLE or DEADLINE_EXCEEDED)."""
 
@@ -116,6 +136,14 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
             )
         if error_info.reason == "WRONG_REGION":
             return WrongRegion(code, message, home_region=str(metadata.get("home_region", "")))
+        if error_info.reason == "PERMISSION_DENIED":
+            return PermissionDenied(
+                code,
+                message,
+                reason=str(metadata.get("denial", "")),
+                identity=str(metadata.get("identity", "")),
+                right=str(metadata.get("right", "")),
+            )
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         violations = (
             [(str(v.field), str(v.description)) for v in bad_request.field_violations]

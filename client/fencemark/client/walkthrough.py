@@ -16,6 +16,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
+import grpc
+
 from fencemark.client._aio import AsyncClient
 from fencemark.client.errors import ClaimConflict, FencemarkError, NotFound
 from fencemark.client.types import Record
@@ -285,14 +287,18 @@ class _Walkthrough:
 
 
 async def run_walkthrough(
-    target: str, *, lease_seconds: float = 2.0, out: Callable[[str], None] = print
+    target: str,
+    *,
+    lease_seconds: float = 2.0,
+    out: Callable[[str], None] = print,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> bool:
     """Run SPEC §1 against the node at ``target``; True when every expectation held.
 
     ``lease_seconds`` is worker-a's lease (step 2); step 4 waits for it to lapse.
     The node must have writes enabled; its own region is used as the record's home.
     """
-    async with AsyncClient(target) as client:
+    async with AsyncClient(target, credentials=credentials) as client:
         walkthrough = _Walkthrough(client, out)
         try:
             await walkthrough.run(lease_seconds)

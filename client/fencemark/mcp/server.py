@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+import grpc
 from mcp.server import MCPServer
 from mcp.server.mcpserver.context import Context
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
@@ -126,12 +127,15 @@ async def serve(
     transport: str = "stdio",
     listen: str = DEFAULT_LISTEN,
     log: TextIO = sys.stderr,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> int:
     """Run the server until stdin closes (stdio) or SIGTERM/SIGINT (http); the exit code.
 
     Messages for people go to ``log`` (stderr): on stdio, stdout is the protocol.
     """
-    async with AsyncClient(target, regions=regions, timeout=call_timeout) as client:
+    async with AsyncClient(
+        target, regions=regions, timeout=call_timeout, credentials=credentials
+    ) as client:
         try:
             info = await client.info()
         except FencemarkError as error:
@@ -211,6 +215,7 @@ def run(
     timeout: float = 10.0,
     transport: str = "stdio",
     listen: str = DEFAULT_LISTEN,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> int:
     """``fencemark mcp``: parse the flags' values, then ``serve``; the exit code."""
     try:
@@ -228,6 +233,7 @@ def run(
                 call_timeout=timeout,
                 transport=transport,
                 listen=listen,
+                credentials=credentials,
             )
         )
     except KeyboardInterrupt:

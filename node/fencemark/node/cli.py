@@ -18,22 +18,46 @@ from pathlib import Path
 from typing import Any
 
 from fencemark.node import __version__, validation
-from fencemark.node.cli_rpc import add_rpc_commands
+from fencemark.node.authz import AccessMap, load_access
+from fencemark.node.cli_rpc import add_rpc_commands, client_credentials
 from fencemark.node.errors import InvalidInput
 from fencemark.node.proxy_command import add_proxy_command
 from fencemark.node.replication.peers import parse_peers
 from fencemark.node.server import NodeConfig, default_data_dir, serve
 from fencemark.node.telemetry import LOG_FORMATS, configure_logging
+from fencemark.node.tls import TlsFiles
 
 DEFAULT_TARGET = "127.0.0.1:7400"
 TRUE_WORDS = {"1", "true", "yes", "on"}
+
+
+SECURITY_CHOICE = (
+    "choose the transport: --tls-dir DIR (mutual TLS with certificates from"
+    " `fencemark certs init`; env FENCEMARK_TLS_DIR) or --insecure (plaintext, for local"
+    " development only; env FENCEMARK_INSECURE=1)"
+)
+
+
+def node_security(args: argparse.Namespace) -> tuple[TlsFiles | None, AccessMap | None]:
+    """The node's TLS files and access map from its flags; ValueError if the choice is unclear."""
+    if args.insecure and args.tls_dir:
+        raise ValueError(f"--insecure and --tls-dir exclude each other: {SECURITY_CHOICE}")
+    if not args.insecure and not args.tls_dir:
+        raise ValueError(SECURITY_CHOICE)
+    if args.insecure:
+        if args.access:
+            raise ValueError("--access needs --tls-dir: identities come from certificates")
+        return None, None
+    files = TlsFiles.in_dir(args.tls_dir, args.tls_name or args.region)
+    return files, load_access(args.access) if args.access else None
 
 
 def cmd_node(args: argparse.Namespace) -> int:
     try:
         validation.region(args.region, "--region")
         peers = parse_peers(args.peer or args.configured_peers, own_region=args.region)
-    except InvalidInput as exc:
+        tls_files, access = node_security(args)
+    except (InvalidInput, ValueError) as exc:
         print(f"fencemark node: {exc}", file=sys.stderr)
         return 2
     config = NodeConfig(
@@ -49,10 +73,12 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_waiters=args.max_waiters,
         max_waiters_per_client=args.max_waiters_per_client,
         max_token_jump=args.max_token_jump,
+        tls=tls_files,
+        access=access,
     )
     try:
         asyncio.run(serve(config))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"fencemark node: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -64,7 +90,11 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_walkthrough(args: argparse.Namespace) -> int:
     from fencemark.client.walkthrough import run_walkthrough
 
-    ok = asyncio.run(run_walkthrough(args.target, lease_seconds=args.lease_seconds))
+    ok = asyncio.run(
+        run_walkthrough(
+            args.target, lease_seconds=args.lease_seconds, credentials=client_credentials(args)
+        )
+    )
     return 0 if ok else 1
 
 
@@ -77,6 +107,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         transport=args.transport,
         listen=args.listen,
+        credentials=client_credentials(args),
     )
 
 
@@ -86,10 +117,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     async def look(target: str) -> tuple[NodeInfo, str] | FencemarkError:
         try:
-            async with AsyncClient(target, timeout=args.timeout, retries=0) as client:
+            async with AsyncClient(
+                target, timeout=args.timeout, retries=0, credentials=credentials
+            ) as client:
                 return await client.info(), await client.health()
         except FencemarkError as exc:
             return exc
+
+    credentials = client_credentials(args)
 
     async def run() -> list[str]:
         seen = await asyncio.gather(*(look(target) for target in args.targets))
@@ -136,8 +171,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 iff the node reports SERVING (standard grpc.health.v1 Check): a probe."""
     from fencemark.client import AsyncClient, FencemarkError
 
+    credentials = client_credentials(args)
+
     async def check() -> str:
-        async with AsyncClient(args.target, timeout=args.timeout, retries=0) as client:
+        async with AsyncClient(
+            args.target, timeout=args.timeout, retries=0, credentials=credentials
+        ) as client:
             return await client.health(args.service)
 
     subject = f"{args.target} {args.service or '(node)'}"
@@ -210,7 +249,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         cluster = await LocalCluster.start(regions, root, base_port=args.base_port)
         try:
-            print(f"fencemark cluster: {len(regions)} regions, data under {root}")
+            print(
+                f"fencemark cluster: {len(regions)} regions, plaintext (--insecure),"
+                f" data under {root}"
+            )
             for region, address in cluster.addresses.items():
                 print(f"  region {region:<8} listening on {address}")
             first = cluster.addresses[regions[0]]
@@ -225,6 +267,95 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
     asyncio.run(run())
     return 0
+
+
+def cmd_certs_init(args: argparse.Namespace) -> int:
+    from fencemark.node.tls import init_dir
+
+    directory = Path(args.dir)
+    try:
+        if args.if_missing and (directory / "ca.pem").exists():
+            print(f"fencemark certs: {directory} already holds a CA; nothing to do")
+            return 0
+        written = init_dir(
+            directory,
+            regions=_names(args.regions),
+            clients=_names(args.clients),
+            hosts=_names(args.hosts),
+        )
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fencemark certs: a development CA and {len(written) // 2 - 1} certificates in {directory}"
+    )
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+def cmd_certs_issue(args: argparse.Namespace) -> int:
+    from fencemark.node.tls import Identity, issue_into
+
+    try:
+        if args.region:
+            identity = Identity("region", validation.region(args.region, "--region"))
+        else:
+            identity = Identity("client", validation.region(args.client, "--client"))
+        files = issue_into(Path(args.dir), identity, hosts=_names(args.hosts))
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    print(f"fencemark certs: {identity.uri}: {files.cert}, {files.key}")
+    return 0
+
+
+def _names(spec: str) -> list[str]:
+    return [n.strip() for n in (spec or "").split(",") if n.strip()]
+
+
+def add_certs_command(sub: Any) -> None:
+    certs = sub.add_parser(
+        "certs",
+        help="make a development CA and node/client certificates for mutual TLS",
+        description="A development CA (EC P-256) and certificates whose identity is a"
+        " fencemark://region/NAME or fencemark://client/NAME URI (docs/operations.md).",
+    )
+    what = certs.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
+    init = what.add_parser("init", help="a new CA, one certificate per region and client")
+    init.add_argument("--dir", required=True, help="where to write the PEM files")
+    init.add_argument("--regions", required=True, help="comma-separated region names")
+    init.add_argument("--clients", default="", help="comma-separated client names")
+    init.add_argument(
+        "--hosts", default="", help="extra DNS names/IPs for every node certificate (comma-sep.)"
+    )
+    init.add_argument(
+        "--if-missing", action="store_true", help="do nothing if DIR already holds a CA"
+    )
+    init.set_defaults(func=cmd_certs_init)
+    issue = what.add_parser("issue", help="one more certificate from an existing CA in --dir")
+    issue.add_argument("--dir", required=True)
+    who = issue.add_mutually_exclusive_group(required=True)
+    who.add_argument("--region", help="a node certificate for this region")
+    who.add_argument("--client", help="a client certificate with this name")
+    issue.add_argument("--hosts", default="", help="extra DNS names/IPs (node certificates)")
+    issue.set_defaults(func=cmd_certs_issue)
+
+
+def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tls-dir",
+        default=os.environ.get("FENCEMARK_TLS_DIR", ""),
+        metavar="DIR",
+        help="call over mutual TLS with DIR/ca.pem and the client certificate --tls-name"
+        " (env FENCEMARK_TLS_DIR); without it, plaintext",
+    )
+    p.add_argument(
+        "--tls-name",
+        default=os.environ.get("FENCEMARK_TLS_NAME", ""),
+        metavar="NAME",
+        help="DIR/NAME.pem and DIR/NAME-key.pem (env FENCEMARK_TLS_NAME)",
+    )
 
 
 # -- argument parsing -----------------------------------------------------------------
@@ -346,6 +477,35 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         help="refuse to merge a grant further than this above the grant below it"
         " (default 2^21: twice the jump a home makes after a disk loss)",
     )
+    security = node.add_argument_group(
+        "transport security (docs/security.md): one of --tls-dir or --insecure is required"
+    )
+    security.add_argument(
+        "--tls-dir",
+        default=_setting(config, "tls_dir", ""),
+        metavar="DIR",
+        help="serve mutual TLS with DIR/ca.pem and this node's DIR/NAME.pem, DIR/NAME-key.pem"
+        " (as `fencemark certs init` writes them); peers are called with the same certificate",
+    )
+    security.add_argument(
+        "--tls-name",
+        default=_setting(config, "tls_name", ""),
+        metavar="NAME",
+        help="the certificate's file name in --tls-dir (default: the region)",
+    )
+    security.add_argument(
+        "--insecure",
+        action="store_true",
+        default=_setting(config, "insecure", False),
+        help="plaintext gRPC, no authentication: local development only",
+    )
+    security.add_argument(
+        "--access",
+        default=_setting(config, "access", ""),
+        metavar="FILE",
+        help="TOML (or .json) map of client names to rights: read, write, claim"
+        " (default with TLS: every client certificate of the CA may read, write and claim)",
+    )
     configured = os.environ.get("FENCEMARK_PEERS")
     node.set_defaults(
         func=cmd_node,
@@ -358,6 +518,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         p = sub.add_parser(name, help=help)
         p.add_argument("--target", default=os.environ.get("FENCEMARK_TARGET", DEFAULT_TARGET))
         p.add_argument("--timeout", type=float, default=10.0, help="deadline per call (s)")
+        add_client_tls_flags(p)
         return p
 
     walk = client_parser("walkthrough", "run the SPEC §1 walkthrough against a node")
@@ -435,6 +596,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         default=os.environ.get("FENCEMARK_TARGETS", DEFAULT_TARGET).split(","),
     )
     status.add_argument("--timeout", type=float, default=3.0)
+    add_client_tls_flags(status)
     status.set_defaults(func=cmd_status)
 
     health = client_parser("health", "grpc.health.v1 Check: exit 0 iff SERVING (a probe)")
@@ -446,6 +608,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     # A probe answers fast or not at all: shorter than docker's 5 s healthcheck timeout.
     health.set_defaults(func=cmd_health, timeout=3.0)
 
+    add_certs_command(sub)
     add_proxy_command(sub)
     add_rpc_commands(client_parser)
     return parser

@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any
 
+import grpc
+
 
 def _json_default(value: object) -> object:
     if isinstance(value, datetime):
@@ -35,11 +37,32 @@ def _print_json(value: object) -> None:
 # -- node -------------------------------------------------------------------------
 
 
+def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """Mutual TLS credentials from ``--tls-dir``/``--tls-name``; None (plaintext) without."""
+    from fencemark.client import tls_credentials
+
+    if not args.tls_dir:
+        return None
+    if not args.tls_name:
+        raise SystemExit(
+            "fencemark: --tls-dir needs --tls-name NAME (env FENCEMARK_TLS_NAME): the"
+            " certificate NAME.pem and key NAME-key.pem in the directory"
+        )
+    try:
+        return tls_credentials(args.tls_dir, args.tls_name)
+    except OSError as exc:
+        raise SystemExit(f"fencemark: {exc}") from exc
+
+
 def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[object]]) -> int:
     from fencemark.client import AsyncClient, ClaimConflict, FencemarkError
 
+    credentials = client_credentials(args)
+
     async def run() -> object:
-        async with AsyncClient(args.target, timeout=args.timeout) as client:
+        async with AsyncClient(
+            args.target, timeout=args.timeout, credentials=credentials
+        ) as client:
             return await call(client)
 
     try:

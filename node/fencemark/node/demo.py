@@ -257,6 +257,10 @@ async def run_demo(
         cluster = await LocalCluster.start(regions, root, faults=True, anti_entropy_interval=0.3)
         for region, address in cluster.addresses.items():
             out(f"  region {region}: node on {address}, data in {root / region}")
+        out(
+            "  transport: plaintext gRPC (--insecure), loopback only; mutual TLS is"
+            " `fencemark node --tls-dir` (docs/security.md)"
+        )
         demo = Demo(cluster, out=out, lease=lease_seconds, rng=random.Random(chosen))
         try:
             checks = await demo.run(

@@ -111,3 +111,30 @@ class Exhausted(FencemarkError):
         self.what = what
         self.limit = limit
         super().__init__(f"too many {what} (at most {limit}); retry later")
+
+
+class Denial(StrEnum):
+    """Why a caller was refused PERMISSION_DENIED (``fencemark.node.authz``, replication)."""
+
+    # The certificate (verified against the cluster CA) names no fencemark:// identity.
+    NO_IDENTITY = "no_identity"
+    # The identity lacks the right the method needs (read, write, claim, replicate).
+    MISSING_RIGHT = "missing_right"
+    # Replication: the caller is not a node (no fencemark://region/ certificate).
+    UNAUTHENTICATED_PEER = "unauthenticated_peer"
+    # Replication: the caller's region is not one of this node's configured peers.
+    UNKNOWN_REGION = "unknown_region"
+    # Replication: the request's origin.region is not the region the certificate names.
+    REGION_MISMATCH = "region_mismatch"
+
+
+class PermissionDenied(FencemarkError):
+    """The caller may not make this call; nothing was read or written for it."""
+
+    def __init__(
+        self, denial: Denial, message: str, *, identity: str = "", right: str = ""
+    ) -> None:
+        self.denial = denial
+        self.identity = identity
+        self.right = right
+        super().__init__(message)

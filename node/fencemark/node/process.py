@@ -40,10 +40,19 @@ class NodeProcess:
         listen: str = "127.0.0.1:0",
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 30.0,
+        tls_dir: Path | None = None,
     ) -> NodeProcess:
+        """Start a node; plaintext (``--insecure``) unless ``tls_dir`` holds its certificates.
+
+        ``extra_args`` that choose the transport themselves (``--tls-dir``) win.
+        """
+        security = ["--tls-dir", str(tls_dir)] if tls_dir is not None else ["--insecure"]
+        if any(a.startswith("--tls-dir") or a == "--insecure" for a in extra_args):
+            security = []
         args = [
             sys.executable, "-m", "fencemark.node", "node",
-            "--region", region, "--listen", listen, "--data", str(data_dir), *extra_args,
+            "--region", region, "--listen", listen, "--data", str(data_dir),
+            *security, *extra_args,
         ]  # fmt: skip
         if enable_writes:
             args.append("--enable-writes")

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
+from fencemark.node.authz import DEFAULT_ACCESS, AccessMap, Authorize
 from fencemark.node.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT, Claims
 from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
@@ -43,6 +44,7 @@ from fencemark.node.service import (
 )
 from fencemark.node.storage import Storage
 from fencemark.node.telemetry import NodeMetrics, Telemetry
+from fencemark.node.tls import Identity, TlsFiles
 from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,12 @@ class NodeConfig:
     max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
     # A merged grant more than this above the grant below it is refused (integrity.py).
     max_token_jump: int = DEFAULT_MAX_TOKEN_JUMP
+    # Transport security (docs/security.md): this node's certificate, key and the
+    # cluster CA. None is plaintext: the in-process default (tests, benchmarks);
+    # the `fencemark node` command insists on --tls-dir or an explicit --insecure.
+    tls: TlsFiles | None = None
+    # With tls: which client identity may do what (None: authz.DEFAULT_ACCESS).
+    access: AccessMap | None = None
 
     @property
     def db_path(self) -> Path:
@@ -174,6 +182,7 @@ class NodeServer:
 
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeServer:
+        server_credentials, peer_credentials = _credentials(config)
         storage = await Storage.open(config.db_path, cache_size=config.cache_size)
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
@@ -183,7 +192,7 @@ class NodeServer:
             max_waiters=config.max_waiters,
             max_waiters_per_client=config.max_waiters_per_client,
         )
-        peers = stats_for(config.peers)
+        peers = stats_for(config.peers, peer_credentials)
         # A node that lost its disk must not grant again before it has seen the
         # grants its peers hold (SPEC §4): it would reissue tokens.
         catching_up = bool(peers) and storage.record_count == 0
@@ -206,8 +215,12 @@ class NodeServer:
         metrics = NodeMetrics(config.region)
         storage.on_commit = metrics.observe_commit
         metrics.watch(replica, claims, peers)
+        # Telemetry first: it times and counts what Authorize refuses, too.
+        interceptors: list[grpc.aio.ServerInterceptor] = [Telemetry(metrics)]  # type: ignore[type-arg]
+        if config.tls is not None:
+            interceptors.append(Authorize(config.access or DEFAULT_ACCESS))
         server = grpc.aio.server(
-            interceptors=[Telemetry(metrics)],
+            interceptors=interceptors,
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
@@ -227,7 +240,9 @@ class NodeServer:
             "Node": NodeService(
                 replica, claims, replicator, peers, writes_enabled=config.enable_writes
             ),
-            "Replication": ReplicationService(replica, peers, replicator.heard_from),
+            "Replication": ReplicationService(
+                replica, peers, replicator.heard_from, authenticate=config.tls is not None
+            ),
         }
         server.add_generic_rpc_handlers(
             tuple(
@@ -246,7 +261,10 @@ class NodeServer:
             server,
         )
         try:
-            port = server.add_insecure_port(config.listen)
+            if server_credentials is None:
+                port = server.add_insecure_port(config.listen)
+            else:
+                port = server.add_secure_port(config.listen, server_credentials)
         except RuntimeError as exc:
             await storage.close()
             raise OSError(f"cannot listen on {config.listen}: {exc}") from exc
@@ -262,10 +280,11 @@ class NodeServer:
         node = cls(config, storage, replica, claims, server, health_servicer, port, replicator,
                    metrics, stop_metrics)  # fmt: skip
         log.info(
-            "region %s node %s listening on %s (writes %s, data %s)",
+            "region %s node %s listening on %s (%s, writes %s, data %s)",
             config.region,
             storage.node_id,
             node.address,
+            transport(config),
             "enabled" if config.enable_writes else "disabled",
             config.db_path,
         )
@@ -285,6 +304,35 @@ class NodeServer:
         log.info("region %s node stopped", self.config.region)
 
 
+def transport(config: NodeConfig) -> str:
+    """How the node's port is secured, in words for its start-up line."""
+    if config.tls is None:
+        return "plaintext, --insecure"
+    return f"mutual TLS, CA {config.tls.ca}" + (", access map" if config.access else "")
+
+
+def _credentials(
+    config: NodeConfig,
+) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
+    """The port's and the peer channels' credentials, checked before anything opens.
+
+    OSError for a file that cannot be read; ValueError for a certificate that is
+    not this region's node (its peers would refuse it) or an access map without TLS.
+    """
+    if config.tls is None:
+        if config.access is not None:
+            raise ValueError("an access map needs TLS: identities come from certificates")
+        return None, None
+    own = config.tls.identity()
+    if own != Identity("region", config.region):
+        raise ValueError(
+            f"{config.tls.cert} is the certificate of {own}, not of region/{config.region}:"
+            f" peers would refuse this node (make one: fencemark certs issue --region"
+            f" {config.region})"
+        )
+    return config.tls.server_credentials(), config.tls.channel_credentials()
+
+
 async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
     """Run a node until SIGTERM or SIGINT, then shut down gracefully."""
     # Handlers first: a SIGTERM sent the moment the node says it listens must
@@ -296,7 +344,7 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
     node = await NodeServer.start(config)
     print(
         f"fencemark node: region {config.region} listening on {node.address}"
-        f" (writes {'enabled' if config.enable_writes else 'disabled'},"
+        f" ({transport(config)}, writes {'enabled' if config.enable_writes else 'disabled'},"
         f" data {config.db_path})",
         flush=True,
     )

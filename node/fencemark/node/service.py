@@ -28,6 +28,7 @@ from fencemark.node.errors import (
     InvalidInput,
     NotFound,
     NotServing,
+    PermissionDenied,
     WrongRegion,
 )
 from fencemark.node.replica import Replica
@@ -94,6 +95,9 @@ def to_status(error: FencemarkError) -> grpc.Status:
     if isinstance(error, Exhausted):
         metadata = {"resource": error.what, "limit": str(error.limit)}
         return _status(code_pb2.RESOURCE_EXHAUSTED, str(error), "RESOURCE_EXHAUSTED", metadata)
+    if isinstance(error, PermissionDenied):
+        metadata = {"denial": error.denial.value, "identity": error.identity, "right": error.right}
+        return _status(code_pb2.PERMISSION_DENIED, str(error), "PERMISSION_DENIED", metadata)
     return _status(code_pb2.INTERNAL, str(error), "INTERNAL", {})
 
 
@@ -102,6 +106,8 @@ def refusal_reason(error: FencemarkError) -> str:
     (``superseded``, ...) or the ErrorInfo reason (``wrong_region``, ...)."""
     if isinstance(error, ClaimConflict):
         return error.conflict.value
+    if isinstance(error, PermissionDenied):
+        return error.denial.value
     kinds: tuple[tuple[type[FencemarkError], str], ...] = (
         (InvalidInput, "invalid_argument"), (WrongRegion, "wrong_region"),
         (NotFound, "not_found"), (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),

@@ -6,6 +6,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import grpc
+
 from fencemark.node import validation
 from fencemark.node.errors import InvalidInput
 
@@ -46,6 +48,9 @@ class PeerStats:
     reachable: bool = False
     last_error: str = ""
     failures: int = 0  # consecutive failed attempts
+    # How this node reaches the peer: mutual TLS with its own certificate
+    # (fencemark.node.tls), or None for plaintext (--insecure).
+    credentials: grpc.ChannelCredentials | None = None
 
     def __post_init__(self) -> None:
         self.started = self.started or time.time()
@@ -65,5 +70,10 @@ class PeerStats:
         self.failures += 1
 
 
-def stats_for(peers: Mapping[str, str]) -> dict[str, PeerStats]:
-    return {region: PeerStats(region, address) for region, address in peers.items()}
+def stats_for(
+    peers: Mapping[str, str], credentials: grpc.ChannelCredentials | None = None
+) -> dict[str, PeerStats]:
+    return {
+        region: PeerStats(region, address, credentials=credentials)
+        for region, address in peers.items()
+    }

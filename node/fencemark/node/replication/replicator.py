@@ -43,6 +43,7 @@ from fencemark.node.replication.service import (
     decode_states,
     merge_all,
 )
+from fencemark.node.tls import peer_channel
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class RoundResult:
 class _Peer:
     def __init__(self, stats: PeerStats) -> None:
         self.stats = stats
-        self.channel = grpc.aio.insecure_channel(stats.address, options=CHANNEL_OPTIONS)
+        self.channel = peer_channel(stats.address, stats.credentials, CHANNEL_OPTIONS)
         self.stub = replication_pb2_grpc.ReplicationStub(self.channel)
         self.backlog: dict[str, None] = {}  # an ordered set of keys to push
         self.wake = asyncio.Event()

@@ -17,11 +17,12 @@ import grpc
 
 from fencemark.node.crdt import ClockSkew, Record, codec
 from fencemark.node.digest_tree import DEPTH, LEAVES, level_size
-from fencemark.node.errors import ClockSkewed, InvalidInput
+from fencemark.node.errors import ClockSkewed, Denial, InvalidInput, PermissionDenied
 from fencemark.node.integrity import MergeRefused
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.service import refusals
+from fencemark.node.tls import peer_identity
 from fencemark.v1 import replication_pb2
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,48 @@ class ReplicationService:
         replica: Replica,
         peers: dict[str, PeerStats],
         heard_from: Callable[[str], None] | None = None,
+        *,
+        authenticate: bool = False,
     ) -> None:
         self.replica = replica
         self.peers = peers
         self.heard_from = heard_from  # Replicator.heard_from: a peer that calls is up
+        # With TLS: only a configured peer's node certificate, speaking for its own region.
+        self.authenticate = authenticate
 
-    def _admit(self, origin: replication_pb2.Origin, request_bytes: int) -> PeerStats | None:
+    def _authenticate(self, origin: replication_pb2.Origin, context: Context) -> None:
+        """Refuse (PERMISSION_DENIED) unless the caller's certificate is the node of a
+        configured peer region and ``origin.region`` is that region."""
+        identity = peer_identity(context)
+        if identity is None or identity.kind != "region":
+            raise PermissionDenied(
+                Denial.UNAUTHENTICATED_PEER,
+                f"replication is for nodes: {identity or 'this certificate'} is no"
+                " fencemark://region/ identity",
+                identity=str(identity or ""),
+                right="replicate",
+            )
+        if identity.name not in self.peers:
+            raise PermissionDenied(
+                Denial.UNKNOWN_REGION,
+                f"region {identity.name!r} is not a configured peer of this node",
+                identity=str(identity),
+                right="replicate",
+            )
+        if origin.region != identity.name:
+            raise PermissionDenied(
+                Denial.REGION_MISMATCH,
+                f"the certificate of region {identity.name!r} may not speak for region"
+                f" {origin.region!r}",
+                identity=str(identity),
+                right="replicate",
+            )
+
+    def _admit(
+        self, origin: replication_pb2.Origin, request_bytes: int, context: Context
+    ) -> PeerStats | None:
+        if self.authenticate:
+            self._authenticate(origin, context)
         peer = self.peers.get(origin.region)
         if peer is not None:
             peer.bytes_received += request_bytes
@@ -113,7 +150,7 @@ class ReplicationService:
     async def Push(
         self, request: replication_pb2.PushRequest, context: Context
     ) -> replication_pb2.PushResponse:
-        peer = self._admit(request.origin, request.ByteSize())
+        peer = self._admit(request.origin, request.ByteSize(), context)
         if len(request.states) > MAX_STATES:
             raise InvalidInput.field("states", f"at most {MAX_STATES} states per push")
         records = decode_states(list(request.states))
@@ -133,7 +170,7 @@ class ReplicationService:
     async def Tree(
         self, request: replication_pb2.TreeRequest, context: Context
     ) -> replication_pb2.TreeResponse:
-        peer = self._admit(request.origin, request.ByteSize())
+        peer = self._admit(request.origin, request.ByteSize(), context)
         if request.level > DEPTH:
             raise InvalidInput.field("level", f"levels are 0-{DEPTH}")
         if len(request.nodes) > MAX_TREE_NODES:
@@ -150,7 +187,7 @@ class ReplicationService:
     async def Buckets(
         self, request: replication_pb2.BucketsRequest, context: Context
     ) -> replication_pb2.BucketsResponse:
-        peer = self._admit(request.origin, request.ByteSize())
+        peer = self._admit(request.origin, request.ByteSize(), context)
         if len(request.buckets) > MAX_BUCKETS:
             raise InvalidInput.field("buckets", f"at most {MAX_BUCKETS} buckets per request")
         if any(bucket >= LEAVES for bucket in request.buckets):
@@ -166,7 +203,7 @@ class ReplicationService:
     async def Fetch(
         self, request: replication_pb2.FetchRequest, context: Context
     ) -> replication_pb2.FetchResponse:
-        peer = self._admit(request.origin, request.ByteSize())
+        peer = self._admit(request.origin, request.ByteSize(), context)
         if len(request.keys) > MAX_STATES:
             raise InvalidInput.field("keys", f"at most {MAX_STATES} keys per request")
         found = await self.replica.storage.states(list(request.keys))

@@ -1,0 +1,203 @@
+"""Authorization: which identity may call which method.
+
+Only on a node that serves TLS (``--tls-dir``): there every caller has
+presented a certificate of the cluster CA, and :func:`fencemark.node.tls.peer_identity`
+says who it is. Each ``fencemark.v1`` method needs one :class:`Right`
+(:data:`METHOD_RIGHTS`, the one table); an identity holds a set of rights:
+
+- a node (``fencemark://region/R``) holds ``read`` and ``replicate``, always;
+  whether its region is a configured peer, and the one its requests claim to
+  come from, is checked by the Replication servicer itself;
+- a client (``fencemark://client/NAME``) holds what the access map
+  (``--access FILE``) gives NAME, or the map's ``"*"`` entry; without a map,
+  every client of the CA holds ``read``, ``write`` and ``claim``.
+
+A denial is ``PERMISSION_DENIED`` with an ``ErrorInfo`` (reason
+``PERMISSION_DENIED``, metadata ``denial``, ``identity``, ``right``), decided
+before the servicer runs, so nothing is read or written for it. Health
+checking and reflection are open to every authenticated caller: the TLS
+handshake already refused everyone else. docs/security.md has the model.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from fencemark.node.errors import Denial, PermissionDenied
+from fencemark.node.service import refuse
+from fencemark.node.tls import Identity, check_name, peer_identity
+
+__all__ = [
+    "DEFAULT_ACCESS",
+    "METHOD_RIGHTS",
+    "REGION_RIGHTS",
+    "AccessMap",
+    "Authorize",
+    "Right",
+    "load_access",
+]
+
+PACKAGE = "/fencemark.v1."
+
+
+class Right(StrEnum):
+    READ = "read"
+    WRITE = "write"
+    CLAIM = "claim"
+    REPLICATE = "replicate"
+
+
+# Every fencemark.v1 method and the right it needs. A method missing here is
+# refused to everyone (tests/test_authz.py checks the table covers the protos).
+METHOD_RIGHTS: Mapping[str, Right] = {
+    "/fencemark.v1.Records/Get": Right.READ,
+    "/fencemark.v1.Records/List": Right.READ,
+    "/fencemark.v1.Records/Remember": Right.WRITE,
+    "/fencemark.v1.Records/Update": Right.WRITE,
+    "/fencemark.v1.Records/Delete": Right.WRITE,
+    "/fencemark.v1.Claims/ClaimStatus": Right.READ,
+    "/fencemark.v1.Claims/Claim": Right.CLAIM,
+    "/fencemark.v1.Claims/RenewClaim": Right.CLAIM,
+    "/fencemark.v1.Claims/ReleaseClaim": Right.CLAIM,
+    "/fencemark.v1.Node/Info": Right.READ,
+    "/fencemark.v1.Replication/Tree": Right.REPLICATE,
+    "/fencemark.v1.Replication/Buckets": Right.REPLICATE,
+    "/fencemark.v1.Replication/Fetch": Right.REPLICATE,
+    "/fencemark.v1.Replication/Push": Right.REPLICATE,
+}
+# A node holds every record anyway; `read` lets its certificate serve probes and status.
+REGION_RIGHTS = frozenset({Right.READ, Right.REPLICATE})
+CLIENT_RIGHTS = frozenset({Right.READ, Right.WRITE, Right.CLAIM})
+ANY_CLIENT = "*"
+
+
+@dataclass(frozen=True)
+class AccessMap:
+    """Client name -> rights; ``default`` for clients the map does not name."""
+
+    clients: Mapping[str, frozenset[Right]] = field(default_factory=dict)
+    default: frozenset[Right] = CLIENT_RIGHTS
+
+    def rights(self, identity: Identity) -> frozenset[Right]:
+        if identity.kind == "region":
+            return REGION_RIGHTS
+        return self.clients.get(identity.name, self.default)
+
+    def check(self, identity: Identity | None, method: str) -> PermissionDenied | None:
+        """Why ``identity`` may not call ``method`` (a full gRPC method name); None if it may."""
+        if identity is None:
+            return PermissionDenied(
+                Denial.NO_IDENTITY,
+                "the client certificate names no fencemark:// identity"
+                " (make one with `fencemark certs issue`)",
+            )
+        right = METHOD_RIGHTS.get(method)
+        if right is None or right not in self.rights(identity):
+            wanted = right.value if right is not None else "?"
+            return PermissionDenied(
+                Denial.MISSING_RIGHT,
+                f"{identity} may not call {method.rsplit('/', 1)[-1]}: it needs the"
+                f" {wanted!r} right (docs/security.md, the access map)",
+                identity=str(identity),
+                right=wanted,
+            )
+        return None
+
+
+DEFAULT_ACCESS = AccessMap()
+
+
+def parse_access(data: Mapping[str, Any], source: str = "access map") -> AccessMap:
+    """``{"clients": {NAME: [RIGHT, ...], "*": [...]}}`` -> an AccessMap (ValueError if bad)."""
+    unknown = set(data) - {"clients"}
+    if unknown:
+        raise ValueError(f"{source}: unknown keys {sorted(unknown)}; expected only 'clients'")
+    table = data.get("clients", {})
+    if not isinstance(table, Mapping):
+        raise ValueError(f"{source}: 'clients' must be a table of NAME = [rights]")
+    clients: dict[str, frozenset[Right]] = {}
+    default = frozenset[Right]()  # with a map, a client it does not name gets nothing
+    for name, values in table.items():
+        if name != ANY_CLIENT:
+            check_name(name, f"{source}: client")
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError(f"{source}: clients.{name} must be a list of rights")
+        try:
+            rights = frozenset(Right(v) for v in values)
+        except ValueError:
+            raise ValueError(
+                f"{source}: clients.{name}: rights are {[r.value for r in Right]}, got {values}"
+            ) from None
+        if Right.REPLICATE in rights:
+            raise ValueError(
+                f"{source}: clients.{name}: 'replicate' belongs to node certificates only"
+            )
+        if name == ANY_CLIENT:
+            default = rights
+        else:
+            clients[name] = rights
+    return AccessMap(clients, default)
+
+
+def load_access(path: Path | str) -> AccessMap:
+    """An access map file: TOML, or JSON when it ends in ``.json``."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode())
+    except (OSError, ValueError) as exc:  # JSON and TOML decode errors are ValueErrors
+        raise ValueError(f"cannot read the access map {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a table with 'clients'")
+    return parse_access(data, str(path))
+
+
+Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+
+
+# Generic in grpc-stubs only: not subscriptable at runtime.
+class Authorize(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Refuse every fencemark.v1 call whose caller lacks the method's right.
+
+    Installed after ``Telemetry`` so a denial is counted and logged like any
+    refusal (``fencemark_refusals_total{reason="missing_right"}``).
+    """
+
+    def __init__(self, access: AccessMap) -> None:
+        self.access = access
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or not method.startswith(PACKAGE):
+            return handler  # unimplemented, or health/reflection: any authenticated caller
+        if handler.unary_unary is None:  # fencemark.v1 has only unary methods
+            raise RuntimeError(f"{method}: authorization covers unary methods only")
+        inner: Handler = handler.unary_unary  # type: ignore[assignment]
+        access = self.access
+
+        async def authorized(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            denied = access.check(peer_identity(context), method)
+            if denied is not None:
+                await refuse(context, denied)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            authorized,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

@@ -1,0 +1,57 @@
+"""The authorization table and the access map file (fencemark.node.authz)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fencemark.node.authz import METHOD_RIGHTS, AccessMap, Right, load_access, parse_access
+from fencemark.node.errors import Denial
+from fencemark.node.server import SERVICES
+from fencemark.node.tls import Identity
+
+
+def test_every_method_of_every_service_needs_a_right() -> None:
+    methods = {f"/{s.full_name}/{m.name}" for s in SERVICES for m in s.methods}
+    assert methods == set(METHOD_RIGHTS)
+
+
+def test_a_method_missing_from_the_table_is_refused_to_everyone() -> None:
+    denied = AccessMap().check(Identity("client", "alice"), "/fencemark.v1.Records/Future")
+    assert denied is not None and denied.denial is Denial.MISSING_RIGHT
+
+
+def test_nodes_read_and_replicate_clients_get_what_the_map_says() -> None:
+    access = parse_access({"clients": {"alice": ["read"], "*": ["read", "write"]}})
+    node = Identity("region", "eu")
+    assert access.rights(node) == {Right.READ, Right.REPLICATE}
+    assert access.rights(Identity("client", "alice")) == {Right.READ}
+    assert access.rights(Identity("client", "bob")) == {Right.READ, Right.WRITE}
+    assert parse_access({"clients": {}}).rights(Identity("client", "bob")) == frozenset()
+    assert AccessMap().check(None, "/fencemark.v1.Records/Get") is not None
+
+
+def test_access_files_in_toml_and_json(tmp_path: Path) -> None:
+    toml = tmp_path / "access.toml"
+    toml.write_text('[clients]\nalice = ["read", "claim"]\n')
+    as_json = tmp_path / "access.json"
+    as_json.write_text(json.dumps({"clients": {"alice": ["read", "claim"]}}))
+    for path in (toml, as_json):
+        assert load_access(path).rights(Identity("client", "alice")) == {Right.READ, Right.CLAIM}
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        ({"clients": {"alice": ["fly"]}}, "rights are"),
+        ({"clients": {"alice": ["replicate"]}}, "node certificates only"),
+        ({"clients": {"al ice": ["read"]}}, "client"),
+        ({"clients": {"alice": "read"}}, "list of rights"),
+        ({"users": {}}, "unknown keys"),
+    ],
+)
+def test_a_bad_access_map_is_refused_in_words(data: dict[str, object], says: str) -> None:
+    with pytest.raises(Exception, match=says):
+        parse_access(data)
