@@ -364,19 +364,16 @@ class Replicator:
             key: (digest, hlc)
             for key, digest, hlc in await self.replica.storage.bucket_entries(buckets)
         }
-        differing = {
-            key for key, (digest, _) in theirs.items() if mine.get(key, (b"",))[0] != digest
-        }
-        differing |= mine.keys() - theirs.keys()
+        changed = [k for k, (digest, _) in theirs.items() if mine.get(k, (b"",))[0] != digest]
+        only_mine = len(mine.keys() - theirs.keys())
         # Skip states whose largest HLC is below ours: typically an older version
         # of ours. Should one hold something ours lacks, the peer pulls ours (its
         # HLC is larger) and the next comparison fetches the join; a node catching
         # up after disk loss takes everything (docs/replication.md, step 4).
-        differing_theirs = [key for key in theirs if key in differing]
-        behind = set()
-        if not self.catching_up:
-            behind = {k for k in differing_theirs if k in mine and theirs[k][1] < mine[k][1]}
-        pull, pulled = [key for key in differing_theirs if key not in behind], 0
+        pull = [
+            k for k in changed if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
+        ]
+        pulled = 0
         while pull:
             fetch = replication_pb2.FetchRequest(origin=self._origin(), keys=pull[:MAX_STATES])
             found = await self._call(peer, "Fetch", fetch, replication_pb2.FetchResponse)
@@ -386,4 +383,4 @@ class Replicator:
             )
             pulled += len(records)
             pull = [*found.truncated, *pull[MAX_STATES:]]
-        return RoundResult(False, pulled, len(differing), truncated)
+        return RoundResult(False, pulled, len(changed) + only_mine, truncated)
