@@ -162,10 +162,10 @@ def channel(target: str) -> Iterator[grpc.Channel]:
 def fingerprint(channel: grpc.Channel) -> tuple[bytes, int]:
     """The node's whole state in two numbers: its digest-tree root and record count."""
     tree = replication_pb2_grpc.ReplicationStub(channel).Tree(
-        replication_pb2.TreeRequest(origin=replication_pb2.Origin(region="fuzz"), level=0,
-                                    nodes=[0]), timeout=CALL_DEADLINE_S)  # fmt: skip
+        replication_pb2.TreeRequest(origin=replication_pb2.Origin(region="fuzz"), level=0),
+        timeout=CALL_DEADLINE_S)  # fmt: skip
     info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=CALL_DEADLINE_S)
-    return tree.hashes[0], info.record_count
+    return tree.hashes, info.record_count
 
 
 def call(channel: grpc.Channel, service: Any, method: Any, request: bytes) -> grpc.StatusCode:

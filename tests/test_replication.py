@@ -24,7 +24,10 @@ from fencemark.client import AsyncClient, ClaimConflict, NotFound, Unavailable, 
 from fencemark.node.admission import RECOVERY_GAP
 from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
+from fencemark.node.digest_tree import bucket_of
 from fencemark.node.errors import ClockSkewed
+from fencemark.node.replication import replicator as replicator_module
+from fencemark.node.replication import service as replication_service
 from fencemark.node.replication.replicator import Replicator, RoundResult
 from fencemark.node.server import CLAIMS_SERVICE, NodeServer
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
@@ -313,14 +316,15 @@ async def test_anti_entropy_alone_repairs_a_node_that_was_down(tmp_path: Path) -
 
 
 async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_differences(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SPEC §5: agreeing replicas exchange one root hash; differing ones only what differs.
 
     The bytes of an in-sync round are the same at 100 and at 2000 records. Then
     us, cut off from eu (restarted without peers, so it pushes nothing), writes
     K records; one round started by eu pulls exactly those K. A difference of
-    hundreds of records takes several bounded rounds.
+    more records than a round may list (lowered to 200 here) takes several
+    bounded rounds.
     """
     async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
         us, eu = await cluster.start_all()
@@ -373,7 +377,8 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
         await assert_identical([us, eu])
 
         # A large difference is repaired by several bounded rounds, not one huge one.
-        big = 600
+        big, bound = 600, 200
+        monkeypatch.setattr(replicator_module, "MAX_ROUND_RECORDS", bound)
         async with AsyncClient(us.address) as client:
             await fill(client, 2000, 2000 + big)
         pulled = []
@@ -381,11 +386,12 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
             result, _, _ = await one_round(eu, "us")
             if result.in_sync:
                 break
-            assert result.pulled <= big // 2, f"one round pulled {result.pulled} of {big}"
+            assert result.pulled <= bound, f"one round pulled {result.pulled} of {big}"
             pulled.append(result.pulled)
             assert len(pulled) < 50, f"no convergence after rounds pulling {pulled}"
-        assert sum(pulled) == big and len(pulled) >= 2, pulled
+        assert sum(pulled) == big and len(pulled) >= 3, pulled
         await assert_identical([us, eu])
+        monkeypatch.undo()
 
         # Rounds only pull, and not what is behind: us, ahead again, fetches none of
         # eu's older states; eu's round takes us's newer ones, each exactly once.
@@ -410,6 +416,96 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
 def push_request(region: str, hlc: int, *states: bytes) -> replication_pb2.PushRequest:
     origin = replication_pb2.Origin(region=region, node_id="test-node", hlc=hlc)
     return replication_pb2.PushRequest(origin=origin, states=list(states))
+
+
+async def test_tree_and_buckets_answer_by_subtree_and_refuse_what_they_cannot(
+    tmp_path: Path,
+) -> None:
+    """The wire contract of a descent: Tree answers for the children of the parents
+    asked about (8-byte hashes and record counts; the root alone: 16 bytes, no
+    count); Buckets lists every record below inner nodes as well as leaf buckets.
+    Requests beyond the limits are INVALID_ARGUMENT naming the field."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us", peers={})
+        async with AsyncClient(us.address) as client:
+            for i in range(30):
+                await client.remember(REPO, "tree", f"t{i:02d}", body="b")
+        tree = us.storage.tree
+        origin = replication_pb2.Origin(region="eu", node_id="n", hlc=pack(wall_clock_ms()))
+        async with grpc.aio.insecure_channel(us.address) as channel:
+            stub = replication_pb2_grpc.ReplicationStub(channel)
+            root = await stub.Tree(replication_pb2.TreeRequest(origin=origin), timeout=10)
+            assert (root.hashes, list(root.counts)) == (tree.root, [])
+
+            level2 = await stub.Tree(
+                replication_pb2.TreeRequest(origin=origin, level=2, parents=[0, 15]), timeout=10
+            )
+            nodes = [*range(0, 16), *range(240, 256)]
+            assert level2.hashes == tree.hashes(2, nodes) and len(level2.hashes) == 8 * 32
+            assert list(level2.counts) == tree.counts(2, nodes)
+
+            # Every record, listed through the 16 level-1 nodes, then one leaf bucket.
+            listed = await stub.Buckets(
+                replication_pb2.BucketsRequest(origin=origin, level=1, nodes=list(range(16))),
+                timeout=10,
+            )
+            assert [e.key for e in listed.entries] == sorted(await digests_of(us))
+            first = listed.entries[0]
+            leaf = await stub.Buckets(
+                replication_pb2.BucketsRequest(
+                    origin=origin, level=4, nodes=[bucket_of(first.key)]
+                ),
+                timeout=10,
+            )
+            assert first in leaf.entries
+
+            bad_trees = [
+                (replication_pb2.TreeRequest(origin=origin, level=5, parents=[0]), "level"),
+                (replication_pb2.TreeRequest(origin=origin, level=0, parents=[0]), "parents"),
+                (replication_pb2.TreeRequest(origin=origin, level=2, parents=[16]), "parents"),
+                (replication_pb2.TreeRequest(origin=origin, level=4, parents=[0] * 257), "parents"),
+            ]
+            bad_listings = [
+                (replication_pb2.BucketsRequest(origin=origin, level=1, nodes=[16]), "nodes"),
+                (replication_pb2.BucketsRequest(origin=origin, level=9, nodes=[0]), "level"),
+                (replication_pb2.BucketsRequest(origin=origin, level=4, nodes=[0] * 1025), "nodes"),
+            ]
+            refusals = []
+            for tree_request, field in bad_trees:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Tree(tree_request, timeout=10)
+                refusals.append((refused.value, field))
+            for listing, field in bad_listings:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Buckets(listing, timeout=10)
+                refusals.append((refused.value, field))
+            for error, field in refusals:
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+                assert field in (error.details() or ""), (field, error)
+
+
+async def test_a_listing_of_more_records_than_allowed_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Buckets request whose nodes hold more records than one reply may carry
+    (16384; lowered to 10 here) is refused naming ``nodes``: a peer lists only
+    small subtrees, and in requests its counts keep under half that."""
+    monkeypatch.setattr(replication_service, "MAX_LIST_RECORDS", 10)
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us", peers={})
+        async with AsyncClient(us.address) as client:
+            for i in range(11):
+                await client.remember(REPO, "many", f"m{i:02d}", body="b")
+        origin = replication_pb2.Origin(region="eu", node_id="n", hlc=pack(wall_clock_ms()))
+        async with grpc.aio.insecure_channel(us.address) as channel:
+            stub = replication_pb2_grpc.ReplicationStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Buckets(
+                    replication_pb2.BucketsRequest(origin=origin, level=0, nodes=[0]), timeout=10
+                )
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "nodes" in (refused.value.details() or "")
+            assert "11 records" in (refused.value.details() or "")
 
 
 async def test_a_peer_clock_beyond_max_offset_is_refused_counted_and_nothing_merged(
@@ -453,7 +549,6 @@ async def test_a_peer_clock_beyond_max_offset_is_refused_counted_and_nothing_mer
                     replication_pb2.TreeRequest(
                         origin=replication_pb2.Origin(region="eu", node_id="n", hlc=ahead),
                         level=0,
-                        nodes=[0],
                     ),
                     timeout=10,
                 ),

@@ -35,6 +35,7 @@ from fencemark.bench.seed import copy_replica, seed, seed_key
 from fencemark.bench.stats import median
 from fencemark.client import AsyncClient
 from fencemark.node.cluster import LocalCluster, free_port
+from fencemark.node.digest_tree import hash_bytes
 from fencemark.node.proxy import FaultProxy, ProxyMesh
 from fencemark.node.server import NodeConfig, NodeServer
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
@@ -165,11 +166,13 @@ async def _replication_stub(
 
 
 async def _tree(
-    stub: replication_pb2_grpc.ReplicationAsyncStub, level: int, nodes: list[int]
+    stub: replication_pb2_grpc.ReplicationAsyncStub, level: int, parents: list[int]
 ) -> list[bytes]:
-    request = replication_pb2.TreeRequest(origin=ORIGIN, level=level, nodes=nodes)
+    """The hashes of the nodes at ``level`` below ``parents`` (the root at level 0)."""
+    request = replication_pb2.TreeRequest(origin=ORIGIN, level=level, parents=parents)
     response = await stub.Tree(request, timeout=10)
-    return list(response.hashes)
+    width = hash_bytes(level)
+    return [response.hashes[i : i + width] for i in range(0, len(response.hashes), width)]
 
 
 async def _fetch_sizes(stub: replication_pb2_grpc.ReplicationAsyncStub, keys: Sequence[str]) -> int:
@@ -199,7 +202,7 @@ async def _write_divergence(address: str, keys: Sequence[str], tag: str) -> None
 
 
 async def _same_roots(stubs: Sequence[replication_pb2_grpc.ReplicationAsyncStub]) -> bool:
-    roots = [(await _tree(stub, 0, [0]))[0] for stub in stubs]
+    roots = [(await _tree(stub, 0, []))[0] for stub in stubs]
     return len(set(roots)) == 1
 
 
@@ -241,11 +244,11 @@ async def repair_after_partition(
             healed = time.monotonic()
             progress.status(f"K={k:,}: healed, waiting for byte-identical replicas")
             timeline: list[tuple[float, int]] = []
-            level2 = list(range(256))
+            level1 = list(range(16))  # the parents of level 2's 256 nodes
 
             async def identical() -> bool:
-                ours = await _tree(stubs["us"], 2, level2)
-                theirs = await _tree(stubs["ap"], 2, level2)
+                ours = await _tree(stubs["us"], 2, level1)
+                theirs = await _tree(stubs["ap"], 2, level1)
                 differing = sum(a != b for a, b in zip(ours, theirs, strict=True))
                 timeline.append((time.monotonic() - healed, differing))
                 return differing == 0 and await _same_roots(list(stubs.values()))

@@ -9,6 +9,13 @@ Shape: ``FANOUT ** DEPTH`` leaf buckets (16^4 = 65536) under ``DEPTH`` levels of
 A node's hash is the XOR of ``item_hash(key, digest)`` over every record below
 it, so a write updates one path in O(DEPTH) without rehashing anything else,
 and the tree never needs to be rebuilt by scanning (only loaded at start-up).
+Each node also counts the records below it: a peer descending the tree lists a
+node's records directly once there are few enough of them (docs/replication.md).
+
+The root is compared on its whole ``HASH_BYTES``; nodes below it on their first
+``INNER_HASH_BYTES``: a round only descends below a root that differs, and a
+2^-64 chance that one differing subtree looks equal for one round costs less
+than twice the bytes in every round.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ FANOUT = 16
 DEPTH = 4
 LEAVES = FANOUT**DEPTH
 HASH_BYTES = 16
+INNER_HASH_BYTES = 8
 
 
 def bucket_of(key: str) -> int:
@@ -37,15 +45,27 @@ def level_size(level: int) -> int:
     return int(FANOUT**level)
 
 
+def hash_bytes(level: int) -> int:
+    """How many bytes of a node's hash at ``level`` peers exchange."""
+    return HASH_BYTES if level == 0 else INNER_HASH_BYTES
+
+
 def children(level: int, node: int) -> range:
     """Indices at ``level + 1`` of the children of ``node`` at ``level``."""
     return range(node * FANOUT, (node + 1) * FANOUT)
 
 
+def leaf_range(level: int, node: int) -> range:
+    """The leaf buckets below ``node`` at ``level``."""
+    span = FANOUT ** (DEPTH - level)
+    return range(node * span, (node + 1) * span)
+
+
 class DigestTree:
     def __init__(self) -> None:
-        # One list of XOR accumulators per level, root first.
+        # One list of XOR accumulators per level, root first; record counts beside.
         self._levels = [[0] * level_size(level) for level in range(DEPTH + 1)]
+        self._counts = [[0] * level_size(level) for level in range(DEPTH + 1)]
 
     def update(self, key: str, old_digest: bytes | None, new_digest: bytes | None) -> None:
         """Account for ``key`` changing from ``old_digest`` to ``new_digest`` (None: absent)."""
@@ -56,9 +76,11 @@ class DigestTree:
             delta ^= item_hash(key, new_digest)
         if not delta:
             return
+        added = (new_digest is not None) - (old_digest is not None)
         node = bucket_of(key)
         for level in range(DEPTH, -1, -1):
             self._levels[level][node] ^= delta
+            self._counts[level][node] += added
             node //= FANOUT
 
     def load(self, items: Iterable[tuple[str, bytes]]) -> None:
@@ -66,10 +88,19 @@ class DigestTree:
             self.update(key, None, digest)
 
     def hash(self, level: int, node: int) -> bytes:
-        return self._levels[level][node].to_bytes(HASH_BYTES, "big")
+        """The node's hash as peers exchange it (``hash_bytes(level)`` bytes)."""
+        return self._levels[level][node].to_bytes(HASH_BYTES, "big")[: hash_bytes(level)]
 
-    def hashes(self, level: int, nodes: Sequence[int]) -> list[bytes]:
-        return [self.hash(level, node) for node in nodes]
+    def hashes(self, level: int, nodes: Sequence[int]) -> bytes:
+        """The hashes of ``nodes``, concatenated in order."""
+        return b"".join(self.hash(level, node) for node in nodes)
+
+    def count(self, level: int, node: int) -> int:
+        """How many records lie below ``node``."""
+        return self._counts[level][node]
+
+    def counts(self, level: int, nodes: Sequence[int]) -> list[int]:
+        return [self._counts[level][node] for node in nodes]
 
     @property
     def root(self) -> bytes:

@@ -22,7 +22,7 @@ import secrets
 import sqlite3
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,14 +181,21 @@ class Storage:
     async def count(self) -> int:
         return self.record_count
 
-    async def bucket_entries(self, buckets: list[int]) -> list[tuple[str, bytes, int]]:
-        """``(key, digest, max_hlc)`` of every record in the given leaf buckets, in key order."""
-        if not buckets:
+    async def bucket_entries(self, spans: Sequence[range]) -> list[tuple[str, bytes, int]]:
+        """``(key, digest, max_hlc)`` of every record whose leaf bucket lies in one of
+        ``spans`` (ranges of bucket numbers), in key order."""
+        merged: list[list[int]] = []
+        for span in sorted((s for s in spans if s), key=lambda s: s.start):
+            if merged and span.start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], span.stop)
+            else:
+                merged.append([span.start, span.stop])
+        if not merged:
             return []
-        marks = ",".join("?" * len(buckets))
+        where = " OR ".join(["(bucket >= ? AND bucket < ?)"] * len(merged))
         rows = await self._reader.execute_fetchall(
-            f"SELECT key, digest, max_hlc FROM records WHERE bucket IN ({marks}) ORDER BY key",
-            buckets,
+            f"SELECT key, digest, max_hlc FROM records WHERE {where} ORDER BY key",
+            [bound for pair in merged for bound in pair],
         )
         return [(key, bytes(digest), int(hlc)) for key, digest, hlc in rows]
 

@@ -14,15 +14,17 @@ Two mechanisms:
 - eager push: right after a write is acknowledged, the writing node pushes the
   record's state to every peer (`Push`);
 - anti-entropy: periodically a node compares its digest tree with a random
-  peer's (`Tree`), descends only into differing subtrees, lists the differing
-  leaf buckets (`Buckets`), pulls the states it lacks (`Fetch`) and pushes the
-  ones the peer lacks (`Push`). Replicas that agree exchange one root hash.
+  peer's (`Tree`), descends only into differing subtrees until they hold few
+  records, lists those subtrees' records (`Buckets`) and pulls the states that
+  differ (`Fetch`). Rounds only pull: the peer repairs itself in its own
+  rounds. Replicas that agree exchange one root hash.
 
 The digest tree has a fixed shape: 16^4 = 65536 leaf buckets under four
 levels of 16-way inner nodes. A record's bucket is BLAKE2b(key) with a 2-byte
 digest, read big-endian; a node's hash is the XOR of
 BLAKE2b-128(key || 0x00 || digest) over every record below it (16 zero bytes
-when empty), so it is maintained incrementally on every write.
+when empty), so it is maintained incrementally on every write. Every node
+also counts the records below it.
 
 Every request names its origin. A node refuses, with FAILED_PRECONDITION and
 `google.rpc.ErrorInfo` reason `CLOCK_SKEW`, an exchange whose origin clock or
@@ -133,25 +135,30 @@ class TreeRequest(_message.Message):
 
     ORIGIN_FIELD_NUMBER: _builtins.int
     LEVEL_FIELD_NUMBER: _builtins.int
-    NODES_FIELD_NUMBER: _builtins.int
+    PARENTS_FIELD_NUMBER: _builtins.int
     level: _builtins.int
-    """The tree level: 0 is the root (one node), 4 the leaf buckets (65536 nodes)."""
+    """The tree level asked about: 0 is the root (one node), 4 the leaf buckets
+    (65536 nodes).
+    """
     @_builtins.property
     def origin(self) -> Global___Origin: ...
     @_builtins.property
-    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Node indices within the level (at most 4096 per request)."""
+    def parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The parents, at level - 1, of the nodes asked about: the reply covers all
+        16 children of each, in order (at most 256 parents per request). Empty at
+        level 0: the reply covers the root.
+        """
 
     def __init__(
         self,
         *,
         origin: Global___Origin | None = ...,
         level: _builtins.int = ...,
-        nodes: _abc.Iterable[_builtins.int] | None = ...,
+        parents: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["level", b"level", "nodes", b"nodes", "origin", b"origin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["level", b"level", "origin", b"origin", "parents", b"parents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -162,18 +169,26 @@ class TreeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HASHES_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    hashes: _builtins.bytes
+    """The hash of every node asked about, concatenated in order: the root's 16
+    bytes at level 0, the first 8 bytes of each node's hash below it.
+    """
     @_builtins.property
-    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """One 16-byte hash per requested node, in request order."""
+    def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """How many records lie below each node asked about, in the same order; none
+        at level 0, so that an in-sync round costs the same bytes at any size.
+        """
 
     def __init__(
         self,
         *,
-        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        hashes: _builtins.bytes = ...,
+        counts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "hashes", b"hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -184,22 +199,28 @@ class BucketsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ORIGIN_FIELD_NUMBER: _builtins.int
-    BUCKETS_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    LEVEL_FIELD_NUMBER: _builtins.int
+    level: _builtins.int
     @_builtins.property
     def origin(self) -> Global___Origin: ...
     @_builtins.property
-    def buckets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Leaf bucket indices (at most 1024 per request)."""
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tree nodes at `level` whose records are listed (at most 1024 nodes and
+        16384 records per request): leaf buckets at level 4, inner nodes above,
+        the whole store at level 0.
+        """
 
     def __init__(
         self,
         *,
         origin: Global___Origin | None = ...,
-        buckets: _abc.Iterable[_builtins.int] | None = ...,
+        nodes: _abc.Iterable[_builtins.int] | None = ...,
+        level: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "origin", b"origin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["level", b"level", "nodes", b"nodes", "origin", b"origin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -244,7 +265,7 @@ class BucketsResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___BucketEntry]:
-        """Every record of the requested buckets, in key order."""
+        """Every record below the requested nodes, in key order."""
 
     def __init__(
         self,

@@ -71,14 +71,14 @@ class ReplicationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tree(self, request, context):
-        """Tree returns the hashes of digest-tree nodes.
+        """Tree returns the hashes and record counts of digest-tree nodes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Buckets(self, request, context):
-        """Buckets lists the (key, digest) pairs of every record in leaf buckets.
+        """Buckets lists the (key, digest, max_hlc) of every record below tree nodes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

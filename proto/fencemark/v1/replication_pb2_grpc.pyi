@@ -14,15 +14,17 @@ Two mechanisms:
 - eager push: right after a write is acknowledged, the writing node pushes the
   record's state to every peer (`Push`);
 - anti-entropy: periodically a node compares its digest tree with a random
-  peer's (`Tree`), descends only into differing subtrees, lists the differing
-  leaf buckets (`Buckets`), pulls the states it lacks (`Fetch`) and pushes the
-  ones the peer lacks (`Push`). Replicas that agree exchange one root hash.
+  peer's (`Tree`), descends only into differing subtrees until they hold few
+  records, lists those subtrees' records (`Buckets`) and pulls the states that
+  differ (`Fetch`). Rounds only pull: the peer repairs itself in its own
+  rounds. Replicas that agree exchange one root hash.
 
 The digest tree has a fixed shape: 16^4 = 65536 leaf buckets under four
 levels of 16-way inner nodes. A record's bucket is BLAKE2b(key) with a 2-byte
 digest, read big-endian; a node's hash is the XOR of
 BLAKE2b-128(key || 0x00 || digest) over every record below it (16 zero bytes
-when empty), so it is maintained incrementally on every write.
+when empty), so it is maintained incrementally on every write. Every node
+also counts the records below it.
 
 Every request names its origin. A node refuses, with FAILED_PRECONDITION and
 `google.rpc.ErrorInfo` reason `CLOCK_SKEW`, an exchange whose origin clock or
@@ -66,9 +68,9 @@ class ReplicationStub:
     nodes with writes enabled.
     """
     Tree: _grpc.UnaryUnaryMultiCallable[_replication_pb2.TreeRequest, _replication_pb2.TreeResponse]
-    """Tree returns the hashes of digest-tree nodes."""
+    """Tree returns the hashes and record counts of digest-tree nodes."""
     Buckets: _grpc.UnaryUnaryMultiCallable[_replication_pb2.BucketsRequest, _replication_pb2.BucketsResponse]
-    """Buckets lists the (key, digest) pairs of every record in leaf buckets."""
+    """Buckets lists the (key, digest, max_hlc) of every record below tree nodes."""
     Fetch: _grpc.UnaryUnaryMultiCallable[_replication_pb2.FetchRequest, _replication_pb2.FetchResponse]
     """Fetch returns the states of records, tombstones included."""
 
@@ -83,9 +85,9 @@ class ReplicationAsyncStub(ReplicationStub):
     nodes with writes enabled.
     """
     Tree: _aio.UnaryUnaryMultiCallable[_replication_pb2.TreeRequest, _replication_pb2.TreeResponse]  # type: ignore[assignment]
-    """Tree returns the hashes of digest-tree nodes."""
+    """Tree returns the hashes and record counts of digest-tree nodes."""
     Buckets: _aio.UnaryUnaryMultiCallable[_replication_pb2.BucketsRequest, _replication_pb2.BucketsResponse]  # type: ignore[assignment]
-    """Buckets lists the (key, digest) pairs of every record in leaf buckets."""
+    """Buckets lists the (key, digest, max_hlc) of every record below tree nodes."""
     Fetch: _aio.UnaryUnaryMultiCallable[_replication_pb2.FetchRequest, _replication_pb2.FetchResponse]  # type: ignore[assignment]
     """Fetch returns the states of records, tombstones included."""
 
@@ -109,7 +111,7 @@ class ReplicationServicer(metaclass=_abc_1.ABCMeta):
         request: _replication_pb2.TreeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_replication_pb2.TreeResponse, _abc.Awaitable[_replication_pb2.TreeResponse]]:
-        """Tree returns the hashes of digest-tree nodes."""
+        """Tree returns the hashes and record counts of digest-tree nodes."""
 
     @_abc_1.abstractmethod
     def Buckets(
@@ -117,7 +119,7 @@ class ReplicationServicer(metaclass=_abc_1.ABCMeta):
         request: _replication_pb2.BucketsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_replication_pb2.BucketsResponse, _abc.Awaitable[_replication_pb2.BucketsResponse]]:
-        """Buckets lists the (key, digest) pairs of every record in leaf buckets."""
+        """Buckets lists the (key, digest, max_hlc) of every record below tree nodes."""
 
     @_abc_1.abstractmethod
     def Fetch(

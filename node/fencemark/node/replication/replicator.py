@@ -7,8 +7,9 @@
   that stays unreachable (``UNREACHABLE_AFTER_S``).
 - Anti-entropy: every ``interval`` (jittered) a random peer that is not backed
   off gets one round: compare digest-tree roots; if they differ, descend level
-  by level into differing nodes (at most ``MAX_FRONTIER`` per level), list the
-  differing leaf buckets, and pull what the peer has that differs and merge it.
+  by level into differing nodes (at most ``MAX_FRONTIER`` per level) until one
+  holds at most ``LIST_AT`` records on the peer's side, list those nodes'
+  records (at most ``MAX_ROUND_RECORDS``), and pull what differs and merge it.
   Rounds only pull: every node repairs itself, one round at a time, so no state
   is delivered twice by rounds of different nodes racing each other. A round is
   bounded; a round that pulled something is followed by another one soon.
@@ -32,14 +33,16 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from fencemark.node.digest_tree import DEPTH, children
+from fencemark.node.digest_tree import DEPTH, FANOUT, INNER_HASH_BYTES, leaf_range
 from fencemark.node.errors import ClockSkewed
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.replication.service import (
     MAX_BATCH_BYTES,
-    MAX_BUCKETS,
+    MAX_LIST_NODES,
+    MAX_LIST_RECORDS,
     MAX_STATES,
+    MAX_TREE_PARENTS,
     decode_states,
     merge_all,
 )
@@ -49,7 +52,13 @@ from fencemark.v1 import replication_pb2, replication_pb2_grpc
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Message)
 
-MAX_FRONTIER = 256  # tree nodes descended into per level and round
+MAX_FRONTIER = 1024  # tree nodes descended into per level and round
+# A differing node is listed rather than descended into once the peer holds at
+# most this many records below it: asking for its 16 children costs about 16 x 10
+# bytes, listing a record about 45, and after a partition most children differ
+# anyway (docs/performance.md, *Repair bytes*).
+LIST_AT = 8
+MAX_ROUND_RECORDS = 32768  # records listed per round; the rest waits for the next
 PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy repairs
 # A peer that no call has reached (UNAVAILABLE, DEADLINE_EXCEEDED) for this many
 # attempts in a row and this many seconds has its push queue dropped, and no keys
@@ -332,37 +341,76 @@ class Replicator:
         """One bounded anti-entropy round with ``peer``: this node pulls what differs."""
         self.rounds += 1
         tree = self.replica.storage.tree
-        request = replication_pb2.TreeRequest(origin=self._origin(), level=0, nodes=[0])
+        listed: dict[int, list[tuple[int, int]]] = {}  # level -> [(node, peer's count)]
+        records = only_mine = 0  # the peer's records below listed nodes; ours below
+        truncated = False
+        request = replication_pb2.TreeRequest(origin=self._origin(), level=0)
         response = await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
-        if response.hashes[0] == tree.root:
+        if response.hashes == tree.root:
             return RoundResult(in_sync=True)
-        frontier, truncated = [0], False
+        frontier = [0]  # differing nodes to descend into; the root has no count
         for level in range(1, DEPTH + 1):
-            nodes = [child for node in frontier for child in children(level - 1, node)]
-            request = replication_pb2.TreeRequest(origin=self._origin(), level=level, nodes=nodes)
-            response = await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
-            frontier = [
-                node
-                for node, theirs in zip(nodes, response.hashes, strict=True)
-                if theirs != tree.hash(level, node)
-            ]
+            nodes, hashes, counts = await self._tree(peer, level, frontier)
+            frontier = []
+            for i, (node, theirs) in enumerate(zip(nodes, counts, strict=True)):
+                at = i * INNER_HASH_BYTES
+                if hashes[at : at + INNER_HASH_BYTES] == tree.hash(level, node):
+                    continue
+                if theirs == 0:  # the peer has nothing here: it pulls ours
+                    only_mine += tree.count(level, node)
+                elif level < DEPTH and theirs > LIST_AT:
+                    frontier.append(node)
+                elif records + theirs <= MAX_ROUND_RECORDS:
+                    listed.setdefault(level, []).append((node, theirs))
+                    records += theirs
+                else:
+                    truncated = True
             if len(frontier) > MAX_FRONTIER:
                 frontier, truncated = sorted(random.sample(frontier, MAX_FRONTIER)), True
-        return await self._repair_buckets(peer, frontier, truncated)
+            if not frontier:
+                break
+        result = await self._repair(peer, listed, truncated)
+        result.divergence += only_mine
+        return result
 
-    async def _repair_buckets(
-        self, peer: _Peer, buckets: list[int], truncated: bool
+    async def _tree(
+        self, peer: _Peer, level: int, parents: list[int]
+    ) -> tuple[list[int], bytes, list[int]]:
+        """The nodes at ``level`` (>= 1) below ``parents``, with the peer's hashes
+        (concatenated) and record counts for them."""
+        nodes: list[int] = []
+        hashes: list[bytes] = []
+        counts: list[int] = []
+        for start in range(0, len(parents), MAX_TREE_PARENTS):
+            chunk = parents[start : start + MAX_TREE_PARENTS]
+            request = replication_pb2.TreeRequest(origin=self._origin(), level=level, parents=chunk)
+            response = await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
+            nodes.extend(c for p in chunk for c in range(p * FANOUT, (p + 1) * FANOUT))
+            hashes.append(response.hashes)
+            counts.extend(response.counts)
+        if len(counts) != len(nodes) or sum(map(len, hashes)) != len(nodes) * INNER_HASH_BYTES:
+            raise ValueError(f"a Tree reply for {len(nodes)} nodes at level {level} is malformed")
+        return nodes, b"".join(hashes), counts
+
+    async def _repair(
+        self, peer: _Peer, listed: dict[int, list[tuple[int, int]]], truncated: bool
     ) -> RoundResult:
+        """List the records below ``listed`` nodes on both sides; pull what differs."""
         theirs: dict[str, tuple[bytes, int]] = {}
-        for start in range(0, len(buckets), MAX_BUCKETS):
-            listing = replication_pb2.BucketsRequest(
-                origin=self._origin(), buckets=buckets[start : start + MAX_BUCKETS]
-            )
-            entries = await self._call(peer, "Buckets", listing, replication_pb2.BucketsResponse)
-            theirs.update((e.key, (e.digest, e.max_hlc)) for e in entries.entries)
+        spans: list[range] = []
+        for level, nodes in listed.items():
+            spans.extend(leaf_range(level, node) for node, _ in nodes)
+            for chunk in _listing_chunks(nodes):
+                listing = replication_pb2.BucketsRequest(
+                    origin=self._origin(), level=level, nodes=chunk
+                )
+                entries = await self._call(
+                    peer, "Buckets", listing, replication_pb2.BucketsResponse
+                )
+                theirs.update((e.key, (e.digest, e.max_hlc)) for e in entries.entries)
         mine = {
             key: (digest, hlc)
-            for key, digest, hlc in await self.replica.storage.bucket_entries(buckets)
+            for key, digest, hlc in await self.replica.storage.bucket_entries(spans)
         }
         changed = [k for k, (digest, _) in theirs.items() if mine.get(k, (b"",))[0] != digest]
         only_mine = len(mine.keys() - theirs.keys())
@@ -384,3 +432,20 @@ class Replicator:
             pulled += len(records)
             pull = [*found.truncated, *pull[MAX_STATES:]]
         return RoundResult(False, pulled, len(changed) + only_mine, truncated)
+
+
+def _listing_chunks(nodes: list[tuple[int, int]]) -> list[list[int]]:
+    """``(node, count)`` pairs split into Buckets requests the peer accepts: at
+    most ``MAX_LIST_NODES`` nodes, and half ``MAX_LIST_RECORDS`` by the peer's
+    counts (they may have grown since its Tree reply)."""
+    chunks: list[list[int]] = [[]]
+    records = 0
+    for node, count in nodes:
+        if chunks[-1] and (
+            len(chunks[-1]) == MAX_LIST_NODES or records + count > MAX_LIST_RECORDS // 2
+        ):
+            chunks.append([])
+            records = 0
+        chunks[-1].append(node)
+        records += count
+    return chunks

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from fencemark.node.crdt import ClockSkew, Record, codec
-from fencemark.node.digest_tree import DEPTH, LEAVES, level_size
+from fencemark.node.digest_tree import DEPTH, children, leaf_range, level_size
 from fencemark.node.errors import ClockSkewed, Denial, InvalidInput, PermissionDenied
 from fencemark.node.integrity import MergeRefused
 from fencemark.node.replica import Replica
@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 MAX_STATES = 512
 MAX_BATCH_BYTES = 6 << 20
-MAX_TREE_NODES = 4096
-MAX_BUCKETS = 1024
+MAX_TREE_PARENTS = 256  # a Tree reply covers 16 children of each: 4096 nodes
+MAX_LIST_NODES = 1024  # tree nodes per Buckets request ...
+MAX_LIST_RECORDS = 16384  # ... and records they may hold
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -41,6 +42,12 @@ def check_clock(replica: Replica, region: str, hlcs: list[int]) -> None:
             replica.clock.check(hlc)
     except ClockSkew as skew:
         raise ClockSkewed(region, skew.remote_ms - skew.local_ms, skew.max_offset_ms) from skew
+
+
+def _check_nodes(field: str, level: int, nodes: Sequence[int]) -> None:
+    size = level_size(level)
+    if any(node >= size for node in nodes):
+        raise InvalidInput.field(field, f"level {level} has nodes 0-{size - 1}")
 
 
 def decode_states(states: list[bytes], field: str = "states") -> list[Record]:
@@ -173,13 +180,21 @@ class ReplicationService:
         peer = self._admit(request.origin, request.ByteSize(), context)
         if request.level > DEPTH:
             raise InvalidInput.field("level", f"levels are 0-{DEPTH}")
-        if len(request.nodes) > MAX_TREE_NODES:
-            raise InvalidInput.field("nodes", f"at most {MAX_TREE_NODES} nodes per request")
-        size = level_size(request.level)
-        if any(node >= size for node in request.nodes):
-            raise InvalidInput.field("nodes", f"level {request.level} has nodes 0-{size - 1}")
         tree = self.replica.storage.tree
-        response = replication_pb2.TreeResponse(hashes=tree.hashes(request.level, request.nodes))
+        if request.level == 0:
+            if request.parents:
+                raise InvalidInput.field("parents", "the root (level 0) has no parents")
+            nodes: list[int] = [0]
+        else:
+            if len(request.parents) > MAX_TREE_PARENTS:
+                raise InvalidInput.field(
+                    "parents", f"at most {MAX_TREE_PARENTS} parents per request"
+                )
+            _check_nodes("parents", request.level - 1, request.parents)
+            nodes = [c for p in request.parents for c in children(request.level - 1, p)]
+        response = replication_pb2.TreeResponse(hashes=tree.hashes(request.level, nodes))
+        if request.level > 0:  # the root's count would make in-sync rounds grow with it
+            response.counts.extend(tree.counts(request.level, nodes))
         self._sent(peer, response.ByteSize())
         return response
 
@@ -188,11 +203,20 @@ class ReplicationService:
         self, request: replication_pb2.BucketsRequest, context: Context
     ) -> replication_pb2.BucketsResponse:
         peer = self._admit(request.origin, request.ByteSize(), context)
-        if len(request.buckets) > MAX_BUCKETS:
-            raise InvalidInput.field("buckets", f"at most {MAX_BUCKETS} buckets per request")
-        if any(bucket >= LEAVES for bucket in request.buckets):
-            raise InvalidInput.field("buckets", f"buckets are 0-{LEAVES - 1}")
-        entries = await self.replica.storage.bucket_entries(list(request.buckets))
+        if request.level > DEPTH:
+            raise InvalidInput.field("level", f"levels are 0-{DEPTH}")
+        if len(request.nodes) > MAX_LIST_NODES:
+            raise InvalidInput.field("nodes", f"at most {MAX_LIST_NODES} nodes per request")
+        _check_nodes("nodes", request.level, request.nodes)
+        tree = self.replica.storage.tree
+        records = sum(tree.counts(request.level, request.nodes))
+        if records > MAX_LIST_RECORDS:
+            raise InvalidInput.field(
+                "nodes",
+                f"these nodes hold {records} records, at most {MAX_LIST_RECORDS} per request",
+            )
+        spans = [leaf_range(request.level, node) for node in request.nodes]
+        entries = await self.replica.storage.bucket_entries(spans)
         response = replication_pb2.BucketsResponse(
             entries=[replication_pb2.BucketEntry(key=k, digest=d, max_hlc=h) for k, d, h in entries]
         )

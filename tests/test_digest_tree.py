@@ -1,0 +1,101 @@
+"""The digest tree's hashes and counts, against a brute-force recount (Hypothesis).
+
+Anti-entropy trusts two things about every tree node: its hash is the XOR of its
+records' item hashes (so equal sets give equal hashes, whatever the order of the
+writes), and its count is the number of records below it (so a peer can list a
+small subtree instead of descending into it). Both are maintained incrementally,
+one path per write; here they are recomputed from scratch after arbitrary
+sequences of creations, updates and deletions.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fencemark.node.digest_tree import (
+    DEPTH,
+    FANOUT,
+    HASH_BYTES,
+    INNER_HASH_BYTES,
+    DigestTree,
+    bucket_of,
+    hash_bytes,
+    item_hash,
+    leaf_range,
+)
+
+KEYS = st.sampled_from([f"repo/r/mem/t/k{i}" for i in range(40)])
+DIGESTS = st.binary(min_size=16, max_size=16)
+# A write: the key and its new digest, or None for a deletion.
+WRITES = st.lists(st.tuples(KEYS, st.none() | DIGESTS), max_size=60)
+
+
+def replay(writes: list[tuple[str, bytes | None]]) -> tuple[DigestTree, dict[str, bytes]]:
+    tree, live = DigestTree(), dict[str, bytes]()
+    for key, digest in writes:
+        tree.update(key, live.get(key), digest)
+        if digest is None:
+            live.pop(key, None)
+        else:
+            live[key] = digest
+    return tree, live
+
+
+def node_of(key: str, level: int) -> int:
+    return bucket_of(key) // int(FANOUT ** (DEPTH - level))
+
+
+@given(WRITES)
+def test_every_node_counts_and_hashes_exactly_the_records_below_it(
+    writes: list[tuple[str, bytes | None]],
+) -> None:
+    tree, live = replay(writes)
+    for level in range(DEPTH + 1):
+        expected: dict[int, tuple[int, int]] = {}
+        for key, digest in live.items():
+            count, xor = expected.get(node_of(key, level), (0, 0))
+            expected[node_of(key, level)] = (count + 1, xor ^ item_hash(key, digest))
+        touched = {node_of(key, level) for key, _ in writes} | set(expected)
+        for node in touched:
+            count, xor = expected.get(node, (0, 0))
+            assert tree.count(level, node) == count
+            full = xor.to_bytes(HASH_BYTES, "big")
+            assert tree.hash(level, node) == full[: hash_bytes(level)]
+    assert tree.count(0, 0) == len(live)
+
+
+@given(WRITES, st.randoms(use_true_random=False))
+def test_the_tree_depends_on_the_records_not_the_order_of_the_writes(
+    writes: list[tuple[str, bytes | None]], rnd: random.Random
+) -> None:
+    tree, live = replay(writes)
+    again = DigestTree()
+    items = list(live.items())
+    rnd.shuffle(items)
+    again.load(items)
+    for level in range(DEPTH + 1):
+        nodes = sorted({node_of(key, level) for key, _ in writes})
+        assert again.hashes(level, nodes) == tree.hashes(level, nodes)
+        assert again.counts(level, nodes) == tree.counts(level, nodes)
+
+
+def test_the_root_is_exchanged_whole_and_inner_nodes_by_prefix() -> None:
+    tree = DigestTree()
+    tree.update("k", None, b"d" * 16)
+    assert len(tree.root) == HASH_BYTES
+    for level in range(1, DEPTH + 1):
+        node = node_of("k", level)
+        assert tree.hash(level, node) == tree.root[:INNER_HASH_BYTES]  # one record: same XOR
+        assert len(tree.hashes(level, [node, node ^ 1])) == 2 * INNER_HASH_BYTES
+
+
+@given(KEYS, st.integers(0, DEPTH))
+def test_a_nodes_leaf_range_holds_exactly_the_buckets_below_it(key: str, level: int) -> None:
+    node = node_of(key, level)
+    span = leaf_range(level, node)
+    assert bucket_of(key) in span
+    assert len(span) == FANOUT ** (DEPTH - level)
+    assert node + 1 == FANOUT**level or bucket_of(key) not in leaf_range(level, node + 1)
