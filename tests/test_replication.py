@@ -484,6 +484,44 @@ async def test_tree_and_buckets_answer_by_subtree_and_refuse_what_they_cannot(
                 assert field in (error.details() or ""), (field, error)
 
 
+class MalformedPeer(replication_pb2_grpc.ReplicationServicer):
+    """A peer whose every Tree reply is malformed: a root that differs from any
+    real one, then hashes of the wrong length for the level below."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Tree(
+        self, request: replication_pb2.TreeRequest, context: Any
+    ) -> replication_pb2.TreeResponse:
+        self.calls += 1
+        width = 16 if request.level == 0 else 3
+        return replication_pb2.TreeResponse(hashes=b"\xff" * width, counts=[1])
+
+
+async def test_a_round_that_fails_unexpectedly_backs_off_and_rounds_go_on(tmp_path: Path) -> None:
+    """An error no gRPC status describes (here a peer's malformed reply) ends that
+    round, counts as the peer's failure with the reason, and later rounds still run."""
+    server = grpc.aio.server()
+    peer = MalformedPeer()  # type: ignore[abstract]  # a round calls only Tree here
+    replication_pb2_grpc.add_ReplicationServicer_to_server(peer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+            us = await cluster.start("us", peers={"eu": f"127.0.0.1:{port}"})
+
+            async def failed_twice() -> bool:
+                return peer.calls >= 4 and us.replicator.rounds >= 2
+
+            await eventually(failed_twice, "two failed rounds", within=20)
+            stats = us.replicator.peer_stats("eu")
+            assert "malformed" in stats.last_error, stats.last_error
+            assert not stats.reachable
+    finally:
+        await server.stop(None)
+
+
 async def test_a_listing_of_more_records_than_allowed_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

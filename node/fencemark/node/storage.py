@@ -38,6 +38,7 @@ T = TypeVar("T")
 # Rows per upsert statement: one statement is one step however many rows it has,
 # and 6 parameters a row stay far below SQLite's 32766-variable limit.
 ROWS_PER_STATEMENT = 500
+RANGES_PER_STATEMENT = 250  # bucket ranges OR-ed together in one listing query
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -190,14 +191,18 @@ class Storage:
                 merged[-1][1] = max(merged[-1][1], span.stop)
             else:
                 merged.append([span.start, span.stop])
-        if not merged:
-            return []
-        where = " OR ".join(["(bucket >= ? AND bucket < ?)"] * len(merged))
-        rows = await self._reader.execute_fetchall(
-            f"SELECT key, digest, max_hlc FROM records WHERE {where} ORDER BY key",
-            [bound for pair in merged for bound in pair],
-        )
-        return [(key, bytes(digest), int(hlc)) for key, digest, hlc in rows]
+        entries: list[tuple[str, bytes, int]] = []
+        # SQLite parses a chain of ORs into an expression tree at most 1000 deep.
+        for start in range(0, len(merged), RANGES_PER_STATEMENT):
+            chunk = merged[start : start + RANGES_PER_STATEMENT]
+            where = " OR ".join(["(bucket >= ? AND bucket < ?)"] * len(chunk))
+            rows = await self._reader.execute_fetchall(
+                f"SELECT key, digest, max_hlc FROM records WHERE {where}",
+                [bound for pair in chunk for bound in pair],
+            )
+            entries.extend((key, bytes(digest), int(hlc)) for key, digest, hlc in rows)
+        entries.sort()
+        return entries
 
     async def states(self, keys: list[str]) -> dict[str, bytes]:
         """Canonical states of the given keys that exist (as stored, not decoded)."""

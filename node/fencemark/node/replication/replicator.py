@@ -129,6 +129,12 @@ class _Peer:
         self.push_probe_at = time.monotonic() + 60.0
         self.backlog.clear()  # it pulls by itself; nothing queued would be sent
 
+    def requeue(self, keys: list[str]) -> None:
+        """Put back the keys of a batch that did not get through."""
+        for key in keys:
+            if len(self.backlog) < PUSH_QUEUE_LIMIT:
+                self.backlog.setdefault(key, None)
+
     def unreachable(self) -> bool:
         return (
             self.unanswered >= UNREACHABLE_AFTER
@@ -270,18 +276,21 @@ class Replicator:
                 keys = list(itertools.islice(peer.backlog, MAX_STATES))
                 for key in keys:
                     del peer.backlog[key]
-                states = await self.replica.storage.states(keys)
                 try:
+                    states = await self.replica.storage.states(keys)
                     await self._push(peer, [states[k] for k in keys if k in states])
                 except grpc.aio.AioRpcError as exc:
-                    for key in keys:
-                        if len(peer.backlog) < PUSH_QUEUE_LIMIT:
-                            peer.backlog.setdefault(key, None)
+                    peer.requeue(keys)
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                         peer.refuses_pushes()  # a read-only peer: it pulls instead
                     elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         peer.stats.skew_alarms += 1  # the peer refused our clock
                     peer.back_off(f"push: {exc.code().name}: {exc.details()}", exc.code())
+                    continue
+                except Exception as exc:  # a local fault: keep the keys, never end the loop
+                    log.exception("push to %s failed", peer.stats.region)
+                    peer.requeue(keys)
+                    peer.back_off(f"push failed: {exc!r}")
                     continue
                 peer.answered()
 
@@ -312,6 +321,10 @@ class Replicator:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 peer.stats.skew_alarms += 1  # the peer refused our clock
             peer.back_off(f"{exc.code().name}: {exc.details()}", exc.code())
+            return None
+        except Exception as exc:  # a malformed reply, a local fault: never end the loop
+            log.exception("anti-entropy with %s failed", peer.stats.region)
+            peer.back_off(f"round failed: {exc!r}")
             return None
         peer.answered()
         peer.stats.last_sync = time.time()
