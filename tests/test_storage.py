@@ -337,3 +337,23 @@ async def test_a_listing_of_thousands_of_bucket_ranges_returns_exactly_their_rec
     assert await storage.bucket_entries([range(0, 65536)]) == sorted(
         (r.key, codec.digest(codec.encode(r)), r.max_hlc()) for r in records
     )
+
+
+async def test_preloaded_states_are_the_stored_ones(db: Path) -> None:
+    """``preload`` reads many states in one query into the cache; what ``get`` then
+    returns is exactly what a fresh read of the file returns."""
+    first = await Storage.open(db)
+    try:
+        for i in range(20):
+            await first.put(claimed(key(i), i + 1, token=i + 1), hlc=pack(1))
+    finally:
+        await first.close()
+    cold, fresh = await Storage.open(db), await Storage.open(db)
+    try:
+        await cold.preload([key(i) for i in range(25)])  # five of them do not exist
+        assert sorted(cold._cache) == sorted(key(i) for i in range(20))
+        for i in range(25):
+            assert await cold.get(key(i)) == await fresh.get(key(i))
+    finally:
+        await cold.close()
+        await fresh.close()

@@ -97,13 +97,20 @@ class Replica:
         return Stamp(epoch, self.clock.now(), self.node_id)
 
     async def transact(
-        self, key: str, change: Callable[[Record], tuple[Record, T]], *, local: bool = True
+        self,
+        key: str,
+        change: Callable[[Record], tuple[Record, T]],
+        *,
+        local: bool = True,
+        known: tuple[Record, bytes] | None = None,
     ) -> tuple[Stored | None, T]:
         """Apply ``change`` to the durable state of ``key`` and persist the result.
 
         Returns the stored state (None if the record does not exist and was not
         written) and whatever ``change`` returned beside the new record. ``local``
         is False for merges of remote states, which are not pushed on again.
+        ``known`` is a record with its canonical encoding: should the new record
+        equal it, that encoding is stored instead of encoding again.
         """
         async with self._locks.hold(key):
             stored = await self.storage.get(key)
@@ -111,7 +118,9 @@ class Replica:
             changed, result = change(current)
             if changed == current:
                 return stored, result
-            state = codec.encode(changed)
+            # A merge that takes the remote state whole stores its bytes as they came:
+            # canonical, so equal records encode alike.
+            state = known[1] if known is not None and changed == known[0] else codec.encode(changed)
             # Only local writes are limited: refusing a merge would stop convergence.
             if local and len(state) > validation.MAX_RECORD_BYTES:
                 raise InvalidInput.field(
@@ -125,8 +134,9 @@ class Replica:
                 listener(key)
         return stored, result
 
-    async def merge(self, remote: Record) -> bool:
+    async def merge(self, remote: Record, state: bytes | None = None) -> bool:
         """Join a remote state into the local one; True when that changed anything.
+        ``state`` is the remote record's canonical encoding, when the caller has it.
 
         A state that fails :func:`integrity.check` is not merged at all: it raises
         :class:`~fencemark.node.integrity.MergeRefused` and nothing is written.
@@ -142,7 +152,8 @@ class Replica:
                                      bounds=self.bounds)  # fmt: skip
             return merged, merged != current
 
-        _, changed = await self.transact(remote.key, change, local=False)
+        known = (remote, state) if state is not None else None
+        _, changed = await self.transact(remote.key, change, local=False, known=known)
         return changed
 
     # -- reads ------------------------------------------------------------------

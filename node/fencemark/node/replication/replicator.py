@@ -71,7 +71,8 @@ UNREACHABLE_AFTER_S = 5.0
 # A failing peer is retried after 0.5 s doubling up to this, jittered by 0.5x-1.5x.
 # Kept short: after a symmetric partition neither side calls the other until a
 # back-off ends, so this bounds how long a healed link lies idle (docs/performance.md).
-MAX_BACKOFF_S = 5.0
+# A call to a peer that is down costs one refused connection attempt.
+MAX_BACKOFF_S = 2.0
 # A partition that drops packets (rather than refusing connections) leaves a TCP
 # connection that looks open while its retransmission timer backs off towards
 # minutes; after the heal, calls on it would keep timing out. Keepalive pings
@@ -80,7 +81,7 @@ MAX_BACKOFF_S = 5.0
 # used again within seconds (the chaos tier's partitions are such drops).
 KEEPALIVE_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
-MAX_RECONNECT_BACKOFF_MS = 5_000
+MAX_RECONNECT_BACKOFF_MS = 2_000  # the channel's own retries: same reason
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.max_send_message_length", 16 << 20),
@@ -435,16 +436,31 @@ class Replicator:
             k for k in changed if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
         ]
         pulled = 0
-        while pull:
-            fetch = replication_pb2.FetchRequest(origin=self._origin(), keys=pull[:MAX_STATES])
-            found = await self._call(peer, "Fetch", fetch, replication_pb2.FetchResponse)
-            records = decode_states(list(found.states))
-            peer.stats.records_received += await merge_all(
-                self.replica, peer.stats.region, records, peer.stats
-            )
-            pulled += len(records)
-            pull = [*found.truncated, *pull[MAX_STATES:]]
+        # The next batch is fetched while this one merges: the peer reads while we write.
+        fetching = self._fetch(peer, pull[:MAX_STATES]) if pull else None
+        try:
+            while fetching is not None:
+                found = await fetching
+                pull = [*found.truncated, *pull[MAX_STATES:]]
+                fetching = self._fetch(peer, pull[:MAX_STATES]) if pull else None
+                states = list(found.states)
+                records = decode_states(states)
+                peer.stats.records_received += await merge_all(
+                    self.replica, peer.stats.region, records, peer.stats, states=states
+                )
+                pulled += len(records)
+        finally:
+            if fetching is not None:  # the round failed: drop the fetch ahead, quietly
+                fetching.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await fetching
         return RoundResult(False, pulled, len(changed) + only_mine, truncated)
+
+    def _fetch(self, peer: _Peer, keys: list[str]) -> asyncio.Task[replication_pb2.FetchResponse]:
+        request = replication_pb2.FetchRequest(origin=self._origin(), keys=keys)
+        return asyncio.create_task(
+            self._call(peer, "Fetch", request, replication_pb2.FetchResponse)
+        )
 
 
 def _listing_chunks(nodes: list[tuple[int, int]]) -> list[list[int]]:

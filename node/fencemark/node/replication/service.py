@@ -61,17 +61,29 @@ def decode_states(states: list[bytes], field: str = "states") -> list[Record]:
 
 
 async def merge_all(
-    replica: Replica, region: str, records: list[Record], peer: PeerStats | None = None
+    replica: Replica,
+    region: str,
+    records: list[Record],
+    peer: PeerStats | None = None,
+    *,
+    states: Sequence[bytes] | None = None,
 ) -> int:
     """Merge states (after the clock check); returns how many changed a record.
 
-    A state that fails the integrity rules (``fencemark.node.integrity``) is not
-    merged; the others are. Each refusal is counted against the sending ``peer``
-    and logged with it.
+    ``states`` are the records' canonical encodings, as received (a record that
+    the merge leaves equal to the received one is stored as is, not encoded
+    again). A state that fails the integrity rules (``fencemark.node.integrity``)
+    is not merged; the others are. Each refusal is counted against the sending
+    ``peer`` and logged with it.
     """
     check_clock(replica, region, [r.max_hlc() for r in records])
+    await replica.storage.preload([r.key for r in records])  # one read, not one per record
+    encoded = states if states is not None else [None] * len(records)
     # Concurrent merges of different records share group commits.
-    results = await asyncio.gather(*(replica.merge(r) for r in records), return_exceptions=True)
+    results = await asyncio.gather(
+        *(replica.merge(r, state) for r, state in zip(records, encoded, strict=True)),
+        return_exceptions=True,
+    )
     changed = 0
     for result in results:
         if isinstance(result, MergeRefused):
@@ -160,9 +172,12 @@ class ReplicationService:
         peer = self._admit(request.origin, request.ByteSize(), context)
         if len(request.states) > MAX_STATES:
             raise InvalidInput.field("states", f"at most {MAX_STATES} states per push")
-        records = decode_states(list(request.states))
+        states = list(request.states)
+        records = decode_states(states)
         try:
-            merged = await merge_all(self.replica, request.origin.region, records, peer)
+            merged = await merge_all(
+                self.replica, request.origin.region, records, peer, states=states
+            )
         except ClockSkewed:
             if peer is not None:
                 peer.skew_alarms += 1
