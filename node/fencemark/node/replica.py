@@ -19,6 +19,7 @@ from fencemark.node import integrity, validation
 from fencemark.node.admission import admit_write
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
 from fencemark.node.errors import InvalidInput, NotFound, NotServing, WrongRegion
+from fencemark.node.signing import Keyring, Signer
 from fencemark.node.storage import Storage, Stored
 
 T = TypeVar("T")
@@ -65,6 +66,10 @@ class Replica:
         self.deciding = True
         # What merges may bring (fencemark.node.integrity); the server sets the token bound.
         self.bounds = integrity.Bounds(max_offset_ms=clock.max_offset_ms)
+        # With TLS (the server sets both): this node signs the grants it makes, and
+        # merges verify the home's signature on fence grants (fencemark.node.signing).
+        self.signer: Signer | None = None
+        self.keyring: Keyring | None = None
         recovered = storage.meta.get("recovered_hlc")
         self.recovered_hlc = int(recovered) if recovered else 0
 
@@ -139,7 +144,7 @@ class Replica:
 
         def change(current: Record) -> tuple[Record, bool]:
             merged = integrity.check(current, remote, now_ms=self.clock.wall_ms(),
-                                     bounds=self.bounds)  # fmt: skip
+                                     bounds=self.bounds, verifier=self.keyring)  # fmt: skip
             return merged, merged != current
 
         _, changed = await self.transact(remote.key, change, local=False)

@@ -36,12 +36,14 @@ from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import stats_for
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.service import ReplicationService
+from fencemark.node.replication.signers import load_keyring
 from fencemark.node.service import (
     ClaimsService,
     NodeService,
     RecordsService,
     refuse,
 )
+from fencemark.node.signing import Keyring, Signer
 from fencemark.node.storage import Storage
 from fencemark.node.telemetry import NodeMetrics, Telemetry
 from fencemark.node.tls import Identity, TlsFiles
@@ -187,6 +189,11 @@ class NodeServer:
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
         replica.bounds = Bounds(config.max_clock_offset_ms, max_token_jump=config.max_token_jump)
+        if config.tls is not None:
+            # Signed grants (docs/security.md): this node signs what it grants with
+            # its node key and verifies the home's signature on merged fences.
+            replica.signer = Signer.from_files(config.tls)
+            await load_keyring(replica, Keyring.for_files(config.tls))
         claims = Claims(
             replica,
             max_waiters=config.max_waiters,

@@ -104,6 +104,8 @@ class Keyring:
     def __init__(self, cas: Iterable[x509.Certificate]) -> None:
         self.cas = list(cas)
         self._signers: dict[bytes, _Signer] = {}
+        # When each (peer region, key id) was last asked for (replication.signers).
+        self.asked: dict[tuple[str, bytes], float] = {}
 
     @classmethod
     def for_files(cls, files: TlsFiles) -> Keyring:

@@ -1,0 +1,258 @@
+"""Grants signed by the home region (issue 7): real certificates, real nodes, real mTLS.
+
+The threat: a configured peer's node (or its stolen key) holds a valid node
+certificate of its own region and forges a grant naming a record's home, within
+every integrity bound. With TLS the home signs each grant with its node key and
+a merge refuses a fence grant its home did not sign (fencemark.node.signing,
+docs/security.md *Signed grants*). Certificates come from ``fencemark certs``
+(``init_dir``/``issue_into``), nodes are the in-process gRPC servers on loopback,
+the hostile peer speaks ``Replication.Push`` with its real certificate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from fencemark.client import AsyncClient, tls_credentials
+from fencemark.node.crdt import Record, codec
+from fencemark.node.crdt.fence import Grant
+from fencemark.node.server import NodeServer
+from fencemark.node.signing import KEY_ID_SIZE, Keyring, Signer, key_id
+from fencemark.node.tls import Identity, TlsFiles, init_dir, issue_into
+from fencemark.v1 import replication_pb2, replication_pb2_grpc
+from tests.cluster import Cluster, eventually, wait_converged
+
+REGIONS = ["us", "eu", "ap"]
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    directory = tmp_path / "certs"
+    init_dir(directory, regions=REGIONS, clients=["alice"])
+    return directory
+
+
+def files(certs: Path, name: str) -> TlsFiles:
+    return TlsFiles.in_dir(certs, name)
+
+
+def client(node: NodeServer, certs: Path) -> AsyncClient:
+    credentials = tls_credentials(certs, "alice")
+    return AsyncClient(node.address, credentials=credentials, retries=0, timeout=5)
+
+
+def cert_der(path: Path) -> bytes:
+    return x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(Encoding.DER)
+
+
+async def serving(node: NodeServer, certs: Path) -> None:
+    async def claims_serving() -> bool:
+        async with client(node, certs) as c:
+            return (await c.info()).claims_serving
+
+    await eventually(claims_serving, f"{node.config.region} deciding claims")
+
+
+async def state_of(node: NodeServer, key: str) -> Record:
+    stored = await node.storage.get(key)
+    assert stored is not None, f"{node.config.region} has no {key}"
+    return stored.record
+
+
+async def holds_fence(node: NodeServer, key: str, token: int) -> bool:
+    stored = await node.storage.get(key)
+    return stored is not None and stored.record.fence.fence == token
+
+
+async def push(node: NodeServer, certs: Path, origin: str, state: Record) -> int:
+    """Replication.Push from ``origin``'s node, with its own certificate."""
+    credentials = files(certs, origin).channel_credentials()
+    async with grpc.aio.secure_channel(node.address, credentials) as channel:
+        stub = replication_pb2_grpc.ReplicationStub(channel)
+        request = replication_pb2.PushRequest(
+            origin=replication_pb2.Origin(region=origin, node_id="hostile", hlc=0),
+            states=[codec.encode(state)],
+        )
+        response: replication_pb2.PushResponse = await stub.Push(request, timeout=10)
+        return response.merged
+
+
+def with_grant(record: Record, token: int, grant: Grant, expiry_ms: int) -> Record:
+    """``record`` with one more grant, exactly as given (no re-signing)."""
+    fence = record.fence.grant(token, grant._replace(signature=b""), expiry_ms)
+    grants = {**fence.grants, token: grant}
+    return record.with_fence(dataclasses.replace(fence, grants=grants))
+
+
+# -- the keyring ------------------------------------------------------------------------------
+
+
+def test_the_keyring_takes_only_node_certificates_of_the_cluster_ca(
+    certs: Path, tmp_path: Path
+) -> None:
+    ring = Keyring.for_files(files(certs, "us"))
+    us = Signer.from_files(files(certs, "us"))
+    assert us.key_id in ring and len(ring) == 1
+    assert ring.add(cert_der(certs / "eu.pem")) == Signer.from_files(files(certs, "eu")).key_id
+    with pytest.raises(ValueError, match="not a node certificate"):
+        ring.add(cert_der(certs / "alice.pem"))  # a client of the CA signs no grant
+    other = tmp_path / "other-ca"
+    init_dir(other, regions=["us"])
+    with pytest.raises(ValueError, match="not issued by the cluster CA"):
+        ring.add(cert_der(other / "us.pem"))
+    with pytest.raises(ValueError, match="not a DER certificate"):
+        ring.add(b"\x30\x03junk")
+    assert len(ring) == 2
+    # A key id is the certificate's key, so a re-issued certificate is a new signer.
+    public = x509.load_pem_x509_certificate((certs / "us.pem").read_bytes()).public_key()
+    assert key_id(public) == us.key_id  # type: ignore[arg-type]
+    assert len(us.key_id) == KEY_ID_SIZE
+
+
+# -- a hostile peer --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_peer_cannot_raise_a_fence_with_a_grant_its_home_did_not_sign(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            made = await alice.remember("lattice", "backlog", "held", tags=["homeRegion:us"])
+            key = made.record.key
+            holder = await alice.claim(key, "alice", lease_seconds=60)
+        token = holder.fencing_token
+        # eu verified us's signature: it learned us's certificate from us.
+        await eventually(lambda: holds_fence(eu, key, token), "eu holding the signed grant")
+        us_signer = Signer.from_files(files(certs, "us"))
+        assert us_signer.key_id in eu.replica.keyring  # type: ignore[operator]
+
+        held = await state_of(us, key)
+        real = held.fence.grants[token]
+        assert real.signature[:KEY_ID_SIZE] == us_signer.key_id
+        now = us.replica.clock.wall_ms()
+        forged = Grant(us.replica.clock.now(), "mallory", "us")
+        eu_signer = Signer.from_files(files(certs, "eu"))
+        foreign = tmp_path / "foreign-ca"
+        init_dir(foreign, regions=["us"])  # a "us" key the cluster CA never certified
+        outsider = Signer.from_files(files(foreign, "us"))
+        attempts = {
+            "unsigned_grant": forged,
+            "signer_not_home": forged._replace(
+                signature=eu_signer.signature(key, token + 1, forged)
+            ),
+            # The home's real signature, of alice's grant, replayed on mallory's.
+            "bad_signature": forged._replace(signature=real.signature),
+            "unknown_signer": forged._replace(signature=outsider.signature(key, token + 1, forged)),
+        }
+        for refused, (reason, grant) in enumerate(attempts.items(), start=1):
+            state = with_grant(held, token + 1, grant, now + 60_000)
+            assert await push(us, certs, "eu", state) == 0, reason
+            peer = us.replicator.peer_stats("eu")
+            assert peer.merges_refused == refused
+            assert reason in peer.last_refusal, (reason, peer.last_refusal)
+
+        # Nothing changed: the fence stays, alice keeps her claim and can use it.
+        assert await state_of(us, key) == held
+        async with client(us, certs) as alice:
+            status = await alice.claim_status(key)
+            assert status.fence == token
+            assert status.claim is not None and status.claim.owner == "alice"
+            assert (await alice.renew_claim(key, token)).renewed
+            await alice.update(key, fields={"body": "still mine"}, fencing_token=token)
+        # The eu node was not fooled either, and learned only CA certificates.
+        assert (await state_of(eu, key)).fence.fence == token
+        assert outsider.key_id not in us.replica.keyring  # type: ignore[operator]
+
+
+# -- a normal cluster ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_three_tls_regions_converge_with_grants_relayed_by_a_region_that_is_not_home(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        await serving(eu, certs)
+        async with client(us, certs) as alice:
+            at_us = (await alice.remember("lattice", "backlog", "us-1")).record.key
+            us_token = (await alice.claim(at_us, "alice", lease_seconds=60)).fencing_token
+        async with client(eu, certs) as alice:
+            at_eu = (await alice.remember("lattice", "backlog", "eu-1")).record.key
+            eu_token = (await alice.claim(at_eu, "bob", lease_seconds=60)).fencing_token
+            # Claims are still decided at home only.
+            assert (await alice.claim(at_us, "carol")).reason == "wrong_region"
+        await wait_converged([us, eu])
+        # ap joins while us is down: us's grant reaches it only through eu, and ap
+        # fetches us's certificate from eu to verify it.
+        await cluster.stop("us")
+        ap = await cluster.start("ap", tls=files(certs, "ap"))
+        await eventually(lambda: holds_fence(ap, at_us, us_token), "ap holding us's grant")
+        await eventually(lambda: holds_fence(ap, at_eu, eu_token), "ap holding eu's grant")
+        assert Signer.from_files(files(certs, "us")).key_id in ap.replica.keyring  # type: ignore[operator]
+
+        us = await cluster.start("us", tls=files(certs, "us"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            await alice.release_claim(at_us, us_token)
+            again = await alice.claim(at_us, "dave", lease_seconds=60)
+            assert again.granted and again.fencing_token > us_token
+        await wait_converged([us, eu, ap])
+        for node in (us, eu, ap):
+            record = await state_of(node, at_us)
+            holder = record.fence.holder()
+            assert holder is not None and holder.owner == "dave" and holder.signature
+            stats = [node.replicator.peer_stats(r) for r in REGIONS if r != node.config.region]
+            assert all(p.merges_refused == 0 for p in stats), [p.last_refusal for p in stats]
+
+
+@pytest.mark.slow
+async def test_grants_signed_before_a_certificate_was_reissued_still_verify(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        old_key = Signer.from_files(files(certs, "us")).key_id
+        async with client(us, certs) as alice:
+            before = (await alice.remember("lattice", "backlog", "before")).record.key
+            before_token = (await alice.claim(before, "alice", lease_seconds=60)).fencing_token
+        await wait_converged([us, eu])
+        # Re-issue us's certificate (a new key) and restart us on the same disk.
+        await cluster.stop("us")
+        for path in (certs / "us.pem", certs / "us-key.pem"):
+            path.unlink()
+        issue_into(certs, Identity("region", "us"))
+        new_key = Signer.from_files(files(certs, "us")).key_id
+        assert new_key != old_key
+        us = await cluster.start("us", tls=files(certs, "us"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            after = (await alice.remember("lattice", "backlog", "after")).record.key
+            after_token = (await alice.claim(after, "bob", lease_seconds=60)).fencing_token
+        signatures = {
+            (await state_of(us, k)).fence.grants[t].signature[:KEY_ID_SIZE]
+            for k, t in ((before, before_token), (after, after_token))
+        }
+        assert signatures == {old_key, new_key}
+        # A node that never saw the old certificate learns both, and refuses nothing.
+        ap = await cluster.start("ap", tls=files(certs, "ap"))
+        await wait_converged([us, eu, ap], within=30)
+        assert old_key in ap.replica.keyring and new_key in ap.replica.keyring  # type: ignore[operator]
+        assert (await state_of(ap, before)).fence.fence == before_token
+        assert (await state_of(ap, after)).fence.fence == after_token
+        for region in ("us", "eu"):
+            assert ap.replicator.peer_stats(region).merges_refused == 0
