@@ -256,3 +256,59 @@ async def test_grants_signed_before_a_certificate_was_reissued_still_verify(
         assert (await state_of(ap, after)).fence.fence == after_token
         for region in ("us", "eu"):
             assert ap.replicator.peer_stats(region).merges_refused == 0
+
+
+@pytest.mark.slow
+async def test_a_state_whose_signer_is_not_known_yet_is_merged_once_it_is(
+    tmp_path: Path, certs: Path
+) -> None:
+    """unknown_signer is not final: refused while no peer can say who signed it, merged
+    by the next exchange with a peer that can."""
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            key = (await alice.remember("lattice", "backlog", "later")).record.key
+            token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
+        await wait_converged([us, eu])
+        state = await state_of(us, key)
+        await cluster.stop("us")
+        await cluster.stop("eu")
+        ap = await cluster.start("ap", tls=files(certs, "ap"))
+        # eu's certificate delivers us's signed grant, but eu's node is down: ap cannot
+        # learn us's certificate, and refuses the state for now.
+        assert await push(ap, certs, "eu", state) == 0
+        assert "unknown_signer" in ap.replicator.peer_stats("eu").last_refusal
+        assert await ap.storage.get(key) is None
+        await cluster.start("eu", tls=files(certs, "eu"))
+        await eventually(lambda: holds_fence(ap, key, token), "ap merging us's grant", within=30)
+        assert Signer.from_files(files(certs, "us")).key_id in ap.replica.keyring  # type: ignore[operator]
+
+
+async def test_certificates_answers_the_node_certificates_it_knows_and_only_to_peers(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        own = Signer.from_files(files(certs, "us")).key_id
+
+        async def ask(name: str, key_ids: list[bytes]) -> list[bytes]:
+            credentials = files(certs, name).channel_credentials()
+            async with grpc.aio.secure_channel(us.address, credentials) as channel:
+                stub = replication_pb2_grpc.ReplicationStub(channel)
+                request = replication_pb2.CertificatesRequest(
+                    origin=replication_pb2.Origin(region=name, node_id="probe"), key_ids=key_ids
+                )
+                response = await stub.Certificates(request, timeout=5)
+                return list(response.certificates)
+
+        assert await ask("eu", [own, b"\x00" * KEY_ID_SIZE]) == [cert_der(certs / "us.pem")]
+        with pytest.raises(grpc.aio.AioRpcError) as too_many:
+            await ask("eu", [bytes([i]) * KEY_ID_SIZE for i in range(65)])
+        assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "key_ids" in (too_many.value.details() or "")
+        for stranger in ("alice", "ap"):  # a client; a node that is no peer of us
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await ask(stranger, [own])
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
