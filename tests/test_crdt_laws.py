@@ -27,6 +27,7 @@ from fencemark.node.crdt import (
     encode,
     lww,
 )
+from fencemark.node.crdt.codec import upgrade
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import pack
 from fencemark.node.errors import Reason
@@ -535,6 +536,11 @@ def grant_entry(token: int, signature: bytes = b"") -> bytes:
     return head + varint(len(signature)) + signature
 
 
+def legacy_grant_entry(token: int) -> bytes:
+    """A grant in format 1, before grants carried signatures."""
+    return varint(token) + varint(pack(EPOCH_MS)) + text("worker-a") + text("local")
+
+
 def lease_entry(token: int) -> bytes:
     return varint(token) + varint(EPOCH_MS + 60_000)
 
@@ -627,6 +633,21 @@ NON_CANONICAL = {
     "overlong UTF-8": layout(key=b"\x02\xc0\x80"),
     "UTF-8 surrogate": layout(key=b"\x03\xed\xa0\x80"),
 }
+
+
+def test_a_format_1_state_is_upgraded_with_its_grants_unsigned() -> None:
+    """Storage re-encodes a file written before signed grants (codec.upgrade); the
+    wire and decode take format 2 only."""
+    leases = section(lease_entry(1), lease_entry(2))
+    v1 = layout(fmt=b"\x01", grants=section(legacy_grant_entry(1), legacy_grant_entry(2)),
+                leases=leases)  # fmt: skip
+    v2 = layout(grants=section(grant_entry(1), grant_entry(2)), leases=leases)
+    assert upgrade(v1) == v2
+    assert upgrade(v2) == v2 and upgrade(FULL) == FULL
+    with pytest.raises(DecodeError):
+        decode(v1)
+    with pytest.raises(DecodeError):
+        upgrade(v1[:-1])
 
 
 def test_layout_builder_is_canonical() -> None:

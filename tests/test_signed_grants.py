@@ -12,6 +12,7 @@ the hostile peer speaks ``Replication.Push`` with its real certificate.
 from __future__ import annotations
 
 import dataclasses
+import sqlite3
 from pathlib import Path
 
 import grpc
@@ -312,3 +313,67 @@ async def test_certificates_answers_the_node_certificates_it_knows_and_only_to_p
             with pytest.raises(grpc.aio.AioRpcError) as denied:
                 await ask(stranger, [own])
             assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def format_1(record: Record) -> bytes:
+    """The encoding of ``record`` before signed grants (format 1: no signature field)."""
+    from fencemark.node.crdt.codec import _str, _varint
+
+    new = codec.encode(record.with_fence(dataclasses.replace(record.fence, grants={})))
+    # Format 2 without grants ends "... deleted 0x00(grants) lease_expiry released";
+    # rebuild the tail with format-1 grant entries.
+    out = bytearray(b"\x01" + new[1:])
+    tail = bytearray()
+    _varint(tail, len(record.fence.lease_expiry))
+    for token in sorted(record.fence.lease_expiry):
+        _varint(tail, token)
+        _varint(tail, record.fence.lease_expiry[token])
+    _varint(tail, len(record.fence.released))
+    for token in sorted(record.fence.released):
+        _varint(tail, token)
+    assert out.endswith(b"\x00" + tail)
+    grants = bytearray()
+    _varint(grants, len(record.fence.grants))
+    for token in sorted(record.fence.grants):
+        grant = record.fence.grants[token]
+        _varint(grants, token)
+        _varint(grants, grant.granted_hlc)
+        _str(grants, grant.owner)
+        _str(grants, grant.region)
+    return bytes(out[: -len(tail) - 1] + grants + tail)
+
+
+@pytest.mark.slow
+async def test_a_file_from_before_signed_grants_is_upgraded_and_its_fences_signed_by_their_home(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start_isolated("us")  # plaintext, alone: the "old version"
+        async with AsyncClient(us.address) as plain:
+            key = (await plain.remember("lattice", "backlog", "old")).record.key
+            token = (await plain.claim(key, "alice", lease_seconds=60)).fencing_token
+        record = await state_of(us, key)
+        assert not record.fence.grants[token].signature  # --insecure signs nothing
+        path = us.config.db_path
+        await cluster.stop("us")
+        # Turn the file into one the previous version wrote: format-1 states, no marker.
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE records SET state = ? WHERE key = ?", (format_1(record), key))
+            db.execute("DELETE FROM meta WHERE name IN ('state_format', 'fences_signed')")
+        db.close()
+
+        us = await cluster.start("us", tls=files(certs, "us"))
+        upgraded = await state_of(us, key)
+        assert upgraded.fence.fence == token and upgraded.fence.holder() is not None
+        assert upgraded.fence.grants[token].signature[:KEY_ID_SIZE] == (
+            Signer.from_files(files(certs, "us")).key_id
+        )
+        stored = await us.storage.get(key)
+        assert stored is not None and stored.digest == codec.digest(codec.encode(upgraded))
+        # A node that never saw the unsigned grant takes the signed one.
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await wait_converged([us, eu])
+        assert (await state_of(eu, key)) == upgraded
+        assert eu.replicator.peer_stats("us").merges_refused == 0
+        async with client(us, certs) as alice:
+            assert (await alice.renew_claim(key, token)).renewed

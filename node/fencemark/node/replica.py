@@ -150,6 +150,41 @@ class Replica:
         _, changed = await self.transact(remote.key, change, local=False)
         return changed
 
+    async def sign_fences(self) -> int:
+        """Sign every unsigned fence grant this (home) node made; returns how many.
+
+        Grants made before signed grants existed (a file upgraded from format 1), or
+        while this node ran ``--insecure``, carry no signature, and a node that has not
+        merged them yet would refuse them (``unsigned_grant``). Signed, the grant
+        beats its unsigned version in every join (``Grant`` order), so the signature
+        spreads like any write (docs/security.md, *Signed grants*).
+        """
+        signer, region = self.signer, self.region
+        if signer is None:
+            return 0
+
+        def change(current: Record) -> tuple[Record, bool]:
+            holder = current.fence.holder()
+            if holder is None or holder.signature or current.home_region != region:
+                return current, False
+            if holder.region != region:
+                return current, False  # not this region's grant to sign
+            return current.with_fence(signer.sign_fence(current.key, current.fence)), True
+
+        signed, after, page_size = 0, "", 500
+        while True:
+            # Every key starts with "repo/" (validation.KEY); "0" follows "/".
+            page = await self.storage.scan(
+                "repo/", "repo0", after=after, limit=page_size, include_deleted=True
+            )
+            for stored in page:
+                if change(stored.record)[1]:
+                    _, did = await self.transact(stored.record.key, change)
+                    signed += did
+            if len(page) < page_size:
+                return signed
+            after = page[-1].record.key
+
     # -- reads ------------------------------------------------------------------
 
     async def get(self, key: str) -> Stored:

@@ -63,6 +63,7 @@ SERVICES: tuple[descriptor.ServiceDescriptor, ...] = (
     replication_pb2.DESCRIPTOR.services_by_name["Replication"],
 )
 CLAIMS_SERVICE = "fencemark.v1.Claims"
+FENCES_SIGNED = "fences_signed"  # storage meta: "1" once every fence grant made here is signed
 
 
 def default_data_dir(region: str) -> Path:
@@ -194,6 +195,13 @@ class NodeServer:
             # its node key and verifies the home's signature on merged fences.
             replica.signer = Signer.from_files(config.tls)
             await load_keyring(replica, Keyring.for_files(config.tls))
+            if storage.meta.get(FENCES_SIGNED) != "1":
+                # Once per file: grants from before signed grants or an --insecure run.
+                signed = await replica.sign_fences()
+                log.info("signed %d fence grants made without a signature", signed)
+                await storage.put_meta(FENCES_SIGNED, "1")
+        elif storage.meta.get(FENCES_SIGNED) == "1":
+            await storage.put_meta(FENCES_SIGNED, "0")  # grants made now go unsigned
         claims = Claims(
             replica,
             max_waiters=config.max_waiters,

@@ -36,6 +36,7 @@ from fencemark.node.crdt.lww import LWW
 from fencemark.node.crdt.record import Record
 
 FORMAT = 2
+LEGACY_FORMAT = 1  # before signed grants: read only by ``upgrade``
 GRANT_MESSAGE = b"fencemark grant v1\x00"  # domain separation of grant signatures
 DIGEST_SIZE = 16
 MAX_UINT = (1 << 64) - 1  # every integer in a state is a uint64 (tokens, stamps, expiries)
@@ -225,15 +226,32 @@ class _Reader:
 
 
 def decode(data: bytes) -> Record:
+    return _decode(data, FORMAT)
+
+
+def upgrade(data: bytes) -> bytes:
+    """A stored state in the current format: a format-1 state (written before grants
+    carried signatures) is re-encoded with its grants unsigned; others are returned
+    as they are. Only storage calls this, when it opens an older file: the wire
+    takes the current format only."""
+    if data[:1] != bytes([LEGACY_FORMAT]):
+        return data
+    return encode(_decode(data, LEGACY_FORMAT))
+
+
+def _decode(data: bytes, fmt: int) -> Record:
     r = _Reader(data)
-    if r.byte() != FORMAT:
+    if r.byte() != fmt:
         raise DecodeError("unknown format")
     key = r.str()
     home = LWW(r.stamp(), r.str()) if r.bool() else None
     fields = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str()))
     tags = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.bool()))
     deleted = LWW(r.stamp(), r.bool())
-    grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str(), r.blob()))
+    if fmt == LEGACY_FORMAT:
+        grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str()))
+    else:
+        grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str(), r.blob()))
     if grants:
         fence_token = max(grants)
         if any(g.signature for t, g in grants.items() if t != fence_token):
