@@ -12,6 +12,7 @@ the hostile peer speaks ``Replication.Push`` with its real certificate.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import sqlite3
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from fencemark.node.signing import KEY_ID_SIZE, Keyring, Signer, key_id
 from fencemark.node.tls import Identity, TlsFiles, init_dir, issue_into
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, eventually, wait_converged
+from tests.conftest import StartNode
 
 REGIONS = ["us", "eu", "ap"]
 
@@ -82,6 +84,10 @@ async def push(node: NodeServer, certs: Path, origin: str, state: Record) -> int
         )
         response: replication_pb2.PushResponse = await stub.Push(request, timeout=10)
         return response.merged
+
+
+def databases(path: Path) -> list[Path]:
+    return list(path.glob("**/fencemark.sqlite3"))
 
 
 def with_grant(record: Record, token: int, grant: Grant, expiry_ms: int) -> Record:
@@ -377,3 +383,45 @@ async def test_a_file_from_before_signed_grants_is_upgraded_and_its_fences_signe
         assert eu.replicator.peer_stats("us").merges_refused == 0
         async with client(us, certs) as alice:
             assert (await alice.renew_claim(key, token)).renewed
+
+
+async def test_a_node_whose_key_cannot_sign_grants_refuses_to_start(
+    tmp_path: Path, certs: Path, start_node: StartNode
+) -> None:
+    """A certificate made with other tools, with an RSA key: the handshake would work,
+    but the node could not sign its grants, so it says so instead of starting."""
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    ca_key = serialization.load_pem_private_key((certs / "ca-key.pem").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "us")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier("fencemark://region/us"), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    rsa_dir = tmp_path / "rsa"
+    rsa_dir.mkdir()
+    (rsa_dir / "ca.pem").write_bytes((certs / "ca.pem").read_bytes())
+    (rsa_dir / "us.pem").write_bytes(cert.public_bytes(Encoding.PEM))
+    (rsa_dir / "us-key.pem").write_bytes(
+        key.private_bytes(
+            Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    with pytest.raises(ValueError, match="EC P-256"):
+        await start_node("us", tls=files(rsa_dir, "us"))
+    assert not databases(tmp_path)  # refused before anything was opened

@@ -186,15 +186,18 @@ class NodeServer:
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeServer:
         server_credentials, peer_credentials = _credentials(config)
+        # Signed grants (docs/security.md): this node signs what it grants with its
+        # node key and verifies the home's signature on merged fences. Read before
+        # anything opens: a key that cannot sign refuses the start (ValueError).
+        signer = Signer.from_files(config.tls) if config.tls is not None else None
+        keyring = Keyring.for_files(config.tls) if config.tls is not None else None
         storage = await Storage.open(config.db_path, cache_size=config.cache_size)
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
         replica.bounds = Bounds(config.max_clock_offset_ms, max_token_jump=config.max_token_jump)
-        if config.tls is not None:
-            # Signed grants (docs/security.md): this node signs what it grants with
-            # its node key and verifies the home's signature on merged fences.
-            replica.signer = Signer.from_files(config.tls)
-            await load_keyring(replica, Keyring.for_files(config.tls))
+        if signer is not None and keyring is not None:
+            replica.signer = signer
+            await load_keyring(replica, keyring)
             if storage.meta.get(FENCES_SIGNED) != "1":
                 # Once per file: grants from before signed grants or an --insecure run.
                 signed = await replica.sign_fences()
