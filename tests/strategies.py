@@ -11,8 +11,11 @@ the way the node does them (SPEC §3, §4):
   state stamps its next write above everything in it;
 - a write's epoch is the fence the writing node knew at that moment;
 - only the home node grants, extends and releases; other replicas learn claims by
-  merging. (Two regions granting the same token differently is impossible in the
-  real system; ``tests/test_crdt_laws.py`` covers that case separately.)
+  merging. A grant is signed the way a TLS home signs it (``signing.Signer``, with
+  a real key of a test CA: ``SIGNERS``, two keys of the home as after a
+  re-issued certificate) or left unsigned as an ``--insecure`` home leaves it.
+  (Two regions granting the same token differently is impossible in the real
+  system; ``tests/test_crdt_laws.py`` covers that case separately.)
 
 Alphabets are tiny on purpose, so that replicas keep writing the same field, the
 same tag, at the same millisecond: the collisions a merge has to get right.
@@ -32,6 +35,8 @@ from hypothesis import strategies as st
 
 from fencemark.node.crdt import HybridClock, Record, Stamp
 from fencemark.node.crdt.fence import HISTORY, Grant
+from fencemark.node.signing import Keyring, Signer
+from fencemark.node.tls import Identity, create_ca, issue
 
 T = TypeVar("T")
 
@@ -71,6 +76,35 @@ class SimNode:
 
     def __repr__(self) -> str:
         return f"SimNode({self.region!r}, home={self.home}, fence={self.record.fence.fence})"
+
+
+# A test CA and two node certificates of the home region (REGIONS[0]): a home
+# whose certificate was re-issued signs with the second key from then on.
+_CA_CERT, _CA_KEY = create_ca("Fencemark test CA")
+_HOME_CERTS = [issue(_CA_CERT, _CA_KEY, Identity("region", REGIONS[0])) for _ in range(2)]
+SIGNERS = tuple(Signer.from_pem(key) for _, key in _HOME_CERTS)
+
+
+def keyring() -> Keyring:
+    """A keyring of the test CA that knows both of the home's certificates."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    ring = Keyring([x509.load_pem_x509_certificate(_CA_CERT)])
+    for cert, _ in _HOME_CERTS:
+        ring.add(x509.load_pem_x509_certificate(cert).public_bytes(Encoding.DER))
+    return ring
+
+
+def grant_next(node: SimNode, owner: str, lease_ms: int, signer: int | None) -> None:
+    """The home grants ``fence + 1``, signed with ``SIGNERS[signer]`` (None: unsigned)."""
+    assert node.home, "only the home region grants"
+    fence = node.record.fence
+    grant = Grant(node.clock.now(), owner, node.region)
+    fence = fence.grant(fence.fence + 1, grant, node.wall_ms + lease_ms)
+    if signer is not None:
+        fence = SIGNERS[signer].sign_fence(node.record.key, fence)
+    node.record = node.record.with_fence(fence)
 
 
 # -- operations ---------------------------------------------------------------
@@ -145,14 +179,10 @@ class GrantNext:
 
     owner: str
     lease_ms: int
+    signer: int | None = 0  # an index into SIGNERS; None: unsigned (--insecure)
 
     def apply(self, node: SimNode) -> None:
-        assert node.home, "only the home region grants"
-        fence = node.record.fence
-        grant = Grant(node.clock.now(), self.owner, node.region)
-        node.record = node.record.with_fence(
-            fence.grant(fence.fence + 1, grant, node.wall_ms + self.lease_ms)
-        )
+        grant_next(node, self.owner, self.lease_ms, self.signer)
 
 
 @dataclass(frozen=True)
@@ -190,11 +220,12 @@ class BusyRun:
 
     times: int
     owner: str
+    signer: int | None = 0
 
     def apply(self, node: SimNode) -> None:
         assert node.home, "only the home region grants"
         for _ in range(self.times):
-            GrantNext(self.owner, 60_000).apply(node)
+            grant_next(node, self.owner, 60_000, self.signer)
             fence = node.record.fence
             node.record = node.record.with_fence(fence.release(fence.fence))
             node.wall_ms += 1
@@ -206,6 +237,7 @@ Operation = WriteOp | ClaimOp
 
 tag_names = st.frozensets(st.sampled_from(TAGS), min_size=1, max_size=2)
 lease_ms = st.integers(min_value=1_000, max_value=3_600_000)
+signers = st.sampled_from([0, 1, None])
 
 
 def write_ops(regions: Sequence[str] = REGIONS) -> st.SearchStrategy[WriteOp]:
@@ -229,10 +261,10 @@ def write_ops(regions: Sequence[str] = REGIONS) -> st.SearchStrategy[WriteOp]:
 def claim_ops() -> st.SearchStrategy[ClaimOp]:
     """Claim operations, performed only by the home region's node."""
     return st.one_of(
-        st.builds(GrantNext, st.sampled_from(OWNERS), lease_ms),
+        st.builds(GrantNext, st.sampled_from(OWNERS), lease_ms, signers),
         st.builds(Extend, st.integers(0, 7), lease_ms),
         st.builds(Release, st.integers(0, 7)),
-        st.builds(BusyRun, st.integers(1, HISTORY + 2), st.sampled_from(OWNERS)),
+        st.builds(BusyRun, st.integers(1, HISTORY + 2), st.sampled_from(OWNERS), signers),
     )
 
 

@@ -27,6 +27,7 @@ from fencemark.node.crdt import (
     encode,
     lww,
 )
+from fencemark.node.crdt.codec import upgrade
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import pack
 from fencemark.node.errors import Reason
@@ -35,11 +36,17 @@ from tests.strategies import (
     FIELD_NAMES,
     KEY,
     REGIONS,
+    SIGNERS,
     TAGS,
+    Act,
+    Create,
+    Gossip,
+    GrantNext,
     Operation,
     Scenario,
     SimNode,
     Step,
+    keyring,
     operations,
     records,
     replicas,
@@ -521,7 +528,16 @@ def tag_entry(name: str, present: int = 1) -> bytes:
     return text(name) + S1 + bytes([present])
 
 
-def grant_entry(token: int) -> bytes:
+SIG = bytes(range(72))  # a signature's bytes: the codec does not look inside
+
+
+def grant_entry(token: int, signature: bytes = b"") -> bytes:
+    head = varint(token) + varint(pack(EPOCH_MS)) + text("worker-a") + text("local")
+    return head + varint(len(signature)) + signature
+
+
+def legacy_grant_entry(token: int) -> bytes:
+    """A grant in format 1, before grants carried signatures."""
     return varint(token) + varint(pack(EPOCH_MS)) + text("worker-a") + text("local")
 
 
@@ -531,7 +547,7 @@ def lease_entry(token: int) -> bytes:
 
 def layout(
     *,
-    fmt: bytes = b"\x01",
+    fmt: bytes = b"\x02",
     key: bytes = text("k"),
     home: bytes = b"\x00",
     fields: bytes = section(),
@@ -550,16 +566,17 @@ FULL = layout(
     fields=section(field_entry("body"), field_entry("title")),
     tags=section(tag_entry("backlog"), tag_entry("done", 0)),
     deleted=S1 + b"\x01",
-    grants=section(grant_entry(1), grant_entry(2)),
+    grants=section(grant_entry(1), grant_entry(2, SIG)),
     leases=section(lease_entry(1), lease_entry(2)),
     released=section(varint(1), varint(2)),
 )
 
 
 def test_encoding_matches_documented_layout() -> None:
-    """Pins format 1 byte for byte: a change here breaks every stored digest."""
+    """Pins format 2 byte for byte: a change here breaks every stored digest."""
     s1 = Stamp(1, pack(EPOCH_MS, 1), "local")
     grant = Grant(pack(EPOCH_MS), "worker-a", "local")
+    signed = grant._replace(signature=SIG)
     record = Record(
         KEY,
         home=LWW(s1, "local"),
@@ -567,7 +584,7 @@ def test_encoding_matches_documented_layout() -> None:
         tags={"done": LWW(s1, False), "backlog": LWW(s1, True)},
         deleted=LWW(s1, True),
         fence=FenceState(
-            grants={2: grant, 1: grant},
+            grants={2: signed, 1: grant},
             lease_expiry={2: EPOCH_MS + 60_000, 1: EPOCH_MS + 60_000},
             released=frozenset({2, 1}),
         ),
@@ -580,7 +597,13 @@ def test_encoding_matches_documented_layout() -> None:
 
 NON_CANONICAL = {
     "empty input": b"",
-    "unknown format": layout(fmt=b"\x02"),
+    "unknown format": layout(fmt=b"\x03"),
+    "format 1 (before signatures)": layout(fmt=b"\x01"),
+    "a signature below the fence": layout(
+        grants=section(grant_entry(1, SIG), grant_entry(2, SIG)),
+        leases=section(lease_entry(1), lease_entry(2)),
+    ),
+    "truncated signature": layout(grants=section(grant_entry(1, SIG)[:-1])),
     "fields unsorted": layout(fields=section(field_entry("title"), field_entry("body"))),
     "duplicate field": layout(fields=section(field_entry("body", "a"), field_entry("body", "b"))),
     "tags unsorted": layout(tags=section(tag_entry("done"), tag_entry("backlog"))),
@@ -610,6 +633,21 @@ NON_CANONICAL = {
     "overlong UTF-8": layout(key=b"\x02\xc0\x80"),
     "UTF-8 surrogate": layout(key=b"\x03\xed\xa0\x80"),
 }
+
+
+def test_a_format_1_state_is_upgraded_with_its_grants_unsigned() -> None:
+    """Storage re-encodes a file written before signed grants (codec.upgrade); the
+    wire and decode take format 2 only."""
+    leases = section(lease_entry(1), lease_entry(2))
+    v1 = layout(fmt=b"\x01", grants=section(legacy_grant_entry(1), legacy_grant_entry(2)),
+                leases=leases)  # fmt: skip
+    v2 = layout(grants=section(grant_entry(1), grant_entry(2)), leases=leases)
+    assert upgrade(v1) == v2
+    assert upgrade(v2) == v2 and upgrade(FULL) == FULL
+    with pytest.raises(DecodeError):
+        decode(v1)
+    with pytest.raises(DecodeError):
+        upgrade(v1[:-1])
 
 
 def test_layout_builder_is_canonical() -> None:
@@ -674,3 +712,62 @@ def test_decode_rejects_mutated_bytes_or_reencodes_them_identically(
 @example(FULL)
 def test_decode_rejects_arbitrary_bytes_or_reencodes_them_identically(data: bytes) -> None:
     assert_rejected_or_canonical(data)
+
+
+# -- signed grants ----------------------------------------------------------------
+
+
+@LAWS
+@given(replicas(3))
+def test_only_the_fence_grant_carries_a_signature(states: tuple[Record, ...]) -> None:
+    """A grant below the fence can never become the fence again: its signature is
+    stripped, on every state and every join of states (fence.py)."""
+    a, b, c = states
+    for state in (a, b, c, a.merge(b), b.merge(c).merge(a)):
+        fence = state.fence
+        assert all(not g.signature for t, g in fence.grants.items() if t != fence.fence)
+
+
+def test_a_signed_fence_superseded_by_a_signed_grant_loses_its_signature() -> None:
+    """What the laws above exercise whenever the home grants twice with gossip between:
+    the replica's signed fence meets the home's higher signed grant (with the second
+    key, as after a re-issued certificate) and keeps only that signature."""
+    scenario = Scenario(
+        skews=(0, 3),
+        ancestor=(Create(REGIONS[0]), GrantNext("worker-a", 60_000, 0)),
+        steps=(Act(0, GrantNext("worker-b", 60_000, 1)), Gossip(0, 1)),
+    )
+    old = scenario.nodes()[1].record
+    home, other = (node.record for node in scenario.run())
+    assert old.fence.grants[1].signature[:8] == SIGNERS[0].key_id
+    assert home.fence.grants[2].signature[:8] == SIGNERS[1].key_id
+    assert_same_state(other, home)
+    assert_same_state(old.merge(home), home.merge(old))
+    assert home.fence.grants[1].signature == b""
+    ring = keyring()
+    assert ring.problem(KEY, 1, old.fence.grants[1]) is None
+    assert ring.problem(KEY, 2, home.fence.grants[2]) is None
+
+
+def test_signatures_of_one_grant_that_disagree_still_merge_as_a_join() -> None:
+    """A home never signs one grant twice, but a peer could send another version
+    (unsigned, a re-signed twin, another key): every replica still converges, on
+    the larger Grant, and its signature goes when a higher grant arrives."""
+    grant = Grant(pack(EPOCH_MS), "worker-a", "local")
+    base = FenceState().grant(1, grant, EPOCH_MS + 60_000)
+    versions = [base, base.signed(b"\x01" * 72), base.signed(b"\x02" * 72)]
+    for x in versions:
+        assert x.merge(x) == x
+        for y in versions:
+            assert x.merge(y) == y.merge(x)
+            assert x.merge(y).holder() == max(x.holder(), y.holder())  # type: ignore[type-var]
+            for z in versions:
+                assert x.merge(y).merge(z) == x.merge(y.merge(z))
+    later = base.grant(2, Grant(pack(EPOCH_MS + 1), "worker-b", "local"), EPOCH_MS + 60_000)
+    later = later.signed(b"\x03" * 72)
+    for x in versions:
+        merged = x.merge(later)
+        assert merged == later.merge(x)
+        assert merged.grants[1].signature == b"" and merged.grants[2].signature == b"\x03" * 72
+    with pytest.raises(ValueError):
+        versions[2].signed(b"\x01" * 72)  # not an inflation: refused

@@ -37,8 +37,10 @@ from tests.strategies import (
     KEY,
     OWNERS,
     REGIONS,
+    SIGNERS,
     TAGS,
     SimNode,
+    keyring,
 )
 
 REPLICAS = 3
@@ -70,6 +72,7 @@ class ReplicatedRecord(RuleBasedStateMachine):
         self.released: set[int] = set()
         # What each replica's fence was after the previous step.
         self.fences = [0] * REPLICAS
+        self.keyring = keyring()
 
     @property
     def home(self) -> SimNode:
@@ -139,13 +142,19 @@ class ReplicatedRecord(RuleBasedStateMachine):
 
     # -- claims: the home region only -------------------------------------------------
 
-    @rule(owner=st.sampled_from(OWNERS), lease=lease_ms)
-    def grant(self, owner: str, lease: int) -> None:
+    @rule(owner=st.sampled_from(OWNERS), lease=lease_ms, signer=st.sampled_from([0, 1, None]))
+    def grant(self, owner: str, lease: int, signer: int | None) -> None:
+        """Signed with one of the home's two keys (``SIGNERS``), or unsigned (--insecure)."""
         node = self.home
         fence = node.record.fence
         token = fence.fence + 1
         grant = Grant(node.clock.now(), owner, node.region)
-        node.record = node.record.with_fence(fence.grant(token, grant, node.wall_ms + lease))
+        fence = fence.grant(token, grant, node.wall_ms + lease)
+        if signer is not None:
+            fence = SIGNERS[signer].sign_fence(node.record.key, fence)
+            grant = fence.grants[token]
+            assert self.keyring.problem(node.record.key, token, grant) is None
+        node.record = node.record.with_fence(fence)
         assert token not in self.grants, "a token is never granted twice"
         self.grants[token] = grant
         self.expiries[token] = node.wall_ms + lease
@@ -215,7 +224,11 @@ class ReplicatedRecord(RuleBasedStateMachine):
                 assert flag in self.tag_log[name]
             assert record.deleted in self.deleted_log
             assert record.home is None or record.home in self.creates
-            assert all(self.grants[t] == g for t, g in record.fence.grants.items())
+            # As granted; below the fence, its signature stripped (fence.py).
+            assert all(
+                self.grants[t] == g or self.grants[t]._replace(signature=b"") == g
+                for t, g in record.fence.grants.items()
+            )
             assert record.fence.released <= self.released
             assert all(e <= self.expiries[t] for t, e in record.fence.lease_expiry.items())
 
@@ -254,7 +267,13 @@ class ReplicatedRecord(RuleBasedStateMachine):
         assert record.fence.fence == max(self.grants, default=0)
         floor = sorted(self.grants)[-HISTORY] if len(self.grants) >= HISTORY else 0
         assert record.fence.floor() == floor
-        assert dict(record.fence.grants) == {t: g for t, g in self.grants.items() if t >= floor}
+        # Only the fence's grant keeps the home's signature (fence.py).
+        fence = record.fence.fence
+        assert dict(record.fence.grants) == {
+            t: g if t == fence else g._replace(signature=b"")
+            for t, g in self.grants.items()
+            if t >= floor
+        }
         assert dict(record.fence.lease_expiry) == {
             t: e for t, e in self.expiries.items() if t >= floor
         }

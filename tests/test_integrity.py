@@ -31,17 +31,22 @@ from tests.strategies import (
     EPOCH_MS,
     KEY,
     REGIONS,
+    SIGNERS,
     Act,
+    BusyRun,
     Create,
+    GrantNext,
     Operation,
     Scenario,
     Tombstone,
+    keyring,
     scenarios,
 )
 
 HOME = REGIONS[0]
 BOUNDS = Bounds(max_offset_ms=500)
 NOW = EPOCH_MS + 10_000
+KEYRING = keyring()  # the test CA's certificates of the home (both keys)
 
 
 def realistic(scenario: Scenario) -> Scenario:
@@ -51,6 +56,8 @@ def realistic(scenario: Scenario) -> Scenario:
     def homed(op: Operation) -> Operation:
         if isinstance(op, Create | Tombstone):
             return dataclasses.replace(op, home_region=HOME)
+        if isinstance(op, GrantNext | BusyRun) and op.signer is None:
+            return dataclasses.replace(op, signer=0)  # a TLS home signs every grant
         return op
 
     steps = tuple(
@@ -66,7 +73,7 @@ def test_no_state_a_replica_really_held_is_refused_by_another(scenario: Scenario
     scenario.run(lambda _, __, nodes: seen.extend(node.record for node in nodes))
     for local in seen[-6:]:
         for remote in seen[::3]:
-            check(local, remote, now_ms=NOW, bounds=BOUNDS)
+            check(local, remote, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
 
 
 # -- forged states --------------------------------------------------------------------------
@@ -131,6 +138,44 @@ def test_expiries_and_releases_of_tokens_nobody_granted_are_refused() -> None:
         dataclasses.replace(held.fence, lease_expiry={**held.fence.lease_expiry, 7: NOW})
     )
     assert refused(held, phantom_lease) == "orphan_token"
+
+
+def signed(tokens: tuple[int, ...] = (1,), signer: int = 0) -> Record:
+    record = granted(tokens)
+    return record.with_fence(SIGNERS[signer].sign_fence(KEY, record.fence))
+
+
+def refused_signed(local: Record, remote: Record) -> str:
+    with pytest.raises(MergeRefused) as caught:
+        check(local, remote, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    return caught.value.reason
+
+
+def test_a_new_fence_grant_needs_its_homes_signature() -> None:
+    held = signed()
+    # Signed by the home, with either of its keys (a re-issued certificate): merged.
+    for signer in (0, 1):
+        merged = check(held, signed((1, 2), signer), now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+        assert merged.fence.fence == 2
+    assert refused_signed(held, granted((1, 2))) == "unsigned_grant"
+    tampered = signed((1, 2))
+    grant = tampered.fence.grants[2]
+    for forged in (
+        grant._replace(owner="mallory"),  # the grant changed under its signature
+        grant._replace(signature=grant.signature[:-1] + bytes([grant.signature[-1] ^ 1])),
+        grant._replace(signature=grant.signature[:20]),
+    ):
+        state = tampered.with_fence(
+            dataclasses.replace(tampered.fence, grants={**tampered.fence.grants, 2: forged})
+        )
+        assert refused_signed(held, state) == "bad_signature"
+    # The same grant in another version than the one held: checked like a new one.
+    other = held.fence.grants[1]._replace(signature=b"\xff" * 72)
+    twin = held.with_fence(dataclasses.replace(held.fence, grants={1: other}))
+    assert refused_signed(held, twin) == "unknown_signer"
+    # A grant below a verified fence raises nothing: it needs no signature.
+    below = check(signed((1, 3)), granted((1, 2, 3)), now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert below.fence.fence == 3 and below.fence.grants[2].signature == b""
 
 
 # -- a hostile peer, against a real node -----------------------------------------------------

@@ -72,6 +72,7 @@ METHOD_RIGHTS: Mapping[str, Right] = {
     "/fencemark.v1.Replication/Buckets": Right.REPLICATE,
     "/fencemark.v1.Replication/Fetch": Right.REPLICATE,
     "/fencemark.v1.Replication/Push": Right.REPLICATE,
+    "/fencemark.v1.Replication/Certificates": Right.REPLICATE,
 }
 # A node holds every record anyway; `read` lets its certificate serve probes and status.
 REGION_RIGHTS = frozenset({Right.READ, Right.REPLICATE})

@@ -170,6 +170,9 @@ class Claims:
                 queued_ahead=queued_ahead,
                 recovered_hlc=replica.recovered_hlc,
             )
+            if replica.signer is not None and fence.fence != current.fence.fence:
+                # A new grant: signed by this (home) node before it is durable.
+                fence = replica.signer.sign_fence(key, fence)
             return current.with_fence(fence), outcome
 
         _, outcome = await replica.transact(key, change)

@@ -20,23 +20,30 @@ legitimate state (and so never stops convergence):
   was never granted;
 - ``lease_too_long``: a lease expiry (new to this node) further ahead than the
   longest lease plus ``max_clock_offset``;
-- ``orphan_token``: an expiry or a release for a token that no grant names.
+- ``orphan_token``: an expiry or a release for a token that no grant names;
+- with TLS (a ``verifier``, ``fencemark.node.signing.Keyring``): the fence grant of
+  the join, when it is not the one this node held, carries the signature of its
+  region's node: ``unsigned_grant``, ``bad_signature``, ``signer_not_home``, or
+  ``unknown_signer`` while the signing certificate is not known here (the caller
+  fetches it from the sending peer first; a later exchange retries). Grants below
+  the fence carry no signature: they can never become the fence again, so they
+  can raise nothing (``fence.py``).
 
 Stamps further ahead than ``max_clock_offset`` are refused before this (the clock
 check), and malformed states when they are decoded. What this does *not* stop is a
-configured peer forging a grant that names the home, within the token bound: the
-fence is authenticated by the peer's identity (mutual TLS), not yet by a signature
-of the home on each grant (docs/security.md).
+node running ``--insecure`` forging a grant that names the home, within the token
+bound: without TLS nothing is signed, and only the bounds hold (docs/security.md).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Protocol
 
 from fencemark.node.admission import RECOVERY_GAP
 from fencemark.node.crdt import Record
-from fencemark.node.crdt.fence import HISTORY
+from fencemark.node.crdt.fence import HISTORY, Grant
 from fencemark.node.crdt.hlc import physical_ms
 from fencemark.node.errors import FencemarkError
 from fencemark.node.validation import MAX_LEASE_S
@@ -61,7 +68,19 @@ class Bounds:
     max_lease_ms: int = round(MAX_LEASE_S * 1000)
 
 
-def check(local: Record, remote: Record, *, now_ms: int, bounds: Bounds) -> Record:
+class GrantVerifier(Protocol):
+    def problem(self, record_key: str, token: int, grant: Grant) -> tuple[str, str] | None:
+        """(reason, detail) when ``grant`` is not signed by its region's node."""
+
+
+def check(
+    local: Record,
+    remote: Record,
+    *,
+    now_ms: int,
+    bounds: Bounds,
+    verifier: GrantVerifier | None = None,
+) -> Record:
     """The merge of ``remote`` into ``local``, or :class:`MergeRefused`."""
     key = remote.key
 
@@ -105,6 +124,19 @@ def check(local: Record, remote: Record, *, now_ms: int, bounds: Bounds) -> Reco
         if token - below > bounds.max_token_jump:
             raise refuse("token_jump", f"token {token} is {token - below} above token {below}"
                                        f" (at most {bounds.max_token_jump})")  # fmt: skip
+
+    if verifier is not None:
+        top = merged.fence.fence
+        holder = merged.fence.grants.get(top)
+        if holder is not None and holder != local.fence.grants.get(top):
+            # A fence grant this node did not hold (a new one, or another version of
+            # its own): only the home's signature lets it raise the fence.
+            if holder.region != home:
+                where = f"token {top} granted by {holder.region!r}, home is {home!r}"
+                raise refuse("grant_outside_home", where)
+            problem = verifier.problem(key, top, holder)
+            if problem is not None:
+                raise refuse(*problem)
 
     latest = now_ms + bounds.max_lease_ms + bounds.max_offset_ms
 

@@ -19,6 +19,7 @@ from fencemark.node import integrity, validation
 from fencemark.node.admission import admit_write
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
 from fencemark.node.errors import InvalidInput, NotFound, NotServing, WrongRegion
+from fencemark.node.signing import Keyring, Signer
 from fencemark.node.storage import Storage, Stored
 
 T = TypeVar("T")
@@ -65,6 +66,10 @@ class Replica:
         self.deciding = True
         # What merges may bring (fencemark.node.integrity); the server sets the token bound.
         self.bounds = integrity.Bounds(max_offset_ms=clock.max_offset_ms)
+        # With TLS (the server sets both): this node signs the grants it makes, and
+        # merges verify the home's signature on fence grants (fencemark.node.signing).
+        self.signer: Signer | None = None
+        self.keyring: Keyring | None = None
         recovered = storage.meta.get("recovered_hlc")
         self.recovered_hlc = int(recovered) if recovered else 0
 
@@ -149,12 +154,47 @@ class Replica:
 
         def change(current: Record) -> tuple[Record, bool]:
             merged = integrity.check(current, remote, now_ms=self.clock.wall_ms(),
-                                     bounds=self.bounds)  # fmt: skip
+                                     bounds=self.bounds, verifier=self.keyring)  # fmt: skip
             return merged, merged != current
 
         known = (remote, state) if state is not None else None
         _, changed = await self.transact(remote.key, change, local=False, known=known)
         return changed
+
+    async def sign_fences(self) -> int:
+        """Sign every unsigned fence grant this (home) node made; returns how many.
+
+        Grants made before signed grants existed (a file upgraded from format 1), or
+        while this node ran ``--insecure``, carry no signature, and a node that has not
+        merged them yet would refuse them (``unsigned_grant``). Signed, the grant
+        beats its unsigned version in every join (``Grant`` order), so the signature
+        spreads like any write (docs/security.md, *Signed grants*).
+        """
+        signer, region = self.signer, self.region
+        if signer is None:
+            return 0
+
+        def change(current: Record) -> tuple[Record, bool]:
+            holder = current.fence.holder()
+            if holder is None or holder.signature or current.home_region != region:
+                return current, False
+            if holder.region != region:
+                return current, False  # not this region's grant to sign
+            return current.with_fence(signer.sign_fence(current.key, current.fence)), True
+
+        signed, after, page_size = 0, "", 500
+        while True:
+            # Every key starts with "repo/" (validation.KEY); "0" follows "/".
+            page = await self.storage.scan(
+                "repo/", "repo0", after=after, limit=page_size, include_deleted=True
+            )
+            for stored in page:
+                if change(stored.record)[1]:
+                    _, did = await self.transact(stored.record.key, change)
+                    signed += did
+            if len(page) < page_size:
+                return signed
+            after = page[-1].record.key
 
     # -- reads ------------------------------------------------------------------
 

@@ -36,12 +36,14 @@ from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import stats_for
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.service import ReplicationService
+from fencemark.node.replication.signers import load_keyring
 from fencemark.node.service import (
     ClaimsService,
     NodeService,
     RecordsService,
     refuse,
 )
+from fencemark.node.signing import Keyring, Signer
 from fencemark.node.storage import Storage
 from fencemark.node.telemetry import NodeMetrics, Telemetry
 from fencemark.node.tls import Identity, TlsFiles
@@ -61,6 +63,7 @@ SERVICES: tuple[descriptor.ServiceDescriptor, ...] = (
     replication_pb2.DESCRIPTOR.services_by_name["Replication"],
 )
 CLAIMS_SERVICE = "fencemark.v1.Claims"
+FENCES_SIGNED = "fences_signed"  # storage meta: "1" once every fence grant made here is signed
 
 
 def default_data_dir(region: str) -> Path:
@@ -183,10 +186,25 @@ class NodeServer:
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeServer:
         server_credentials, peer_credentials = _credentials(config)
+        # Signed grants (docs/security.md): this node signs what it grants with its
+        # node key and verifies the home's signature on merged fences. Read before
+        # anything opens: a key that cannot sign refuses the start (ValueError).
+        signer = Signer.from_files(config.tls) if config.tls is not None else None
+        keyring = Keyring.for_files(config.tls) if config.tls is not None else None
         storage = await Storage.open(config.db_path, cache_size=config.cache_size)
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
         replica.bounds = Bounds(config.max_clock_offset_ms, max_token_jump=config.max_token_jump)
+        if signer is not None and keyring is not None:
+            replica.signer = signer
+            await load_keyring(replica, keyring)
+            if storage.meta.get(FENCES_SIGNED) != "1":
+                # Once per file: grants from before signed grants or an --insecure run.
+                signed = await replica.sign_fences()
+                log.info("signed %d fence grants made without a signature", signed)
+                await storage.put_meta(FENCES_SIGNED, "1")
+        elif storage.meta.get(FENCES_SIGNED) == "1":
+            await storage.put_meta(FENCES_SIGNED, "0")  # grants made now go unsigned
         claims = Claims(
             replica,
             max_waiters=config.max_waiters,

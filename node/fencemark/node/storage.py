@@ -365,6 +365,9 @@ def _open_writer(writer: _Writer, path: Path) -> dict[str, str]:
     _migrate(conn)
     conn.executescript(SCHEMA)
     meta = {str(name): str(value) for name, value in conn.execute("SELECT name, value FROM meta")}
+    if "state_format" not in meta:  # a new file: its states are all written in FORMAT
+        meta["state_format"] = str(codec.FORMAT)
+        conn.execute("INSERT INTO meta VALUES ('state_format', ?)", (meta["state_format"],))
     if "node_id" not in meta:
         # A node that lost its disk comes back as a new node: the identity is
         # part of what is lost, so stamps from two lives never collide.
@@ -430,6 +433,17 @@ def _migrate(conn: sqlite3.Connection) -> None:
     if not columns:
         return  # a new file: SCHEMA creates everything
     conn.execute("BEGIN IMMEDIATE")
+    marker = conn.execute("SELECT value FROM meta WHERE name = 'state_format'").fetchone()
+    if marker is None or int(marker[0]) < codec.FORMAT:  # before signed grants: format 1
+        # Re-encoded with new digests; the digest tree is loaded from them afterwards.
+        rows = []
+        for key, state in conn.execute("SELECT key, state FROM records").fetchall():
+            new = codec.upgrade(bytes(state))
+            if new != state:
+                rows.append((new, codec.digest(new), key))
+        log.info("re-encoding %d record states in format %d", len(rows), codec.FORMAT)
+        conn.executemany("UPDATE records SET state = ?, digest = ? WHERE key = ?", rows)
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('state_format', ?)", (str(codec.FORMAT),))
     if "bucket" not in columns:  # before replication: no digest-tree buckets
         log.info("adding digest-tree buckets to an existing data file")
         conn.execute("ALTER TABLE records ADD COLUMN bucket INTEGER NOT NULL DEFAULT -1")

@@ -335,3 +335,55 @@ class FetchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchResponse: _TypeAlias = FetchResponse  # noqa: Y015
+
+@_typing.final
+class CertificatesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    KEY_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def origin(self) -> Global___Origin: ...
+    @_builtins.property
+    def key_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Key ids: the first 8 bytes of SHA-256 over a certificate's
+        SubjectPublicKeyInfo (DER). At most 64 per request.
+        """
+
+    def __init__(
+        self,
+        *,
+        origin: Global___Origin | None = ...,
+        key_ids: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_ids", b"key_ids", "origin", b"origin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CertificatesRequest: _TypeAlias = CertificatesRequest  # noqa: Y015
+
+@_typing.final
+class CertificatesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CERTIFICATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def certificates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """DER certificates of the asked key ids this node knows, in no particular
+        order; unknown ones are left out. Empty on a node without TLS.
+        """
+
+    def __init__(
+        self,
+        *,
+        certificates: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificates", b"certificates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CertificatesResponse: _TypeAlias = CertificatesResponse  # noqa: Y015

@@ -55,6 +55,11 @@ class ReplicationStub:
                 request_serializer=fencemark_dot_v1_dot_replication__pb2.FetchRequest.SerializeToString,
                 response_deserializer=fencemark_dot_v1_dot_replication__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.Certificates = channel.unary_unary(
+                '/fencemark.v1.Replication/Certificates',
+                request_serializer=fencemark_dot_v1_dot_replication__pb2.CertificatesRequest.SerializeToString,
+                response_deserializer=fencemark_dot_v1_dot_replication__pb2.CertificatesResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicationServicer:
@@ -91,6 +96,18 @@ class ReplicationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Certificates(self, request, context):
+        """Certificates returns the node certificates this node knows for the key ids
+        asked about: with TLS, grants carry their home's signature and the key id of
+        the signing certificate (docs/security.md, signed grants), and a node that
+        receives a grant signed by a key it does not know asks the peer that
+        delivered the state. The asker checks each certificate itself (issued by the
+        cluster CA, a fencemark://region/ identity), so any peer may relay them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +130,11 @@ def add_ReplicationServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=fencemark_dot_v1_dot_replication__pb2.FetchRequest.FromString,
                     response_serializer=fencemark_dot_v1_dot_replication__pb2.FetchResponse.SerializeToString,
+            ),
+            'Certificates': grpc.unary_unary_rpc_method_handler(
+                    servicer.Certificates,
+                    request_deserializer=fencemark_dot_v1_dot_replication__pb2.CertificatesRequest.FromString,
+                    response_serializer=fencemark_dot_v1_dot_replication__pb2.CertificatesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +246,33 @@ class Replication:
             '/fencemark.v1.Replication/Fetch',
             fencemark_dot_v1_dot_replication__pb2.FetchRequest.SerializeToString,
             fencemark_dot_v1_dot_replication__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Certificates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencemark.v1.Replication/Certificates',
+            fencemark_dot_v1_dot_replication__pb2.CertificatesRequest.SerializeToString,
+            fencemark_dot_v1_dot_replication__pb2.CertificatesResponse.FromString,
             options,
             channel_credentials,
             insecure,

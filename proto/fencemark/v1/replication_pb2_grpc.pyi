@@ -73,6 +73,14 @@ class ReplicationStub:
     """Buckets lists the (key, digest, max_hlc) of every record below tree nodes."""
     Fetch: _grpc.UnaryUnaryMultiCallable[_replication_pb2.FetchRequest, _replication_pb2.FetchResponse]
     """Fetch returns the states of records, tombstones included."""
+    Certificates: _grpc.UnaryUnaryMultiCallable[_replication_pb2.CertificatesRequest, _replication_pb2.CertificatesResponse]
+    """Certificates returns the node certificates this node knows for the key ids
+    asked about: with TLS, grants carry their home's signature and the key id of
+    the signing certificate (docs/security.md, signed grants), and a node that
+    receives a grant signed by a key it does not know asks the peer that
+    delivered the state. The asker checks each certificate itself (issued by the
+    cluster CA, a fencemark://region/ identity), so any peer may relay them.
+    """
 
 @_typing.type_check_only
 class ReplicationAsyncStub(ReplicationStub):
@@ -90,6 +98,14 @@ class ReplicationAsyncStub(ReplicationStub):
     """Buckets lists the (key, digest, max_hlc) of every record below tree nodes."""
     Fetch: _aio.UnaryUnaryMultiCallable[_replication_pb2.FetchRequest, _replication_pb2.FetchResponse]  # type: ignore[assignment]
     """Fetch returns the states of records, tombstones included."""
+    Certificates: _aio.UnaryUnaryMultiCallable[_replication_pb2.CertificatesRequest, _replication_pb2.CertificatesResponse]  # type: ignore[assignment]
+    """Certificates returns the node certificates this node knows for the key ids
+    asked about: with TLS, grants carry their home's signature and the key id of
+    the signing certificate (docs/security.md, signed grants), and a node that
+    receives a grant signed by a key it does not know asks the peer that
+    delivered the state. The asker checks each certificate itself (issued by the
+    cluster CA, a fencemark://region/ identity), so any peer may relay them.
+    """
 
 class ReplicationServicer(metaclass=_abc_1.ABCMeta):
     """Replication moves record states between the nodes of a cluster."""
@@ -128,5 +144,19 @@ class ReplicationServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_replication_pb2.FetchResponse, _abc.Awaitable[_replication_pb2.FetchResponse]]:
         """Fetch returns the states of records, tombstones included."""
+
+    @_abc_1.abstractmethod
+    def Certificates(
+        self,
+        request: _replication_pb2.CertificatesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replication_pb2.CertificatesResponse, _abc.Awaitable[_replication_pb2.CertificatesResponse]]:
+        """Certificates returns the node certificates this node knows for the key ids
+        asked about: with TLS, grants carry their home's signature and the key id of
+        the signing certificate (docs/security.md, signed grants), and a node that
+        receives a grant signed by a key it does not know asks the peer that
+        delivered the state. The asker checks each certificate itself (issued by the
+        cluster CA, a fencemark://region/ identity), so any peer may relay them.
+        """
 
 def add_ReplicationServicer_to_server(servicer: ReplicationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

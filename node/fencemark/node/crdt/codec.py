@@ -6,17 +6,22 @@ booleans as one byte. ``decode`` accepts only canonical input (sorted, unique
 keys, minimal varints, nothing trailing), so ``encode(decode(b)) == b`` for every
 ``b`` it accepts and the digest of a state is well defined.
 
-Layout (format 1)::
+Layout (format 2; format 1 had no signatures)::
 
-    0x01 key home? fields tags deleted grants lease_expiry released
+    0x02 key home? fields tags deleted grants lease_expiry released
     home         = 0x00 | 0x01 stamp str
     fields       = n (name stamp str)*          sorted by name
     tags         = n (tag stamp bool)*          sorted by tag
     deleted      = stamp bool
-    grants       = n (token hlc owner region)*  sorted by token
+    grants       = n (token hlc owner region signature)*  sorted by token;
+                   signature = bytes, empty on every grant but the fence's
     lease_expiry = n (token expiry_ms)*         sorted by token
     released     = n token*                     ascending
     stamp        = epoch hlc node
+    bytes        = varint length, then the bytes
+
+What a home signs for a grant is ``grant_message`` (docs/security.md, *Signed
+grants*): the record key, the token and the grant without its signature.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from fencemark.node.crdt.hlc import Stamp
 from fencemark.node.crdt.lww import LWW
 from fencemark.node.crdt.record import Record
 
-FORMAT = 1
+FORMAT = 2
+LEGACY_FORMAT = 1  # before signed grants: read only by ``upgrade``
+GRANT_MESSAGE = b"fencemark grant v1\x00"  # domain separation of grant signatures
 DIGEST_SIZE = 16
 MAX_UINT = (1 << 64) - 1  # every integer in a state is a uint64 (tokens, stamps, expiries)
 
@@ -64,6 +71,11 @@ def _varint(out: bytearray, n: int) -> None:
 
 def _str(out: bytearray, s: str) -> None:
     raw = s.encode("utf-8")
+    _varint(out, len(raw))
+    out += raw
+
+
+def _bytes(out: bytearray, raw: bytes) -> None:
     _varint(out, len(raw))
     out += raw
 
@@ -105,6 +117,7 @@ def encode(record: Record) -> bytes:
         _varint(out, grant.granted_hlc)
         _str(out, grant.owner)
         _str(out, grant.region)
+        _bytes(out, grant.signature)
     _varint(out, len(fence.lease_expiry))
     for token in sorted(fence.lease_expiry):
         _varint(out, token)
@@ -112,6 +125,18 @@ def encode(record: Record) -> bytes:
     _varint(out, len(fence.released))
     for token in sorted(fence.released):
         _varint(out, token)
+    return bytes(out)
+
+
+def grant_message(key: str, token: int, grant: Grant) -> bytes:
+    """The bytes a home signs for granting ``token`` of ``key``: everything that
+    identifies the grant (key, token, granted_hlc, owner, region), canonical."""
+    out = bytearray(GRANT_MESSAGE)
+    _str(out, key)
+    _varint(out, token)
+    _varint(out, grant.granted_hlc)
+    _str(out, grant.owner)
+    _str(out, grant.region)
     return bytes(out)
 
 
@@ -158,6 +183,15 @@ class _Reader:
             if shift > 63:  # a uint64 takes at most 10 bytes
                 raise DecodeError("varint too long")
 
+    def blob(self) -> bytes:
+        size = self.varint()
+        start = self.pos
+        end = start + size
+        if end > len(self.data):
+            raise DecodeError("truncated bytes")
+        self.pos = end
+        return self.data[start:end]
+
     def str(self) -> str:
         size = self.varint()
         start = self.pos
@@ -192,15 +226,36 @@ class _Reader:
 
 
 def decode(data: bytes) -> Record:
+    return _decode(data, FORMAT)
+
+
+def upgrade(data: bytes) -> bytes:
+    """A stored state in the current format: a format-1 state (written before grants
+    carried signatures) is re-encoded with its grants unsigned; others are returned
+    as they are. Only storage calls this, when it opens an older file: the wire
+    takes the current format only."""
+    if data[:1] != bytes([LEGACY_FORMAT]):
+        return data
+    return encode(_decode(data, LEGACY_FORMAT))
+
+
+def _decode(data: bytes, fmt: int) -> Record:
     r = _Reader(data)
-    if r.byte() != FORMAT:
+    if r.byte() != fmt:
         raise DecodeError("unknown format")
     key = r.str()
     home = LWW(r.stamp(), r.str()) if r.bool() else None
     fields = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str()))
     tags = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.bool()))
     deleted = LWW(r.stamp(), r.bool())
-    grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str()))
+    if fmt == LEGACY_FORMAT:
+        grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str()))
+    else:
+        grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str(), r.blob()))
+    if grants:
+        fence_token = max(grants)
+        if any(g.signature for t, g in grants.items() if t != fence_token):
+            raise DecodeError("a signature on a grant below the fence")
     lease_expiry = r.sorted_map(r.varint, r.varint)
     released = r.sorted_map(r.varint, lambda: None)
     if r.pos != len(data):

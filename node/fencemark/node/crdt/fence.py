@@ -13,6 +13,14 @@ The *fence* is the largest granted token (0 when none); it only ever grows.
 A claim is live when ``fence > 0``, ``fence`` is not released and
 ``now < lease_expiry[fence]`` (SPEC §3).
 
+Only the fence's grant carries a signature (``Grant.signature``, the home's, made
+with its node key: docs/security.md, *Signed grants*). A grant below the fence can
+never become the fence again, so its signature would protect nothing; ``_compact``
+strips it. Stripping after every join is still a join: whether a grant keeps its
+signature depends only on the tokens of the join, and a side's own fence grant
+keeps its signature on that side (tests/test_crdt_laws.py checks the laws with
+signed grants, and with two signatures of one grant).
+
 History is bounded: a state keeps the entries of its ``HISTORY`` largest granted
 tokens and folds away everything below them (``_compact``). Every rule only
 looks at the fence token, so nothing observable changes, but an item claimed
@@ -37,11 +45,13 @@ HISTORY = 16
 
 
 class Grant(NamedTuple):
-    """Who was granted a token, where and when (HLC of the home node)."""
+    """Who was granted a token, where and when (HLC of the home node), and the home's
+    signature over that (``b""``: unsigned, or stripped below the fence)."""
 
     granted_hlc: int
     owner: str
     region: str
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -67,12 +77,22 @@ class FenceState:
         return sorted(self.grants)[-HISTORY]
 
     def _compact(self) -> FenceState:
-        """Drop the entries of tokens below the ``HISTORY`` latest grants."""
+        """Drop the entries of tokens below the ``HISTORY`` latest grants, and the
+        signatures of grants below the fence."""
         floor = self.floor()
-        if not floor:
+        fence = self.fence
+        stale = any(g.signature for t, g in self.grants.items() if t != fence)
+        if not floor and not stale:
             return self
+        grants = {
+            t: g._replace(signature=b"") if g.signature and t != fence else g
+            for t, g in self.grants.items()
+            if t >= floor
+        }
+        if not floor:
+            return FenceState(grants, self.lease_expiry, self.released)
         return FenceState(
-            grants={t: g for t, g in self.grants.items() if t >= floor},
+            grants=grants,
             lease_expiry={t: e for t, e in self.lease_expiry.items() if t >= floor},
             released=frozenset(t for t in self.released if t >= floor),
         )
@@ -107,6 +127,18 @@ class FenceState:
             lease_expiry={**self.lease_expiry, token: max(expiry_ms, self.expiry(token))},
             released=self.released,
         )._compact()
+
+    def signed(self, signature: bytes) -> FenceState:
+        """The fence's grant with ``signature`` (the home signs what it granted)."""
+        holder = self.holder()
+        if holder is None:
+            raise ValueError("no grant to sign")
+        if holder.signature == signature:
+            return self
+        if signature < holder.signature:
+            raise ValueError("a signature smaller than the grant's own would not be an inflation")
+        grants = {**self.grants, self.fence: holder._replace(signature=signature)}
+        return FenceState(grants, self.lease_expiry, self.released)
 
     def extend(self, token: int, expiry_ms: int) -> FenceState:
         """Move ``token``'s expiry to ``expiry_ms`` unless it is already later."""

@@ -21,6 +21,7 @@ from fencemark.node.errors import ClockSkewed, Denial, InvalidInput, PermissionD
 from fencemark.node.integrity import MergeRefused
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import PeerStats
+from fencemark.node.replication.signers import MAX_KEY_IDS, learn_signers
 from fencemark.node.service import refusals
 from fencemark.node.tls import peer_identity
 from fencemark.v1 import replication_pb2
@@ -77,6 +78,8 @@ async def merge_all(
     ``peer`` and logged with it.
     """
     check_clock(replica, region, [r.max_hlc() for r in records])
+    if peer is not None and replica.keyring is not None:
+        await learn_signers(replica, peer, records)
     await replica.storage.preload([r.key for r in records])  # one read, not one per record
     encoded = states if states is not None else [None] * len(records)
     # Concurrent merges of different records share group commits.
@@ -258,4 +261,17 @@ class ReplicationService:
             response.states.append(state)
             size += len(state)
         self._sent(peer, response.ByteSize(), len(response.states))
+        return response
+
+    @refusals
+    async def Certificates(
+        self, request: replication_pb2.CertificatesRequest, context: Context
+    ) -> replication_pb2.CertificatesResponse:
+        peer = self._admit(request.origin, request.ByteSize(), context)
+        if len(request.key_ids) > MAX_KEY_IDS:
+            raise InvalidInput.field("key_ids", f"at most {MAX_KEY_IDS} key ids per request")
+        keyring = self.replica.keyring
+        known = keyring.certificates(request.key_ids) if keyring is not None else []
+        response = replication_pb2.CertificatesResponse(certificates=known)
+        self._sent(peer, response.ByteSize())
         return response

@@ -1,0 +1,202 @@
+"""Grants signed by the home region (issue 7; docs/security.md, *Signed grants*).
+
+With TLS, the node of a record's home region signs every grant it makes with the
+private key of its node certificate, and a merge refuses a new fence grant whose
+signature is missing, wrong, or made by a key whose certificate is not the cluster
+CA's certificate of the record's home region (``fencemark.node.integrity``).
+
+A signature is ``key_id || r || s`` (72 bytes): ``key_id`` is the first 8 bytes of
+SHA-256 over the signing certificate's SubjectPublicKeyInfo, and ``r || s`` an
+ECDSA P-256 / SHA-256 signature (RFC 6979 deterministic, low ``s``) of
+``codec.grant_message``. The key id tells a verifier which certificate to check
+it with; a :class:`Keyring` holds the certificates a node knows, each one checked
+when it is added: issued by the cluster CA, one ``fencemark://region/R``
+identity, an EC P-256 key. Whoever relays such a certificate, it is as
+trustworthy as the CA, so a node learns unknown ones from the peer that delivered
+the state (``Replication.Certificates``) and keeps them (storage meta), old ones
+included: after a node's certificate is re-issued, the grants it signed with the
+old key still verify everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import (
+    decode_dss_signature,
+    encode_dss_signature,
+)
+
+from fencemark.node.crdt import Record, codec
+from fencemark.node.crdt.fence import FenceState, Grant
+from fencemark.node.tls import TlsFiles, identities_of
+
+KEY_ID_SIZE = 8
+SCALAR_SIZE = 32  # P-256
+SIGNATURE_SIZE = KEY_ID_SIZE + 2 * SCALAR_SIZE
+# The order of P-256's base point: a signature's s must be at most half of it.
+P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+META_PREFIX = "signer:"  # storage meta: signer:<key id hex> -> certificate PEM
+ALGORITHM = ec.ECDSA(hashes.SHA256(), deterministic_signing=True)
+
+# Refusal reasons (integrity.MergeRefused.reason).
+UNSIGNED = "unsigned_grant"
+BAD_SIGNATURE = "bad_signature"
+UNKNOWN_SIGNER = "unknown_signer"
+SIGNER_NOT_HOME = "signer_not_home"
+
+
+def key_id(public_key: ec.EllipticCurvePublicKey) -> bytes:
+    spki = public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(spki).digest()[:KEY_ID_SIZE]
+
+
+@dataclass(frozen=True)
+class Signer:
+    """A home node's signing key and the key id of its certificate."""
+
+    key: ec.EllipticCurvePrivateKey
+    key_id: bytes
+
+    @classmethod
+    def from_pem(cls, key_pem: bytes) -> Signer:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name != "secp256r1":
+            raise ValueError("a node key must be EC P-256 to sign grants")
+        return cls(key, key_id(key.public_key()))
+
+    @classmethod
+    def from_files(cls, files: TlsFiles) -> Signer:
+        return cls.from_pem(files.read()[2])
+
+    def signature(self, record_key: str, token: int, grant: Grant) -> bytes:
+        der = self.key.sign(codec.grant_message(record_key, token, grant), ALGORITHM)
+        r, s = decode_dss_signature(der)
+        s = min(s, P256_ORDER - s)  # one signature per grant: no (r, n - s) twin
+        return self.key_id + r.to_bytes(SCALAR_SIZE, "big") + s.to_bytes(SCALAR_SIZE, "big")
+
+    def sign_fence(self, record_key: str, fence: FenceState) -> FenceState:
+        """``fence`` with its fence grant signed (unchanged when it already is)."""
+        holder = fence.holder()
+        if holder is None or holder.signature:
+            return fence
+        return fence.signed(self.signature(record_key, fence.fence, holder))
+
+
+@dataclass(frozen=True)
+class _Signer:
+    region: str
+    public_key: ec.EllipticCurvePublicKey
+    der: bytes
+
+
+class Keyring:
+    """The node certificates of the cluster CA this node knows, by key id."""
+
+    def __init__(self, cas: Iterable[x509.Certificate]) -> None:
+        self.cas = list(cas)
+        self._signers: dict[bytes, _Signer] = {}
+        # When each (peer region, key id) was last asked for (replication.signers).
+        self.asked: dict[tuple[str, bytes], float] = {}
+
+    @classmethod
+    def for_files(cls, files: TlsFiles) -> Keyring:
+        """A keyring trusting ``files``' CA bundle, knowing ``files``' own certificate."""
+        ca, cert, _ = files.read()
+        keyring = cls(x509.load_pem_x509_certificates(ca))
+        keyring.add(x509.load_pem_x509_certificate(cert).public_bytes(serialization.Encoding.DER))
+        return keyring
+
+    def __contains__(self, kid: bytes) -> bool:
+        return kid in self._signers
+
+    def __len__(self) -> int:
+        return len(self._signers)
+
+    def add(self, der: bytes) -> bytes:
+        """Check a certificate and keep it; returns its key id (ValueError says why not)."""
+        try:
+            cert = x509.load_der_x509_certificate(der)
+        except ValueError as exc:
+            raise ValueError(f"not a DER certificate: {exc}") from exc
+        if not any(_issued_by(cert, ca) for ca in self.cas):
+            raise ValueError(f"{cert.subject.rfc4514_string()} is not issued by the cluster CA")
+        found = identities_of(cert)
+        if len(found) != 1 or found[0].kind != "region":
+            raise ValueError(f"not a node certificate: identities {[str(i) for i in found]}")
+        public_key = cert.public_key()
+        if not isinstance(public_key, ec.EllipticCurvePublicKey) or (
+            public_key.curve.name != "secp256r1"
+        ):
+            raise ValueError("a signer's key must be EC P-256")
+        kid = key_id(public_key)
+        self._signers[kid] = _Signer(
+            found[0].name,
+            public_key,
+            cert.public_bytes(serialization.Encoding.DER),
+        )
+        return kid
+
+    def known(self) -> list[tuple[bytes, bytes]]:
+        """(key id, DER certificate) of every signer known."""
+        return [(kid, signer.der) for kid, signer in self._signers.items()]
+
+    def certificates(self, kids: Iterable[bytes]) -> list[bytes]:
+        """The DER certificates of the key ids this keyring knows (others left out)."""
+        return [self._signers[k].der for k in dict.fromkeys(kids) if k in self._signers]
+
+    def missing(self, records: Iterable[Record]) -> set[bytes]:
+        """Key ids of the fence grants in ``records`` that this keyring does not know."""
+        out = set()
+        for record in records:
+            holder = record.fence.holder()
+            if holder is not None and len(holder.signature) == SIGNATURE_SIZE:
+                kid = holder.signature[:KEY_ID_SIZE]
+                if kid not in self._signers:
+                    out.add(kid)
+        return out
+
+    def problem(self, record_key: str, token: int, grant: Grant) -> tuple[str, str] | None:
+        """Why ``grant`` of ``token`` is not signed by its region's node: (reason,
+        detail), or None when it is."""
+        sig = grant.signature
+        if not sig:
+            return UNSIGNED, f"token {token}'s grant carries no signature"
+        if len(sig) != SIGNATURE_SIZE:
+            return BAD_SIGNATURE, f"token {token}'s signature is {len(sig)} bytes, not 72"
+        kid = sig[:KEY_ID_SIZE]
+        signer = self._signers.get(kid)
+        if signer is None:
+            return UNKNOWN_SIGNER, f"token {token} is signed by key {kid.hex()}, unknown here"
+        if signer.region != grant.region:
+            return SIGNER_NOT_HOME, (
+                f"token {token} of region {grant.region!r} is signed by the node of"
+                f" region {signer.region!r}"
+            )
+        r = int.from_bytes(sig[KEY_ID_SIZE : KEY_ID_SIZE + SCALAR_SIZE], "big")
+        s = int.from_bytes(sig[KEY_ID_SIZE + SCALAR_SIZE :], "big")
+        if not (0 < r < P256_ORDER and 0 < s <= P256_ORDER // 2):
+            return BAD_SIGNATURE, f"token {token}'s signature is not canonical"
+        try:
+            signer.public_key.verify(
+                encode_dss_signature(r, s), codec.grant_message(record_key, token, grant), ALGORITHM
+            )
+        except InvalidSignature:
+            return BAD_SIGNATURE, f"token {token}'s signature does not match its grant"
+        return None
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True

@@ -1,0 +1,427 @@
+"""Grants signed by the home region (issue 7): real certificates, real nodes, real mTLS.
+
+The threat: a configured peer's node (or its stolen key) holds a valid node
+certificate of its own region and forges a grant naming a record's home, within
+every integrity bound. With TLS the home signs each grant with its node key and
+a merge refuses a fence grant its home did not sign (fencemark.node.signing,
+docs/security.md *Signed grants*). Certificates come from ``fencemark certs``
+(``init_dir``/``issue_into``), nodes are the in-process gRPC servers on loopback,
+the hostile peer speaks ``Replication.Push`` with its real certificate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import sqlite3
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from fencemark.client import AsyncClient, tls_credentials
+from fencemark.node.crdt import Record, codec
+from fencemark.node.crdt.fence import Grant
+from fencemark.node.server import NodeServer
+from fencemark.node.signing import KEY_ID_SIZE, Keyring, Signer, key_id
+from fencemark.node.tls import Identity, TlsFiles, init_dir, issue_into
+from fencemark.v1 import replication_pb2, replication_pb2_grpc
+from tests.cluster import Cluster, eventually, wait_converged
+from tests.conftest import StartNode
+
+REGIONS = ["us", "eu", "ap"]
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    directory = tmp_path / "certs"
+    init_dir(directory, regions=REGIONS, clients=["alice"])
+    return directory
+
+
+def files(certs: Path, name: str) -> TlsFiles:
+    return TlsFiles.in_dir(certs, name)
+
+
+def client(node: NodeServer, certs: Path) -> AsyncClient:
+    credentials = tls_credentials(certs, "alice")
+    return AsyncClient(node.address, credentials=credentials, retries=0, timeout=5)
+
+
+def cert_der(path: Path) -> bytes:
+    return x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(Encoding.DER)
+
+
+async def serving(node: NodeServer, certs: Path) -> None:
+    async def claims_serving() -> bool:
+        async with client(node, certs) as c:
+            return (await c.info()).claims_serving
+
+    await eventually(claims_serving, f"{node.config.region} deciding claims")
+
+
+async def state_of(node: NodeServer, key: str) -> Record:
+    stored = await node.storage.get(key)
+    assert stored is not None, f"{node.config.region} has no {key}"
+    return stored.record
+
+
+async def holds_fence(node: NodeServer, key: str, token: int) -> bool:
+    stored = await node.storage.get(key)
+    return stored is not None and stored.record.fence.fence == token
+
+
+async def push(node: NodeServer, certs: Path, origin: str, state: Record) -> int:
+    """Replication.Push from ``origin``'s node, with its own certificate."""
+    credentials = files(certs, origin).channel_credentials()
+    async with grpc.aio.secure_channel(node.address, credentials) as channel:
+        stub = replication_pb2_grpc.ReplicationStub(channel)
+        request = replication_pb2.PushRequest(
+            origin=replication_pb2.Origin(region=origin, node_id="hostile", hlc=0),
+            states=[codec.encode(state)],
+        )
+        response: replication_pb2.PushResponse = await stub.Push(request, timeout=10)
+        return response.merged
+
+
+def databases(path: Path) -> list[Path]:
+    return list(path.glob("**/fencemark.sqlite3"))
+
+
+def with_grant(record: Record, token: int, grant: Grant, expiry_ms: int) -> Record:
+    """``record`` with one more grant, exactly as given (no re-signing)."""
+    fence = record.fence.grant(token, grant._replace(signature=b""), expiry_ms)
+    grants = {**fence.grants, token: grant}
+    return record.with_fence(dataclasses.replace(fence, grants=grants))
+
+
+# -- the keyring ------------------------------------------------------------------------------
+
+
+def test_the_keyring_takes_only_node_certificates_of_the_cluster_ca(
+    certs: Path, tmp_path: Path
+) -> None:
+    ring = Keyring.for_files(files(certs, "us"))
+    us = Signer.from_files(files(certs, "us"))
+    assert us.key_id in ring and len(ring) == 1
+    assert ring.add(cert_der(certs / "eu.pem")) == Signer.from_files(files(certs, "eu")).key_id
+    with pytest.raises(ValueError, match="not a node certificate"):
+        ring.add(cert_der(certs / "alice.pem"))  # a client of the CA signs no grant
+    other = tmp_path / "other-ca"
+    init_dir(other, regions=["us"])
+    with pytest.raises(ValueError, match="not issued by the cluster CA"):
+        ring.add(cert_der(other / "us.pem"))
+    with pytest.raises(ValueError, match="not a DER certificate"):
+        ring.add(b"\x30\x03junk")
+    assert len(ring) == 2
+    # A key id is the certificate's key, so a re-issued certificate is a new signer.
+    public = x509.load_pem_x509_certificate((certs / "us.pem").read_bytes()).public_key()
+    assert key_id(public) == us.key_id  # type: ignore[arg-type]
+    assert len(us.key_id) == KEY_ID_SIZE
+
+
+# -- a hostile peer --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_peer_cannot_raise_a_fence_with_a_grant_its_home_did_not_sign(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            made = await alice.remember("lattice", "backlog", "held", tags=["homeRegion:us"])
+            key = made.record.key
+            holder = await alice.claim(key, "alice", lease_seconds=60)
+        token = holder.fencing_token
+        # eu verified us's signature: it learned us's certificate from us.
+        await eventually(lambda: holds_fence(eu, key, token), "eu holding the signed grant")
+        us_signer = Signer.from_files(files(certs, "us"))
+        assert us_signer.key_id in eu.replica.keyring  # type: ignore[operator]
+
+        held = await state_of(us, key)
+        real = held.fence.grants[token]
+        assert real.signature[:KEY_ID_SIZE] == us_signer.key_id
+        now = us.replica.clock.wall_ms()
+        forged = Grant(us.replica.clock.now(), "mallory", "us")
+        eu_signer = Signer.from_files(files(certs, "eu"))
+        foreign = tmp_path / "foreign-ca"
+        init_dir(foreign, regions=["us"])  # a "us" key the cluster CA never certified
+        outsider = Signer.from_files(files(foreign, "us"))
+        attempts = {
+            "unsigned_grant": forged,
+            "signer_not_home": forged._replace(
+                signature=eu_signer.signature(key, token + 1, forged)
+            ),
+            # The home's real signature, of alice's grant, replayed on mallory's.
+            "bad_signature": forged._replace(signature=real.signature),
+            "unknown_signer": forged._replace(signature=outsider.signature(key, token + 1, forged)),
+        }
+        for refused, (reason, grant) in enumerate(attempts.items(), start=1):
+            state = with_grant(held, token + 1, grant, now + 60_000)
+            assert await push(us, certs, "eu", state) == 0, reason
+            peer = us.replicator.peer_stats("eu")
+            assert peer.merges_refused == refused
+            assert reason in peer.last_refusal, (reason, peer.last_refusal)
+
+        # Nothing changed: the fence stays, alice keeps her claim and can use it.
+        assert await state_of(us, key) == held
+        async with client(us, certs) as alice:
+            status = await alice.claim_status(key)
+            assert status.fence == token
+            assert status.claim is not None and status.claim.owner == "alice"
+            assert (await alice.renew_claim(key, token)).renewed
+            await alice.update(key, fields={"body": "still mine"}, fencing_token=token)
+        # The eu node was not fooled either, and learned only CA certificates.
+        assert (await state_of(eu, key)).fence.fence == token
+        assert outsider.key_id not in us.replica.keyring  # type: ignore[operator]
+
+
+# -- a normal cluster ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_three_tls_regions_converge_with_grants_relayed_by_a_region_that_is_not_home(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        await serving(eu, certs)
+        async with client(us, certs) as alice:
+            at_us = (await alice.remember("lattice", "backlog", "us-1")).record.key
+            us_token = (await alice.claim(at_us, "alice", lease_seconds=60)).fencing_token
+        async with client(eu, certs) as alice:
+            at_eu = (await alice.remember("lattice", "backlog", "eu-1")).record.key
+            eu_token = (await alice.claim(at_eu, "bob", lease_seconds=60)).fencing_token
+            # Claims are still decided at home only.
+            assert (await alice.claim(at_us, "carol")).reason == "wrong_region"
+        await wait_converged([us, eu])
+        # ap joins while us is down: us's grant reaches it only through eu, and ap
+        # fetches us's certificate from eu to verify it.
+        await cluster.stop("us")
+        ap = await cluster.start("ap", tls=files(certs, "ap"))
+        await eventually(lambda: holds_fence(ap, at_us, us_token), "ap holding us's grant")
+        await eventually(lambda: holds_fence(ap, at_eu, eu_token), "ap holding eu's grant")
+        assert Signer.from_files(files(certs, "us")).key_id in ap.replica.keyring  # type: ignore[operator]
+
+        us = await cluster.start("us", tls=files(certs, "us"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            await alice.release_claim(at_us, us_token)
+            again = await alice.claim(at_us, "dave", lease_seconds=60)
+            assert again.granted and again.fencing_token > us_token
+        await wait_converged([us, eu, ap])
+        for node in (us, eu, ap):
+            record = await state_of(node, at_us)
+            holder = record.fence.holder()
+            assert holder is not None and holder.owner == "dave" and holder.signature
+            stats = [node.replicator.peer_stats(r) for r in REGIONS if r != node.config.region]
+            assert all(p.merges_refused == 0 for p in stats), [p.last_refusal for p in stats]
+
+
+@pytest.mark.slow
+async def test_grants_signed_before_a_certificate_was_reissued_still_verify(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        old_key = Signer.from_files(files(certs, "us")).key_id
+        async with client(us, certs) as alice:
+            before = (await alice.remember("lattice", "backlog", "before")).record.key
+            before_token = (await alice.claim(before, "alice", lease_seconds=60)).fencing_token
+        await wait_converged([us, eu])
+        # Re-issue us's certificate (a new key) and restart us on the same disk.
+        await cluster.stop("us")
+        for path in (certs / "us.pem", certs / "us-key.pem"):
+            path.unlink()
+        issue_into(certs, Identity("region", "us"))
+        new_key = Signer.from_files(files(certs, "us")).key_id
+        assert new_key != old_key
+        us = await cluster.start("us", tls=files(certs, "us"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            after = (await alice.remember("lattice", "backlog", "after")).record.key
+            after_token = (await alice.claim(after, "bob", lease_seconds=60)).fencing_token
+        signatures = {
+            (await state_of(us, k)).fence.grants[t].signature[:KEY_ID_SIZE]
+            for k, t in ((before, before_token), (after, after_token))
+        }
+        assert signatures == {old_key, new_key}
+        # A node that never saw the old certificate learns both, and refuses nothing.
+        ap = await cluster.start("ap", tls=files(certs, "ap"))
+        await wait_converged([us, eu, ap], within=30)
+        assert old_key in ap.replica.keyring and new_key in ap.replica.keyring  # type: ignore[operator]
+        assert (await state_of(ap, before)).fence.fence == before_token
+        assert (await state_of(ap, after)).fence.fence == after_token
+        for region in ("us", "eu"):
+            assert ap.replicator.peer_stats(region).merges_refused == 0
+
+
+@pytest.mark.slow
+async def test_a_state_whose_signer_is_not_known_yet_is_merged_once_it_is(
+    tmp_path: Path, certs: Path
+) -> None:
+    """unknown_signer is not final: refused while no peer can say who signed it, merged
+    by the next exchange with a peer that can."""
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            key = (await alice.remember("lattice", "backlog", "later")).record.key
+            token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
+        await wait_converged([us, eu])
+        state = await state_of(us, key)
+        await cluster.stop("us")
+        await cluster.stop("eu")
+        ap = await cluster.start("ap", tls=files(certs, "ap"))
+        # eu's certificate delivers us's signed grant, but eu's node is down: ap cannot
+        # learn us's certificate, and refuses the state for now.
+        assert await push(ap, certs, "eu", state) == 0
+        assert "unknown_signer" in ap.replicator.peer_stats("eu").last_refusal
+        assert await ap.storage.get(key) is None
+        await cluster.start("eu", tls=files(certs, "eu"))
+        await eventually(lambda: holds_fence(ap, key, token), "ap merging us's grant", within=30)
+        assert Signer.from_files(files(certs, "us")).key_id in ap.replica.keyring  # type: ignore[operator]
+
+
+async def test_certificates_answers_the_node_certificates_it_knows_and_only_to_peers(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        own = Signer.from_files(files(certs, "us")).key_id
+
+        async def ask(name: str, key_ids: list[bytes]) -> list[bytes]:
+            credentials = files(certs, name).channel_credentials()
+            async with grpc.aio.secure_channel(us.address, credentials) as channel:
+                stub = replication_pb2_grpc.ReplicationStub(channel)
+                request = replication_pb2.CertificatesRequest(
+                    origin=replication_pb2.Origin(region=name, node_id="probe"), key_ids=key_ids
+                )
+                response = await stub.Certificates(request, timeout=5)
+                return list(response.certificates)
+
+        assert await ask("eu", [own, b"\x00" * KEY_ID_SIZE]) == [cert_der(certs / "us.pem")]
+        with pytest.raises(grpc.aio.AioRpcError) as too_many:
+            await ask("eu", [bytes([i]) * KEY_ID_SIZE for i in range(65)])
+        assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "key_ids" in (too_many.value.details() or "")
+        for stranger in ("alice", "ap"):  # a client; a node that is no peer of us
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await ask(stranger, [own])
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def format_1(record: Record) -> bytes:
+    """The encoding of ``record`` before signed grants (format 1: no signature field)."""
+    from fencemark.node.crdt.codec import _str, _varint
+
+    new = codec.encode(record.with_fence(dataclasses.replace(record.fence, grants={})))
+    # Format 2 without grants ends "... deleted 0x00(grants) lease_expiry released";
+    # rebuild the tail with format-1 grant entries.
+    out = bytearray(b"\x01" + new[1:])
+    tail = bytearray()
+    _varint(tail, len(record.fence.lease_expiry))
+    for token in sorted(record.fence.lease_expiry):
+        _varint(tail, token)
+        _varint(tail, record.fence.lease_expiry[token])
+    _varint(tail, len(record.fence.released))
+    for token in sorted(record.fence.released):
+        _varint(tail, token)
+    assert out.endswith(b"\x00" + tail)
+    grants = bytearray()
+    _varint(grants, len(record.fence.grants))
+    for token in sorted(record.fence.grants):
+        grant = record.fence.grants[token]
+        _varint(grants, token)
+        _varint(grants, grant.granted_hlc)
+        _str(grants, grant.owner)
+        _str(grants, grant.region)
+    return bytes(out[: -len(tail) - 1] + grants + tail)
+
+
+@pytest.mark.slow
+async def test_a_file_from_before_signed_grants_is_upgraded_and_its_fences_signed_by_their_home(
+    tmp_path: Path, certs: Path
+) -> None:
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start_isolated("us")  # plaintext, alone: the "old version"
+        async with AsyncClient(us.address) as plain:
+            key = (await plain.remember("lattice", "backlog", "old")).record.key
+            token = (await plain.claim(key, "alice", lease_seconds=60)).fencing_token
+        record = await state_of(us, key)
+        assert not record.fence.grants[token].signature  # --insecure signs nothing
+        path = us.config.db_path
+        await cluster.stop("us")
+        # Turn the file into one the previous version wrote: format-1 states, no marker.
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE records SET state = ? WHERE key = ?", (format_1(record), key))
+            db.execute("DELETE FROM meta WHERE name IN ('state_format', 'fences_signed')")
+        db.close()
+
+        us = await cluster.start("us", tls=files(certs, "us"))
+        upgraded = await state_of(us, key)
+        assert upgraded.fence.fence == token and upgraded.fence.holder() is not None
+        assert upgraded.fence.grants[token].signature[:KEY_ID_SIZE] == (
+            Signer.from_files(files(certs, "us")).key_id
+        )
+        stored = await us.storage.get(key)
+        assert stored is not None and stored.digest == codec.digest(codec.encode(upgraded))
+        # A node that never saw the unsigned grant takes the signed one.
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await wait_converged([us, eu])
+        assert (await state_of(eu, key)) == upgraded
+        assert eu.replicator.peer_stats("us").merges_refused == 0
+        async with client(us, certs) as alice:
+            assert (await alice.renew_claim(key, token)).renewed
+
+
+async def test_a_node_whose_key_cannot_sign_grants_refuses_to_start(
+    tmp_path: Path, certs: Path, start_node: StartNode
+) -> None:
+    """A certificate made with other tools, with an RSA key: the handshake would work,
+    but the node could not sign its grants, so it says so instead of starting."""
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    ca_key = serialization.load_pem_private_key((certs / "ca-key.pem").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "us")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier("fencemark://region/us"), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    rsa_dir = tmp_path / "rsa"
+    rsa_dir.mkdir()
+    (rsa_dir / "ca.pem").write_bytes((certs / "ca.pem").read_bytes())
+    (rsa_dir / "us.pem").write_bytes(cert.public_bytes(Encoding.PEM))
+    (rsa_dir / "us-key.pem").write_bytes(
+        key.private_bytes(
+            Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    with pytest.raises(ValueError, match="EC P-256"):
+        await start_node("us", tls=files(rsa_dir, "us"))
+    assert not databases(tmp_path)  # refused before anything was opened
