@@ -468,7 +468,8 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         "--max-waiters-per-client",
         type=int,
         default=_setting(config, "max_waiters_per_client", defaults.max_waiters_per_client),
-        help="claims waiting in queues from one client address",
+        help="claims waiting in queues from one client: one certificate identity"
+        " (with --tls-dir), or one address (--insecure)",
     )
     node.add_argument(
         "--max-token-jump",
