@@ -310,6 +310,49 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Mark a stopped node's database as restored from a backup (docs/operations.md)."""
+    from fencemark.node.admission import RECOVERY_GAP
+    from fencemark.node.restore import RestoreError, mark_restored
+
+    try:
+        restored = mark_restored(Path(args.data), backup=Path(args.backup) if args.backup else None)
+    except (RestoreError, OSError) as exc:
+        print(f"fencemark restore: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fencemark restore: {restored.path} ({restored.records} records) is marked restored,"
+        f" new node id {restored.node_id}: the first claim granted on each record homed in this"
+        f" node's region jumps its fencing token {RECOVERY_GAP} above the fence, past every"
+        " token granted after the backup. Restore every region this way before starting any."
+    )
+    return 0
+
+
+def add_restore_command(sub: Any) -> None:
+    restore = sub.add_parser(
+        "restore",
+        help="restore a stopped node from a backup so no fencing token is granted twice",
+        description="Restore a whole cluster: stop every node, run this on each node's data"
+        " directory with the same backup, then start them. The node gets a new identity, and"
+        " the first grant on each record it is home of jumps 2^20 above the fence, so a token"
+        " granted after the backup (and forgotten by it) is never granted again: its holder is"
+        " refused as superseded (docs/operations.md, backups and restores).",
+    )
+    restore.add_argument(
+        "--data", required=True, metavar="DIR", help="the stopped node's data directory"
+    )
+    restore.add_argument(
+        "--from",
+        dest="backup",
+        default="",
+        metavar="BACKUP",
+        help="copy this backup file into DIR first (refused if DIR already holds a database);"
+        " without it, mark the database already copied into DIR",
+    )
+    restore.set_defaults(func=cmd_restore)
+
+
 def _names(spec: str) -> list[str]:
     return [n.strip() for n in (spec or "").split(",") if n.strip()]
 
@@ -610,6 +653,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     health.set_defaults(func=cmd_health, timeout=3.0)
 
     add_certs_command(sub)
+    add_restore_command(sub)
     add_proxy_command(sub)
     add_rpc_commands(client_parser)
     return parser

@@ -42,6 +42,7 @@ from fencemark.node.service import (
     RecordsService,
     refuse,
 )
+from fencemark.node.storage import DB_FILE as DB_FILE  # re-exported: where a node keeps its file
 from fencemark.node.storage import Storage
 from fencemark.node.telemetry import NodeMetrics, Telemetry
 from fencemark.node.tls import Identity, TlsFiles
@@ -49,7 +50,6 @@ from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
 
-DB_FILE = "fencemark.sqlite3"
 # A client's record is at most 4 MiB (validation.MAX_RECORD_BYTES); replication
 # batches and merged states may be larger.
 MAX_RECEIVE_BYTES = 16 << 20
@@ -187,6 +187,12 @@ class NodeServer:
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
         replica.bounds = Bounds(config.max_clock_offset_ms, max_token_jump=config.max_token_jump)
+        if storage.meta.get("restored_at"):
+            log.info(
+                "data restored from a backup at %s (fencemark restore): the first grant on each"
+                " record homed here jumps its fence",
+                storage.meta["restored_at"],
+            )
         claims = Claims(
             replica,
             max_waiters=config.max_waiters,
