@@ -75,6 +75,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_token_jump=args.max_token_jump,
         tls=tls_files,
         access=access,
+        tls_reload_interval=args.tls_reload_interval,
     )
     try:
         asyncio.run(serve(config))
@@ -353,6 +354,36 @@ def add_restore_command(sub: Any) -> None:
     restore.set_defaults(func=cmd_restore)
 
 
+def cmd_certs_revoke(args: argparse.Namespace) -> int:
+    from fencemark.node.revocation import revoke, serial_of
+
+    directory = Path(args.dir)
+    try:
+        if args.serial:
+            try:
+                serial = int(args.serial, 16)
+            except ValueError:
+                raise ValueError(f"--serial: not a hexadecimal number: {args.serial!r}") from None
+            what = f"serial {serial:x}"
+        else:
+            name = args.client or args.region
+            if name:
+                validation.region(name, "--client" if args.client else "--region")
+            cert = Path(args.cert) if args.cert else directory / f"{name}.pem"
+            serial = serial_of(cert)
+            what = f"{cert} (serial {serial:x})"
+        path, count = revoke(directory, [serial])
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fencemark certs: revoked {what}; {path} lists {count} revoked certificates."
+        " Copy it into every node's --tls-dir: nodes read it within --tls-reload-interval"
+        " (or at once on SIGHUP)."
+    )
+    return 0
+
+
 def _names(spec: str) -> list[str]:
     return [n.strip() for n in (spec or "").split(",") if n.strip()]
 
@@ -383,6 +414,21 @@ def add_certs_command(sub: Any) -> None:
     who.add_argument("--client", help="a client certificate with this name")
     issue.add_argument("--hosts", default="", help="extra DNS names/IPs (node certificates)")
     issue.set_defaults(func=cmd_certs_issue)
+    revoke = what.add_parser(
+        "revoke",
+        help="add a certificate to the CA's revocation list (--dir/crl.pem)",
+        description="Revoke one certificate of the CA in --dir: its serial number goes into"
+        " crl.pem, a CRL signed by that CA. Nodes refuse it on every call"
+        " (PERMISSION_DENIED, revoked_certificate) once crl.pem is in their --tls-dir."
+        " A new certificate for the same name is not affected.",
+    )
+    revoke.add_argument("--dir", required=True, help="the CA's directory (ca.pem, ca-key.pem)")
+    which = revoke.add_mutually_exclusive_group(required=True)
+    which.add_argument("--client", help="revoke DIR/CLIENT.pem")
+    which.add_argument("--region", help="revoke DIR/REGION.pem (a node's certificate)")
+    which.add_argument("--cert", help="revoke the certificate in this PEM file")
+    which.add_argument("--serial", help="revoke by serial number (hexadecimal)")
+    revoke.set_defaults(func=cmd_certs_revoke)
 
 
 def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -536,6 +582,14 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         default=_setting(config, "tls_name", ""),
         metavar="NAME",
         help="the certificate's file name in --tls-dir (default: the region)",
+    )
+    security.add_argument(
+        "--tls-reload-interval",
+        type=float,
+        default=_setting(config, "tls_reload_interval", defaults.tls_reload_interval),
+        metavar="SECONDS",
+        help="look at the --tls-dir files this often and take renewed certificates, a new"
+        " ca.pem and crl.pem into use without a restart (0: on SIGHUP only)",
     )
     security.add_argument(
         "--insecure",

@@ -46,6 +46,7 @@ from fencemark.node.storage import DB_FILE as DB_FILE  # re-exported: where a no
 from fencemark.node.storage import Storage
 from fencemark.node.telemetry import NodeMetrics, Telemetry
 from fencemark.node.tls import Identity, TlsFiles
+from fencemark.node.tls_reload import LiveTls
 from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class NodeConfig:
     tls: TlsFiles | None = None
     # With tls: which client identity may do what (None: authz.DEFAULT_ACCESS).
     access: AccessMap | None = None
+    # With tls: seconds between looks at the TLS files (renewed certificates, CA
+    # bundle, crl.pem; fencemark.node.tls_reload); 0 reloads on SIGHUP only.
+    tls_reload_interval: float = 5.0
 
     @property
     def db_path(self) -> Path:
@@ -162,6 +166,7 @@ class NodeServer:
         replicator: Replicator,
         metrics: NodeMetrics,
         stop_metrics: Callable[[], None] | None,
+        tls: LiveTls | None = None,
     ) -> None:
         self.config = config
         self.storage = storage
@@ -174,6 +179,10 @@ class NodeServer:
         self.metrics = metrics
         self._stop_metrics = stop_metrics
         self.stopped = False
+        self.tls = tls
+        self._tls_watch: asyncio.Task[None] | None = None
+        if tls is not None and config.tls_reload_interval > 0:
+            self._tls_watch = asyncio.create_task(self._watch_tls(config.tls_reload_interval))
 
     @property
     def address(self) -> str:
@@ -182,7 +191,7 @@ class NodeServer:
 
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeServer:
-        server_credentials, peer_credentials = _credentials(config)
+        tls = _live_tls(config)
         storage = await Storage.open(config.db_path, cache_size=config.cache_size)
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
@@ -198,7 +207,14 @@ class NodeServer:
             max_waiters=config.max_waiters,
             max_waiters_per_client=config.max_waiters_per_client,
         )
-        peers = stats_for(config.peers, peer_credentials)
+        peers = stats_for(config.peers, tls.channel_credentials if tls is not None else None)
+        if tls is not None:
+            # A renewed certificate: the replicator reconnects each peer with it.
+            def renew(credentials: grpc.ChannelCredentials) -> None:
+                for stats in peers.values():
+                    stats.credentials = credentials
+
+            tls.on_channel_credentials(renew)
         # A node that lost its disk must not grant again before it has seen the
         # grants its peers hold (SPEC §4): it would reissue tokens.
         catching_up = bool(peers) and storage.record_count == 0
@@ -223,8 +239,8 @@ class NodeServer:
         metrics.watch(replica, claims, peers)
         # Telemetry first: it times and counts what Authorize refuses, too.
         interceptors: list[grpc.aio.ServerInterceptor] = [Telemetry(metrics)]  # type: ignore[type-arg]
-        if config.tls is not None:
-            interceptors.append(Authorize(config.access or DEFAULT_ACCESS))
+        if tls is not None:
+            interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
         server = grpc.aio.server(
             interceptors=interceptors,
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
@@ -267,10 +283,10 @@ class NodeServer:
             server,
         )
         try:
-            if server_credentials is None:
+            if tls is None:
                 port = server.add_insecure_port(config.listen)
             else:
-                port = server.add_secure_port(config.listen, server_credentials)
+                port = server.add_secure_port(config.listen, tls.server_credentials)
         except RuntimeError as exc:
             await storage.close()
             raise OSError(f"cannot listen on {config.listen}: {exc}") from exc
@@ -284,7 +300,7 @@ class NodeServer:
         replicator.start()
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
         node = cls(config, storage, replica, claims, server, health_servicer, port, replicator,
-                   metrics, stop_metrics)  # fmt: skip
+                   metrics, stop_metrics, tls)  # fmt: skip
         log.info(
             "region %s node %s listening on %s (%s, writes %s, data %s)",
             config.region,
@@ -301,6 +317,8 @@ class NodeServer:
         if self.stopped:
             return
         self.stopped = True
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
         await self.replicator.stop()
@@ -308,6 +326,18 @@ class NodeServer:
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)
         log.info("region %s node stopped", self.config.region)
+
+    def reload_tls(self) -> bool:
+        """Take renewed TLS files and crl.pem into use now; True if anything changed."""
+        return self.tls.reload() if self.tls is not None else False
+
+    async def _watch_tls(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.reload_tls()
+            except Exception:  # never let the watcher die: the next look may succeed
+                log.exception("looking at the TLS files failed")
 
 
 def transport(config: NodeConfig) -> str:
@@ -317,18 +347,17 @@ def transport(config: NodeConfig) -> str:
     return f"mutual TLS, CA {config.tls.ca}" + (", access map" if config.access else "")
 
 
-def _credentials(
-    config: NodeConfig,
-) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
-    """The port's and the peer channels' credentials, checked before anything opens.
+def _live_tls(config: NodeConfig) -> LiveTls | None:
+    """The port's and the peer channels' TLS material, checked before anything opens.
 
     OSError for a file that cannot be read; ValueError for a certificate that is
-    not this region's node (its peers would refuse it) or an access map without TLS.
+    not this region's node (its peers would refuse it), a CRL no CA of the bundle
+    signed, or an access map without TLS.
     """
     if config.tls is None:
         if config.access is not None:
             raise ValueError("an access map needs TLS: identities come from certificates")
-        return None, None
+        return None
     own = config.tls.identity()
     if own != Identity("region", config.region):
         raise ValueError(
@@ -336,7 +365,7 @@ def _credentials(
             f" peers would refuse this node (make one: fencemark certs issue --region"
             f" {config.region})"
         )
-    return config.tls.server_credentials(), config.tls.channel_credentials()
+    return LiveTls(config.tls, config.region)
 
 
 async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
@@ -348,6 +377,8 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     node = await NodeServer.start(config)
+    # SIGHUP: take renewed certificates and crl.pem into use now (docs/operations.md).
+    loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
     print(
         f"fencemark node: region {config.region} listening on {node.address}"
         f" ({transport(config)}, writes {'enabled' if config.enable_writes else 'disabled'},"
