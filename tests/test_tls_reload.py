@@ -53,6 +53,13 @@ async def connects(address: str, certs: Path, name: str) -> bool:
     return True
 
 
+def metric(node: NodeServer, name: str) -> float:
+    (value,) = [
+        s.value for m in node.metrics.registry.collect() for s in m.samples if s.name == name
+    ]
+    return value
+
+
 def refusals(node: NodeServer) -> dict[tuple[str, str], float]:
     return {
         (s.labels["method"], s.labels["reason"]): s.value
@@ -134,6 +141,8 @@ async def test_unusable_files_are_ignored_and_the_node_keeps_serving(
     assert not node.reload_tls()
     assert await connects(node.address, certs, "alice")
     assert node.tls is not None and node.tls.reloads == 0
+    assert metric(node, "fencemark_tls_reload_failures_total") == 3
+    assert metric(node, "fencemark_tls_revoked_certificates") == 0
     # A node does not start on such a list.
     with pytest.raises(ValueError, match="not signed by a CA"):
         await start_node("us", tls=TlsFiles.in_dir(node_dir, "us"))
@@ -174,6 +183,8 @@ async def test_a_revoked_client_is_refused_on_every_call(
     stored = await node.storage.get(record.key)
     assert stored is not None and "body" not in stored.record.field_values()
     assert refusals(node)[("Update", "revoked_certificate")] == 1
+    assert metric(node, "fencemark_tls_revoked_certificates") == 1
+    assert metric(node, "fencemark_tls_reloads_total") == 1
     # Revocation names the certificate: alice's new one works.
     for file in ("alice.pem", "alice-key.pem"):
         (certs / file).rename(certs / f"old-{file}")

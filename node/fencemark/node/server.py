@@ -237,6 +237,8 @@ class NodeServer:
         metrics = NodeMetrics(config.region)
         storage.on_commit = metrics.observe_commit
         metrics.watch(replica, claims, peers)
+        if tls is not None:
+            metrics.watch_tls(tls)
         # Telemetry first: it times and counts what Authorize refuses, too.
         interceptors: list[grpc.aio.ServerInterceptor] = [Telemetry(metrics)]  # type: ignore[type-arg]
         if tls is not None:

@@ -72,6 +72,7 @@ class LiveTls:
             require_client_authentication=True,
         )
         self.reloads = 0  # times new material was taken into use
+        self.failures = 0  # times changed files were not usable
 
     def on_channel_credentials(self, listener: Callable[[grpc.ChannelCredentials], None]) -> None:
         """Call ``listener`` with new client credentials after each reload."""
@@ -132,6 +133,7 @@ class LiveTls:
             material = self._load()
         except (OSError, ValueError) as exc:
             log.error("TLS files changed but are not usable, keeping the current ones: %s", exc)
+            self.failures += 1
             return False
         with self._lock:
             self._pending = material.server
