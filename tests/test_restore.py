@@ -53,6 +53,11 @@ async def test_a_restored_cluster_never_reissues_a_token_the_backup_forgot(
     saved = tmp_path / "backup.sqlite3"
     async with Cluster(tmp_path / "cluster", ["us", "eu"]) as cluster:
         us, eu = await cluster.start_all()
+
+        async def deciding() -> bool:  # a new cluster's nodes first catch up with each other
+            return us.replica.deciding and eu.replica.deciding
+
+        await eventually(deciding, "the new cluster deciding claims")
         async with AsyncClient(us.address, retries=0) as c:
             await c.remember("lattice", "backlog", "restore-1", title="t", tags=["homeRegion:us"])
             first = await c.claim(KEY, "worker-a", lease_seconds=1)
@@ -141,6 +146,12 @@ async def test_restore_refuses_a_running_node_and_a_file_it_would_overwrite(
         mark_restored(junk)
     assert main(["restore", "--data", str(tmp_path / "empty")]) == 2
     assert "no database at" in capsys.readouterr().err
+    fresh = tmp_path / "fresh"
+    assert main(["restore", "--data", str(fresh), "--from", str(junk / DB_FILE)]) == 2
+    assert "cannot copy" in capsys.readouterr().err
+    assert not (fresh / DB_FILE).exists()  # nothing half-copied is left behind
+    assert main(["restore", "--data", str(fresh), "--from", str(tmp_path / "nothing")]) == 2
+    assert "--from: no backup file" in capsys.readouterr().err
     # The stopped node's own file is marked, and the node starts on it.
     restored = mark_restored(data)
     assert restored.records == 1

@@ -105,8 +105,16 @@ async def test_a_renewed_certificate_and_ca_are_used_without_a_restart(tmp_path:
         await cluster.stop("eu")
         install(new, dirs["eu"], "eu")
         eu = await cluster.start("eu", tls=TlsFiles.in_dir(dirs["eu"], "eu"))
-        round_ = await us.replicator.sync_with("eu")
-        assert round_.complete
+
+        async def us_reaches_eu() -> bool:
+            # us's channel may have tried the old eu with its new certificate and be
+            # in reconnect backoff (at most replicator.MAX_RECONNECT_BACKOFF_MS).
+            try:
+                return (await us.replicator.sync_with("eu")).complete
+            except grpc.aio.AioRpcError:
+                return False
+
+        await eventually(us_reaches_eu, "us calling eu with its renewed certificate")
         async with client(us.address, new, "alice") as alice:
             await alice.remember("lattice", "backlog", "renew-2", title="after")
         await wait_converged([us, eu])

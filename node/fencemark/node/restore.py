@@ -68,7 +68,7 @@ def copy_backup(backup: Path, db: Path) -> None:
     except sqlite3.DatabaseError as exc:
         with contextlib.suppress(OSError):
             db.unlink()
-        raise RestoreError(f"--from: {backup} is not a SQLite database: {exc}") from exc
+        raise RestoreError(f"--from: cannot copy {backup} as a SQLite database: {exc}") from exc
     finally:
         source.close()
 
