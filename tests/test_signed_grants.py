@@ -265,6 +265,40 @@ async def test_grants_signed_before_a_certificate_was_reissued_still_verify(
             assert ap.replicator.peer_stats(region).merges_refused == 0
 
 
+async def test_a_certificate_renewed_while_the_node_runs_signs_the_grants_made_after_it(
+    tmp_path: Path, certs: Path
+) -> None:
+    """A hot TLS reload (no restart) moves the signer to the new key too; a peer
+    learns the new certificate and merges what it signs."""
+    async with Cluster(tmp_path, ["us", "eu"], tls_reload_interval=0.1) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        old_key = Signer.from_files(files(certs, "us")).key_id
+        staged = tmp_path / "renewed"
+        staged.mkdir()
+        (staged / "ca.pem").write_bytes((certs / "ca.pem").read_bytes())
+        (staged / "ca-key.pem").write_bytes((certs / "ca-key.pem").read_bytes())
+        issue_into(staged, Identity("region", "us"))
+        for name in ("us.pem", "us-key.pem"):  # each replaced atomically
+            (staged / name).replace(certs / name)
+        new_key = Signer.from_files(files(certs, "us")).key_id
+        assert new_key != old_key
+
+        async def reloaded() -> bool:
+            return us.tls is not None and us.tls.reloads >= 1
+
+        await eventually(reloaded, "us taking its renewed certificate")
+        async with client(us, certs) as alice:
+            key = (await alice.remember("lattice", "backlog", "renewed")).record.key
+            token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
+        assert (await state_of(us, key)).fence.grants[token].signature[:KEY_ID_SIZE] == new_key
+        await wait_converged([us, eu])
+        assert (await state_of(eu, key)).fence.fence == token
+        assert new_key in eu.replica.keyring  # type: ignore[operator]
+        assert eu.replicator.peer_stats("us").merges_refused == 0
+
+
 @pytest.mark.slow
 async def test_a_state_whose_signer_is_not_known_yet_is_merged_once_it_is(
     tmp_path: Path, certs: Path

@@ -95,7 +95,8 @@ class PermissionDenied(FencemarkError):
     ``reason`` is ``missing_right`` (the identity lacks ``right``: read, write,
     claim or replicate), ``no_identity`` (the certificate names no fencemark
     identity), or for replication calls ``unauthenticated_peer``,
-    ``unknown_region`` or ``region_mismatch``; ``identity`` is who the node
+    ``unknown_region`` or ``region_mismatch``, or ``revoked_certificate`` (the
+    caller's certificate is on the node's revocation list); ``identity`` is who the node
     took the caller for (e.g. ``client/alice``).
     """
 

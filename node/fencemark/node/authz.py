@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 
 from fencemark.node.errors import Denial, PermissionDenied
+from fencemark.node.revocation import Revocations
 from fencemark.node.service import refuse
 from fencemark.node.tls import Identity, check_name, peer_identity
 
@@ -169,11 +170,15 @@ class Authorize(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Refuse every fencemark.v1 call whose caller lacks the method's right.
 
     Installed after ``Telemetry`` so a denial is counted and logged like any
-    refusal (``fencemark_refusals_total{reason="missing_right"}``).
+    refusal (``fencemark_refusals_total{reason="missing_right"}``). A caller
+    whose certificate is revoked is refused first (``revoked_certificate``),
+    for every fencemark.v1 method, Replication included.
     """
 
-    def __init__(self, access: AccessMap) -> None:
+    def __init__(self, access: AccessMap, revocations: Revocations | None = None) -> None:
         self.access = access
+        # The CRL (fencemark.node.revocation), reloaded in place when crl.pem changes.
+        self.revocations = revocations or Revocations()
 
     async def intercept_service(
         self,
@@ -189,10 +194,11 @@ class Authorize(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if handler.unary_unary is None:  # fencemark.v1 has only unary methods
             raise RuntimeError(f"{method}: authorization covers unary methods only")
         inner: Handler = handler.unary_unary  # type: ignore[assignment]
-        access = self.access
+        access, revocations = self.access, self.revocations
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            denied = access.check(peer_identity(context), method)
+            # A revoked certificate first: clients and peer nodes alike, whatever its rights.
+            denied = revocations.check(context) or access.check(peer_identity(context), method)
             if denied is not None:
                 await refuse(context, denied)
             return await inner(request, context)

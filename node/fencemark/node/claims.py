@@ -40,7 +40,7 @@ class Status:
 
 
 MAX_WAITERS = 10_000  # callers waiting in claim queues, over every record and client
-MAX_WAITERS_PER_CLIENT = 100  # of them from one client (one peer address)
+MAX_WAITERS_PER_CLIENT = 100  # of them from one client (certificate identity, or address)
 
 
 class Claims:

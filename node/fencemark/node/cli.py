@@ -75,6 +75,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_token_jump=args.max_token_jump,
         tls=tls_files,
         access=access,
+        tls_reload_interval=args.tls_reload_interval,
     )
     try:
         asyncio.run(serve(config))
@@ -310,6 +311,79 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Mark a stopped node's database as restored from a backup (docs/operations.md)."""
+    from fencemark.node.admission import RECOVERY_GAP
+    from fencemark.node.restore import RestoreError, mark_restored
+
+    try:
+        restored = mark_restored(Path(args.data), backup=Path(args.backup) if args.backup else None)
+    except (RestoreError, OSError) as exc:
+        print(f"fencemark restore: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fencemark restore: {restored.path} ({restored.records} records) is marked restored,"
+        f" new node id {restored.node_id}: the first claim granted on each record homed in this"
+        f" node's region jumps its fencing token {RECOVERY_GAP} above the fence, past every"
+        " token granted after the backup. Restore every region this way before starting any."
+    )
+    return 0
+
+
+def add_restore_command(sub: Any) -> None:
+    restore = sub.add_parser(
+        "restore",
+        help="restore a stopped node from a backup so no fencing token is granted twice",
+        description="Restore a whole cluster: stop every node, run this on each node's data"
+        " directory with the same backup, then start them. The node gets a new identity, and"
+        " the first grant on each record it is home of jumps 2^20 above the fence, so a token"
+        " granted after the backup (and forgotten by it) is never granted again: its holder is"
+        " refused as superseded (docs/operations.md, backups and restores).",
+    )
+    restore.add_argument(
+        "--data", required=True, metavar="DIR", help="the stopped node's data directory"
+    )
+    restore.add_argument(
+        "--from",
+        dest="backup",
+        default="",
+        metavar="BACKUP",
+        help="copy this backup file into DIR first (refused if DIR already holds a database);"
+        " without it, mark the database already copied into DIR",
+    )
+    restore.set_defaults(func=cmd_restore)
+
+
+def cmd_certs_revoke(args: argparse.Namespace) -> int:
+    from fencemark.node.revocation import revoke, serial_of
+
+    directory = Path(args.dir)
+    try:
+        if args.serial:
+            try:
+                serial = int(args.serial, 16)
+            except ValueError:
+                raise ValueError(f"--serial: not a hexadecimal number: {args.serial!r}") from None
+            what = f"serial {serial:x}"
+        else:
+            name = args.client or args.region
+            if name:
+                validation.region(name, "--client" if args.client else "--region")
+            cert = Path(args.cert) if args.cert else directory / f"{name}.pem"
+            serial = serial_of(cert)
+            what = f"{cert} (serial {serial:x})"
+        path, count = revoke(directory, [serial])
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fencemark certs: revoked {what}; {path} lists {count} revoked certificates."
+        " Copy it into every node's --tls-dir: nodes read it within --tls-reload-interval"
+        " (or at once on SIGHUP)."
+    )
+    return 0
+
+
 def _names(spec: str) -> list[str]:
     return [n.strip() for n in (spec or "").split(",") if n.strip()]
 
@@ -340,6 +414,21 @@ def add_certs_command(sub: Any) -> None:
     who.add_argument("--client", help="a client certificate with this name")
     issue.add_argument("--hosts", default="", help="extra DNS names/IPs (node certificates)")
     issue.set_defaults(func=cmd_certs_issue)
+    revoke = what.add_parser(
+        "revoke",
+        help="add a certificate to the CA's revocation list (--dir/crl.pem)",
+        description="Revoke one certificate of the CA in --dir: its serial number goes into"
+        " crl.pem, a CRL signed by that CA. Nodes refuse it on every call"
+        " (PERMISSION_DENIED, revoked_certificate) once crl.pem is in their --tls-dir."
+        " A new certificate for the same name is not affected.",
+    )
+    revoke.add_argument("--dir", required=True, help="the CA's directory (ca.pem, ca-key.pem)")
+    which = revoke.add_mutually_exclusive_group(required=True)
+    which.add_argument("--client", help="revoke DIR/CLIENT.pem")
+    which.add_argument("--region", help="revoke DIR/REGION.pem (a node's certificate)")
+    which.add_argument("--cert", help="revoke the certificate in this PEM file")
+    which.add_argument("--serial", help="revoke by serial number (hexadecimal)")
+    revoke.set_defaults(func=cmd_certs_revoke)
 
 
 def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -468,7 +557,8 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         "--max-waiters-per-client",
         type=int,
         default=_setting(config, "max_waiters_per_client", defaults.max_waiters_per_client),
-        help="claims waiting in queues from one client address",
+        help="claims waiting in queues from one client: one certificate identity"
+        " (with --tls-dir), or one address (--insecure)",
     )
     node.add_argument(
         "--max-token-jump",
@@ -492,6 +582,14 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         default=_setting(config, "tls_name", ""),
         metavar="NAME",
         help="the certificate's file name in --tls-dir (default: the region)",
+    )
+    security.add_argument(
+        "--tls-reload-interval",
+        type=float,
+        default=_setting(config, "tls_reload_interval", defaults.tls_reload_interval),
+        metavar="SECONDS",
+        help="look at the --tls-dir files this often and take renewed certificates, a new"
+        " ca.pem and crl.pem into use without a restart (0: on SIGHUP only)",
     )
     security.add_argument(
         "--insecure",
@@ -609,6 +707,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     health.set_defaults(func=cmd_health, timeout=3.0)
 
     add_certs_command(sub)
+    add_restore_command(sub)
     add_proxy_command(sub)
     add_rpc_commands(client_parser)
     return parser

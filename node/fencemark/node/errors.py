@@ -126,6 +126,8 @@ class Denial(StrEnum):
     UNKNOWN_REGION = "unknown_region"
     # Replication: the request's origin.region is not the region the certificate names.
     REGION_MISMATCH = "region_mismatch"
+    # The caller's certificate is on the CRL (crl.pem in the node's --tls-dir).
+    REVOKED_CERTIFICATE = "revoked_certificate"
 
 
 class PermissionDenied(FencemarkError):

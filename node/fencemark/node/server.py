@@ -9,6 +9,7 @@ itself (a method is a read iff its ``idempotency_level`` is NO_SIDE_EFFECTS).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from google.protobuf import descriptor, descriptor_pb2, message_factory
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,7 +39,7 @@ from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import stats_for
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.service import ReplicationService
-from fencemark.node.replication.signers import load_keyring
+from fencemark.node.replication.signers import load_keyring, persist
 from fencemark.node.service import (
     ClaimsService,
     NodeService,
@@ -44,14 +47,15 @@ from fencemark.node.service import (
     refuse,
 )
 from fencemark.node.signing import Keyring, Signer
+from fencemark.node.storage import DB_FILE as DB_FILE  # re-exported: where a node keeps its file
 from fencemark.node.storage import Storage
 from fencemark.node.telemetry import NodeMetrics, Telemetry
 from fencemark.node.tls import Identity, TlsFiles
+from fencemark.node.tls_reload import LiveTls
 from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
 
-DB_FILE = "fencemark.sqlite3"
 # A client's record is at most 4 MiB (validation.MAX_RECORD_BYTES); replication
 # batches and merged states may be larger.
 MAX_RECEIVE_BYTES = 16 << 20
@@ -99,6 +103,9 @@ class NodeConfig:
     tls: TlsFiles | None = None
     # With tls: which client identity may do what (None: authz.DEFAULT_ACCESS).
     access: AccessMap | None = None
+    # With tls: seconds between looks at the TLS files (renewed certificates, CA
+    # bundle, crl.pem; fencemark.node.tls_reload); 0 reloads on SIGHUP only.
+    tls_reload_interval: float = 5.0
 
     @property
     def db_path(self) -> Path:
@@ -165,6 +172,7 @@ class NodeServer:
         replicator: Replicator,
         metrics: NodeMetrics,
         stop_metrics: Callable[[], None] | None,
+        tls: LiveTls | None = None,
     ) -> None:
         self.config = config
         self.storage = storage
@@ -177,6 +185,10 @@ class NodeServer:
         self.metrics = metrics
         self._stop_metrics = stop_metrics
         self.stopped = False
+        self.tls = tls
+        self._tls_watch: asyncio.Task[None] | None = None
+        if tls is not None and config.tls_reload_interval > 0:
+            self._tls_watch = asyncio.create_task(self._watch_tls(config.tls_reload_interval))
 
     @property
     def address(self) -> str:
@@ -185,7 +197,7 @@ class NodeServer:
 
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeServer:
-        server_credentials, peer_credentials = _credentials(config)
+        tls = _live_tls(config)
         # Signed grants (docs/security.md): this node signs what it grants with its
         # node key and verifies the home's signature on merged fences. Read before
         # anything opens: a key that cannot sign refuses the start (ValueError).
@@ -205,12 +217,27 @@ class NodeServer:
                 await storage.put_meta(FENCES_SIGNED, "1")
         elif storage.meta.get(FENCES_SIGNED) == "1":
             await storage.put_meta(FENCES_SIGNED, "0")  # grants made now go unsigned
+        if storage.meta.get("restored_at"):
+            log.info(
+                "data restored from a backup at %s (fencemark restore): the first grant on each"
+                " record homed here jumps its fence",
+                storage.meta["restored_at"],
+            )
         claims = Claims(
             replica,
             max_waiters=config.max_waiters,
             max_waiters_per_client=config.max_waiters_per_client,
         )
-        peers = stats_for(config.peers, peer_credentials)
+        peers = stats_for(config.peers, tls.channel_credentials if tls is not None else None)
+        if tls is not None:
+            # A renewed certificate: the replicator reconnects each peer with it.
+            def renew(credentials: grpc.ChannelCredentials) -> None:
+                for stats in peers.values():
+                    stats.credentials = credentials
+
+            tls.on_channel_credentials(renew)
+            if keyring is not None:
+                tls.on_renewed(functools.partial(_renew_signer, replica, keyring))
         # A node that lost its disk must not grant again before it has seen the
         # grants its peers hold (SPEC §4): it would reissue tokens.
         catching_up = bool(peers) and storage.record_count == 0
@@ -233,10 +260,12 @@ class NodeServer:
         metrics = NodeMetrics(config.region)
         storage.on_commit = metrics.observe_commit
         metrics.watch(replica, claims, peers)
+        if tls is not None:
+            metrics.watch_tls(tls)
         # Telemetry first: it times and counts what Authorize refuses, too.
         interceptors: list[grpc.aio.ServerInterceptor] = [Telemetry(metrics)]  # type: ignore[type-arg]
-        if config.tls is not None:
-            interceptors.append(Authorize(config.access or DEFAULT_ACCESS))
+        if tls is not None:
+            interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
         server = grpc.aio.server(
             interceptors=interceptors,
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
@@ -279,10 +308,10 @@ class NodeServer:
             server,
         )
         try:
-            if server_credentials is None:
+            if tls is None:
                 port = server.add_insecure_port(config.listen)
             else:
-                port = server.add_secure_port(config.listen, server_credentials)
+                port = server.add_secure_port(config.listen, tls.server_credentials)
         except RuntimeError as exc:
             await storage.close()
             raise OSError(f"cannot listen on {config.listen}: {exc}") from exc
@@ -296,7 +325,7 @@ class NodeServer:
         replicator.start()
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
         node = cls(config, storage, replica, claims, server, health_servicer, port, replicator,
-                   metrics, stop_metrics)  # fmt: skip
+                   metrics, stop_metrics, tls)  # fmt: skip
         log.info(
             "region %s node %s listening on %s (%s, writes %s, data %s)",
             config.region,
@@ -313,6 +342,8 @@ class NodeServer:
         if self.stopped:
             return
         self.stopped = True
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
         await self.replicator.stop()
@@ -320,6 +351,18 @@ class NodeServer:
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)
         log.info("region %s node stopped", self.config.region)
+
+    def reload_tls(self) -> bool:
+        """Take renewed TLS files and crl.pem into use now; True if anything changed."""
+        return self.tls.reload() if self.tls is not None else False
+
+    async def _watch_tls(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.reload_tls()
+            except Exception:  # never let the watcher die: the next look may succeed
+                log.exception("looking at the TLS files failed")
 
 
 def transport(config: NodeConfig) -> str:
@@ -329,18 +372,37 @@ def transport(config: NodeConfig) -> str:
     return f"mutual TLS, CA {config.tls.ca}" + (", access map" if config.access else "")
 
 
-def _credentials(
-    config: NodeConfig,
-) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
-    """The port's and the peer channels' credentials, checked before anything opens.
+def _renew_signer(replica: Replica, keyring: Keyring, ca: bytes, cert: bytes, key: bytes) -> None:
+    """After a TLS reload: sign grants with the new key, trust the new CA bundle,
+    and know (and keep) the new certificate, so peers can verify what it signs."""
+    try:
+        signer = Signer.from_pem(key)
+        keyring.cas = x509.load_pem_x509_certificates(ca)
+        der = x509.load_pem_x509_certificate(cert).public_bytes(serialization.Encoding.DER)
+        kid = keyring.add(der)
+    except ValueError as exc:
+        log.error("reloaded TLS files cannot sign grants, keeping the old key: %s", exc)
+        return
+    replica.signer = signer
+    task = asyncio.get_running_loop().create_task(persist(replica, kid, der))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+_background: set[asyncio.Task[None]] = set()  # fire-and-forget tasks, kept referenced
+
+
+def _live_tls(config: NodeConfig) -> LiveTls | None:
+    """The port's and the peer channels' TLS material, checked before anything opens.
 
     OSError for a file that cannot be read; ValueError for a certificate that is
-    not this region's node (its peers would refuse it) or an access map without TLS.
+    not this region's node (its peers would refuse it), a CRL no CA of the bundle
+    signed, or an access map without TLS.
     """
     if config.tls is None:
         if config.access is not None:
             raise ValueError("an access map needs TLS: identities come from certificates")
-        return None, None
+        return None
     own = config.tls.identity()
     if own != Identity("region", config.region):
         raise ValueError(
@@ -348,7 +410,7 @@ def _credentials(
             f" peers would refuse this node (make one: fencemark certs issue --region"
             f" {config.region})"
         )
-    return config.tls.server_credentials(), config.tls.channel_credentials()
+    return LiveTls(config.tls, config.region)
 
 
 async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
@@ -360,6 +422,8 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     node = await NodeServer.start(config)
+    # SIGHUP: take renewed certificates and crl.pem into use now (docs/operations.md).
+    loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
     print(
         f"fencemark node: region {config.region} listening on {node.address}"
         f" ({transport(config)}, writes {'enabled' if config.enable_writes else 'disabled'},"

@@ -35,6 +35,7 @@ from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.storage import Stored
 from fencemark.node.telemetry import note_refusal
+from fencemark.node.tls import peer_identity
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
 if TYPE_CHECKING:
@@ -250,8 +251,17 @@ def _reason(outcome: Outcome) -> str:
 
 
 def client_of(context: grpc.aio.ServicerContext[Any, Any]) -> str:
-    """Who is calling, for per-client limits: the peer's address without its port
-    ("ipv4:10.0.0.7:53211" -> "ipv4:10.0.0.7"), so more connections are no way around."""
+    """Who is calling, for per-client limits (``--max-waiters-per-client``).
+
+    Over TLS, the identity of the caller's verified certificate
+    (``identity:client/alice``): every connection and every address of that
+    certificate's holder counts as one client. Without TLS (``--insecure``), the
+    peer's address without its port ("ipv4:10.0.0.7:53211" -> "ipv4:10.0.0.7"),
+    so more connections are no way around the limit either.
+    """
+    identity = peer_identity(context)
+    if identity is not None:
+        return f"identity:{identity}"
     peer = context.peer() or ""
     scheme, _, rest = peer.partition(":")
     if scheme in ("ipv4", "ipv6"):

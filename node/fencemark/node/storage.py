@@ -35,6 +35,8 @@ from fencemark.node.digest_tree import DigestTree, bucket_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+DB_FILE = "fencemark.sqlite3"  # the node's one file, in its data directory
 # Rows per upsert statement: one statement is one step however many rows it has,
 # and 6 parameters a row stay far below SQLite's 32766-variable limit.
 ROWS_PER_STATEMENT = 500

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from fencemark.node.claims import Claims
     from fencemark.node.replica import Replica
     from fencemark.node.replication.peers import PeerStats
+    from fencemark.node.tls_reload import LiveTls
 
 REQUEST_ID_METADATA = "x-request-id"
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
@@ -101,6 +102,10 @@ class NodeMetrics:
         self.build.labels(self.region, __version__).set(1)
         self.registry.register(_StateCollector(replica, claims, peers))
 
+    def watch_tls(self, tls: LiveTls) -> None:
+        """Report the TLS reloads and the revocation list (fencemark.node.tls_reload)."""
+        self.registry.register(_TlsCollector(tls))
+
     def serve(self, listen: str) -> Callable[[], None]:
         """Serve ``/metrics`` over HTTP on ``listen`` (HOST:PORT); returns a stopper."""
         host, _, port = listen.rpartition(":")
@@ -113,6 +118,26 @@ class NodeMetrics:
             thread.join(timeout=5)
 
         return stop
+
+
+class _TlsCollector(Collector):
+    def __init__(self, tls: LiveTls) -> None:
+        self.tls = tls
+
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(
+            "fencemark_tls_reloads", "Times changed TLS files were taken into use",
+            value=self.tls.reloads,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "fencemark_tls_reload_failures",
+            "Times changed TLS files were ignored as unusable (the node logs why)",
+            value=self.tls.failures,
+        )
+        yield GaugeMetricFamily(
+            "fencemark_tls_revoked_certificates", "Certificates on the revocation list in use",
+            value=len(self.tls.revocations.revoked),
+        )  # fmt: skip
 
 
 class _StateCollector(Collector):

@@ -22,6 +22,7 @@ should do instead.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import os
@@ -49,6 +50,7 @@ __all__ = [
     "issue",
     "peer_channel",
     "peer_identity",
+    "retire_channel",
 ]
 
 SCHEME = "fencemark"
@@ -155,6 +157,17 @@ def peer_channel(
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+_RETIRING: set[asyncio.Task[None]] = set()
+RETIRE_GRACE_S = 10.0
+
+
+def retire_channel(channel: grpc.aio.Channel, grace: float = RETIRE_GRACE_S) -> None:
+    """Close a replaced peer channel in the background, once its calls end (or ``grace``)."""
+    task = asyncio.get_running_loop().create_task(channel.close(grace))
+    _RETIRING.add(task)
+    task.add_done_callback(_RETIRING.discard)
 
 
 # -- the server's side: who is calling ----------------------------------------------------

@@ -46,7 +46,7 @@ from fencemark.node.replication.service import (
     decode_states,
     merge_all,
 )
-from fencemark.node.tls import peer_channel
+from fencemark.node.tls import peer_channel, retire_channel
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,7 @@ class RoundResult:
 class _Peer:
     def __init__(self, stats: PeerStats) -> None:
         self.stats = stats
-        self.channel = peer_channel(stats.address, stats.credentials, CHANNEL_OPTIONS)
-        self.stub = replication_pb2_grpc.ReplicationStub(self.channel)
+        self._connect()
         self.backlog: dict[str, None] = {}  # an ordered set of keys to push
         self.wake = asyncio.Event()
         self.retry_at = 0.0
@@ -118,6 +117,21 @@ class _Peer:
         self.push_probe_at = 0.0  # when to try pushing again to a peer that refused
         self.unanswered = 0  # calls in a row that did not reach the peer
         self.unanswered_since = 0.0  # ... since when
+
+    def _connect(self) -> None:
+        self.credentials = self.stats.credentials
+        self.channel = peer_channel(self.stats.address, self.credentials, CHANNEL_OPTIONS)
+        self._stub = replication_pb2_grpc.ReplicationStub(self.channel)
+
+    @property
+    def stub(self) -> replication_pb2_grpc.ReplicationStub:
+        """The peer's stub, on a new channel once the node's certificate was renewed
+        (``tls_reload``): an open connection would keep presenting the old one."""
+        if self.stats.credentials is not self.credentials:
+            old = self.channel
+            self._connect()
+            retire_channel(old)
+        return self._stub
 
     def pushes_allowed(self) -> bool:
         """False while the peer refuses pushes (writes disabled); retried every minute."""
