@@ -127,6 +127,26 @@ async def test_a_revoked_peer_is_neither_pulled_from_nor_pushed_to_until_reissue
             return await eu.storage.get(after) is not None
 
         await eventually(eu_has_it, "us's write reaching eu")
+        # An admitted peer is checked again after RECHECK_S, not on every call.
+        check = us.replicator._peers["eu"].check
+        assert check is not None
+        probes = check.probes
+        await asyncio.sleep(QUIET)
+        assert check.probes == probes
+
+
+async def test_without_tls_there_is_no_check(tmp_path: Path) -> None:
+    async with Cluster(tmp_path / "cluster", ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        assert us.tls is None
+        assert all(peer.check is None for peer in us.replicator._peers.values())
+        async with AsyncClient(us.address) as plain:
+            key = (await plain.remember("lattice", "backlog", "plain", title="t")).record.key
+
+        async def eu_has_it() -> bool:
+            return await eu.storage.get(key) is not None
+
+        await eventually(eu_has_it, "a plaintext write replicating")
 
 
 async def test_a_peer_address_presenting_another_regions_certificate_is_refused(
