@@ -112,6 +112,7 @@ class _Peer:
     def __init__(self, stats: PeerStats, check: PeerCheck | None = None) -> None:
         self.stats = stats
         self.check = check  # the peer's certificate, with TLS (peer_check)
+        self.refused = False  # the check refused it, and its channel was replaced
         self._connect()
         self.backlog: dict[str, None] = {}  # an ordered set of keys to push
         self.wake = asyncio.Event()
@@ -144,15 +145,15 @@ class _Peer:
         it pulls what it missed once it is admitted again."""
         if self.check is None:
             return
-        was_refused = self.check.refused
         try:
             await self.check.admit()
         finally:
-            if self.check.refused and not was_refused:
+            if self.check.refused and not self.refused:
                 self.backlog.clear()
                 old = self.channel
                 self._connect()
                 retire_channel(old)
+            self.refused = self.check.refused
 
     def pushes_allowed(self) -> bool:
         """False while the peer refuses pushes (writes disabled; retried every minute)
