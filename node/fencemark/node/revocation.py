@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from fencemark.node.errors import Denial, PermissionDenied
 from fencemark.node.tls import CA_CERT, CA_DAYS, CA_KEY, identities_of
 
-__all__ = ["CRL_FILE", "Revocations", "read_revoked", "revoke"]
+__all__ = ["CRL_FILE", "Revocations", "certificate_refusal", "read_revoked", "revoke"]
 
 CRL_FILE = "crl.pem"
 _CRL_BLOCK = re.compile(rb"-----BEGIN X509 CRL-----.+?-----END X509 CRL-----\s*", re.DOTALL)
@@ -113,6 +113,18 @@ def _caller(pem: bytes) -> _Caller:
     return _Caller(
         cert.issuer.rfc4514_string(), cert.serial_number, str(found[0]) if found else "?"
     )
+
+
+def certificate_refusal(cert: x509.Certificate, revoked: Revoked) -> str | None:
+    """``IDENTITY, serial HEX`` when ``revoked`` lists ``cert``; None when it does not.
+
+    For a certificate a node was shown rather than a caller's: the one a peer's
+    address presents (``fencemark.node.replication.peer_check``).
+    """
+    if (cert.issuer.rfc4514_string(), cert.serial_number) not in revoked:
+        return None
+    found = identities_of(cert)
+    return f"{found[0] if found else '?'}, serial {cert.serial_number:x}"
 
 
 class Revocations:

@@ -256,6 +256,7 @@ class NodeServer:
             interval=config.anti_entropy_interval,
             catching_up=catching_up,
             on_caught_up=caught_up,
+            tls=tls,  # checks the certificate each peer presents (replication.peer_check)
         )
         metrics = NodeMetrics(config.region)
         storage.on_commit = metrics.observe_commit

@@ -204,6 +204,16 @@ class _StateCollector(Collector):
             for peer in self.peers.values():
                 metric.add_metric([peer.region], value(peer))
             yield metric
+        refused = CounterMetricFamily(
+            "fencemark_replication_peer_refusals",
+            "Checks of the certificate the peer's address presents that refused it"
+            " (revoked_certificate, region_mismatch): no round or push is sent to it",
+            labels=["peer", "reason"],
+        )
+        for peer in self.peers.values():
+            for reason, count in sorted(peer.certificate_refusals.items()):
+                refused.add_metric([peer.region, reason], count)
+        yield refused
 
 
 # -- the interceptor ---------------------------------------------------------------------

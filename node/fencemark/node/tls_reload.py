@@ -13,7 +13,9 @@ them all, and only a complete, consistent set replaces what is in use:
 - outgoing peer channels: each peer's ``PeerStats.credentials`` is replaced, and
   the replicator opens a new channel with them (closing the old one once its
   calls finish);
-- the revocation list (``fencemark.node.revocation``), checked on every call.
+- the revocation list (``fencemark.node.revocation``), checked on every call,
+  and before replicating with a peer against the certificate the peer presents
+  (``fencemark.node.replication.peer_check``, which re-checks when it changes).
 
 The node polls every ``--tls-reload-interval`` seconds (a few ``stat`` calls)
 and on SIGHUP. Files caught half-written, a key that does not match its
@@ -67,6 +69,9 @@ class LiveTls:
         self._stamp = self._stamp_now()
         material = self._load()
         self.channel_credentials = material.channel
+        # (CA bundle, certificate, key) in use, PEM: replication's peer check
+        # (fencemark.node.replication.peer_check) handshakes with them.
+        self.pems = material.pems
         self.revocations = Revocations(material.revoked)
         self.server_credentials = grpc.dynamic_ssl_server_credentials(
             material.server,
@@ -146,6 +151,7 @@ class LiveTls:
         with self._lock:
             self._pending = material.server
         self.channel_credentials = material.channel
+        self.pems = material.pems
         self.revocations.revoked = material.revoked
         for listener in self._listeners:
             listener(material.channel)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -48,6 +48,9 @@ class PeerStats:
     reachable: bool = False
     last_error: str = ""
     failures: int = 0  # consecutive failed attempts
+    # Checks of the certificate the peer's address presents that refused it, by
+    # denial (revoked_certificate, region_mismatch, ...; replication.peer_check).
+    certificate_refusals: dict[str, int] = field(default_factory=dict)
     # How this node reaches the peer: mutual TLS with its own certificate
     # (fencemark.node.tls), or None for plaintext (--insecure).
     credentials: grpc.ChannelCredentials | None = None

@@ -36,6 +36,7 @@ from google.protobuf.message import Message
 from fencemark.node.digest_tree import DEPTH, FANOUT, INNER_HASH_BYTES, leaf_range
 from fencemark.node.errors import ClockSkewed
 from fencemark.node.replica import Replica
+from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.replication.service import (
     MAX_BATCH_BYTES,
@@ -47,6 +48,7 @@ from fencemark.node.replication.service import (
     merge_all,
 )
 from fencemark.node.tls import peer_channel, retire_channel
+from fencemark.node.tls_reload import LiveTls
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -107,8 +109,10 @@ class RoundResult:
 
 
 class _Peer:
-    def __init__(self, stats: PeerStats) -> None:
+    def __init__(self, stats: PeerStats, check: PeerCheck | None = None) -> None:
         self.stats = stats
+        self.check = check  # the peer's certificate, with TLS (peer_check)
+        self.refused = False  # the check refused it, and its channel was replaced
         self._connect()
         self.backlog: dict[str, None] = {}  # an ordered set of keys to push
         self.wake = asyncio.Event()
@@ -133,8 +137,29 @@ class _Peer:
             retire_channel(old)
         return self._stub
 
+    async def allowed(self) -> None:
+        """Before every call: raise ``PeerRefused`` (nothing is sent) while the
+        certificate the peer's address presents is revoked or not its region's
+        (peer_check). A peer newly refused gets a new channel, so no connection made
+        with its refused certificate is used again, and its push queue is dropped:
+        it pulls what it missed once it is admitted again."""
+        if self.check is None:
+            return
+        try:
+            await self.check.admit()
+        finally:
+            if self.check.refused and not self.refused:
+                self.backlog.clear()
+                old = self.channel
+                self._connect()
+                retire_channel(old)
+            self.refused = self.check.refused
+
     def pushes_allowed(self) -> bool:
-        """False while the peer refuses pushes (writes disabled); retried every minute."""
+        """False while the peer refuses pushes (writes disabled; retried every minute)
+        or its certificate is refused (re-checked by anti-entropy rounds)."""
+        if self.check is not None and self.check.refused:
+            return False
         if not self.accepts_push and time.monotonic() >= self.push_probe_at:
             self.accepts_push = True
         return self.accepts_push
@@ -182,13 +207,18 @@ class Replicator:
         timeout: float = 10.0,
         catching_up: bool = False,
         on_caught_up: Callable[[], Awaitable[None]] | None = None,
+        tls: LiveTls | None = None,
     ) -> None:
         self.replica = replica
         self.interval = interval
         self.timeout = timeout
         self.catching_up = catching_up
         self._on_caught_up = on_caught_up
-        self._peers = {region: _Peer(stats) for region, stats in peers.items()}
+        # With TLS, every call first checks the certificate the peer presents.
+        self._peers = {
+            region: _Peer(stats, PeerCheck(stats, tls) if tls is not None else None)
+            for region, stats in peers.items()
+        }
         self._tasks: list[asyncio.Task[None]] = []
         self.rounds = 0
 
@@ -229,6 +259,7 @@ class Replicator:
 
     async def _call(self, peer: _Peer, method: str, request: Message, reply: type[R]) -> R:
         """One RPC with a deadline, counting the bytes both ways."""
+        await peer.allowed()  # raises PeerRefused: nothing sent to a revoked peer
         peer.stats.bytes_sent += request.ByteSize()
         response = await getattr(peer.stub, method)(request, timeout=self.timeout)
         assert isinstance(response, reply)
