@@ -315,6 +315,97 @@ async def test_anti_entropy_alone_repairs_a_node_that_was_down(tmp_path: Path) -
         assert eu.replicator.rounds > 0
 
 
+async def test_a_peer_found_behind_is_left_to_pull_instead_of_compared_again(
+    tmp_path: Path,
+) -> None:
+    """A round that differs but pulls nothing found a peer that is behind: every
+    difference is the peer's to pull. This node leaves it alone for BEHIND_PAUSE_S
+    instead of descending into it and listing the same differences every round."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us", peers={})
+        async with AsyncClient(us.address) as client:
+            for i in range(20):
+                await client.remember(REPO, "behind", f"b{i}", body="only at us")
+        await cluster.stop("us")
+        # eu knows no peer, so it never pulls: it stays behind for the whole test.
+        await cluster.start("eu", peers={})
+        us = await cluster.start("us")  # a fresh push queue: only rounds reach eu
+
+        async def compared_once() -> bool:
+            return us.replicator.peer_stats("eu").last_sync is not None
+
+        await eventually(compared_once, "a first round with eu")
+        sent = us.replicator.peer_stats("eu").bytes_sent
+        await asyncio.sleep(2.0)  # ten intervals of 0.2 s
+        stats = us.replicator.peer_stats("eu")
+        assert stats.divergence == 20 and stats.reachable
+        assert us.replicator.rounds == 1, "rounds with a peer that is behind went on"
+        assert stats.bytes_sent == sent
+
+
+async def test_a_round_stops_listing_once_the_differences_are_all_the_peers_to_pull(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large difference is listed a chunk at a time (the first chunk lowered to
+    50 records here). When the first chunk's differences are all older at the peer,
+    the round lists no more: nothing there is for this node, and the peer that is
+    behind pulls in its own rounds."""
+    monkeypatch.setattr(replicator_module, "FIRST_LISTING", 50)
+    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
+        us, eu = await cluster.start_all()
+        keys = []
+        async with AsyncClient(us.address) as client:
+            for i in range(200):
+                keys.append((await client.remember(REPO, "chunks", f"c{i}", body="v1")).record.key)
+        await wait_converged([us, eu])
+        await cluster.stop("eu")
+        async with AsyncClient(us.address) as client:
+            for key in keys:
+                await client.update(key, fields={"body": "v2"})
+        await cluster.stop("us")
+        await cluster.start("eu", peers={})  # eu stays behind: it never pulls
+        us = await cluster.start("us")  # and us has no push queue for it
+
+        async def first_round_done() -> bool:  # the loop's own, at start; the next in an hour
+            return us.replicator.peer_stats("eu").last_sync is not None
+
+        await eventually(first_round_done, "us's first round with eu")
+        result, _, received = await one_round(us, "eu")
+        assert (result.pulled, result.truncated) == (0, True), result
+        assert replicator_module.BEHIND_AFTER <= result.divergence < 200, result
+        monkeypatch.undo()
+        everything, _, received_all = await one_round(us, "eu")
+        assert (everything.pulled, everything.divergence) == (0, 200), everything
+        # The records it did not list are bytes it did not receive (~60 each).
+        unlisted = everything.divergence - result.divergence
+        assert received_all - received >= unlisted * 40, (received, received_all, result)
+
+
+async def test_states_a_peer_fetched_are_not_pushed_to_it_again(tmp_path: Path) -> None:
+    """After an outage a node's kept push queue and the peer's own round reach for
+    the same states; what the peer fetched leaves the queue, so it travels once."""
+    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
+        us = await cluster.start("us")  # eu is down: pushes to it fail and are kept
+        async with AsyncClient(us.address) as client:
+            keys = [
+                (await client.remember(REPO, "queued", f"q{i}", body="b")).record.key
+                for i in range(6)
+            ]
+        assert us.replicator.backlog("eu") == 6
+        origin = replication_pb2.Origin(region="eu", node_id="n", hlc=pack(wall_clock_ms()))
+        async with grpc.aio.insecure_channel(us.address) as channel:
+            stub = replication_pb2_grpc.ReplicationStub(channel)
+            found = await stub.Fetch(
+                replication_pb2.FetchRequest(origin=origin, keys=keys[:4]), timeout=10
+            )
+        assert len(found.states) == 4
+
+        async def two_left() -> bool:  # once a push attempt woken by the call has failed
+            return us.replicator.backlog("eu") == 2
+
+        await eventually(two_left, "only the two keys eu did not fetch queued for it")
+
+
 async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_differences(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -289,7 +289,11 @@ class NodeServer:
                 replica, claims, replicator, peers, writes_enabled=config.enable_writes
             ),
             "Replication": ReplicationService(
-                replica, peers, replicator.heard_from, authenticate=config.tls is not None
+                replica,
+                peers,
+                replicator.heard_from,
+                replicator.pulled_by,
+                authenticate=config.tls is not None,
             ),
         }
         server.add_generic_rpc_handlers(

@@ -170,6 +170,12 @@ class Storage:
             self._remember(key, stored)
         return stored
 
+    @property
+    def commits(self) -> int:
+        """How many commits this storage has made: a read that saw the same count
+        before and after read what is still current."""
+        return self._commit_seq
+
     async def preload(self, keys: Sequence[str]) -> None:
         """Read the states of ``keys`` not in the cache with one query and cache
         them, so that the ``get`` of each that follows is a hit (a batch of merges

@@ -61,6 +61,18 @@ MAX_FRONTIER = 1024  # tree nodes descended into per level and round
 # anyway (docs/performance.md, *Repair bytes*).
 LIST_AT = 8
 MAX_ROUND_RECORDS = 32768  # records listed per round; the rest waits for the next
+# A round that differs but pulls nothing found a peer that is behind: it pulls what it
+# lacks in its own rounds, and until then each round with it would list the same
+# differences again (docs/performance.md, *Repair bytes*). Such a peer gets no round
+# from this node for this long; should it hold something this node lacks after all
+# (an older write concurrent with a newer one), that waits this much longer.
+BEHIND_PAUSE_S = 5.0
+# A round lists a large difference a chunk at a time, the first of FIRST_LISTING
+# records; once BEHIND_AFTER differing records have turned out to be all the peer's
+# to pull, the rest is not listed (a peer that is behind after a partition would
+# otherwise cost its bystanders a listing of everything that differs).
+FIRST_LISTING = 1024
+BEHIND_AFTER = 32
 PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy repairs
 # A peer that no call has reached (UNAVAILABLE, DEADLINE_EXCEEDED) for this many
 # attempts in a row and this many seconds has its push queue dropped, and no keys
@@ -115,8 +127,11 @@ class _Peer:
         self.refused = False  # the check refused it, and its channel was replaced
         self._connect()
         self.backlog: dict[str, None] = {}  # an ordered set of keys to push
+        self.pushing = False  # a batch is in flight ...
+        self.fetched: set[str] = set()  # ... and the peer fetched these meanwhile
         self.wake = asyncio.Event()
         self.retry_at = 0.0
+        self.behind_until = 0.0  # no rounds with it before: it was behind, and pulls
         self.accepts_push = True
         self.push_probe_at = 0.0  # when to try pushing again to a peer that refused
         self.unanswered = 0  # calls in a row that did not reach the peer
@@ -170,9 +185,10 @@ class _Peer:
         self.backlog.clear()  # it pulls by itself; nothing queued would be sent
 
     def requeue(self, keys: list[str]) -> None:
-        """Put back the keys of a batch that did not get through."""
+        """Put back the keys of a batch that did not get through (unless the peer
+        fetched them meanwhile)."""
         for key in keys:
-            if len(self.backlog) < PUSH_QUEUE_LIMIT:
+            if len(self.backlog) < PUSH_QUEUE_LIMIT and key not in self.fetched:
                 self.backlog.setdefault(key, None)
 
     def unreachable(self) -> bool:
@@ -305,6 +321,17 @@ class Replicator:
             peer.retry_at = 0.0
             peer.wake.set()
 
+    def pulled_by(self, region: str, keys: list[str]) -> None:
+        """``region``'s node just fetched the current states of ``keys`` from this one:
+        pushing them too would deliver them twice (after a partition heals, the
+        peer's own round and this node's kept queue both reach for them)."""
+        peer = self._peers.get(region)
+        if peer is not None:
+            for key in keys:
+                peer.backlog.pop(key, None)
+            if peer.pushing:
+                peer.fetched.update(keys)
+
     async def _push_loop(self, peer: _Peer) -> None:
         while True:
             await peer.wake.wait()
@@ -322,9 +349,11 @@ class Replicator:
                 keys = list(itertools.islice(peer.backlog, MAX_STATES))
                 for key in keys:
                     del peer.backlog[key]
+                peer.pushing, peer.fetched = True, set()
                 try:
                     states = await self.replica.storage.states(keys)
-                    await self._push(peer, [states[k] for k in keys if k in states])
+                    fresh = [k for k in keys if k in states and k not in peer.fetched]
+                    await self._push(peer, [states[k] for k in fresh])
                 except grpc.aio.AioRpcError as exc:
                     peer.requeue(keys)
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -338,6 +367,8 @@ class Replicator:
                     peer.requeue(keys)
                     peer.back_off(f"push failed: {exc!r}")
                     continue
+                finally:
+                    peer.pushing = False
                 peer.answered()
 
     # -- anti-entropy ----------------------------------------------------------------
@@ -346,7 +377,8 @@ class Replicator:
         if self.catching_up:
             await self._catch_up()
         while True:
-            ready = [p for p in self._peers.values() if p.retry_at <= time.monotonic()]
+            now = time.monotonic()
+            ready = [p for p in self._peers.values() if max(p.retry_at, p.behind_until) <= now]
             result = None
             if ready:
                 result = await self._guarded_round(random.choice(ready))
@@ -375,6 +407,10 @@ class Replicator:
         peer.answered()
         peer.stats.last_sync = time.time()
         peer.stats.divergence = result.divergence
+        if not result.in_sync and result.pulled == 0:
+            # Everything that differs is the peer's to pull: leave it to its own
+            # rounds for a while instead of descending into it again and again.
+            peer.behind_until = time.monotonic() + BEHIND_PAUSE_S
         return result
 
     async def _catch_up(self) -> None:
@@ -454,19 +490,28 @@ class Replicator:
     async def _repair(
         self, peer: _Peer, listed: dict[int, list[tuple[int, int]]], truncated: bool
     ) -> RoundResult:
-        """List the records below ``listed`` nodes on both sides; pull what differs."""
-        theirs: dict[str, tuple[bytes, int]] = {}
-        spans: list[range] = []
-        for level, nodes in listed.items():
-            spans.extend(leaf_range(level, node) for node, _ in nodes)
-            for chunk in _listing_chunks(nodes):
-                listing = replication_pb2.BucketsRequest(
-                    origin=self._origin(), level=level, nodes=chunk
-                )
-                entries = await self._call(
-                    peer, "Buckets", listing, replication_pb2.BucketsResponse
-                )
-                theirs.update((e.key, (e.digest, e.max_hlc)) for e in entries.entries)
+        """List the records below ``listed`` nodes on both sides, a chunk at a time,
+        and pull what differs. Once ``BEHIND_AFTER`` differences have turned out to
+        be all the peer's to pull, the rest is not listed: the peer is behind."""
+        pulled = differing = 0
+        chunks = [(level, chunk) for level, nodes in listed.items()
+                  for chunk in _listing_chunks(nodes)]  # fmt: skip
+        for n, (level, nodes) in enumerate(chunks):
+            pull, found = await self._compare(peer, level, nodes)
+            differing += found
+            pulled += await self._pull(peer, pull)
+            behind = not pulled and differing >= BEHIND_AFTER and not self.catching_up
+            if behind and n + 1 < len(chunks):
+                truncated = True
+                break
+        return RoundResult(False, pulled, differing, truncated)
+
+    async def _compare(self, peer: _Peer, level: int, nodes: list[int]) -> tuple[list[str], int]:
+        """The keys to pull below ``nodes``, and how many records differ there."""
+        listing = replication_pb2.BucketsRequest(origin=self._origin(), level=level, nodes=nodes)
+        entries = await self._call(peer, "Buckets", listing, replication_pb2.BucketsResponse)
+        theirs = {e.key: (e.digest, e.max_hlc) for e in entries.entries}
+        spans = [leaf_range(level, node) for node in nodes]
         mine = {
             key: (digest, hlc)
             for key, digest, hlc in await self.replica.storage.bucket_entries(spans)
@@ -480,6 +525,10 @@ class Replicator:
         pull = [
             k for k in changed if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
         ]
+        return pull, len(changed) + only_mine
+
+    async def _pull(self, peer: _Peer, pull: list[str]) -> int:
+        """Fetch and merge the states of ``pull``; returns how many arrived."""
         pulled = 0
         # The next batch is fetched while this one merges: the peer reads while we write.
         fetching = self._fetch(peer, pull[:MAX_STATES]) if pull else None
@@ -499,7 +548,7 @@ class Replicator:
                 fetching.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await fetching
-        return RoundResult(False, pulled, len(changed) + only_mine, truncated)
+        return pulled
 
     def _fetch(self, peer: _Peer, keys: list[str]) -> asyncio.Task[replication_pb2.FetchResponse]:
         request = replication_pb2.FetchRequest(origin=self._origin(), keys=keys)
@@ -511,15 +560,14 @@ class Replicator:
 def _listing_chunks(nodes: list[tuple[int, int]]) -> list[list[int]]:
     """``(node, count)`` pairs split into Buckets requests the peer accepts: at
     most ``MAX_LIST_NODES`` nodes, and half ``MAX_LIST_RECORDS`` by the peer's
-    counts (they may have grown since its Tree reply)."""
+    counts (they may have grown since its Tree reply) — the first one smaller,
+    ``FIRST_LISTING``, as it may be the only one (``BEHIND_AFTER``)."""
     chunks: list[list[int]] = [[]]
-    records = 0
+    records, limit = 0, FIRST_LISTING
     for node, count in nodes:
-        if chunks[-1] and (
-            len(chunks[-1]) == MAX_LIST_NODES or records + count > MAX_LIST_RECORDS // 2
-        ):
+        if chunks[-1] and (len(chunks[-1]) == MAX_LIST_NODES or records + count > limit):
             chunks.append([])
-            records = 0
+            records, limit = 0, MAX_LIST_RECORDS // 2
         chunks[-1].append(node)
         records += count
     return chunks

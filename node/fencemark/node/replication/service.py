@@ -107,12 +107,15 @@ class ReplicationService:
         replica: Replica,
         peers: dict[str, PeerStats],
         heard_from: Callable[[str], None] | None = None,
+        pulled_by: Callable[[str, list[str]], None] | None = None,
         *,
         authenticate: bool = False,
     ) -> None:
         self.replica = replica
         self.peers = peers
         self.heard_from = heard_from  # Replicator.heard_from: a peer that calls is up
+        # Replicator.pulled_by: a peer that fetched current states needs no push of them.
+        self.pulled_by = pulled_by
         # With TLS: only a configured peer's node certificate, speaking for its own region.
         self.authenticate = authenticate
 
@@ -248,8 +251,12 @@ class ReplicationService:
         peer = self._admit(request.origin, request.ByteSize(), context)
         if len(request.keys) > MAX_STATES:
             raise InvalidInput.field("keys", f"at most {MAX_STATES} keys per request")
-        found = await self.replica.storage.states(list(request.keys))
+        storage = self.replica.storage
+        commits = storage.commits
+        found = await storage.states(list(request.keys))
+        current = storage.commits == commits  # no commit raced the read
         response = replication_pb2.FetchResponse()
+        served: list[str] = []
         size = 0
         for key in request.keys:
             state = found.get(key)
@@ -259,7 +266,10 @@ class ReplicationService:
                 response.truncated.append(key)
                 continue
             response.states.append(state)
+            served.append(key)
             size += len(state)
+        if current and peer is not None and self.pulled_by is not None:
+            self.pulled_by(request.origin.region, served)
         self._sent(peer, response.ByteSize(), len(response.states))
         return response
 
