@@ -16,13 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fencemark.node.digest_tree import (
+    CHECK_BYTES,
     DEPTH,
     FANOUT,
     HASH_BYTES,
-    INNER_HASH_BYTES,
     DigestTree,
     bucket_of,
-    hash_bytes,
     item_hash,
     leaf_range,
 )
@@ -62,8 +61,7 @@ def test_every_node_counts_and_hashes_exactly_the_records_below_it(
         for node in touched:
             count, xor = expected.get(node, (0, 0))
             assert tree.count(level, node) == count
-            full = xor.to_bytes(HASH_BYTES, "big")
-            assert tree.hash(level, node) == full[: hash_bytes(level)]
+            assert tree.hash(level, node) == xor.to_bytes(HASH_BYTES, "big")
     assert tree.count(0, 0) == len(live)
 
 
@@ -78,18 +76,28 @@ def test_the_tree_depends_on_the_records_not_the_order_of_the_writes(
     again.load(items)
     for level in range(DEPTH + 1):
         nodes = sorted({node_of(key, level) for key, _ in writes})
-        assert again.hashes(level, nodes) == tree.hashes(level, nodes)
+        assert again.checks(level, nodes, b"salt1234") == tree.checks(level, nodes, b"salt1234")
         assert again.counts(level, nodes) == tree.counts(level, nodes)
 
 
-def test_the_root_is_exchanged_whole_and_inner_nodes_by_prefix() -> None:
-    tree = DigestTree()
+def test_check_values_are_short_salted_and_tell_apart_what_hashes_do() -> None:
+    """Below the root peers exchange 4-byte check values of a node's hash and the
+    round's salt: equal hashes give equal checks for any salt, and checks of the
+    same node under two salts are unrelated (a chance agreement lasts one round)."""
+    tree, other = DigestTree(), DigestTree()
     tree.update("k", None, b"d" * 16)
-    assert len(tree.root) == HASH_BYTES
-    for level in range(1, DEPTH + 1):
-        node = node_of("k", level)
-        assert tree.hash(level, node) == tree.root[:INNER_HASH_BYTES]  # one record: same XOR
-        assert len(tree.hashes(level, [node, node ^ 1])) == 2 * INNER_HASH_BYTES
+    other.update("k", None, b"e" * 16)
+    node = node_of("k", 3)
+    salts = [bytes([i]) * 8 for i in range(50)]
+    assert all(len(tree.check(3, node, salt)) == CHECK_BYTES for salt in salts)
+    assert len({tree.check(3, node, salt) for salt in salts}) == len(salts)
+    assert all(tree.check(3, node, s) != other.check(3, node, s) for s in salts)
+    copy = DigestTree()
+    copy.load([("k", b"d" * 16)])
+    assert all(copy.check(3, node, s) == tree.check(3, node, s) for s in salts)
+    assert tree.checks(3, [node, node ^ 1], salts[0]) == (
+        tree.check(3, node, salts[0]) + tree.check(3, node ^ 1, salts[0])
+    )
 
 
 @given(KEYS, st.integers(0, DEPTH))

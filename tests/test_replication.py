@@ -513,9 +513,10 @@ async def test_tree_and_buckets_answer_by_subtree_and_refuse_what_they_cannot(
     tmp_path: Path,
 ) -> None:
     """The wire contract of a descent: Tree answers for the children of the parents
-    asked about (8-byte hashes and record counts; the root alone: 16 bytes, no
-    count); Buckets lists every record below inner nodes as well as leaf buckets.
-    Requests beyond the limits are INVALID_ARGUMENT naming the field."""
+    asked about (4-byte check values salted by the request, and record counts; the
+    root alone: its 16-byte hash, no count); Buckets lists every record below
+    inner nodes as well as leaf buckets. Requests beyond the limits are
+    INVALID_ARGUMENT naming the field."""
     async with Cluster(tmp_path, ["us", "eu"]) as cluster:
         us = await cluster.start("us", peers={})
         async with AsyncClient(us.address) as client:
@@ -528,11 +529,13 @@ async def test_tree_and_buckets_answer_by_subtree_and_refuse_what_they_cannot(
             root = await stub.Tree(replication_pb2.TreeRequest(origin=origin), timeout=10)
             assert (root.hashes, list(root.counts)) == (tree.root, [])
 
+            salt = b"per-round"
             level2 = await stub.Tree(
-                replication_pb2.TreeRequest(origin=origin, level=2, parents=[0, 15]), timeout=10
+                replication_pb2.TreeRequest(origin=origin, level=2, parents=[0, 15], salt=salt),
+                timeout=10,
             )
             nodes = [*range(0, 16), *range(240, 256)]
-            assert level2.hashes == tree.hashes(2, nodes) and len(level2.hashes) == 8 * 32
+            assert level2.hashes == tree.checks(2, nodes, salt) and len(level2.hashes) == 4 * 32
             assert list(level2.counts) == tree.counts(2, nodes)
 
             # Every record, listed through the 16 level-1 nodes, then one leaf bucket.
@@ -555,6 +558,13 @@ async def test_tree_and_buckets_answer_by_subtree_and_refuse_what_they_cannot(
                 (replication_pb2.TreeRequest(origin=origin, level=0, parents=[0]), "parents"),
                 (replication_pb2.TreeRequest(origin=origin, level=2, parents=[16]), "parents"),
                 (replication_pb2.TreeRequest(origin=origin, level=4, parents=[0] * 257), "parents"),
+                (replication_pb2.TreeRequest(origin=origin, level=1, parents=[0]), "salt"),
+                (
+                    replication_pb2.TreeRequest(
+                        origin=origin, level=1, parents=[0], salt=b"x" * 33
+                    ),
+                    "salt",
+                ),
             ]
             bad_listings = [
                 (replication_pb2.BucketsRequest(origin=origin, level=1, nodes=[16]), "nodes"),

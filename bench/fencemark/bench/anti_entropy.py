@@ -35,7 +35,7 @@ from fencemark.bench.seed import copy_replica, seed, seed_key
 from fencemark.bench.stats import median
 from fencemark.client import AsyncClient
 from fencemark.node.cluster import LocalCluster, free_port
-from fencemark.node.digest_tree import hash_bytes
+from fencemark.node.digest_tree import CHECK_BYTES
 from fencemark.node.proxy import FaultProxy, ProxyMesh
 from fencemark.node.server import NodeConfig, NodeServer
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
@@ -165,13 +165,19 @@ async def _replication_stub(
         await channel.close(None)
 
 
+COMPARE_SALT = b"fencemark-bench"  # the timeline compares two nodes' check values
+
+
 async def _tree(
     stub: replication_pb2_grpc.ReplicationAsyncStub, level: int, parents: list[int]
 ) -> list[bytes]:
-    """The hashes of the nodes at ``level`` below ``parents`` (the root at level 0)."""
+    """The root's hash (level 0), or the check values of the nodes at ``level``
+    below ``parents``, with one salt for every call (comparable across nodes)."""
     request = replication_pb2.TreeRequest(origin=ORIGIN, level=level, parents=parents)
+    if level:
+        request.salt = COMPARE_SALT
     response = await stub.Tree(request, timeout=10)
-    width = hash_bytes(level)
+    width = CHECK_BYTES if level else len(response.hashes)
     return [response.hashes[i : i + width] for i in range(0, len(response.hashes), width)]
 
 

@@ -12,10 +12,10 @@ and the tree never needs to be rebuilt by scanning (only loaded at start-up).
 Each node also counts the records below it: a peer descending the tree lists a
 node's records directly once there are few enough of them (docs/replication.md).
 
-The root is compared on its whole ``HASH_BYTES``; nodes below it on their first
-``INNER_HASH_BYTES``: a round only descends below a root that differs, and a
-2^-64 chance that one differing subtree looks equal for one round costs less
-than twice the bytes in every round.
+The root is compared on its whole ``HASH_BYTES``; nodes below it by a
+``CHECK_BYTES`` check value, a BLAKE2b of the node's hash and a salt the caller
+picks for each round: a difference two checks hide is found by the next round,
+whose salt differs, and a round costs a quarter of the bytes of whole hashes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ FANOUT = 16
 DEPTH = 4
 LEAVES = FANOUT**DEPTH
 HASH_BYTES = 16
-INNER_HASH_BYTES = 8
+CHECK_BYTES = 4  # the salted check value of a node below the root
+MIN_SALT_BYTES, MAX_SALT_BYTES = 8, 32
 
 
 def bucket_of(key: str) -> int:
@@ -43,11 +44,6 @@ def item_hash(key: str, digest: bytes) -> int:
 
 def level_size(level: int) -> int:
     return int(FANOUT**level)
-
-
-def hash_bytes(level: int) -> int:
-    """How many bytes of a node's hash at ``level`` peers exchange."""
-    return HASH_BYTES if level == 0 else INNER_HASH_BYTES
 
 
 def children(level: int, node: int) -> range:
@@ -88,12 +84,15 @@ class DigestTree:
             self.update(key, None, digest)
 
     def hash(self, level: int, node: int) -> bytes:
-        """The node's hash as peers exchange it (``hash_bytes(level)`` bytes)."""
-        return self._levels[level][node].to_bytes(HASH_BYTES, "big")[: hash_bytes(level)]
+        return self._levels[level][node].to_bytes(HASH_BYTES, "big")
 
-    def hashes(self, level: int, nodes: Sequence[int]) -> bytes:
-        """The hashes of ``nodes``, concatenated in order."""
-        return b"".join(self.hash(level, node) for node in nodes)
+    def check(self, level: int, node: int, salt: bytes) -> bytes:
+        """The node's check value for a round salted with ``salt``."""
+        return hashlib.blake2b(self.hash(level, node) + salt, digest_size=CHECK_BYTES).digest()
+
+    def checks(self, level: int, nodes: Sequence[int], salt: bytes) -> bytes:
+        """The check values of ``nodes``, concatenated in order."""
+        return b"".join(self.check(level, node, salt) for node in nodes)
 
     def count(self, level: int, node: int) -> int:
         """How many records lie below ``node``."""

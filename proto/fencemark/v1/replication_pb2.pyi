@@ -136,9 +136,15 @@ class TreeRequest(_message.Message):
     ORIGIN_FIELD_NUMBER: _builtins.int
     LEVEL_FIELD_NUMBER: _builtins.int
     PARENTS_FIELD_NUMBER: _builtins.int
+    SALT_FIELD_NUMBER: _builtins.int
     level: _builtins.int
     """The tree level asked about: 0 is the root (one node), 4 the leaf buckets
     (65536 nodes).
+    """
+    salt: _builtins.bytes
+    """Below the root (8 to 32 bytes): the salt of the check values in the reply.
+    A round picks a new random one, so two nodes whose checks agree by chance
+    are told apart by the next round.
     """
     @_builtins.property
     def origin(self) -> Global___Origin: ...
@@ -155,10 +161,11 @@ class TreeRequest(_message.Message):
         origin: Global___Origin | None = ...,
         level: _builtins.int = ...,
         parents: _abc.Iterable[_builtins.int] | None = ...,
+        salt: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["level", b"level", "origin", b"origin", "parents", b"parents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["level", b"level", "origin", b"origin", "parents", b"parents", "salt", b"salt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -171,8 +178,9 @@ class TreeResponse(_message.Message):
     HASHES_FIELD_NUMBER: _builtins.int
     COUNTS_FIELD_NUMBER: _builtins.int
     hashes: _builtins.bytes
-    """The hash of every node asked about, concatenated in order: the root's 16
-    bytes at level 0, the first 8 bytes of each node's hash below it.
+    """At level 0 the root's 16-byte hash. Below it the 4-byte check value of
+    every node asked about, concatenated in order: BLAKE2b with a 4-byte digest
+    of the node's 16-byte hash followed by the request's salt.
     """
     @_builtins.property
     def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,7 +35,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from fencemark.node.digest_tree import DEPTH, FANOUT, INNER_HASH_BYTES, leaf_range
+from fencemark.node.digest_tree import CHECK_BYTES, DEPTH, FANOUT, leaf_range
 from fencemark.node.errors import ClockSkewed
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peer_check import PeerCheck
@@ -55,11 +57,14 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Message)
 
 MAX_FRONTIER = 1024  # tree nodes descended into per level and round
-# A differing node is listed rather than descended into once the peer holds at
-# most this many records below it: asking for its 16 children costs about 16 x 10
-# bytes, listing a record about 45, and after a partition most children differ
-# anyway (docs/performance.md, *Repair bytes*).
-LIST_AT = 8
+# A differing node is listed rather than descended into when listing it costs
+# less than asking for its 16 children: a listed record costs about ENTRY_BYTES, a
+# child CHILD_BYTES, and only the records that differ are worth listing — their
+# share is estimated from how many nodes differ at that level (after a partition
+# most records do: listing wins; a few scattered changes: descending does).
+ENTRY_BYTES = 60  # key, digest, max_hlc and framing of one BucketEntry
+CHILD_BYTES = 6  # a 4-byte check value and a count
+SALT_BYTES = 8  # of each round's salt for check values (digest_tree.CHECK_BYTES)
 MAX_ROUND_RECORDS = 32768  # records listed per round; the rest waits for the next
 # A round that differs but pulls nothing found a peer that is behind: it pulls what it
 # lacks in its own rounds, and until then each round with it would list the same
@@ -444,16 +449,21 @@ class Replicator:
         if response.hashes == tree.root:
             return RoundResult(in_sync=True)
         frontier = [0]  # differing nodes to descend into; the root has no count
+        salt = os.urandom(SALT_BYTES)  # a check two nodes share by chance, once
         for level in range(1, DEPTH + 1):
-            nodes, hashes, counts = await self._tree(peer, level, frontier)
+            nodes, checks, counts = await self._tree(peer, level, frontier, salt)
             frontier = []
-            for i, (node, theirs) in enumerate(zip(nodes, counts, strict=True)):
-                at = i * INNER_HASH_BYTES
-                if hashes[at : at + INNER_HASH_BYTES] == tree.hash(level, node):
-                    continue
+            differ = [
+                i
+                for i, node in enumerate(nodes)
+                if checks[i * CHECK_BYTES : (i + 1) * CHECK_BYTES] != tree.check(level, node, salt)
+            ]
+            same = 1 - _differing_share(len(differ), len(nodes), sum(counts))
+            for i in differ:
+                node, theirs = nodes[i], counts[i]
                 if theirs == 0:  # the peer has nothing here: it pulls ours
                     only_mine += tree.count(level, node)
-                elif level < DEPTH and theirs > LIST_AT:
+                elif level < DEPTH and theirs * same * ENTRY_BYTES > FANOUT * CHILD_BYTES:
                     frontier.append(node)
                 elif records + theirs <= MAX_ROUND_RECORDS:
                     listed.setdefault(level, []).append((node, theirs))
@@ -469,23 +479,25 @@ class Replicator:
         return result
 
     async def _tree(
-        self, peer: _Peer, level: int, parents: list[int]
+        self, peer: _Peer, level: int, parents: list[int], salt: bytes
     ) -> tuple[list[int], bytes, list[int]]:
-        """The nodes at ``level`` (>= 1) below ``parents``, with the peer's hashes
-        (concatenated) and record counts for them."""
+        """The nodes at ``level`` (>= 1) below ``parents``, with the peer's check
+        values for ``salt`` (concatenated) and record counts for them."""
         nodes: list[int] = []
-        hashes: list[bytes] = []
+        checks: list[bytes] = []
         counts: list[int] = []
         for start in range(0, len(parents), MAX_TREE_PARENTS):
             chunk = parents[start : start + MAX_TREE_PARENTS]
-            request = replication_pb2.TreeRequest(origin=self._origin(), level=level, parents=chunk)
+            request = replication_pb2.TreeRequest(
+                origin=self._origin(), level=level, parents=chunk, salt=salt
+            )
             response = await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
             nodes.extend(c for p in chunk for c in range(p * FANOUT, (p + 1) * FANOUT))
-            hashes.append(response.hashes)
+            checks.append(response.hashes)
             counts.extend(response.counts)
-        if len(counts) != len(nodes) or sum(map(len, hashes)) != len(nodes) * INNER_HASH_BYTES:
+        if len(counts) != len(nodes) or sum(map(len, checks)) != len(nodes) * CHECK_BYTES:
             raise ValueError(f"a Tree reply for {len(nodes)} nodes at level {level} is malformed")
-        return nodes, b"".join(hashes), counts
+        return nodes, b"".join(checks), counts
 
     async def _repair(
         self, peer: _Peer, listed: dict[int, list[tuple[int, int]]], truncated: bool
@@ -571,3 +583,13 @@ def _listing_chunks(nodes: list[tuple[int, int]]) -> list[list[int]]:
         chunks[-1].append(node)
         records += count
     return chunks
+
+
+def _differing_share(differing: int, nodes: int, records: int) -> float:
+    """The share of records that differ, estimated from ``differing`` of ``nodes``
+    tree nodes holding ``records`` in all: were each record to differ with
+    probability p, a node of n records would differ with probability 1 - (1-p)^n."""
+    if not records:
+        return 1.0
+    seen = differing / (nodes + 1)  # +1: all nodes differing still bounds p
+    return min(1.0, -math.log1p(-seen) / (records / nodes))

@@ -16,7 +16,14 @@ from typing import Any
 import grpc
 
 from fencemark.node.crdt import ClockSkew, Record, codec
-from fencemark.node.digest_tree import DEPTH, children, leaf_range, level_size
+from fencemark.node.digest_tree import (
+    DEPTH,
+    MAX_SALT_BYTES,
+    MIN_SALT_BYTES,
+    children,
+    leaf_range,
+    level_size,
+)
 from fencemark.node.errors import ClockSkewed, Denial, InvalidInput, PermissionDenied
 from fencemark.node.integrity import MergeRefused
 from fencemark.node.replica import Replica
@@ -212,10 +219,18 @@ class ReplicationService:
                     "parents", f"at most {MAX_TREE_PARENTS} parents per request"
                 )
             _check_nodes("parents", request.level - 1, request.parents)
+            if not MIN_SALT_BYTES <= len(request.salt) <= MAX_SALT_BYTES:
+                raise InvalidInput.field(
+                    "salt", f"{MIN_SALT_BYTES} to {MAX_SALT_BYTES} bytes below the root"
+                )
             nodes = [c for p in request.parents for c in children(request.level - 1, p)]
-        response = replication_pb2.TreeResponse(hashes=tree.hashes(request.level, nodes))
-        if request.level > 0:  # the root's count would make in-sync rounds grow with it
-            response.counts.extend(tree.counts(request.level, nodes))
+        if request.level == 0:  # the root's count would make in-sync rounds grow with it
+            response = replication_pb2.TreeResponse(hashes=tree.root)
+        else:
+            response = replication_pb2.TreeResponse(
+                hashes=tree.checks(request.level, nodes, request.salt),
+                counts=tree.counts(request.level, nodes),
+            )
         self._sent(peer, response.ByteSize())
         return response
 
