@@ -7,9 +7,10 @@
   that stays unreachable (``UNREACHABLE_AFTER_S``).
 - Anti-entropy: every ``interval`` (jittered) a random peer that is not backed
   off gets one round: compare digest-tree roots; if they differ, descend level
-  by level into differing nodes (at most ``MAX_FRONTIER`` per level) until one
-  holds at most ``LIST_AT`` records on the peer's side, list those nodes'
-  records (at most ``MAX_ROUND_RECORDS``), and pull what differs and merge it.
+  by level into differing nodes (salted check values; at most ``MAX_FRONTIER``
+  per level) until listing a node's records costs less than its children, list
+  those records (at most ``MAX_ROUND_RECORDS``, a chunk at a time), and pull
+  what differs and merge it. A peer found behind is left to pull for a while.
   Rounds only pull: every node repairs itself, one round at a time, so no state
   is delivered twice by rounds of different nodes racing each other. A round is
   bounded; a round that pulled something is followed by another one soon.
