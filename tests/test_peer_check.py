@@ -21,7 +21,8 @@ from fencemark.node.replication.peer_check import PeerRefused, presented_certifi
 from fencemark.node.server import NodeServer
 from fencemark.node.tls import TlsFiles, init_dir
 from tests.cluster import Cluster, eventually, wait_converged
-from tests.test_tls_reload import FAST, install, refusals
+from tests.metrics import counters, refusals
+from tests.test_tls_reload import FAST, install
 
 QUIET = 1.5  # seconds of rounds (every 0.2 s) and pushes in which nothing may cross
 
@@ -30,14 +31,8 @@ def client(address: str, certs: Path) -> AsyncClient:
     return AsyncClient(address, credentials=tls_credentials(certs, "alice"), retries=0, timeout=5)
 
 
-def peer_refusals(node: NodeServer) -> dict[tuple[str, str], float]:
-    return {
-        (s.labels["peer"], s.labels["reason"]): s.value
-        for metric in node.metrics.registry.collect()
-        if metric.name == "fencemark_replication_peer_refusals"
-        for s in metric.samples
-        if s.name.endswith("_total")
-    }
+def peer_refusals(node: NodeServer) -> dict[tuple[str, ...], float]:
+    return counters(node, "fencemark_replication_peer_refusals", "peer", "reason")
 
 
 async def write(node: NodeServer, certs: Path, key_id: str) -> str:

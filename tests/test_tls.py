@@ -28,6 +28,7 @@ from fencemark.node.tls import Identity, TlsFiles, init_dir
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, wait_converged
 from tests.conftest import StartNode
+from tests.metrics import refusals
 
 REGIONS = ["us", "eu", "ap"]
 CLIENTS = ["alice", "reader", "stranger"]
@@ -221,15 +222,9 @@ async def test_a_read_only_identity_reads_but_cannot_write_or_claim(
         with pytest.raises(PermissionDenied):
             await stranger.get(record.key)
         assert await stranger.health() == "SERVING"  # health stays open to the CA's callers
-    refusals = {
-        (s.labels["method"], s.labels["reason"]): s.value
-        for metric in node.metrics.registry.collect()
-        if metric.name == "fencemark_refusals"
-        for s in metric.samples
-        if s.name.endswith("_total")
-    }
-    assert refusals[("Update", "missing_right")] == 1
-    assert refusals[("Claim", "missing_right")] == 1
+    refused = refusals(node)
+    assert refused[("Update", "missing_right")] == 1
+    assert refused[("Claim", "missing_right")] == 1
 
 
 async def test_without_an_access_map_every_client_of_the_ca_may_read_write_and_claim(

@@ -24,6 +24,7 @@ from fencemark.node.server import NodeServer
 from fencemark.node.tls import TlsFiles, init_dir
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.conftest import StartNode
+from tests.metrics import refusals
 from tests.test_tls import a_state, error_info, push
 
 FAST = 0.1  # --tls-reload-interval in these tests
@@ -58,16 +59,6 @@ def metric(node: NodeServer, name: str) -> float:
         s.value for m in node.metrics.registry.collect() for s in m.samples if s.name == name
     ]
     return value
-
-
-def refusals(node: NodeServer) -> dict[tuple[str, str], float]:
-    return {
-        (s.labels["method"], s.labels["reason"]): s.value
-        for metric in node.metrics.registry.collect()
-        if metric.name == "fencemark_refusals"
-        for s in metric.samples
-        if s.name.endswith("_total")
-    }
 
 
 # -- renewal -------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 
 from fencemark.node.errors import Denial, PermissionDenied
+from fencemark.node.interceptor import Handler, UnaryInterceptor
 from fencemark.node.revocation import Revocations
 from fencemark.node.service import refuse
 from fencemark.node.tls import Identity, check_name, peer_identity
@@ -162,11 +163,8 @@ def load_access(path: Path | str) -> AccessMap:
     return parse_access(data, str(path))
 
 
-Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
-
-
 # Generic in grpc-stubs only: not subscriptable at runtime.
-class Authorize(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class Authorize(UnaryInterceptor):
     """Refuse every fencemark.v1 call whose caller lacks the method's right.
 
     Installed after ``Telemetry`` so a denial is counted and logged like any
@@ -180,17 +178,12 @@ class Authorize(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         # The CRL (fencemark.node.revocation), reloaded in place when crl.pem changes.
         self.revocations = revocations or Revocations()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(details)
+    def wrap(
+        self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> Handler | None:
         method = details.method
-        if handler is None or not method.startswith(PACKAGE):
-            return handler  # unimplemented, or health/reflection: any authenticated caller
+        if not method.startswith(PACKAGE):
+            return None  # health, reflection: any authenticated caller
         if handler.unary_unary is None:  # fencemark.v1 has only unary methods
             raise RuntimeError(f"{method}: authorization covers unary methods only")
         inner: Handler = handler.unary_unary  # type: ignore[assignment]
@@ -203,8 +196,4 @@ class Authorize(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 await refuse(context, denied)
             return await inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            authorized,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return authorized

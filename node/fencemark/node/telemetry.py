@@ -22,13 +22,15 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from fencemark.node.interceptor import Handler, UnaryInterceptor
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -218,27 +220,21 @@ class _StateCollector(Collector):
 
 # -- the interceptor ---------------------------------------------------------------------
 
-Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 access_log = logging.getLogger("fencemark.node.access")
 
 
 # Generic in grpc-stubs only: not subscriptable at runtime.
-class Telemetry(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class Telemetry(UnaryInterceptor):
     """Request ids, timing and counts for every unary call."""
 
     def __init__(self, metrics: NodeMetrics) -> None:
         self.metrics = metrics
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
+    def wrap(
+        self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> Handler | None:
+        if handler.unary_unary is None:
+            return None
         method = details.method.rsplit("/", 1)[-1]
         given = dict(details.invocation_metadata or ()).get(REQUEST_ID_METADATA, "")
         inner: Handler = handler.unary_unary  # type: ignore[assignment]
@@ -269,11 +265,7 @@ class Telemetry(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                                "duration_ms": round(took * 1000, 2), "reason": reason},
                     )  # fmt: skip
 
-        return grpc.unary_unary_rpc_method_handler(
-            observed,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return observed
 
 
 def _code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
