@@ -20,6 +20,7 @@ old key still verify everywhere.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -106,6 +107,9 @@ class Keyring:
         self._signers: dict[bytes, _Signer] = {}
         # When each (peer region, key id) was last asked for (replication.signers).
         self.asked: dict[tuple[str, bytes], float] = {}
+        # One fetch of certificates at a time: a merge of a state with the same
+        # unknown signer waits for it instead of being refused meanwhile.
+        self.learning = asyncio.Lock()
 
     @classmethod
     def for_files(cls, files: TlsFiles) -> Keyring:

@@ -359,6 +359,8 @@ class Replicator:
                 try:
                     states = await self.replica.storage.states(keys)
                     fresh = [k for k in keys if k in states and k not in peer.fetched]
+                    if not fresh:
+                        continue  # fetched meanwhile, or gone: no call, nothing learned
                     await self._push(peer, [states[k] for k in fresh])
                 except grpc.aio.AioRpcError as exc:
                     peer.requeue(keys)

@@ -40,6 +40,13 @@ async def learn_signers(replica: Replica, peer: PeerStats, records: Sequence[Rec
     keyring = replica.keyring
     if keyring is None:
         return 0
+    async with keyring.learning:
+        return await _learn(replica, keyring, peer, records)
+
+
+async def _learn(
+    replica: Replica, keyring: Keyring, peer: PeerStats, records: Sequence[Record]
+) -> int:
     now = time.monotonic()
     asked = keyring.asked
     ask = sorted(
