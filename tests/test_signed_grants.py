@@ -11,6 +11,7 @@ the hostile peer speaks ``Replication.Push`` with its real certificate.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import sqlite3
@@ -325,6 +326,30 @@ async def test_a_state_whose_signer_is_not_known_yet_is_merged_once_it_is(
         await cluster.start("eu", tls=files(certs, "eu"))
         await eventually(lambda: holds_fence(ap, key, token), "ap merging us's grant", within=30)
         assert Signer.from_files(files(certs, "us")).key_id in ap.replica.keyring  # type: ignore[operator]
+
+
+async def test_concurrent_merges_needing_one_unknown_signer_wait_for_its_certificate(
+    tmp_path: Path, certs: Path
+) -> None:
+    """Two exchanges bring a state signed by a key ap does not know yet, at once (a
+    kept push and a catch-up round, after a start): the second waits for the first's
+    fetch of the certificate instead of being refused unknown_signer meanwhile."""
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        us = await cluster.start("us", tls=files(certs, "us"))
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            key = (await alice.remember("lattice", "backlog", "twice")).record.key
+            token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
+        await wait_converged([us, eu])
+        state = await state_of(us, key)
+        await cluster.stop("us")  # only eu can tell ap who signed it
+        ap = await cluster.start("ap", tls=files(certs, "ap"), peers={"eu": eu.address})
+        merged = await asyncio.gather(*(push(ap, certs, "eu", state) for _ in range(4)))
+        assert sum(merged) <= 1, merged  # one merged it (or ap's own round did)
+        stats = ap.replicator.peer_stats("eu")
+        assert stats.merges_refused == 0, stats.last_refusal
+        assert (await state_of(ap, key)).fence.fence == token
 
 
 async def test_certificates_answers_the_node_certificates_it_knows_and_only_to_peers(
