@@ -36,7 +36,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from fencemark.node.digest_tree import CHECK_BYTES, DEPTH, FANOUT, leaf_range
+from fencemark.node.digest_tree import CHECK_BYTES, DEPTH, FANOUT, children, leaf_range
 from fencemark.node.errors import ClockSkewed
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peer_check import PeerCheck
@@ -153,10 +153,14 @@ class _Peer:
         """The peer's stub, on a new channel once the node's certificate was renewed
         (``tls_reload``): an open connection would keep presenting the old one."""
         if self.stats.credentials is not self.credentials:
-            old = self.channel
-            self._connect()
-            retire_channel(old)
+            self._reconnect()
         return self._stub
+
+    def _reconnect(self) -> None:
+        """A new channel; calls still running on the old one may finish."""
+        old = self.channel
+        self._connect()
+        retire_channel(old)
 
     async def allowed(self) -> None:
         """Before every call: raise ``PeerRefused`` (nothing is sent) while the
@@ -171,9 +175,7 @@ class _Peer:
         finally:
             if self.check.refused and not self.refused:
                 self.backlog.clear()
-                old = self.channel
-                self._connect()
-                retire_channel(old)
+                self._reconnect()
             self.refused = self.check.refused
 
     def pushes_allowed(self) -> bool:
@@ -495,7 +497,7 @@ class Replicator:
                 origin=self._origin(), level=level, parents=chunk, salt=salt
             )
             response = await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
-            nodes.extend(c for p in chunk for c in range(p * FANOUT, (p + 1) * FANOUT))
+            nodes.extend(c for p in chunk for c in children(level - 1, p))
             checks.append(response.hashes)
             counts.extend(response.counts)
         if len(counts) != len(nodes) or sum(map(len, checks)) != len(nodes) * CHECK_BYTES:
