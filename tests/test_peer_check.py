@@ -22,7 +22,7 @@ from fencemark.node.server import NodeServer
 from fencemark.node.tls import TlsFiles, init_dir
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.metrics import counters, refusals
-from tests.test_tls_reload import FAST, install
+from tests.test_tls_reload import FAST, install, installed
 
 QUIET = 1.5  # seconds of rounds (every 0.2 s) and pushes in which nothing may cross
 
@@ -51,9 +51,7 @@ async def test_a_revoked_peer_is_neither_pulled_from_nor_pushed_to_until_reissue
 ) -> None:
     certs = tmp_path / "certs"
     init_dir(certs, regions=["us", "eu"], clients=["alice"])
-    dirs = {region: tmp_path / f"{region}-tls" for region in ("us", "eu")}
-    for region, directory in dirs.items():
-        install(certs, directory, region)
+    dirs = installed(certs, tmp_path, ["us", "eu"])
     async with Cluster(tmp_path / "cluster", ["us", "eu"], tls_reload_interval=FAST) as cluster:
         us = await cluster.start("us", tls=TlsFiles.in_dir(dirs["us"], "us"))
         eu = await cluster.start("eu", tls=TlsFiles.in_dir(dirs["eu"], "eu"))

@@ -74,6 +74,19 @@ async def holds_fence(node: NodeServer, key: str, token: int) -> bool:
     return stored is not None and stored.record.fence.fence == token
 
 
+async def claimed_at_us(cluster: Cluster, certs: Path, name: str) -> tuple[str, int, Record]:
+    """Start us and eu, remember ``name`` at us and claim it for alice; once eu has
+    it too: (key, token, us's state)."""
+    us = await cluster.start("us", tls=files(certs, "us"))
+    eu = await cluster.start("eu", tls=files(certs, "eu"))
+    await serving(us, certs)
+    async with client(us, certs) as alice:
+        key = (await alice.remember("lattice", "backlog", name)).record.key
+        token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
+    await wait_converged([us, eu])
+    return key, token, await state_of(us, key)
+
+
 async def push(node: NodeServer, certs: Path, origin: str, state: Record) -> int:
     """Replication.Push from ``origin``'s node, with its own certificate."""
     credentials = files(certs, origin).channel_credentials()
@@ -307,14 +320,7 @@ async def test_a_state_whose_signer_is_not_known_yet_is_merged_once_it_is(
     """unknown_signer is not final: refused while no peer can say who signed it, merged
     by the next exchange with a peer that can."""
     async with Cluster(tmp_path, REGIONS) as cluster:
-        us = await cluster.start("us", tls=files(certs, "us"))
-        eu = await cluster.start("eu", tls=files(certs, "eu"))
-        await serving(us, certs)
-        async with client(us, certs) as alice:
-            key = (await alice.remember("lattice", "backlog", "later")).record.key
-            token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
-        await wait_converged([us, eu])
-        state = await state_of(us, key)
+        key, token, state = await claimed_at_us(cluster, certs, "later")
         await cluster.stop("us")
         await cluster.stop("eu")
         ap = await cluster.start("ap", tls=files(certs, "ap"))
@@ -335,15 +341,9 @@ async def test_concurrent_merges_needing_one_unknown_signer_wait_for_its_certifi
     kept push and a catch-up round, after a start): the second waits for the first's
     fetch of the certificate instead of being refused unknown_signer meanwhile."""
     async with Cluster(tmp_path, REGIONS) as cluster:
-        us = await cluster.start("us", tls=files(certs, "us"))
-        eu = await cluster.start("eu", tls=files(certs, "eu"))
-        await serving(us, certs)
-        async with client(us, certs) as alice:
-            key = (await alice.remember("lattice", "backlog", "twice")).record.key
-            token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
-        await wait_converged([us, eu])
-        state = await state_of(us, key)
+        key, token, state = await claimed_at_us(cluster, certs, "twice")
         await cluster.stop("us")  # only eu can tell ap who signed it
+        eu = cluster["eu"]
         ap = await cluster.start("ap", tls=files(certs, "ap"), peers={"eu": eu.address})
         merged = await asyncio.gather(*(push(ap, certs, "eu", state) for _ in range(4)))
         assert sum(merged) <= 1, merged  # one merged it (or ap's own round did)

@@ -40,6 +40,15 @@ def install(source: Path, target: Path, name: str) -> None:
         os.replace(staged, target / file)
 
 
+def installed(source: Path, tmp_path: Path, regions: list[str]) -> dict[str, Path]:
+    """A TLS directory per region under ``tmp_path``, each given ``source``'s CA and
+    that region's pair (``install``)."""
+    dirs = {region: tmp_path / f"{region}-tls" for region in regions}
+    for region, directory in dirs.items():
+        install(source, directory, region)
+    return dirs
+
+
 def client(address: str, certs: Path, name: str) -> AsyncClient:
     return AsyncClient(address, credentials=tls_credentials(certs, name), retries=0, timeout=5)
 
@@ -69,9 +78,7 @@ async def test_a_renewed_certificate_and_ca_are_used_without_a_restart(tmp_path:
     old, new = tmp_path / "old-ca", tmp_path / "new-ca"
     init_dir(old, regions=["us", "eu"], clients=["alice"])
     init_dir(new, regions=["us", "eu"], clients=["alice"])
-    dirs = {region: tmp_path / f"{region}-tls" for region in ("us", "eu")}
-    for region, directory in dirs.items():
-        install(old, directory, region)
+    dirs = installed(old, tmp_path, ["us", "eu"])
     async with Cluster(tmp_path / "cluster", ["us", "eu"], tls_reload_interval=FAST) as cluster:
         us = await cluster.start("us", tls=TlsFiles.in_dir(dirs["us"], "us"))
         eu = await cluster.start("eu", tls=TlsFiles.in_dir(dirs["eu"], "eu"))
