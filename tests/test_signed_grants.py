@@ -75,10 +75,12 @@ async def holds_fence(node: NodeServer, key: str, token: int) -> bool:
 
 
 async def claimed_at_us(cluster: Cluster, certs: Path, name: str) -> tuple[str, int, Record]:
-    """Start us and eu, remember ``name`` at us and claim it for alice; once eu has
-    it too: (key, token, us's state)."""
-    us = await cluster.start("us", tls=files(certs, "us"))
-    eu = await cluster.start("eu", tls=files(certs, "eu"))
+    """Start us and eu (peers of each other only: a node decides once it has
+    caught up with every peer it has), remember ``name`` at us and claim it for
+    alice; once eu has it too: (key, token, us's state)."""
+    addresses = cluster.addresses
+    us = await cluster.start("us", tls=files(certs, "us"), peers={"eu": addresses["eu"]})
+    eu = await cluster.start("eu", tls=files(certs, "eu"), peers={"us": addresses["us"]})
     await serving(us, certs)
     async with client(us, certs) as alice:
         key = (await alice.remember("lattice", "backlog", name)).record.key

@@ -216,6 +216,16 @@ class _StateCollector(Collector):
             for reason, count in sorted(peer.certificate_refusals.items()):
                 refused.add_metric([peer.region, reason], count)
         yield refused
+        merges = CounterMetricFamily(
+            "fencemark_replication_state_refusals",
+            "States from the peer refused, by reason (docs/security.md): each one is"
+            " logged once and not fetched again while the peer holds it",
+            labels=["peer", "reason"],
+        )
+        for peer in self.peers.values():
+            for reason, count in sorted(peer.refusals.items()):
+                merges.add_metric([peer.region, reason], count)
+        yield merges
 
 
 # -- the interceptor ---------------------------------------------------------------------

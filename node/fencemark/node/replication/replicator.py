@@ -424,21 +424,22 @@ class Replicator:
         return result
 
     async def _catch_up(self) -> None:
-        """Full passes with the peers until this node has seen their states."""
+        """Rounds with every peer until each has given one complete round: only then
+        has this node seen every grant its peers hold (fencemark.node.grant_gate).
+        A peer that stays unreachable keeps the node from deciding; removing it
+        from ``--peer`` is the operator's way to say it is gone for good
+        (docs/operations.md, *A node that lost its disk*)."""
         synced: set[str] = set()
-        while True:
+        while synced != set(self._peers):
             for region, peer in self._peers.items():
                 if region in synced or peer.retry_at > time.monotonic():
                     continue
                 result = await self._guarded_round(peer)
                 if result is not None and result.complete:
                     synced.add(region)
-            gave_up = {r for r, p in self._peers.items() if p.stats.failures >= 3}
-            if synced and synced | gave_up == set(self._peers):
-                break
             await asyncio.sleep(0.05)
         self.catching_up = False
-        log.info("caught up with %s; granting claims", ", ".join(sorted(synced)))
+        log.info("caught up with %s; deciding claims and writes", ", ".join(sorted(synced)))
         if self._on_caught_up is not None:
             await self._on_caught_up()
 
@@ -534,13 +535,19 @@ class Replicator:
             for key, digest, hlc in await self.replica.storage.bucket_entries(spans)
         }
         changed = [k for k, (digest, _) in theirs.items() if mine.get(k, (b"",))[0] != digest]
+        # A state this node refused is left where it is until its pause is over
+        # (PeerStats.refused): fetching it again would only be refused again.
+        refused = peer.stats.skips
+        changed_pulls = [k for k in changed if not refused(k, theirs[k][0])]
         only_mine = len(mine.keys() - theirs.keys())
         # Skip states whose largest HLC is below ours: typically an older version
         # of ours. Should one hold something ours lacks, the peer pulls ours (its
         # HLC is larger) and the next comparison fetches the join; a node catching
         # up after disk loss takes everything (docs/replication.md, step 4).
         pull = [
-            k for k in changed if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
+            k
+            for k in changed_pulls
+            if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
         ]
         return pull, len(changed) + only_mine
 
