@@ -45,6 +45,8 @@ class PeerStats:
     skew_alarms: int = 0
     merges_refused: int = 0  # states from this peer that failed integrity.check
     last_refusal: str = ""
+    # The same refusals by reason (token_jump, unknown_signer, revoked_signer, ...).
+    merge_refusals: dict[str, int] = field(default_factory=dict)
     reachable: bool = False
     last_error: str = ""
     failures: int = 0  # consecutive failed attempts

@@ -100,6 +100,7 @@ async def merge_all(
             log.warning("refused a state from %s: %s", region or "?", result)
             if peer is not None:
                 peer.merges_refused += 1
+                peer.merge_refusals[result.reason] = peer.merge_refusals.get(result.reason, 0) + 1
                 peer.last_refusal = str(result)[:500]
         elif isinstance(result, BaseException):
             raise result
