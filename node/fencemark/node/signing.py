@@ -122,9 +122,10 @@ class Keyring:
         self._signers: dict[bytes, _Signer] = {}
         # When each (peer region, key id) was last asked for (replication.signers).
         self.asked: dict[tuple[str, bytes], float] = {}
-        # One fetch of certificates at a time: a merge of a state with the same
-        # unknown signer waits for it instead of being refused meanwhile.
-        self.learning = asyncio.Lock()
+        # The fetches of certificates in flight, by (peer region, key id): a merge
+        # needing a key id already asked of its peer awaits that fetch instead of
+        # being refused meanwhile; merges needing nothing new await nothing.
+        self.fetches: dict[tuple[str, bytes], asyncio.Task[None]] = {}
 
     @classmethod
     def for_files(cls, files: TlsFiles, revocations: Revocations | None = None) -> Keyring:
