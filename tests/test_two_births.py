@@ -117,10 +117,10 @@ async def test_a_refused_state_is_not_fetched_again_and_again(tmp_path: Path) ->
         stats = us.replicator.peer_stats("eu")
 
         async def refused_once() -> bool:
-            return stats.refusals["token_jump"] >= 1
+            return stats.merge_refusals["token_jump"] >= 1
 
         await eventually(refused_once, "us refusing eu's state")
         await rounds_pass(us, 12)
-        assert stats.refusals["token_jump"] <= 2, stats.refusals
+        assert stats.merge_refusals["token_jump"] <= 2, stats.merge_refusals
         assert key in stats.refused_states
-        assert stats.merges_refused == sum(stats.refusals.values())
+        assert stats.merges_refused == sum(stats.merge_refusals.values())

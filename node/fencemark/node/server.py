@@ -205,7 +205,10 @@ class NodeServer:
         # node key and verifies the home's signature on merged fences. Read before
         # anything opens: a key that cannot sign refuses the start (ValueError).
         signer = Signer.from_files(config.tls) if config.tls is not None else None
-        keyring = Keyring.for_files(config.tls) if config.tls is not None else None
+        keyring: Keyring | None = None
+        if config.tls is not None and tls is not None:
+            # Signatures by a revoked certificate are refused once its CRL is in use.
+            keyring = Keyring.for_files(config.tls, tls.revocations)
         storage = await Storage.open(config.db_path, cache_size=config.cache_size)
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)

@@ -54,7 +54,8 @@ class PeerStats:
     skew_alarms: int = 0
     merges_refused: int = 0  # states from this peer that failed integrity.check
     last_refusal: str = ""
-    refusals: Counter[str] = field(default_factory=Counter)  # by reason
+    # The same refusals by reason (token_jump, unknown_signer, revoked_signer, ...).
+    merge_refusals: Counter[str] = field(default_factory=Counter)
     # key -> (digest of the refused state, monotonic time to try it again, refusals so far)
     refused_states: OrderedDict[str, tuple[bytes, float, int]] = field(default_factory=OrderedDict)
     reachable: bool = False
@@ -78,7 +79,7 @@ class PeerStats:
         """Count a state refused from this peer, log it once per key and reason, and
         back off fetching it again while the peer holds the same state."""
         self.merges_refused += 1
-        self.refusals[reason] += 1
+        self.merge_refusals[reason] += 1
         self.last_refusal = f"{key}: {reason}: {detail}"[:500]
         seen, _, times = self.refused_states.pop(key, (b"", 0.0, 0))
         times = times + 1 if seen == digest else 1
