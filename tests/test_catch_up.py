@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict
-from fencemark.client.errors import Unavailable
+from fencemark.client.errors import NotFound, Unavailable
 from fencemark.node.admission import RECOVERY_GAP
 from fencemark.node.process import NodeProcess
 from tests.cluster import ProcessCluster, eventually
@@ -115,7 +115,10 @@ async def test_a_restart_in_the_middle_of_catch_up_leaves_it_owed(tmp_path: Path
 
         async def replicated(address: str) -> bool:
             async with AsyncClient(address) as client:
-                return (await client.claim_status(key)).fence == 1
+                try:
+                    return (await client.claim_status(key)).fence == 1
+                except NotFound:
+                    return False
 
         await eventually(lambda: replicated(eu.address), "token 1 at eu")
         await eventually(lambda: replicated(ap.address), "token 1 at ap")
