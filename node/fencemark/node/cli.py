@@ -158,6 +158,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     + (f"  REFUSED {p.merges_refused} states" if p.merges_refused else "")
                 )
                 lines.append(row + (f"  last error: {p.last_error}" if p.last_error else ""))
+                if p.last_refusal:
+                    lines.append(f"    last refused state: {p.last_refusal}")
         lines.append(
             f"{serving} of {len(args.targets)} nodes serving; largest peer lag"
             f" {max(lags, default=0) / 1000:.1f} s; divergence {divergence}; skew alarms {skew}"

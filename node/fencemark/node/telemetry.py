@@ -188,9 +188,9 @@ class _StateCollector(Collector):
             "fencemark_replication_skew_alarms": (
                 CounterMetricFamily, "Exchanges refused: the peer's clock ran ahead",
                 lambda p: p.skew_alarms),
-            "fencemark_replication_merges_refused": (
-                CounterMetricFamily, "States from the peer refused as invalid (docs/security.md)",
-                lambda p: p.merges_refused),
+            "fencemark_replication_states_too_large": (
+                CounterMetricFamily, "This node's states not sent to the peer: over the record"
+                " size limit (stored before merges were limited)", lambda p: p.states_too_large),
             "fencemark_replication_lag_seconds": (
                 GaugeMetricFamily, "Seconds since the last completed round with the peer",
                 lambda p: p.lag_ms() / 1000),
@@ -206,6 +206,16 @@ class _StateCollector(Collector):
             for peer in self.peers.values():
                 metric.add_metric([peer.region], value(peer))
             yield metric
+        merges = CounterMetricFamily(
+            "fencemark_replication_merges_refused",
+            "States from the peer refused, by reason: over_limit, or an integrity rule"
+            " (docs/security.md)",
+            labels=["peer", "reason"],
+        )
+        for peer in self.peers.values():
+            for reason, count in sorted(peer.refusal_reasons.items()):
+                merges.add_metric([peer.region, reason], count)
+        yield merges
         refused = CounterMetricFamily(
             "fencemark_replication_peer_refusals",
             "Checks of the certificate the peer's address presents that refused it"

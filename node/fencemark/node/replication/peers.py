@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -10,6 +11,12 @@ import grpc
 
 from fencemark.node import validation
 from fencemark.node.errors import InvalidInput
+
+# Refused states remembered per peer, by key (the oldest is forgotten first).
+MAX_REFUSED_KEYS = 10_000
+# Refusals that a later exchange may lift with the very same states: a signer's
+# certificate not known yet (integrity.py). Such a state is fetched again.
+RETRIED_REFUSALS = frozenset({"unknown_signer"})
 
 
 def parse_peers(specs: Iterable[str], *, own_region: str) -> dict[str, str]:
@@ -43,8 +50,14 @@ class PeerStats:
     bytes_received: int = 0
     divergence: int = 0
     skew_alarms: int = 0
-    merges_refused: int = 0  # states from this peer that failed integrity.check
+    merges_refused: int = 0  # states from this peer refused (integrity.check, limits)
     last_refusal: str = ""
+    refusal_reasons: Counter[str] = field(default_factory=Counter)  # ... by reason
+    # key -> (reason, the peer's digest, ours) of the last state refused for that key.
+    refused: dict[str, tuple[str, bytes, bytes]] = field(default_factory=dict)
+    # This node's own states not sent to the peer: over the record size limit.
+    states_too_large: int = 0
+    too_large_keys: dict[str, None] = field(default_factory=dict)  # ... logged, by key
     reachable: bool = False
     last_error: str = ""
     failures: int = 0  # consecutive failed attempts
@@ -61,6 +74,32 @@ class PeerStats:
     def lag_ms(self, now: float | None = None) -> int:
         since = self.last_sync if self.last_sync is not None else self.started
         return max(0, round(((now or time.time()) - since) * 1000))
+
+    def refused_state(
+        self, key: str, reason: str, message: str, digests: tuple[bytes, bytes]
+    ) -> bool:
+        """Count a state of the peer's that this node refused; ``digests`` are the
+        peer's state's and this node's own. True when it is news: the first refusal
+        of ``key`` for ``reason`` (log it), not a repeat."""
+        self.merges_refused += 1
+        self.refusal_reasons[reason] += 1
+        self.last_refusal = message[:500]
+        before = self.refused.pop(key, None)
+        self.refused[key] = (reason, *digests)
+        while len(self.refused) > MAX_REFUSED_KEYS:
+            del self.refused[next(iter(self.refused))]
+        return before is None or before[0] != reason
+
+    def refused_before(self, key: str, theirs: bytes, ours: bytes) -> bool:
+        """Whether this node refused the peer's state ``theirs`` of ``key`` against its
+        own state ``ours``: the same merge would be refused again, so it is not
+        fetched again (SPEC §2) until either side changes."""
+        before = self.refused.get(key)
+        return (
+            before is not None
+            and before[0] not in RETRIED_REFUSALS
+            and before[1:] == (theirs, ours)
+        )
 
     def succeeded(self) -> None:
         self.reachable = True
