@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -92,6 +93,21 @@ class NodeMetrics:
         )  # fmt: skip
         self.build = Gauge("fencemark_node_info", "This node: region and version (always 1)",
                            ["region", "version"], registry=r)  # fmt: skip
+        # Call budgets per class (fencemark.node.budgets).
+        self.budget = Gauge(
+            "fencemark_rpc_budget", "Calls in flight allowed per class of call", ["class"],
+            registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "fencemark_rpcs_in_flight",
+            "Calls in flight per class (claims waiting in line are fencemark_claim_waiters)",
+            ["class"], registry=r,
+        )  # fmt: skip
+        self.budget_refusals = Counter(
+            "fencemark_rpc_budget_refusals",
+            "Calls refused RESOURCE_EXHAUSTED: their class's budget was full", ["class"],
+            registry=r,
+        )  # fmt: skip
 
     def observe_commit(self, writes: int, seconds: float) -> None:
         self.commit_batch.observe(writes)
@@ -257,6 +273,9 @@ class Telemetry(UnaryInterceptor):
             code = grpc.StatusCode.OK
             try:
                 return await inner(request, context)
+            except asyncio.CancelledError:
+                code = _gave_up(context)
+                raise
             except BaseException:
                 code = _code(context)
                 raise
@@ -276,6 +295,15 @@ class Telemetry(UnaryInterceptor):
                     )  # fmt: skip
 
         return observed
+
+
+def _gave_up(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
+    """Why a call's handler was cancelled: its caller cancelled it, or its deadline
+    passed (gRPC cancels the handler either way, setting no code)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 def _code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
