@@ -150,6 +150,12 @@ async def test_each_class_of_call_has_a_budget_of_its_own(start_node: StartNode)
                 info = _error_info(refused.value)
                 assert info.metadata["resource"] == "concurrent read calls"
                 assert info.metadata["limit"] == "2"
+                one_more = health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest()
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as streams_refused:
+                    await one_more.read()  # streams count too
+                assert streams_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 # ... and writes, health checks and replication have budgets of their own.
                 assert (await client.update(key, fields={"body": "b"})).fields["body"] == "b"
                 assert await client.health() == "SERVING"
@@ -157,7 +163,7 @@ async def test_each_class_of_call_has_a_budget_of_its_own(start_node: StartNode)
                 await replication_pb2_grpc.ReplicationStub(channel).Tree(tree, timeout=5)
             assert (await client.get(key)).key == key  # the slots came back
     budget_refusals = counters(node, "fencemark_rpc_budget_refusals", "class")
-    assert budget_refusals == {("read",): 1.0}
+    assert budget_refusals == {("read",): 2.0}
     assert refusals(node)[("Get", "resource_exhausted")] == 1
 
 
