@@ -180,14 +180,18 @@ async def test_claims_waiting_in_line_hold_no_call_slot(start_node: StartNode) -
             assert (await client.claim_status(key)).queue_depth == 5
             in_flight = gauges(node, "fencemark_rpcs_in_flight", "class")
             assert in_flight[("write",)] == 0
-        for _ in range(100):  # bounded: until the node has seen every waiter give up
-            if node.claims.waiting == 0:
-                break
-            await asyncio.sleep(0.05)
-    # A caller that gave up is CANCELLED, not UNKNOWN.
-    codes = counters(node, "fencemark_requests", "method", "code")
-    assert codes[("Claim", "CANCELLED")] == 5
-    assert ("Claim", "UNKNOWN") not in codes
+
+        # A caller that gave up is CANCELLED, not UNKNOWN. (Waited for with the
+        # connection open: each cancellation reaches the node on its own.)
+        async def all_gave_up() -> bool:
+            codes = counters(node, "fencemark_requests", "method", "code")
+            return node.claims.waiting == 0 and codes.get(("Claim", "CANCELLED"), 0) == 5
+
+        async def codes() -> str:
+            return str(counters(node, "fencemark_requests", "method", "code"))
+
+        await eventually(all_gave_up, "the node counting every waiter that gave up", explain=codes)
+    assert ("Claim", "UNKNOWN") not in counters(node, "fencemark_requests", "method", "code")
 
 
 # -- per client: one certificate identity is one client, whatever its connections -------------
