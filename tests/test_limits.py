@@ -163,7 +163,7 @@ async def test_each_class_of_call_has_a_budget_of_its_own(start_node: StartNode)
                 await replication_pb2_grpc.ReplicationStub(channel).Tree(tree, timeout=5)
             assert (await client.get(key)).key == key  # the slots came back
     budget_refusals = counters(node, "fencemark_rpc_budget_refusals", "class")
-    assert budget_refusals == {("read",): 2.0}
+    assert budget_refusals == {("read",): 2, ("write",): 0, ("replication",): 0, ("health",): 0}
     assert refusals(node)[("Get", "resource_exhausted")] == 1
 
 
@@ -327,7 +327,7 @@ async def test_waiting_claims_of_several_identities_leave_health_reads_and_repli
                 await asyncio.gather(*waiters, return_exceptions=True)
                 for c in clients:
                     await c.close()
-        assert counters(us, "fencemark_rpc_budget_refusals", "class") == {}
+        assert not any(counters(us, "fencemark_rpc_budget_refusals", "class").values())
 
 
 async def _synced_since(node: NodeServer, peer: str, since: float) -> bool:

@@ -84,11 +84,12 @@ class CallBudgets(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(self, limits: Limits, classes: Mapping[str, str], metrics: NodeMetrics) -> None:
         self.limits = limits
         self.classes = classes
-        self.metrics = metrics
         self.in_flight = dict.fromkeys(CLASSES, 0)
+        # Each class's gauge and counter, looked up once rather than on every call.
+        self._gauges = {kind: metrics.in_flight.labels(kind) for kind in CLASSES}
+        self._refusals = {kind: metrics.budget_refusals.labels(kind) for kind in CLASSES}
         for kind in CLASSES:
             metrics.budget.labels(kind).set(limits.of(kind))
-            metrics.in_flight.labels(kind).set(0)
 
     def kind_of(self, method: str) -> str:
         if method == HEALTH_CHECK:
@@ -99,15 +100,15 @@ class CallBudgets(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         """A slot of ``kind``'s budget, or the call refused RESOURCE_EXHAUSTED."""
         limit = self.limits.of(kind)
         if self.in_flight[kind] >= limit:
-            self.metrics.budget_refusals.labels(kind).inc()
+            self._refusals[kind].inc()
             await refuse(context, Exhausted(f"concurrent {kind} calls", limit))
         self.in_flight[kind] += 1
-        self.metrics.in_flight.labels(kind).inc()
+        self._gauges[kind].inc()
         return _Slot(self, kind)
 
     def leave(self, kind: str) -> None:
         self.in_flight[kind] -= 1
-        self.metrics.in_flight.labels(kind).dec()
+        self._gauges[kind].dec()
 
     async def intercept_service(
         self, continuation: Continuation, details: grpc.HandlerCallDetails
