@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fencemark.node import validation
@@ -82,12 +83,15 @@ class Claims:
         lease_seconds: float = 0.0,
         wait_seconds: float = 0.0,
         client: str = "",
+        on_wait: Callable[[], None] | None = None,
     ) -> Outcome:
         """Grant, or say why not; with ``wait_seconds``, wait in line that long first.
 
         Waiting is bounded: beyond ``max_waiters`` in all, or
         ``max_waiters_per_client`` from one ``client``, a caller that would wait
-        is refused with :class:`Exhausted` instead of queueing.
+        is refused with :class:`Exhausted` instead of queueing. ``on_wait`` is
+        called as the caller joins the line (the server stops counting the call
+        against its budget of calls in flight: the waiter limits bound it).
         """
         validation.key(key)
         validation.owner(owner)
@@ -102,6 +106,8 @@ class Claims:
                 raise Exhausted("claim waiters from one client", self.max_waiters_per_client)
             self.waits += 1
             self._waiting_by_client[client] += 1
+            if on_wait is not None:
+                on_wait()
             try:
                 outcome = await self._wait_in_line(
                     key, owner, lease_ms, wait_s, outcome.home_region

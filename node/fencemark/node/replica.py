@@ -106,7 +106,9 @@ class Replica:
 
         Returns the stored state (None if the record does not exist and was not
         written) and whatever ``change`` returned beside the new record. ``local``
-        is False for merges of remote states, which are not pushed on again.
+        is False for merges of remote states, which are not pushed on again and
+        whose result must be within the limits of a client write
+        (:class:`~fencemark.node.integrity.MergeRefused`, ``over_limit``, if not).
         ``known`` is a record with its canonical encoding: should the new record
         equal it, that encoding is stored instead of encoding again.
         """
@@ -119,12 +121,17 @@ class Replica:
             # A merge that takes the remote state whole stores its bytes as they came:
             # canonical, so equal records encode alike.
             state = known[1] if known is not None and changed == known[0] else codec.encode(changed)
-            # Only local writes are limited: refusing a merge would stop convergence.
             if local and len(state) > validation.MAX_RECORD_BYTES:
                 raise InvalidInput.field(
                     "fields",
                     f"the record would be {len(state)} bytes;"
                     f" at most {validation.MAX_RECORD_BYTES}",
+                )
+            # A merge's result obeys the limits of a client write too, or is not stored
+            # (docs/consistency.md, *Limits and merges*).
+            if not local and (problem := validation.state_problem(changed, len(state))):
+                raise integrity.MergeRefused(
+                    key, validation.OVER_LIMIT, f"merged with this node's state: {problem}"
                 )
             stored = await self.storage.put(changed, hlc=self.clock.last, state=state)
         fence = changed.fence
