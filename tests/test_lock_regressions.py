@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from asyncio import Task
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from fencemark.client import AsyncClient, ClaimConflict, ClaimResult, FencemarkE
 from fencemark.node.process import NodeProcess
 from fencemark.node.server import NodeServer
 from fencemark.v1 import claims_pb2, claims_pb2_grpc
+from tests.cluster import eventually
 from tests.conftest import StartNode
 from tests.test_claims import sleep_past, wait_for_queue_depth
 
@@ -49,6 +51,12 @@ async def owners_granted(node: NodeServer, key: str) -> dict[int, str]:
     stored = await node.storage.get(key)
     assert stored is not None
     return {token: grant.owner for token, grant in stored.record.fence.grants.items()}
+
+
+async def released_tokens(node: NodeServer, key: str) -> frozenset[int]:
+    stored = await node.storage.get(key)
+    assert stored is not None
+    return stored.record.fence.released
 
 
 # -- a caller that gave up ----------------------------------------------------------------
@@ -100,6 +108,87 @@ async def test_waiter_whose_caller_gave_up_is_never_granted(
     assert status.claim is not None and status.claim.owner == "live"
     assert (status.fence, status.queue_depth) == (granted.fencing_token, 0)
     assert "gone" not in (await owners_granted(node, key)).values()
+
+
+async def test_waiter_whose_caller_gave_up_while_being_granted_leaves_no_live_claim(
+    start_node: StartNode,
+) -> None:
+    """The same ghost one step later: the holder releases, the head waiter's grant is
+    being made durable, and just then its caller gives up. The grant cannot be
+    undone (it is on disk), but the caller never hears of the token, so nobody
+    would ever release it: lock services that commit an acquire whose caller has
+    just left leave the lock held by nobody until its lease runs out.
+
+    The race is repeated with the cancellation shifted by a few event-loop turns
+    against the release (the node runs in this test's loop), so that some rounds
+    land inside the commit.
+    After each, the live waiter behind gets the claim, from the release or from
+    the node releasing the ghost's grant, and any grant the gone caller got is
+    released. (A cancellation that lands after the node answered is a lost reply,
+    not a ghost: the grant is the caller's, and the test releases it as the
+    caller would after retrying.)
+    """
+    node = await start_node()
+    async with AsyncClient(node.address) as client, AsyncClient(node.address) as other:
+        key = await make(client, "gave-up-while-granted")
+        token = (await claim(client, key, "holder-0")).fencing_token
+        for round_ in range(40):
+            gone = asyncio.create_task(
+                client.claim(key, f"gone-{round_}", lease_seconds=HOLD_S, wait_seconds=WAIT_S)
+            )
+            await wait_for_queue_depth(client, key, 1)
+            live = asyncio.create_task(
+                other.claim(key, f"live-{round_}", lease_seconds=HOLD_S, wait_seconds=WAIT_S)
+            )
+            await wait_for_queue_depth(client, key, 2)
+
+            answered = node.claims.outcomes["granted"]
+            releasing = asyncio.create_task(client.release_claim(key, token))
+            if round_ % 2:  # else the cancellation may even overtake the release
+                await releasing
+            for _ in range(round_ // 2 % 20):
+                await asyncio.sleep(0)
+            gone.cancel()
+            assert (await releasing).released
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+            heard = gone.result().fencing_token if not gone.cancelled() else 0
+            if gone.cancelled():
+
+                async def settled(answered: int = answered, live: Task[ClaimResult] = live) -> bool:
+                    return live.done() or node.claims.outcomes["granted"] != answered
+
+                async def holder_now() -> str:
+                    return f"the claim is {(await client.claim_status(key)).claim}"
+
+                await eventually(
+                    settled,
+                    f"round {round_}: a grant to the live waiter",
+                    within=SETTLE_S,
+                    every=0.01,
+                    explain=holder_now,
+                )
+                holder = (await client.claim_status(key)).claim
+                if holder is not None and holder.owner == f"gone-{round_}":
+                    # The node answered before it saw the cancellation, and the reply was
+                    # dropped on arrival: a lost reply, which no server can tell from a
+                    # delivered one (SPEC §4 leaves it to the owner's retry).
+                    heard = holder.fencing_token
+            if heard:  # it heard of its token (or would on retrying): a holder, who releases
+                assert (await client.release_claim(key, heard)).released
+
+            async with asyncio.timeout(SETTLE_S):
+                granted = await live
+            assert granted.granted, f"round {round_}: the live waiter got {granted}"
+            status = await client.claim_status(key)
+            assert status.claim is not None, round_
+            assert status.claim.owner == f"live-{round_}", round_
+            owners = await owners_granted(node, key)
+            ghost = {t for t, owner in owners.items() if owner == f"gone-{round_}"}
+            assert ghost <= await released_tokens(node, key), (
+                f"round {round_}: the gone caller's grant {ghost} was left live"
+            )
+            token = granted.fencing_token
 
 
 # -- lost wake-ups --------------------------------------------------------------------------
