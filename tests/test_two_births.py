@@ -32,9 +32,14 @@ async def rounds_pass(node: NodeServer, count: int) -> None:
     await eventually(done, f"{count} anti-entropy rounds at {node.config.region}", within=30)
 
 
+@pytest.mark.parametrize("first", ["us", "eu"], ids=["home-claims-first", "home-claims-last"])
 async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_holders(
-    tmp_path: Path,
+    tmp_path: Path, first: str
 ) -> None:
+    """Both sides grant token 1; the two grants merge into one entry, the later one
+    (regression, found by the chaos tier: when that was the home's own grant, made
+    after the other birth by the clock, the fence did not move, and the home took
+    token 1 from both owners)."""
     async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
         await all_deciding(*await cluster.start_all())
         await cluster.stop("us")
@@ -46,8 +51,12 @@ async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_hold
             made = await at_us.remember("lattice", "backlog", "split-1", title="from us")
             key = made.record.key
             await at_eu.remember("lattice", "backlog", "split-1", title="from eu")
-            held_us = await at_us.claim(key, "worker-us", lease_seconds=60)
-            held_eu = await at_eu.claim(key, "worker-eu", lease_seconds=60)
+            if first == "us":
+                held_us = await at_us.claim(key, "worker-us", lease_seconds=60)
+                held_eu = await at_eu.claim(key, "worker-eu", lease_seconds=60)
+            else:
+                held_eu = await at_eu.claim(key, "worker-eu", lease_seconds=60)
+                held_us = await at_us.claim(key, "worker-us", lease_seconds=60)
             assert held_us.fencing_token == held_eu.fencing_token == 1  # two homes, apart
             await at_us.update(key, fields={"body": "us work"}, fencing_token=1)
             await at_eu.update(key, fields={"body": "eu work"}, fencing_token=1)
