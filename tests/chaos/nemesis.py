@@ -293,6 +293,7 @@ class Nemesis:
         try:
             if pairs:  # cut while both run: a stopped node's rules cannot be set
                 await asyncio.to_thread(self.cluster.cut, pairs)
+            address = await asyncio.to_thread(self.cluster.ip, region)
             await asyncio.to_thread(self.cluster.kill, region)
             await asyncio.to_thread(self.cluster.wipe, region)
             self._down_at = self.clock()
@@ -302,12 +303,12 @@ class Nemesis:
                 watcher = asyncio.create_task(self._watch_not_deciding(region))
             await asyncio.sleep(fault.seconds)
             for signal in fault.restarts:
-                await self._start_cut_off(region, pairs)
+                moved = await self._start_cut_off(region, pairs, address)
                 holding = await self._until_holding(region)
                 await asyncio.to_thread(self.cluster.kill, region, signal)
-                notes.append(f"{signal} holding {holding} records")
+                notes.append(f"{signal} holding {holding} records{moved}")
                 await asyncio.sleep(0.3)
-            await self._start_cut_off(region, pairs)
+            notes.append("started" + await self._start_cut_off(region, pairs, address))
             if pairs:
                 await asyncio.sleep(CUT_WATCH_S)
                 watcher_done(watcher)
@@ -326,12 +327,19 @@ class Nemesis:
             detail += f"; SERVED CLAIMS while cut off, at {self._serving_early:.1f} s"
         return detail
 
-    async def _start_cut_off(self, region: str, pairs: Sequence[tuple[str, str]]) -> None:
+    async def _start_cut_off(
+        self, region: str, pairs: Sequence[tuple[str, str]], address: str
+    ) -> str:
         """Start ``region``'s node and (again) cut it from its peer: a restarted
-        container has a fresh network namespace, without the old rules."""
+        container has a fresh network namespace, without the old rules. The peer's
+        rules still drop the node's old address; a note if it got a new one (then
+        the node may have reached its peer before the cut was renewed)."""
         await asyncio.to_thread(self.cluster.start_node, region)
-        if pairs:
-            await asyncio.to_thread(self.cluster.cut, pairs)
+        if not pairs:
+            return ""
+        await asyncio.to_thread(self.cluster.cut, pairs)
+        now = await asyncio.to_thread(self.cluster.ip, region)
+        return "" if now == address else f" (new address {now}, was {address})"
 
     async def _until_holding(self, region: str) -> int:
         """Wait until a restarted node holds some records (it is catching up); how many."""

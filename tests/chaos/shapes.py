@@ -29,7 +29,15 @@ from typing import Any, TypeVar
 
 from fencemark.client import AsyncClient, ClaimResult, FencemarkError, RenewResult
 from fencemark.node.workload import REPO, TOPIC, Event, grant_of, recorded
-from tests.chaos.workload import CALL_TIMEOUT_S, Workload, detail_of, outcome_of, stopped
+from tests.chaos.workload import (
+    AGENT_STEPS,
+    CALL_TIMEOUT_S,
+    HOLDER_STEPS,
+    Workload,
+    detail_of,
+    outcome_of,
+    stopped,
+)
 
 T = TypeVar("T")
 
@@ -43,7 +51,6 @@ MEET_POLL_S = 0.25
 POST_HEAL_TRIES = 3
 MEDDLE_INTERVAL_S = 0.3
 MEDDLE_DELETE_SHARE = 0.1
-HOLDER_STEPS = 8  # a holder's fenced writes per claim (one field each), see workload.py
 PRESS_INTERVAL_S = 0.3
 HELD_WINDOW = 400  # events looked back over to find the claims being held
 
@@ -245,7 +252,8 @@ class Shapes:
                     self.workload.record(who, "meddle-delete", grant.key, outcome, invoked,
                                          detail_of(exc) if outcome == "fail" else "")  # fmt: skip
                 continue
-            name = f"progress.{grant.agent}.{grant.token}.{rng.randrange(HOLDER_STEPS)}"
+            steps = HOLDER_STEPS if "-holder-" in grant.agent else AGENT_STEPS
+            name = f"progress.{grant.agent}.{grant.token}.{rng.randrange(steps)}"
             value = f"meddle:{region}:{n}"
             try:
                 await node.update(grant.key, fields={name: value})

@@ -51,7 +51,8 @@ SAMPLE_TIMEOUT_S = 1.0
 PROBE_INTERVAL_S = 0.25
 NOTES_PER_RECORD = 100  # then a probe starts a new note record (MAX_FIELDS is 256)
 SAMPLE_INTERVAL_S = 1.0
-HOLDER_STEPS = 8  # a holder's fenced writes per claim, each followed by a renewal
+AGENT_STEPS = 2  # an agent's fenced writes per claim, each followed by a renewal
+HOLDER_STEPS = 8  # a holder's
 HOLDER_WORK_S = 0.6  # between them: a claim held about three 2 s leases
 
 
@@ -139,7 +140,7 @@ class Workload:
                 self.client(region, routed=True, retries=2),
                 self.history,
                 lease_seconds=self.lease_seconds,
-                steps=2,
+                steps=AGENT_STEPS,
                 work_seconds=0.1,
                 seed=self.rng.randrange(1 << 30),
             )
