@@ -3,17 +3,21 @@
 Nothing here invents a CRDT structure directly: every ``Record`` is the result of
 ``create``/``set_fields``/``add_tags``/``remove_tags``/``set_deleted``/``clear`` writes
 (alone, or combined under one stamp as the node's ``delete`` does) and of
-``grant``/``extend``/``release`` on its ``FenceState``, performed by simulated nodes
-the way the node does them (SPEC §3, §4):
+``grant``/``extend``/``release``/``lapse``/``move`` on its ``FenceState``, performed
+by simulated nodes the way the node does them (SPEC §2, §3, §4):
 
 - each node has its own wall clock (skewed, sometimes going backwards) and a real
   ``HybridClock`` over it, so stamps are unique per write and a node that merged a
   state stamps its next write above everything in it;
 - a write's epoch is the fence the writing node knew at that moment;
-- only the home node grants, extends and releases; other replicas learn claims by
-  merging. A grant is signed the way a TLS home signs it (``signing.Signer``, with
-  a real key of a test CA: ``SIGNERS``, two keys of the home as after a
-  re-issued certificate) or left unsigned as an ``--insecure`` home leaves it.
+- only the home node grants, extends, releases, records lapses and moves the fence;
+  other replicas learn claims by merging — except that a replica that has not seen
+  the key may create it too (as a region cut off from the home does), and while it
+  believes itself the home it grants as well (``SplitCreate``, ``SplitGrant``): the
+  two births every replica must resolve alike. A grant is signed the way a TLS
+  home signs it (``signing.Signer``, with a real key of a test CA: ``SIGNERS``,
+  two keys of the home as after a re-issued certificate) or left unsigned as an
+  ``--insecure`` home leaves it.
   (Two regions granting the same token differently is impossible in the real
   system; ``tests/test_crdt_laws.py`` covers that case separately.)
 
@@ -214,6 +218,56 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Lapse:
+    """The home records that a token's lease ran out (picked as ``1 + pick % fence``)."""
+
+    pick: int
+
+    def apply(self, node: SimNode) -> None:
+        assert node.home, "only the home region records lapses"
+        fence = node.record.fence
+        if fence.fence:
+            node.record = node.record.with_fence(fence.lapse(1 + self.pick % fence.fence))
+
+
+@dataclass(frozen=True)
+class MoveFence:
+    """The home moves the fence one past every token (what it does when two births
+    meet: ``Replica.merge``)."""
+
+    def apply(self, node: SimNode) -> None:
+        assert node.home, "only the home region moves the fence"
+        fence = node.record.fence
+        node.record = node.record.with_fence(fence.move(fence.fence + 1))
+
+
+@dataclass(frozen=True)
+class SplitCreate:
+    """A replica cut off from the home creates the key in its own region (a no-op
+    once it has the record)."""
+
+    def apply(self, node: SimNode) -> None:
+        node.record = node.record.create(node.region, node.stamp())
+
+
+@dataclass(frozen=True)
+class SplitGrant:
+    """A replica whose own birth is the earliest it knows grants, unsigned, as a
+    home does (a no-op while it knows an earlier birth)."""
+
+    owner: str
+    lease_ms: int
+
+    def apply(self, node: SimNode) -> None:
+        if node.record.home_region != node.region:
+            return
+        fence = node.record.fence
+        grant = Grant(node.clock.now(), self.owner, node.region)
+        fence = fence.grant(fence.fence + 1, grant, node.wall_ms + self.lease_ms)
+        node.record = node.record.with_fence(fence)
+
+
+@dataclass(frozen=True)
 class BusyRun:
     """The home grants and releases ``times`` claims in a row, as on an item worked
     on again and again: histories outgrow ``fence.HISTORY`` and get folded."""
@@ -232,8 +286,9 @@ class BusyRun:
 
 
 WriteOp = Create | SetFields | AddTags | RemoveTags | SetDeleted | Clear | Tombstone
-ClaimOp = GrantNext | Extend | Release | BusyRun
-Operation = WriteOp | ClaimOp
+ClaimOp = GrantNext | Extend | Release | Lapse | MoveFence | BusyRun
+SplitOp = SplitCreate | SplitGrant
+Operation = WriteOp | ClaimOp | SplitOp
 
 tag_names = st.frozensets(st.sampled_from(TAGS), min_size=1, max_size=2)
 lease_ms = st.integers(min_value=1_000, max_value=3_600_000)
@@ -264,6 +319,8 @@ def claim_ops() -> st.SearchStrategy[ClaimOp]:
         st.builds(GrantNext, st.sampled_from(OWNERS), lease_ms, signers),
         st.builds(Extend, st.integers(0, 7), lease_ms),
         st.builds(Release, st.integers(0, 7)),
+        st.builds(Lapse, st.integers(0, 7)),
+        st.builds(MoveFence),
         st.builds(BusyRun, st.integers(1, HISTORY + 2), st.sampled_from(OWNERS), signers),
     )
 
@@ -358,9 +415,13 @@ def sized_lists(elements: st.SearchStrategy[T], max_size: int) -> st.SearchStrat
 def steps(n: int) -> st.SearchStrategy[Step]:
     """One step among ``n`` nodes; claim operations only at node 0, the home."""
     node = st.integers(0, n - 1)
+    split: st.SearchStrategy[SplitOp] = st.one_of(
+        st.builds(SplitCreate), st.builds(SplitGrant, st.sampled_from(OWNERS), lease_ms)
+    )
     return st.one_of(
         st.builds(Act, st.just(0), operations(home=True, regions=[REGIONS[0]])),
         st.builds(Act, node, write_ops(regions=[REGIONS[0]])),
+        st.builds(Act, st.integers(min(1, n - 1), n - 1), split),
         st.builds(Gossip, node, node),
         st.builds(Tick, node, st.integers(-5, 40)),
     )

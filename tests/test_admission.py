@@ -236,11 +236,20 @@ def test_fenced_write_away_from_home_is_refused_wrong_region_by_the_rule() -> No
         admit_write(record, 1, home="us", region="eu", now_ms=now)
     assert refused.value.conflict is Reason.WRONG_REGION
     assert (refused.value.fence, refused.value.home_region) == (1, "us")
-    # Unfenced writes are decided by any node: refused while live, admitted after.
-    with pytest.raises(NodeClaimConflict) as claimed:
-        admit_write(record, 0, home="us", region="eu", now_ms=now)
-    assert claimed.value.conflict is Reason.CLAIMED
-    assert admit_write(record, 0, home="us", region="eu", now_ms=now + 60_000) == 1
+    # Unfenced writes away from home: refused while the grant is unreleased, even
+    # past its expiry — only the home decides a lapse (issue 13, hole 3a) ...
+    for at in (now, now + 60_000, now + 3_600_000):
+        with pytest.raises(NodeClaimConflict) as claimed:
+            admit_write(record, 0, home="us", region="eu", now_ms=at)
+        assert claimed.value.conflict is Reason.CLAIMED
+        assert claimed.value.home_region == "us"
+    # ... which the home admits once the lease ran out, and everyone once it
+    # recorded the lapse (or the holder released).
+    assert admit_write(record, 0, home="us", region="us", now_ms=now + 60_000) == 1
+    lapsed = record.with_fence(record.fence.lapse(1))
+    assert admit_write(lapsed, 0, home="us", region="eu", now_ms=now) == 1
+    released = record.with_fence(record.fence.release(1))
+    assert admit_write(released, 0, home="us", region="eu", now_ms=now) == 1
 
 
 async def test_fenced_write_at_a_replica_outside_the_home_region_is_refused_wrong_region(

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from fencemark.node.admission import token_problem
 from fencemark.node.crdt import (
     LWW,
+    Birth,
     DecodeError,
     FenceState,
     Grant,
@@ -378,8 +379,15 @@ def test_every_claim_update_is_a_merge_with_its_delta(
     base: Record, token: int, expiry: int
 ) -> None:
     fence = base.fence
-    assert fence.extend(token, expiry) == fence.merge(FenceState(lease_expiry={token: expiry}))
-    assert fence.release(token) == fence.merge(FenceState(released=frozenset({token})))
+    if token in fence.grants:
+        delta = FenceState(lease_expiry={token: expiry})
+        assert fence.extend(token, expiry) == fence.merge(delta)
+        assert fence.release(token) == fence.merge(FenceState(released=frozenset({token})))
+        assert fence.lapse(token) == fence.merge(FenceState(lapsed=frozenset({token})))
+    else:  # nothing to renew, release or lapse: an entry without a grant is an orphan
+        assert fence.extend(token, expiry) == fence.release(token) == fence.lapse(token) == fence
+    moved = fence.fence + token
+    assert fence.move(moved) == fence.merge(FenceState(moved=moved))
     grant = Grant(pack(EPOCH_MS), "worker-a", "local")
     above = fence.fence + token
     assert fence.grant(above, grant, expiry) == fence.merge(
@@ -403,7 +411,7 @@ def test_grant_is_an_inflation_even_over_an_existing_lease_expiry() -> None:
     """Regression: ``FenceState.grant`` overwrote a lease expiry already known for the
     new token (from an ``extend`` or a merge) instead of keeping the later one, so
     ``grant(s) ⊔ s != grant(s)``; it now keeps the maximum."""
-    before = FenceState().extend(1, EPOCH_MS + 90_000)
+    before = FenceState().merge(FenceState(lease_expiry={1: EPOCH_MS + 90_000}))
     after = before.grant(1, Grant(pack(EPOCH_MS), "worker-a", "local"), EPOCH_MS + 60_000)
     assert after.merge(before) == after
     assert after.expiry(1) == EPOCH_MS + 90_000
@@ -415,7 +423,8 @@ def test_integers_in_a_state_are_uint64_on_both_sides_of_the_codec() -> None:
     sides agree on uint64: encode refuses more, decode refuses more."""
     at_limit = Record(KEY).with_fence(FenceState(released=frozenset({2**64 - 1})))
     assert decode(encode(at_limit)) == at_limit
-    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01")
+    # released: one token, 2**64 - 1 in ten bytes; then no lapsed token, moved 0
+    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00\x00")
     for beyond in (2**64, 2**77):
         with pytest.raises(ValueError, match="uint64"):
             encode(Record(KEY).with_fence(FenceState(released=frozenset({beyond}))))
@@ -451,7 +460,7 @@ def test_equal_states_encode_to_equal_bytes(states: tuple[Record, ...]) -> None:
     def reversed_maps(r: Record) -> Record:
         return Record(
             r.key,
-            r.home,
+            dict(reversed(list(r.births.items()))),
             dict(reversed(list(r.fields.items()))),
             dict(reversed(list(r.tags.items()))),
             r.deleted,
@@ -459,6 +468,8 @@ def test_equal_states_encode_to_equal_bytes(states: tuple[Record, ...]) -> None:
                 dict(reversed(list(r.fence.grants.items()))),
                 dict(reversed(list(r.fence.lease_expiry.items()))),
                 r.fence.released,
+                r.fence.lapsed,
+                r.fence.moved,
             ),
         )
 
@@ -531,79 +542,104 @@ def tag_entry(name: str, present: int = 1) -> bytes:
 SIG = bytes(range(72))  # a signature's bytes: the codec does not look inside
 
 
-def grant_entry(token: int, signature: bytes = b"") -> bytes:
+def grant_entry(token: int, signature: bytes = b"", identity: str = "") -> bytes:
     head = varint(token) + varint(pack(EPOCH_MS)) + text("worker-a") + text("local")
-    return head + varint(len(signature)) + signature
+    return head + text(identity) + varint(len(signature)) + signature
 
 
-def legacy_grant_entry(token: int) -> bytes:
-    """A grant in format 1, before grants carried signatures."""
-    return varint(token) + varint(pack(EPOCH_MS)) + text("worker-a") + text("local")
+def legacy_grant_entry(token: int, signature: bytes | None = None) -> bytes:
+    """A grant in format 1 (no signature: ``None``) or format 2 (no identity)."""
+    head = varint(token) + varint(pack(EPOCH_MS)) + text("worker-a") + text("local")
+    return head if signature is None else head + varint(len(signature)) + signature
 
 
 def lease_entry(token: int) -> bytes:
     return varint(token) + varint(EPOCH_MS + 60_000)
 
 
+def birth_entry(region: str, signature: bytes = b"") -> bytes:
+    return text(region) + S1 + varint(len(signature)) + signature
+
+
 def layout(
     *,
-    fmt: bytes = b"\x02",
+    fmt: bytes = b"\x03",
     key: bytes = text("k"),
-    home: bytes = b"\x00",
+    births: bytes = section(),
     fields: bytes = section(),
     tags: bytes = section(),
     deleted: bytes = stamp() + b"\x00",
     grants: bytes = section(),
     leases: bytes = section(),
     released: bytes = section(),
+    lapsed: bytes = section(),
+    moved: bytes = varint(0),
 ) -> bytes:
-    return fmt + key + home + fields + tags + deleted + grants + leases + released
+    return (
+        fmt + key + births + fields + tags + deleted + grants + leases + released + lapsed + moved
+    )
+
+
+def legacy_layout(*, fmt: bytes, home: bytes, grants: bytes, leases: bytes) -> bytes:
+    """A format-1 or format-2 state: one optional home, no lapsed tokens, no move."""
+    rest = section() + section() + stamp() + b"\x00" + grants + leases + section()
+    return fmt + text("k") + home + rest
 
 
 FULL = layout(
     key=text(KEY),
-    home=b"\x01" + S1 + text("local"),
+    births=section(birth_entry("eu", SIG), birth_entry("local")),
     fields=section(field_entry("body"), field_entry("title")),
     tags=section(tag_entry("backlog"), tag_entry("done", 0)),
     deleted=S1 + b"\x01",
-    grants=section(grant_entry(1), grant_entry(2, SIG)),
+    grants=section(grant_entry(1), grant_entry(2, SIG, "client/alice")),
     leases=section(lease_entry(1), lease_entry(2)),
-    released=section(varint(1), varint(2)),
+    released=section(varint(2)),
+    lapsed=section(varint(1)),
 )
 
 
 def test_encoding_matches_documented_layout() -> None:
-    """Pins format 2 byte for byte: a change here breaks every stored digest."""
+    """Pins format 3 byte for byte: a change here breaks every stored digest."""
     s1 = Stamp(1, pack(EPOCH_MS, 1), "local")
     grant = Grant(pack(EPOCH_MS), "worker-a", "local")
-    signed = grant._replace(signature=SIG)
+    signed = grant._replace(signature=SIG, identity="client/alice")
     record = Record(
         KEY,
-        home=LWW(s1, "local"),
+        births={"local": Birth(s1), "eu": Birth(s1, SIG)},
         fields={"title": LWW(s1, "v"), "body": LWW(s1, "v")},
         tags={"done": LWW(s1, False), "backlog": LWW(s1, True)},
         deleted=LWW(s1, True),
         fence=FenceState(
             grants={2: signed, 1: grant},
             lease_expiry={2: EPOCH_MS + 60_000, 1: EPOCH_MS + 60_000},
-            released=frozenset({2, 1}),
+            released=frozenset({2}),
+            lapsed=frozenset({1}),
         ),
     )
     assert encode(record) == FULL
     assert decode(FULL) == record
     assert encode(Record("k")) == layout()
     assert decode(layout()) == Record("k")
+    moved = Record("k").with_fence(FenceState(moved=7))
+    assert encode(moved) == layout(moved=varint(7))
 
 
 NON_CANONICAL = {
     "empty input": b"",
-    "unknown format": layout(fmt=b"\x03"),
+    "unknown format": layout(fmt=b"\x04"),
     "format 1 (before signatures)": layout(fmt=b"\x01"),
+    "format 2 (before births)": layout(fmt=b"\x02"),
     "a signature below the fence": layout(
         grants=section(grant_entry(1, SIG), grant_entry(2, SIG)),
         leases=section(lease_entry(1), lease_entry(2)),
     ),
+    "a signature on a grant the fence moved past": layout(
+        grants=section(grant_entry(1, SIG)), moved=varint(2)
+    ),
     "truncated signature": layout(grants=section(grant_entry(1, SIG)[:-1])),
+    "births unsorted": layout(births=section(birth_entry("us"), birth_entry("eu"))),
+    "duplicate birth": layout(births=section(birth_entry("eu"), birth_entry("eu"))),
     "fields unsorted": layout(fields=section(field_entry("title"), field_entry("body"))),
     "duplicate field": layout(fields=section(field_entry("body", "a"), field_entry("body", "b"))),
     "tags unsorted": layout(tags=section(tag_entry("done"), tag_entry("backlog"))),
@@ -614,16 +650,18 @@ NON_CANONICAL = {
     "duplicate lease": layout(leases=section(lease_entry(1), lease_entry(1))),
     "released unsorted": layout(released=section(varint(2), varint(1))),
     "duplicate released": layout(released=section(varint(1), varint(1))),
+    "lapsed unsorted": layout(lapsed=section(varint(2), varint(1))),
     "non-minimal string length": layout(key=b"\x81\x00k"),
     "non-minimal zero count": layout(fields=b"\x80\x00"),
     "non-minimal epoch": layout(deleted=b"\x80\x00" + stamp()[1:] + b"\x00"),
     "non-minimal token": layout(released=b"\x01\x81\x80\x00"),
+    "non-minimal move": layout(moved=b"\x80\x00"),
     "varint too long": layout(fields=b"\xff" * 11 + b"\x01"),
     "varint of 2**64": layout(released=b"\x01" + b"\x80" * 9 + b"\x02"),
     "varint of 11 bytes": layout(released=b"\x01" + b"\x80" * 10 + b"\x01"),
     "trailing byte": layout() + b"\x00",
     "trailing bytes after full record": FULL + b"\x01\x02",
-    "home flag 2": layout(home=b"\x02" + S1 + text("local")),
+    "missing move": layout()[:-1],
     "tag flag 2": layout(tags=section(tag_entry("backlog", 2))),
     "deleted flag 0xff": layout(deleted=stamp() + b"\xff"),
     "truncated string": layout(key=b"\x05k"),
@@ -635,19 +673,29 @@ NON_CANONICAL = {
 }
 
 
-def test_a_format_1_state_is_upgraded_with_its_grants_unsigned() -> None:
-    """Storage re-encodes a file written before signed grants (codec.upgrade); the
-    wire and decode take format 2 only."""
+def test_format_1_and_2_states_are_upgraded_with_their_home_as_the_one_birth() -> None:
+    """Storage re-encodes a file written before signed grants (format 1) or before
+    births (format 2) (codec.upgrade); the wire and decode take format 3 only."""
     leases = section(lease_entry(1), lease_entry(2))
-    v1 = layout(fmt=b"\x01", grants=section(legacy_grant_entry(1), legacy_grant_entry(2)),
-                leases=leases)  # fmt: skip
-    v2 = layout(grants=section(grant_entry(1), grant_entry(2)), leases=leases)
-    assert upgrade(v1) == v2
-    assert upgrade(v2) == v2 and upgrade(FULL) == FULL
-    with pytest.raises(DecodeError):
-        decode(v1)
-    with pytest.raises(DecodeError):
-        upgrade(v1[:-1])
+    home = b"\x01" + S1 + text("local")
+    v1 = legacy_layout(fmt=b"\x01", home=home, leases=leases,
+                       grants=section(legacy_grant_entry(1), legacy_grant_entry(2)))  # fmt: skip
+    v2_grants = section(legacy_grant_entry(1, b""), legacy_grant_entry(2, SIG))
+    v2 = legacy_layout(fmt=b"\x02", home=home, grants=v2_grants, leases=leases)
+    unsigned = layout(births=section(birth_entry("local")),
+                      grants=section(grant_entry(1), grant_entry(2)), leases=leases)  # fmt: skip
+    signed = layout(births=section(birth_entry("local")),
+                    grants=section(grant_entry(1), grant_entry(2, SIG)), leases=leases)  # fmt: skip
+    assert upgrade(v1) == unsigned
+    assert upgrade(v2) == signed
+    assert upgrade(signed) == signed and upgrade(FULL) == FULL
+    for old in (v1, v2):
+        with pytest.raises(DecodeError):
+            decode(old)
+        with pytest.raises(DecodeError):
+            upgrade(old[:-1])
+    never = legacy_layout(fmt=b"\x02", home=b"\x00", grants=section(), leases=section())
+    assert decode(upgrade(never)) == Record("k")
 
 
 def test_layout_builder_is_canonical() -> None:

@@ -170,28 +170,28 @@ async def test_a_claimed_record_refuses_remember_with_the_conflict(node: NodeSer
         (
             "repocontext_claim",
             {"key": "repo/docs/mem/mcp/x", "owner": "w", "leaseSeconds": "soon"},
-            "leaseSeconds: input should be a valid number",
+            "leaseSeconds: must be a number, not a string",
         ),
         (
             "repocontext_claim",
             {"key": "repo/docs/mem/mcp/x", "owner": "w", "leaseSeconds": 7200},
-            "leaseSeconds: must be between 1 and 3600 seconds",
+            "leaseSeconds: must be between 1 and 3600 (got 7200)",
         ),
         (
             "repocontext_claim",
             {"key": "repo/docs/mem/mcp/x", "owner": "w", "leaseSeconds": 5, "waitSeconds": 301},
-            "waitSeconds: must be between 0 and 300 seconds",
+            "waitSeconds: must be between 0 and 300 (got 301)",
         ),
         ("repocontext_recall", {"key": "not a key"}, "key: must be repo/{repo}/mem/{topic}/{id}"),
         (
             "repocontext_renew_claim",
             {"key": "repo/docs/mem/mcp/x", "fencingToken": -1, "leaseSeconds": 5},
-            "fencingToken: input should be greater than or equal to 1",
+            "fencingToken: must be between 1 and 18446744073709551615 (got -1)",
         ),
         (
             "repocontext_update",
             {"key": "repo/docs/mem/mcp/x", "fields": ["body"]},
-            "fields: input should be a valid dictionary",
+            "fields: must be an object, not an array",
         ),
         (
             "repocontext_remember",
@@ -331,6 +331,10 @@ async def test_fencemark_mcp_serves_streamable_http(node: NodeServer) -> None:
         refused = await call(client, "repocontext_update", key=key, fields={"body": "x"})
         assert refused.is_error
         assert refused.structured["error"]["fence"] == claim["fencingToken"]
+        # Over JSON on the wire too, true is not token 1 (tests/test_mcp_arguments.py).
+        sneaky = await call(client, "repocontext_release_claim", key=key, fencingToken=True)
+        assert sneaky.is_error
+        assert "fencingToken: must be an integer, not a boolean (got true)" in sneaky.text
 
 
 @pytest.mark.slow

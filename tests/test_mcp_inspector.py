@@ -184,7 +184,7 @@ async def test_the_inspector_calls_the_tools_over_stdio(
     )
     assert made["record"]["key"] == KEY
     claim = expect_ok(
-        await call("repocontext_claim", {"key": KEY, "owner": "worker-a", "leaseSeconds": 60})
+        await call("repocontext_claim", {"key": KEY, "owner": "worker-a", "leaseSeconds": 3600})
     )
     token = claim["fencingToken"]
     lost = expect_ok(
@@ -194,7 +194,14 @@ async def test_the_inspector_calls_the_tools_over_stdio(
     refused = await call("repocontext_update", {"key": KEY, "fields": {"body": "x"}})
     expect_conflict(refused, "claimed", token)  # exit 5: a tool error
     bad = await call("repocontext_claim", {"key": KEY, "owner": "w", "leaseSeconds": 7200})
-    assert bad.is_error and "leaseSeconds" in bad.text
+    assert bad.is_error and "leaseSeconds: must be between 1 and 3600" in bad.text
+    # Strict arguments (docs/mcp.md): true is no token, an unknown name is refused.
+    sneaky = await call("repocontext_release_claim", {"key": KEY, "fencingToken": True})
+    assert sneaky.is_error and "fencingToken: must be an integer, not a boolean" in sneaky.text
+    misspelt = await call("repocontext_release_claim", {"key": KEY, "fencing_token": token})
+    assert misspelt.is_error and "unknown argument fencing_token" in misspelt.text
+    still = expect_ok(await call("repocontext_claim_status", {"key": KEY}))
+    assert still["claim"]["fencingToken"] == token  # neither call released it
 
 
 async def test_the_walkthrough_through_the_inspector_over_http(

@@ -85,6 +85,9 @@ async def test_a_restored_cluster_never_reissues_a_token_the_backup_forgot(
         us, eu = await cluster.start_all()
         assert us.storage.node_id != eu.storage.node_id or not restore_mode
         assert await fence_at(us) == first.fencing_token  # the backup's fence
+        # A restored file owes a catch-up with the peers before its node decides.
+        assert us.replica.deciding != restore_mode
+        await eventually(deciding, "the restored cluster deciding claims")
 
         async with AsyncClient(us.address, retries=0) as c:
             fresh = await c.claim(KEY, "worker-c", lease_seconds=60)

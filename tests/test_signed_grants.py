@@ -74,11 +74,23 @@ async def holds_fence(node: NodeServer, key: str, token: int) -> bool:
     return stored is not None and stored.record.fence.fence == token
 
 
+async def start_us_and_eu(cluster: Cluster, certs: Path) -> tuple[NodeServer, NodeServer]:
+    """us and eu of the three regions, deciding; ap as a node yet to join. A new
+    cluster decides once every node has caught up with every peer it has
+    (docs/consistency.md, *Catch-up*), so all three start, then ap is stopped and its
+    disk wiped: when it starts again it knows nothing, as a new node."""
+    nodes = [await cluster.start(region, tls=files(certs, region)) for region in REGIONS]
+    for node in nodes:
+        await serving(node, certs)
+    await cluster.stop("ap")
+    cluster.wipe("ap")
+    return nodes[0], nodes[1]
+
+
 async def claimed_at_us(cluster: Cluster, certs: Path, name: str) -> tuple[str, int, Record]:
     """Start us and eu, remember ``name`` at us and claim it for alice; once eu has
     it too: (key, token, us's state)."""
-    us = await cluster.start("us", tls=files(certs, "us"))
-    eu = await cluster.start("eu", tls=files(certs, "eu"))
+    us, eu = await start_us_and_eu(cluster, certs)
     await serving(us, certs)
     async with client(us, certs) as alice:
         key = (await alice.remember("lattice", "backlog", name)).record.key
@@ -203,8 +215,7 @@ async def test_three_tls_regions_converge_with_grants_relayed_by_a_region_that_i
     tmp_path: Path, certs: Path
 ) -> None:
     async with Cluster(tmp_path, REGIONS) as cluster:
-        us = await cluster.start("us", tls=files(certs, "us"))
-        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        us, eu = await start_us_and_eu(cluster, certs)
         await serving(us, certs)
         await serving(eu, certs)
         async with client(us, certs) as alice:
@@ -244,8 +255,7 @@ async def test_grants_signed_before_a_certificate_was_reissued_still_verify(
     tmp_path: Path, certs: Path
 ) -> None:
     async with Cluster(tmp_path, REGIONS) as cluster:
-        us = await cluster.start("us", tls=files(certs, "us"))
-        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        us, eu = await start_us_and_eu(cluster, certs)
         await serving(us, certs)
         old_key = Signer.from_files(files(certs, "us")).key_id
         async with client(us, certs) as alice:
@@ -381,31 +391,49 @@ async def test_certificates_answers_the_node_certificates_it_knows_and_only_to_p
 
 
 def format_1(record: Record) -> bytes:
-    """The encoding of ``record`` before signed grants (format 1: no signature field)."""
-    from fencemark.node.crdt.codec import _str, _varint
+    """The encoding of ``record`` before signed grants (format 1: one optional home,
+    grants without a signature, no lapsed tokens, no move), written field by field
+    as that version wrote it."""
+    from fencemark.node.crdt.codec import _stamp, _str, _varint
 
-    new = codec.encode(record.with_fence(dataclasses.replace(record.fence, grants={})))
-    # Format 2 without grants ends "... deleted 0x00(grants) lease_expiry released";
-    # rebuild the tail with format-1 grant entries.
-    out = bytearray(b"\x01" + new[1:])
-    tail = bytearray()
-    _varint(tail, len(record.fence.lease_expiry))
-    for token in sorted(record.fence.lease_expiry):
-        _varint(tail, token)
-        _varint(tail, record.fence.lease_expiry[token])
-    _varint(tail, len(record.fence.released))
-    for token in sorted(record.fence.released):
-        _varint(tail, token)
-    assert out.endswith(b"\x00" + tail)
-    grants = bytearray()
-    _varint(grants, len(record.fence.grants))
-    for token in sorted(record.fence.grants):
-        grant = record.fence.grants[token]
-        _varint(grants, token)
-        _varint(grants, grant.granted_hlc)
-        _str(grants, grant.owner)
-        _str(grants, grant.region)
-    return bytes(out[: -len(tail) - 1] + grants + tail)
+    out = bytearray(b"\x01")
+    _str(out, record.key)
+    home = record.home
+    if home is None:
+        out.append(0)
+    else:
+        out.append(1)
+        _stamp(out, home.stamp)
+        _str(out, home.value)
+    _varint(out, len(record.fields))
+    for name in sorted(record.fields):
+        _str(out, name)
+        _stamp(out, record.fields[name].stamp)
+        _str(out, record.fields[name].value)
+    _varint(out, len(record.tags))
+    for tag in sorted(record.tags):
+        _str(out, tag)
+        _stamp(out, record.tags[tag].stamp)
+        out.append(int(record.tags[tag].value))
+    _stamp(out, record.deleted.stamp)
+    out.append(int(record.deleted.value))
+    fence = record.fence
+    assert not fence.lapsed and not fence.moved, "format 1 had neither"
+    _varint(out, len(fence.grants))
+    for token in sorted(fence.grants):
+        grant = fence.grants[token]
+        _varint(out, token)
+        _varint(out, grant.granted_hlc)
+        _str(out, grant.owner)
+        _str(out, grant.region)
+    _varint(out, len(fence.lease_expiry))
+    for token in sorted(fence.lease_expiry):
+        _varint(out, token)
+        _varint(out, fence.lease_expiry[token])
+    _varint(out, len(fence.released))
+    for token in sorted(fence.released):
+        _varint(out, token)
+    return bytes(out)
 
 
 @pytest.mark.slow

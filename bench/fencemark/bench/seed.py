@@ -34,6 +34,7 @@ async def seed(data_dir: Path, count: int, *, home: str) -> Path:
     storage = await Storage.open(data_dir / DB_FILE)
     try:
         replica = Replica(storage, HybridClock(), home)
+        await replica.gate.caught_up()  # the seeded file stands for a node that decided
         tags = typical_tags(home)
         for start in range(0, count, CHUNK):
             await asyncio.gather(

@@ -8,17 +8,18 @@ true``) whose text says what went wrong and what to do, never a stack trace:
   and carries the conflict word, the fence and the home region as structured
   content (``{"error": {...}}``, which the tool's output schema admits: a client
   such as the MCP Inspector validates error results against it too);
-- bad arguments name the argument, in the tools' camelCase spelling;
+- arguments the node refuses name the argument, in the tools' camelCase spelling
+  (``fencemark.mcp.arguments`` words the ones the tool's own schema refuses);
 - an unreachable node says so and that the call can be retried.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from mcp_types import CallToolResult, TextContent
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from fencemark.client.errors import (
     ClaimConflict,
@@ -36,7 +37,6 @@ __all__ = [
     "conflict_result",
     "error_result",
     "failure_result",
-    "invalid_arguments_text",
     "success",
 ]
 
@@ -63,7 +63,6 @@ _CONFLICT_ADVICE = {
     "wrong_region": "Only the node of the record's home region decides fenced writes: run the "
     "MCP server with --regions naming that region's node.",
 }
-_MAX_SHOWN_INPUT = 80
 
 
 def success(out: BaseModel) -> CallToolResult:
@@ -151,22 +150,3 @@ def argument_name(field: str) -> str:
     """The tool argument a request field stands for: ``lease_seconds`` -> ``leaseSeconds``."""
     head, bracket, rest = field.partition("[")
     return _ARGUMENT_NAMES.get(head, head) + bracket + rest
-
-
-def invalid_arguments_text(tool: str, error: ValidationError) -> str:
-    """Argument validation errors, one per argument, without pydantic's internals."""
-    problems = [_problem(problem) for problem in error.errors(include_url=False)]
-    return f"Invalid arguments for {tool}: " + "; ".join(problems)
-
-
-def _problem(problem: Mapping[str, object]) -> str:
-    location = problem.get("loc", ())
-    parts = [str(part) for part in location] if isinstance(location, Iterable) else []
-    where = (parts[0] + "".join(f"[{part}]" for part in parts[1:])) if parts else "arguments"
-    if problem.get("type") == "missing":
-        return f"{where} is required"
-    shown = repr(problem.get("input"))
-    if len(shown) > _MAX_SHOWN_INPUT:
-        shown = shown[: _MAX_SHOWN_INPUT - 3] + "..."
-    message = str(problem.get("msg", "is invalid"))
-    return f"{where}: {message[:1].lower()}{message[1:]} (got {shown})"

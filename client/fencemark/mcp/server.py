@@ -26,7 +26,7 @@ from mcp_types import CallToolResult, InputRequiredResult
 from pydantic import ValidationError
 
 from fencemark.client import AsyncClient, FencemarkError
-from fencemark.mcp.outcomes import invalid_arguments_text
+from fencemark.mcp.arguments import invalid_arguments_text
 from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS, RepoContextTools
 
 __all__ = [
@@ -65,25 +65,29 @@ class RepoContextServer(MCPServer[Any]):
         except ToolError as error:
             cause = error.__cause__
             if isinstance(cause, ValidationError) and not isinstance(error, UnexpectedToolError):
-                raise ToolError(invalid_arguments_text(name, cause)) from cause
+                schema = next(
+                    (tool.input_schema for tool in await self.list_tools() if tool.name == name),
+                    {},
+                )
+                raise ToolError(invalid_arguments_text(name, cause, schema)) from cause
             raise
 
 
 def create_server(client: AsyncClient, *, writes_enabled: bool) -> RepoContextServer:
-    """The tools over ``client``; without ``writes_enabled`` only the read tools exist."""
-    server = RepoContextServer(
-        SERVER_NAME, instructions=INSTRUCTIONS, version=_version(), log_level="WARNING"
-    )
+    """The tools over ``client``; without ``writes_enabled`` only the read tools exist.
+
+    Each tool takes exactly the arguments, of exactly the JSON types, that its
+    input schema lists (``fencemark.mcp.arguments``).
+    """
     tools = RepoContextTools(client)
-    for spec in (*MUTATING_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS:
-        server.add_tool(
-            spec.bind(tools),
-            name=spec.name,
-            title=spec.annotations.title,
-            description=spec.description,
-            annotations=spec.annotations,
-        )
-    return server
+    specs = (*MUTATING_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
+    return RepoContextServer(
+        SERVER_NAME,
+        instructions=INSTRUCTIONS,
+        version=_version(),
+        log_level="WARNING",
+        tools=[spec.tool(tools) for spec in specs],
+    )
 
 
 async def open_server(client: AsyncClient) -> RepoContextServer:

@@ -13,10 +13,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from mcp.server.mcpserver.tools import Tool
 from mcp_types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
 from fencemark.client import AsyncClient, ClaimConflict, FencemarkError
+from fencemark.mcp.arguments import strict_tool
 from fencemark.mcp.models import (
     ClaimOut,
     ClaimStatusOut,
@@ -32,6 +34,8 @@ from fencemark.mcp.outcomes import conflict_result, failure_result, success
 __all__ = ["MUTATING_TOOLS", "READ_TOOLS", "RepoContextTools", "ToolSpec"]
 
 MAX_TOKEN = 2**64 - 1  # fencing tokens are uint64 on the wire
+# SPEC §2's limits, published in the input schemas; the node checks them as well.
+MIN_LEASE_S, MAX_LEASE_S, MAX_WAIT_S = 1, 3600, 300
 
 Key = Annotated[
     str,
@@ -46,7 +50,12 @@ Token = Annotated[
 ]
 LeaseSeconds = Annotated[
     float,
-    Field(description="How long the lease lasts unless renewed: 1 to 3600 seconds."),
+    Field(
+        ge=MIN_LEASE_S,
+        le=MAX_LEASE_S,
+        allow_inf_nan=False,
+        description="How long the lease lasts unless renewed: 1 to 3600 seconds.",
+    ),
 ]
 
 
@@ -146,8 +155,11 @@ class RepoContextTools:
         waitSeconds: Annotated[
             float,
             Field(
+                ge=0,
+                le=MAX_WAIT_S,
+                allow_inf_nan=False,
                 description="Wait up to this long (0 to 300 s) in a FIFO line when someone "
-                "else holds the claim; 0 answers contended at once."
+                "else holds the claim; 0 answers contended at once.",
             ),
         ] = 0.0,
     ) -> Annotated[CallToolResult, ClaimOut]:
@@ -223,9 +235,18 @@ class ToolSpec:
     description: str
     annotations: ToolAnnotations
 
-    def bind(self, tools: RepoContextTools) -> Callable[..., Any]:
+    def tool(self, tools: RepoContextTools) -> Tool:
+        """The tool over ``tools``, taking exactly what its input schema says."""
         fn: Callable[..., Any] = getattr(tools, self.method)
-        return fn
+        return strict_tool(
+            Tool.from_function(
+                fn,
+                name=self.name,
+                title=self.annotations.title,
+                description=self.description,
+                annotations=self.annotations,
+            )
+        )
 
 
 def _hints(title: str, *, read_only: bool, idempotent: bool, destructive: bool) -> ToolAnnotations:

@@ -35,33 +35,73 @@ def token_problem(fence: FenceState, token: int, now_ms: int) -> Reason | None:
     current = fence.fence
     if token < current:
         return Reason.SUPERSEDED
-    if token > current:
-        return Reason.UNKNOWN_TOKEN
+    if token > current or token not in fence.grants:
+        return Reason.UNKNOWN_TOKEN  # above the fence, or the fence was moved to it
     if token in fence.released:
         return Reason.RELEASED
-    if now_ms >= fence.expiry(token):
+    if token in fence.lapsed or now_ms >= fence.expiry(token):
         return Reason.EXPIRED
     return None
 
 
-def admit_write(record: Record, token: int, *, home: str, region: str, now_ms: int) -> int:
+def admit_write(
+    record: Record, token: int, *, home: str, region: str, now_ms: int, deciding: bool = True
+) -> int:
     """Admit a write to ``record`` at ``region``'s node; return the epoch to stamp it with.
 
-    Unfenced (token 0): refused ``claimed`` while this node sees a live claim,
-    otherwise admitted under the fence this node knows. Fenced: only the home
-    region decides, and only the live claim's token gets through.
+    Unfenced (token 0) at the home: refused ``claimed`` while the claim is live.
+    Unfenced anywhere else: refused ``claimed`` while the record has an
+    unreleased grant in this node's view — only the home decides that a lease
+    has lapsed, because a renewal may not have arrived here yet. Otherwise it is
+    admitted under the fence this node knows. Fenced: only the home region
+    decides, and only the live claim's token gets through. A home that is not
+    ``deciding`` (catching up: ``grant_gate``) takes unfenced writes by the rule
+    of the other nodes; fenced ones it does not see at all.
     """
     fence = record.fence
     if token == 0:
-        if fence.is_live(now_ms):
+        held = record.claim_live(now_ms) if home == region and deciding else fence.unreleased()
+        if held:
             raise ClaimConflict(Reason.CLAIMED, fence=fence.fence, home_region=home)
         return fence.fence
     if home != region:
         raise ClaimConflict(Reason.WRONG_REGION, fence=fence.fence, home_region=home)
     problem = token_problem(fence, token, now_ms)
+    if problem is None and not record.claim_live(now_ms):
+        problem = Reason.SUPERSEDED  # granted by another birth region: superseded at the meet
     if problem is not None:
         raise ClaimConflict(problem, fence=fence.fence, home_region=home)
     return token
+
+
+def lapse_due(record: Record, region: str, now_ms: int) -> bool:
+    """Whether ``region``'s node, the home, should record that the fence's lease
+    lapsed: an unreleased grant of its own whose expiry has passed."""
+    fence = record.fence
+    holder = fence.holder()
+    return (
+        record.home_region == region
+        and holder is not None
+        and holder.region == region
+        and fence.unreleased()
+        and now_ms >= fence.expiry(fence.fence)
+    )
+
+
+def split_tokens(record: Record) -> bool:
+    """Whether the record holds a claim granted while two of its births were apart
+    that the fence has not moved past yet: a grant by another birth region, or a
+    grant made before the latest birth (SPEC §2). The home then moves the fence
+    (``FenceState.move``) past every token either side issued."""
+    if len(record.births) < 2:
+        return False
+    fence = record.fence
+    home = record.home_region
+    latest_birth = max(birth.stamp.hlc for birth in record.births.values())
+    return any(
+        token >= fence.moved and (grant.region != home or grant.granted_hlc < latest_birth)
+        for token, grant in fence.grants.items()
+    )
 
 
 def next_token(fence: FenceState, recovered_hlc: int = 0) -> int:
@@ -111,7 +151,7 @@ def decide_claim(
         return fence, refusal
     home = record.home_region
     expiry = now_ms + lease_ms
-    if fence.is_live(now_ms):
+    if record.claim_live(now_ms):
         holder = fence.holder()
         if holder is not None and holder.owner == owner:
             # The grant's reply may have been lost: answer from the durable state.

@@ -150,7 +150,7 @@ class Claims:
     def _until_lapse(self, stored: Stored | None) -> float:
         """Seconds until the current lease of ``stored`` lapses (a little more)."""
         now = self.replica.clock.wall_ms()
-        if stored is None or not stored.record.fence.is_live(now):
+        if stored is None or not stored.record.claim_live(now):
             return 0.001
         fence = stored.record.fence
         lapse_ms = fence.expiry(fence.fence) - now
@@ -216,7 +216,7 @@ class Claims:
     async def status(self, key: str) -> Status:
         stored = await self.replica.get(key)
         fence: FenceState = stored.record.fence
-        live = fence.is_live(self.replica.clock.wall_ms())
+        live = stored.record.claim_live(self.replica.clock.wall_ms())
         token = fence.fence if live else 0
         return Status(
             holder=fence.holder() if live else None,
@@ -228,7 +228,7 @@ class Claims:
         )
 
     def _check_serving(self) -> None:
-        self.replica.check_deciding()
+        self.replica.gate.check()
 
 
 def _token(token: int) -> None:

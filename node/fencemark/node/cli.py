@@ -157,7 +157,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"  push backlog {p.push_backlog:>5}"
                     + (f"  REFUSED {p.merges_refused} states" if p.merges_refused else "")
                 )
-                lines.append(row + (f"  last error: {p.last_error}" if p.last_error else ""))
+                row += f"  last error: {p.last_error}" if p.last_error else ""
+                lines.append(row + (f"  last refusal: {p.last_refusal}" if p.last_refusal else ""))
         lines.append(
             f"{serving} of {len(args.targets)} nodes serving; largest peer lag"
             f" {max(lags, default=0) / 1000:.1f} s; divergence {divergence}; skew alarms {skew}"

@@ -9,12 +9,12 @@ legitimate state (and so never stops convergence):
 - ``epoch_beyond_fence``: a stamp's epoch is the fence its writer knew, and the
   writer's state holds that grant; an epoch above the state's own fence would let a
   write outrank every later one;
-- ``home_changed``: a record's home is fixed at creation. A state naming another home
-  is refused — unless neither side has granted a claim yet and the two creations are
-  within ``max_clock_offset`` of each other: two regions created the key
-  concurrently, and the earlier creation wins everywhere (``Record.merge``);
-- ``grant_outside_home``: every grant names the region that made it, and only the
-  record's home grants;
+- a record's births are not refused: two regions may create one key while cut off
+  from each other, the earliest birth is the home everywhere, and the home moves
+  the fence past every claim either side granted (SPEC §2, ``Replica.merge``);
+- ``grant_outside_home``: every grant names the region that made it, and only a
+  region that created the record grants (the home; another birth region only
+  while the two births were apart);
 - ``token_jump``: a home grants ``fence + 1``, or ``fence + 1 + RECOVERY_GAP`` once
   after a disk loss; a token further above the grant below it than ``max_token_jump``
   was never granted;
@@ -44,7 +44,6 @@ from typing import Protocol
 from fencemark.node.admission import RECOVERY_GAP
 from fencemark.node.crdt import Record
 from fencemark.node.crdt.fence import HISTORY, Grant
-from fencemark.node.crdt.hlc import physical_ms
 from fencemark.node.errors import FencemarkError
 from fencemark.node.validation import MAX_LEASE_S
 
@@ -92,14 +91,9 @@ def check(
         if stamp.epoch > fence:
             raise refuse("epoch_beyond_fence", f"a stamp of epoch {stamp.epoch} > fence {fence}")
 
-    if local.home is not None and remote.home is not None and local.home.value != remote.home.value:
-        apart = abs(physical_ms(local.home.stamp.hlc) - physical_ms(remote.home.stamp.hlc))
-        granted = local.fence.grants or remote.fence.grants
-        if granted or apart > bounds.max_offset_ms:
-            raise refuse("home_changed", f"home {local.home.value!r}, not {remote.home.value!r}")
-
     merged = local.merge(remote)
     home = merged.home_region
+    births = merged.births
     # Grants the join keeps that were not here before (older ones it folds away
     # below its floor can supersede nothing, forged or not).
     new = {
@@ -110,7 +104,7 @@ def check(
     # Most merges bring field writes, not grants: sort the tokens only when needed.
     grants = sorted(merged.fence.grants) if new else []
     for token, grant in new.items():
-        if grant.region != home:
+        if grant.region not in births:
             raise refuse("grant_outside_home", f"token {token} granted by {grant.region!r}, "
                                                f"home is {home!r}")  # fmt: skip
         if grants[0] < token:
@@ -131,12 +125,21 @@ def check(
         if holder is not None and holder != local.fence.grants.get(top):
             # A fence grant this node did not hold (a new one, or another version of
             # its own): only the home's signature lets it raise the fence.
-            if holder.region != home:
+            if holder.region not in births:
                 where = f"token {top} granted by {holder.region!r}, home is {home!r}"
                 raise refuse("grant_outside_home", where)
             problem = verifier.problem(key, top, holder)
             if problem is not None:
                 raise refuse(*problem)
+
+    moved = remote.fence.moved
+    if moved > local.fence.fence:
+        # The home moved the fence past the claims of two births (SPEC §2): by one
+        # token above them, so no further than a grant may jump.
+        below = max((t for t in merged.fence.grants if t < moved), default=local.fence.fence)
+        if moved - below > bounds.max_token_jump:
+            jump = f"the fence moved to {moved}, {moved - below} above token {below}"
+            raise refuse("token_jump", f"{jump} (at most {bounds.max_token_jump})")
 
     latest = now_ms + bounds.max_lease_ms + bounds.max_offset_ms
 
@@ -152,4 +155,7 @@ def check(
     for token in remote.fence.released - local.fence.released:
         if not named(token):
             raise refuse("orphan_token", f"a release of token {token}, which no grant names")
+    for token in remote.fence.lapsed - local.fence.lapsed:
+        if not named(token):
+            raise refuse("orphan_token", f"a lapse of token {token}, which no grant names")
     return merged

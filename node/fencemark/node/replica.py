@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fencemark.node import integrity, validation
-from fencemark.node.admission import admit_write
+from fencemark.node.admission import admit_write, lapse_due, split_tokens
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
-from fencemark.node.errors import InvalidInput, NotFound, NotServing, WrongRegion
+from fencemark.node.errors import InvalidInput, NotFound, WrongRegion
+from fencemark.node.grant_gate import GrantGate
 from fencemark.node.signing import Keyring, Signer
 from fencemark.node.storage import Storage, Stored
 
@@ -61,37 +62,29 @@ class Replica:
         self.node_id = storage.node_id
         self._locks = KeyLocks()
         self._write_listeners: list[Callable[[str], None]] = []
-        # False while a node that started empty catches up with its peers: it
-        # cannot decide home-only operations (claims, fenced writes) yet.
-        self.deciding = True
+        self._lease_listeners: list[Callable[[str, int], None]] = []
+        # Whether this node may decide yet (catch-up after a new or lost disk).
+        self.gate = GrantGate(storage, clock)
         # What merges may bring (fencemark.node.integrity); the server sets the token bound.
         self.bounds = integrity.Bounds(max_offset_ms=clock.max_offset_ms)
         # With TLS (the server sets both): this node signs the grants it makes, and
         # merges verify the home's signature on fence grants (fencemark.node.signing).
         self.signer: Signer | None = None
         self.keyring: Keyring | None = None
-        recovered = storage.meta.get("recovered_hlc")
-        self.recovered_hlc = int(recovered) if recovered else 0
 
-    async def recovered(self, *, peers_had_records: bool) -> None:
-        """Caught up after starting empty: decide again.
+    @property
+    def deciding(self) -> bool:
+        """Whether this node decides claims and admits writes (``GrantGate``)."""
+        return self.gate.deciding
 
-        If the peers held records, this node may be one that lost its disk, and a
-        grant of its earlier life may never have reached them: new tokens then
-        start above a gap (``admission.next_token``). A brand-new cluster, whose
-        nodes all start empty, finds nothing and needs no gap.
-        """
-        if peers_had_records:
-            self.recovered_hlc = self.clock.now()
-            await self.storage.put_meta("recovered_hlc", str(self.recovered_hlc))
-        self.deciding = True
+    @property
+    def recovered_hlc(self) -> int:
+        return self.gate.recovered_hlc
 
-    def check_deciding(self, fencing_token: int = 1) -> None:
-        if fencing_token and not self.deciding:
-            raise NotServing(
-                "this node is catching up with its peers: it decides no claims and no"
-                " fenced writes until it has seen their states"
-            )
+    def on_lease(self, listener: Callable[[str, int], None]) -> None:
+        """Call ``listener(key, expiry_ms)`` after each commit that leaves a record
+        homed here with an unreleased grant (``lapses.LapseWatcher``)."""
+        self._lease_listeners.append(listener)
 
     def on_local_write(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(key)`` after each local write is durable (eager push)."""
@@ -134,9 +127,12 @@ class Replica:
                     f" at most {validation.MAX_RECORD_BYTES}",
                 )
             stored = await self.storage.put(changed, hlc=self.clock.last, state=state)
+        fence = changed.fence
+        if self._lease_listeners and changed.home_region == self.region and fence.unreleased():
+            for lease_listener in self._lease_listeners:
+                lease_listener(key, fence.expiry(fence.fence))
         if local:
-            for listener in self._write_listeners:
-                listener(key)
+            self._written(key)
         return stored, result
 
     async def merge(self, remote: Record, state: bytes | None = None) -> bool:
@@ -151,14 +147,56 @@ class Replica:
         """
         validation.key(remote.key)
         self.clock.observe(remote.max_hlc())
+        await self.gate.merging()
+        moved = False
 
         def change(current: Record) -> tuple[Record, bool]:
+            nonlocal moved
             merged = integrity.check(current, remote, now_ms=self.clock.wall_ms(),
                                      bounds=self.bounds, verifier=self.keyring)  # fmt: skip
+            if merged.home_region == self.region and split_tokens(merged):
+                # Two births met, and this node is the surviving home: every claim
+                # either side granted apart is superseded (SPEC §2).
+                merged = merged.with_fence(merged.fence.move(merged.fence.fence + 1))
+                moved = True
             return merged, merged != current
 
         known = (remote, state) if state is not None else None
         _, changed = await self.transact(remote.key, change, local=False, known=known)
+        if moved:
+            self._written(remote.key)  # a decision of this node's: push it at once
+        return changed
+
+    def _written(self, key: str) -> None:
+        for listener in self._write_listeners:
+            listener(key)
+
+    def _check_gate(self, fencing_token: int) -> None:
+        """A node catching up decides no fenced write (``grant_gate``); unfenced
+        ones it admits by the rule of a node that is not the home (``admit``)."""
+        if fencing_token:
+            self.gate.check()
+
+    def _admit(self, current: Record, token: int, home: str) -> int:
+        return admit_write(current, token, home=home, region=self.region,
+                           now_ms=self.clock.wall_ms(), deciding=self.gate.deciding)  # fmt: skip
+
+    def _lapse_if_due(self, record: Record) -> Record:
+        """At the home: record a lapse that is due (SPEC §4) before deciding on it."""
+        if self.gate.deciding and lapse_due(record, self.region, self.clock.wall_ms()):
+            return record.with_fence(record.fence.lapse(record.fence.fence))
+        return record
+
+    async def record_lapse(self, key: str) -> bool:
+        """Record, at the home, that the lease of ``key``'s fence has run out; True if
+        that changed the record. Replicated like any write, it readmits unfenced
+        writes on every node."""
+
+        def change(current: Record) -> tuple[Record, bool]:
+            lapsed = self._lapse_if_due(current)
+            return lapsed, lapsed is not current
+
+        _, changed = await self.transact(key, change)
         return changed
 
     async def sign_fences(self) -> int:
@@ -274,7 +312,7 @@ class Replica:
         validation.fields(fields)
         validation.tags(tags)
         home_tag = validation.home_tag(tags)
-        self.check_deciding(fencing_token)
+        self._check_gate(fencing_token)
         plain_tags = [t for t in tags if not t.startswith(validation.HOME_TAG_PREFIX)]
 
         def change(current: Record) -> tuple[Record, bool]:
@@ -285,10 +323,8 @@ class Replica:
                 raise InvalidInput.field(
                     "tags", f"homeRegion is fixed when a record is created: it is {home!r}"
                 )
-            epoch = admit_write(
-                current, fencing_token, home=home, region=self.region, now_ms=self.clock.wall_ms()
-            )
-            stamp = self.stamp(epoch)
+            current = self._lapse_if_due(current)
+            stamp = self.stamp(self._admit(current, fencing_token, home))
             created = not current.visible
             changed = current.create(home, stamp)
             if current.is_deleted:
@@ -326,20 +362,15 @@ class Replica:
         both = set(add_tags) & set(remove_tags)
         if both:
             raise InvalidInput.field("remove_tags", f"also in add_tags: {sorted(both)[:5]}")
-        self.check_deciding(fencing_token)
+        self._check_gate(fencing_token)
 
         def change(current: Record) -> tuple[Record, None]:
             if not current.visible:
                 raise NotFound(key)
-            epoch = admit_write(
-                current,
-                fencing_token,
-                home=current.home_region,
-                region=self.region,
-                now_ms=self.clock.wall_ms(),
-            )
+            current = self._lapse_if_due(current)
+            epoch = self._admit(current, fencing_token, current.home_region)
             if not fields and not add_tags and not remove_tags:
-                return current, None  # admitted, nothing to write
+                return current, None  # admitted, nothing to write (but a lapse it recorded)
             stamp = self.stamp(epoch)
             changed = current.set_fields(fields, stamp).add_tags(add_tags, stamp)
             changed = changed.remove_tags(remove_tags, stamp)
@@ -353,14 +384,12 @@ class Replica:
     async def delete(self, key: str, *, fencing_token: int = 0) -> Stored:
         """Write a tombstone; always written, even for a key never seen here."""
         validation.key(key)
-        self.check_deciding(fencing_token)
+        self._check_gate(fencing_token)
 
         def change(current: Record) -> tuple[Record, None]:
             home = current.home_region or self.region
-            epoch = admit_write(
-                current, fencing_token, home=home, region=self.region, now_ms=self.clock.wall_ms()
-            )
-            stamp = self.stamp(epoch)
+            current = self._lapse_if_due(current)
+            stamp = self.stamp(self._admit(current, fencing_token, home))
             # A delete erases the content; the tombstone keeps home and fence. A
             # key never seen here gets a tombstone without a home: homing it here
             # could take over a record created meanwhile in another region.

@@ -131,6 +131,8 @@ def _mark(conn: sqlite3.Connection, db: Path, backup: Path | None) -> Restored:
     settings = {
         "recovered_hlc": str(mark),
         "hlc_high": str(mark),
+        # A restored file is behind whatever its peers learnt since the backup.
+        "catch_up": "owed",
         "node_id": node_id,
         "restored_at": now,
         "restored_from": str(backup or ""),

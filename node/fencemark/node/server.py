@@ -35,6 +35,7 @@ from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.errors import InvalidInput
 from fencemark.node.integrity import DEFAULT_MAX_TOKEN_JUMP, Bounds
+from fencemark.node.lapses import LapseWatcher
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import stats_for
 from fencemark.node.replication.replicator import Replicator
@@ -172,6 +173,7 @@ class NodeServer:
         replicator: Replicator,
         metrics: NodeMetrics,
         stop_metrics: Callable[[], None] | None,
+        lapses: LapseWatcher,
         tls: LiveTls | None = None,
     ) -> None:
         self.config = config
@@ -184,6 +186,7 @@ class NodeServer:
         self.replicator = replicator
         self.metrics = metrics
         self._stop_metrics = stop_metrics
+        self.lapses = lapses
         self.stopped = False
         self.tls = tls
         self._tls_watch: asyncio.Task[None] | None = None
@@ -202,7 +205,10 @@ class NodeServer:
         # node key and verifies the home's signature on merged fences. Read before
         # anything opens: a key that cannot sign refuses the start (ValueError).
         signer = Signer.from_files(config.tls) if config.tls is not None else None
-        keyring = Keyring.for_files(config.tls) if config.tls is not None else None
+        keyring: Keyring | None = None
+        if config.tls is not None and tls is not None:
+            # Signatures by a revoked certificate are refused once its CRL is in use.
+            keyring = Keyring.for_files(config.tls, tls.revocations)
         storage = await Storage.open(config.db_path, cache_size=config.cache_size)
         clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
         replica = Replica(storage, clock, config.region)
@@ -223,6 +229,7 @@ class NodeServer:
                 " record homed here jumps its fence",
                 storage.meta["restored_at"],
             )
+        lapses = LapseWatcher(replica)  # the home records lapses (SPEC §4)
         claims = Claims(
             replica,
             max_waiters=config.max_waiters,
@@ -238,16 +245,15 @@ class NodeServer:
             tls.on_channel_credentials(renew)
             if keyring is not None:
                 tls.on_renewed(functools.partial(_renew_signer, replica, keyring))
-        # A node that lost its disk must not grant again before it has seen the
-        # grants its peers hold (SPEC §4): it would reissue tokens.
-        catching_up = bool(peers) and storage.record_count == 0
-        replica.deciding = not catching_up
+        # A node on a new, emptied or restored data directory decides nothing
+        # before a complete pass with every peer (fencemark.node.grant_gate).
+        if not peers:
+            await replica.gate.caught_up()  # nobody to learn from
+        catching_up = replica.gate.owed
         health_servicer = health_aio.HealthServicer()
 
         async def caught_up() -> None:
-            await replica.recovered(
-                peers_had_records=any(p.records_received for p in peers.values())
-            )
+            await replica.gate.caught_up()
             await health_servicer.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
         replicator = Replicator(
@@ -328,9 +334,10 @@ class NodeServer:
             not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
             await health_servicer.set(CLAIMS_SERVICE, not_serving)
         replicator.start()
+        lapses.start()
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
         node = cls(config, storage, replica, claims, server, health_servicer, port, replicator,
-                   metrics, stop_metrics, tls)  # fmt: skip
+                   metrics, stop_metrics, lapses, tls)  # fmt: skip
         log.info(
             "region %s node %s listening on %s (%s, writes %s, data %s)",
             config.region,
@@ -352,6 +359,7 @@ class NodeServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
         await self.replicator.stop()
+        await self.lapses.stop()
         await self.storage.close()
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)

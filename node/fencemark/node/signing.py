@@ -15,7 +15,10 @@ identity, an EC P-256 key. Whoever relays such a certificate, it is as
 trustworthy as the CA, so a node learns unknown ones from the peer that delivered
 the state (``Replication.Certificates``) and keeps them (storage meta), old ones
 included: after a node's certificate is re-issued, the grants it signed with the
-old key still verify everywhere.
+old key still verify everywhere — unless that certificate is revoked: from the
+moment a node has the CRL listing it (``crl.pem``, reloaded while it runs), a new
+fence grant it signed is refused ``revoked_signer``. Fence grants a node already
+held are not checked again (``integrity.check``), so what it merged before stays.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 
 from fencemark.node.crdt import Record, codec
 from fencemark.node.crdt.fence import FenceState, Grant
+from fencemark.node.revocation import Revocations
 from fencemark.node.tls import TlsFiles, identities_of
 
 KEY_ID_SIZE = 8
@@ -51,6 +55,7 @@ UNSIGNED = "unsigned_grant"
 BAD_SIGNATURE = "bad_signature"
 UNKNOWN_SIGNER = "unknown_signer"
 SIGNER_NOT_HOME = "signer_not_home"
+REVOKED_SIGNER = "revoked_signer"
 
 
 def key_id(public_key: ec.EllipticCurvePublicKey) -> bytes:
@@ -97,25 +102,36 @@ class _Signer:
     region: str
     public_key: ec.EllipticCurvePublicKey
     der: bytes
+    issuer: str  # with the serial: what a CRL names (fencemark.node.revocation)
+    serial: int
 
 
 class Keyring:
-    """The node certificates of the cluster CA this node knows, by key id."""
+    """The node certificates of the cluster CA this node knows, by key id.
 
-    def __init__(self, cas: Iterable[x509.Certificate]) -> None:
+    ``revocations`` is the node's revocation list in use (``LiveTls.revocations``,
+    replaced whole when ``crl.pem`` changes): a signature by a revoked certificate
+    is refused from the moment its revocation is loaded.
+    """
+
+    def __init__(
+        self, cas: Iterable[x509.Certificate], revocations: Revocations | None = None
+    ) -> None:
         self.cas = list(cas)
+        self.revocations = revocations if revocations is not None else Revocations()
         self._signers: dict[bytes, _Signer] = {}
         # When each (peer region, key id) was last asked for (replication.signers).
         self.asked: dict[tuple[str, bytes], float] = {}
-        # One fetch of certificates at a time: a merge of a state with the same
-        # unknown signer waits for it instead of being refused meanwhile.
-        self.learning = asyncio.Lock()
+        # The fetches of certificates in flight, by (peer region, key id): a merge
+        # needing a key id already asked of its peer awaits that fetch instead of
+        # being refused meanwhile; merges needing nothing new await nothing.
+        self.fetches: dict[tuple[str, bytes], asyncio.Task[None]] = {}
 
     @classmethod
-    def for_files(cls, files: TlsFiles) -> Keyring:
+    def for_files(cls, files: TlsFiles, revocations: Revocations | None = None) -> Keyring:
         """A keyring trusting ``files``' CA bundle, knowing ``files``' own certificate."""
         ca, cert, _ = files.read()
-        keyring = cls(x509.load_pem_x509_certificates(ca))
+        keyring = cls(x509.load_pem_x509_certificates(ca), revocations)
         keyring.add(x509.load_pem_x509_certificate(cert).public_bytes(serialization.Encoding.DER))
         return keyring
 
@@ -146,6 +162,8 @@ class Keyring:
             found[0].name,
             public_key,
             cert.public_bytes(serialization.Encoding.DER),
+            cert.issuer.rfc4514_string(),
+            cert.serial_number,
         )
         return kid
 
@@ -169,8 +187,8 @@ class Keyring:
         return out
 
     def problem(self, record_key: str, token: int, grant: Grant) -> tuple[str, str] | None:
-        """Why ``grant`` of ``token`` is not signed by its region's node: (reason,
-        detail), or None when it is."""
+        """Why ``grant`` of ``token`` is not signed by its region's node with a
+        certificate that is not revoked: (reason, detail), or None when it is."""
         sig = grant.signature
         if not sig:
             return UNSIGNED, f"token {token}'s grant carries no signature"
@@ -195,6 +213,12 @@ class Keyring:
             )
         except InvalidSignature:
             return BAD_SIGNATURE, f"token {token}'s signature does not match its grant"
+        # Last: a refusal names a key that really signed the grant.
+        if (signer.issuer, signer.serial) in self.revocations.revoked:
+            return REVOKED_SIGNER, (
+                f"token {token} is signed by key {kid.hex()}, whose certificate (region"
+                f" {signer.region!r}, serial {signer.serial:x}) is revoked"
+            )
         return None
 
 

@@ -381,6 +381,13 @@ def _open_writer(writer: _Writer, path: Path) -> dict[str, str]:
         # part of what is lost, so stamps from two lives never collide.
         meta["node_id"] = secrets.token_hex(6)
         conn.execute("INSERT INTO meta VALUES ('node_id', ?)", (meta["node_id"],))
+    if "catch_up" not in meta:
+        # A new (or emptied) file owes a catch-up with the peers before its node
+        # decides anything (fencemark.node.grant_gate); a file of an earlier
+        # version that holds records has decided before.
+        empty = conn.execute("SELECT NOT EXISTS (SELECT 1 FROM records)").fetchone()[0]
+        meta["catch_up"] = "owed" if empty else "done"
+        conn.execute("INSERT INTO meta VALUES ('catch_up', ?)", (meta["catch_up"],))
     return meta
 
 

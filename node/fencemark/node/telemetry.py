@@ -216,6 +216,17 @@ class _StateCollector(Collector):
             for reason, count in sorted(peer.certificate_refusals.items()):
                 refused.add_metric([peer.region, reason], count)
         yield refused
+        merges = CounterMetricFamily(
+            "fencemark_replication_merge_refusals",
+            "States from the peer refused as invalid, by reason (token_jump, unknown_signer,"
+            " revoked_signer, ...; docs/security.md): each is logged once and not fetched"
+            " again while the peer holds it",
+            labels=["peer", "reason"],
+        )
+        for peer in self.peers.values():
+            for reason, count in sorted(peer.merge_refusals.items()):
+                merges.add_metric([peer.region, reason], count)
+        yield merges
 
 
 # -- the interceptor ---------------------------------------------------------------------

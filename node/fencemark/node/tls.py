@@ -1,7 +1,8 @@
 """Transport security: a development CA, certificates, gRPC credentials, peer identities.
 
 Every identity in a cluster is a certificate signed by the cluster's CA whose
-subject alternative names hold exactly one ``fencemark://`` URI:
+subject alternative names hold exactly one ``fencemark://`` URI (a URI SAN: no
+other name type and not the common name is ever read as an identity):
 
 - ``fencemark://region/<name>`` for the node of a region (it serves and calls
   other nodes, so it is both a TLS server and a TLS client);
@@ -62,9 +63,12 @@ DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 Kind = Literal["region", "client"]
 KINDS: tuple[Kind, ...] = ("region", "client")
 
-# The auth-context property gRPC core fills with every subject alternative name
-# of a verified peer certificate (DNS, URI, email and IP SANs alike).
-SAN_PROPERTY = "x509_subject_alternative_name"
+# The auth-context property gRPC core fills with the URI subject alternative
+# names of a verified peer certificate, and with nothing else. (DNS names, e-mail
+# addresses and IPs have properties of their own; ``x509_subject_alternative_name``
+# holds every type alike, so a certificate whose DNS name reads
+# ``fencemark://region/ap`` would pass there for the node of region ap.)
+URI_SAN_PROPERTY = "peer_uri"
 
 
 @dataclass(frozen=True, order=True)
@@ -178,10 +182,13 @@ def peer_identity(context: grpc.aio.ServicerContext[Any, Any]) -> Identity | Non
 
     gRPC core puts a peer certificate's properties in the auth context only
     after verifying it against the server's root certificates, so what is read
-    here is as trustworthy as the CA. A certificate carrying no
-    ``fencemark://`` identity, or more than one, identifies no one.
+    here is as trustworthy as the CA. Only URI SANs are read, as
+    :func:`identities_of` reads a certificate: a DNS name, an e-mail address or
+    a common name spelling ``fencemark://region/ap`` names no one. A
+    certificate carrying no ``fencemark://`` URI, or more than one, identifies
+    no one.
     """
-    sans = context.auth_context().get(SAN_PROPERTY) or ()
+    sans = context.auth_context().get(URI_SAN_PROPERTY) or ()
     found = {i for raw in sans if (i := Identity.parse(_text(raw))) is not None}
     return found.pop() if len(found) == 1 else None
 

@@ -10,10 +10,11 @@ from fencemark.node.crdt.codec import DecodeError, decode, digest, encode
 from fencemark.node.crdt.fence import FenceState, Grant
 from fencemark.node.crdt.hlc import ClockSkew, HybridClock, Stamp
 from fencemark.node.crdt.lww import LWW
-from fencemark.node.crdt.record import Record
+from fencemark.node.crdt.record import Birth, Record
 
 __all__ = [
     "LWW",
+    "Birth",
     "ClockSkew",
     "DecodeError",
     "FenceState",

@@ -6,19 +6,26 @@ booleans as one byte. ``decode`` accepts only canonical input (sorted, unique
 keys, minimal varints, nothing trailing), so ``encode(decode(b)) == b`` for every
 ``b`` it accepts and the digest of a state is well defined.
 
-Layout (format 2; format 1 had no signatures)::
+Layout (format 3)::
 
-    0x02 key home? fields tags deleted grants lease_expiry released
-    home         = 0x00 | 0x01 stamp str
+    0x03 key births fields tags deleted grants lease_expiry released lapsed moved
+    births       = n (region stamp signature)*  sorted by region
     fields       = n (name stamp str)*          sorted by name
     tags         = n (tag stamp bool)*          sorted by tag
     deleted      = stamp bool
-    grants       = n (token hlc owner region signature)*  sorted by token;
+    grants       = n (token hlc owner region identity signature)*  sorted by token;
                    signature = bytes, empty on every grant but the fence's
     lease_expiry = n (token expiry_ms)*         sorted by token
     released     = n token*                     ascending
+    lapsed       = n token*                     ascending
+    moved        = token
     stamp        = epoch hlc node
     bytes        = varint length, then the bytes
+
+Format 2 had one optional home (``0x00 | 0x01 stamp str``) instead of births,
+grants without an identity, and neither ``lapsed`` nor ``moved``; format 1 also
+had no signatures. Storage re-encodes both when it opens an older file
+(``upgrade``); the wire takes the current format only.
 
 What a home signs for a grant is ``grant_message`` (docs/security.md, *Signed
 grants*): the record key, the token and the grant without its signature.
@@ -33,11 +40,12 @@ from typing import TypeVar
 from fencemark.node.crdt.fence import FenceState, Grant
 from fencemark.node.crdt.hlc import Stamp
 from fencemark.node.crdt.lww import LWW
-from fencemark.node.crdt.record import Record
+from fencemark.node.crdt.record import Birth, Record
 
-FORMAT = 2
-LEGACY_FORMAT = 1  # before signed grants: read only by ``upgrade``
+FORMAT = 3
+LEGACY_FORMATS = (1, 2)  # before signed grants (1), before births (2): read by ``upgrade``
 GRANT_MESSAGE = b"fencemark grant v1\x00"  # domain separation of grant signatures
+BIRTH_MESSAGE = b"fencemark birth v1\x00"  # ... and of birth signatures
 DIGEST_SIZE = 16
 MAX_UINT = (1 << 64) - 1  # every integer in a state is a uint64 (tokens, stamps, expiries)
 
@@ -89,12 +97,12 @@ def _stamp(out: bytearray, stamp: Stamp) -> None:
 def encode(record: Record) -> bytes:
     out = bytearray([FORMAT])
     _str(out, record.key)
-    if record.home is None:
-        out.append(0)
-    else:
-        out.append(1)
-        _stamp(out, record.home.stamp)
-        _str(out, record.home.value)
+    _varint(out, len(record.births))
+    for region in sorted(record.births):
+        birth = record.births[region]
+        _str(out, region)
+        _stamp(out, birth.stamp)
+        _bytes(out, birth.signature)
     _varint(out, len(record.fields))
     for name in sorted(record.fields):
         reg = record.fields[name]
@@ -117,14 +125,17 @@ def encode(record: Record) -> bytes:
         _varint(out, grant.granted_hlc)
         _str(out, grant.owner)
         _str(out, grant.region)
+        _str(out, grant.identity)
         _bytes(out, grant.signature)
     _varint(out, len(fence.lease_expiry))
     for token in sorted(fence.lease_expiry):
         _varint(out, token)
         _varint(out, fence.lease_expiry[token])
-    _varint(out, len(fence.released))
-    for token in sorted(fence.released):
-        _varint(out, token)
+    for tokens in (fence.released, fence.lapsed):
+        _varint(out, len(tokens))
+        for token in sorted(tokens):
+            _varint(out, token)
+    _varint(out, fence.moved)
     return bytes(out)
 
 
@@ -137,6 +148,17 @@ def grant_message(key: str, token: int, grant: Grant) -> bytes:
     _varint(out, grant.granted_hlc)
     _str(out, grant.owner)
     _str(out, grant.region)
+    if grant.identity:  # grants made before identities were recorded sign without it
+        _str(out, grant.identity)
+    return bytes(out)
+
+
+def birth_message(key: str, region: str, birth: Birth) -> bytes:
+    """The bytes a region signs for creating ``key``: key, region and birth stamp."""
+    out = bytearray(BIRTH_MESSAGE)
+    _str(out, key)
+    _str(out, region)
+    _stamp(out, birth.stamp)
     return bytes(out)
 
 
@@ -230,13 +252,22 @@ def decode(data: bytes) -> Record:
 
 
 def upgrade(data: bytes) -> bytes:
-    """A stored state in the current format: a format-1 state (written before grants
-    carried signatures) is re-encoded with its grants unsigned; others are returned
-    as they are. Only storage calls this, when it opens an older file: the wire
-    takes the current format only."""
-    if data[:1] != bytes([LEGACY_FORMAT]):
+    """A stored state in the current format: a format-1 or format-2 state is
+    re-encoded (grants unsigned if format 1; the home as the one birth); others
+    are returned as they are. Only storage calls this, when it opens an older
+    file: the wire takes the current format only."""
+    if data[:1] not in (bytes([fmt]) for fmt in LEGACY_FORMATS):
         return data
-    return encode(_decode(data, LEGACY_FORMAT))
+    return encode(_decode(data, data[0]))
+
+
+def _grant(r: _Reader, fmt: int) -> Grant:
+    if fmt == 1:
+        return Grant(r.varint(), r.str(), r.str())
+    if fmt == 2:
+        return Grant(r.varint(), r.str(), r.str(), r.blob())
+    hlc, owner, region, identity = r.varint(), r.str(), r.str(), r.str()
+    return Grant(hlc, owner, region, r.blob(), identity)
 
 
 def _decode(data: bytes, fmt: int) -> Record:
@@ -244,21 +275,28 @@ def _decode(data: bytes, fmt: int) -> Record:
     if r.byte() != fmt:
         raise DecodeError("unknown format")
     key = r.str()
-    home = LWW(r.stamp(), r.str()) if r.bool() else None
+    births: dict[str, Birth]
+    if fmt in LEGACY_FORMATS:
+        births = {}
+        if r.bool():
+            stamp = r.stamp()
+            births[r.str()] = Birth(stamp)
+    else:
+        births = r.sorted_map(r.str, lambda: Birth(r.stamp(), r.blob()))
     fields = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str()))
     tags = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.bool()))
     deleted = LWW(r.stamp(), r.bool())
-    if fmt == LEGACY_FORMAT:
-        grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str()))
-    else:
-        grants = r.sorted_map(r.varint, lambda: Grant(r.varint(), r.str(), r.str(), r.blob()))
-    if grants:
-        fence_token = max(grants)
-        if any(g.signature for t, g in grants.items() if t != fence_token):
-            raise DecodeError("a signature on a grant below the fence")
+    grants = r.sorted_map(r.varint, lambda: _grant(r, fmt))
     lease_expiry = r.sorted_map(r.varint, r.varint)
     released = r.sorted_map(r.varint, lambda: None)
+    lapsed: dict[int, None] = {}
+    moved = 0
+    if fmt not in LEGACY_FORMATS:
+        lapsed = r.sorted_map(r.varint, lambda: None)
+        moved = r.varint()
     if r.pos != len(data):
         raise DecodeError("trailing bytes")
-    fence = FenceState(grants, lease_expiry, frozenset(released))
-    return Record(key, home, fields, tags, deleted, fence)
+    fence = FenceState(grants, lease_expiry, frozenset(released), frozenset(lapsed), moved)
+    if any(g.signature for t, g in grants.items() if t != fence.fence):
+        raise DecodeError("a signature on a grant that is not the fence")
+    return Record(key, births, fields, tags, deleted, fence)

@@ -1,6 +1,6 @@
-"""The claim state of a record: grants, lease expiries and released tokens.
+"""The claim state of a record: grants, lease expiries, released and lapsed tokens.
 
-Three lattices side by side, each with an obvious join:
+Five lattices side by side, each with an obvious join:
 
 - ``grants``: token -> ``Grant``, merged by union. A token is granted once, by
   one region, so two replicas never disagree on an entry; if they ever do, the
@@ -8,10 +8,16 @@ Three lattices side by side, each with an obvious join:
 - ``lease_expiry``: token -> expiry (wall-clock ms, decided by the home node),
   merged by maximum. A renewal can only extend a lease.
 - ``released``: a grow-only set of tokens.
+- ``lapsed``: a grow-only set of tokens whose lease the home saw run out. Only the
+  home decides that a lease has lapsed (a renewal may not have reached anyone
+  else yet); recording it readmits unfenced writes on every node (SPEC §4).
+- ``moved``: a max-register, the token the home moved the fence to without
+  granting it — past every token either side issued when two births of one
+  record meet (docs/consistency.md, *Two births*).
 
-The *fence* is the largest granted token (0 when none); it only ever grows.
-A claim is live when ``fence > 0``, ``fence`` is not released and
-``now < lease_expiry[fence]`` (SPEC §3).
+The *fence* is the largest of ``moved`` and every granted token (0 when none);
+it only ever grows. A claim is live when the fence is a granted token, not
+released, not lapsed, and ``now < lease_expiry[fence]`` (SPEC §3).
 
 Only the fence's grant carries a signature (``Grant.signature``, the home's, made
 with its node key: docs/security.md, *Signed grants*). A grant below the fence can
@@ -46,12 +52,15 @@ HISTORY = 16
 
 class Grant(NamedTuple):
     """Who was granted a token, where and when (HLC of the home node), and the home's
-    signature over that (``b""``: unsigned, or stripped below the fence)."""
+    signature over that (``b""``: unsigned, or stripped below the fence).
+    ``identity`` is the client identity the grant was made to under mutual TLS
+    (``""``: none recorded)."""
 
     granted_hlc: int
     owner: str
     region: str
     signature: bytes = b""
+    identity: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ class FenceState:
     grants: Mapping[int, Grant] = field(default_factory=dict)
     lease_expiry: Mapping[int, int] = field(default_factory=dict)
     released: frozenset[int] = frozenset()
+    lapsed: frozenset[int] = frozenset()
+    moved: int = 0
 
     # -- lattice --------------------------------------------------------------
 
@@ -67,6 +78,8 @@ class FenceState:
             grants=merge_maps(self.grants, other.grants, max),
             lease_expiry=merge_maps(self.lease_expiry, other.lease_expiry, max),
             released=self.released | other.released,
+            lapsed=self.lapsed | other.lapsed,
+            moved=max(self.moved, other.moved),
         )._compact()
 
     def floor(self) -> int:
@@ -90,31 +103,39 @@ class FenceState:
             if t >= floor
         }
         if not floor:
-            return FenceState(grants, self.lease_expiry, self.released)
+            return FenceState(grants, self.lease_expiry, self.released, self.lapsed, self.moved)
         return FenceState(
             grants=grants,
             lease_expiry={t: e for t, e in self.lease_expiry.items() if t >= floor},
             released=frozenset(t for t in self.released if t >= floor),
+            lapsed=frozenset(t for t in self.lapsed if t >= floor),
+            moved=self.moved,
         )
 
     # -- value ----------------------------------------------------------------
 
     @property
     def fence(self) -> int:
-        """The largest token ever granted; 0 when none."""
-        return max(self.grants, default=0)
+        """The largest token ever granted or moved to; 0 when none."""
+        return max(max(self.grants, default=0), self.moved)
 
     def holder(self) -> Grant | None:
-        """The grant of the current fence token, if any."""
+        """The grant of the current fence token, if any (none once the fence moved)."""
         return self.grants.get(self.fence)
+
+    def unreleased(self) -> bool:
+        """Whether the fence is a grant that nobody has released and the home has
+        not seen lapse: a claim that may still be live, as far as anyone but the
+        home can tell (SPEC §4)."""
+        fence = self.fence
+        return fence in self.grants and fence not in self.released and fence not in self.lapsed
 
     def expiry(self, token: int) -> int:
         """When ``token``'s lease lapses (ms); 0 if it never had one."""
         return self.lease_expiry.get(token, 0)
 
     def is_live(self, now_ms: int) -> bool:
-        fence = self.fence
-        return fence > 0 and fence not in self.released and now_ms < self.expiry(fence)
+        return self.unreleased() and now_ms < self.expiry(self.fence)
 
     # -- updates (each an inflation: merge(old, new) == new) --------------------
 
@@ -126,6 +147,8 @@ class FenceState:
             grants={**self.grants, token: grant},
             lease_expiry={**self.lease_expiry, token: max(expiry_ms, self.expiry(token))},
             released=self.released,
+            lapsed=self.lapsed,
+            moved=self.moved,
         )._compact()
 
     def signed(self, signature: bytes) -> FenceState:
@@ -138,19 +161,41 @@ class FenceState:
         if signature < holder.signature:
             raise ValueError("a signature smaller than the grant's own would not be an inflation")
         grants = {**self.grants, self.fence: holder._replace(signature=signature)}
-        return FenceState(grants, self.lease_expiry, self.released)
+        return FenceState(grants, self.lease_expiry, self.released, self.lapsed, self.moved)
 
     def extend(self, token: int, expiry_ms: int) -> FenceState:
         """Move ``token``'s expiry to ``expiry_ms`` unless it is already later."""
-        if expiry_ms <= self.expiry(token) or token < self.floor():
-            return self
+        if expiry_ms <= self.expiry(token) or token not in self.grants:
+            return self  # (tokens below the floor are folded away with their grants)
         return FenceState(
             grants=self.grants,
             lease_expiry={**self.lease_expiry, token: expiry_ms},
             released=self.released,
+            lapsed=self.lapsed,
+            moved=self.moved,
         )
 
     def release(self, token: int) -> FenceState:
-        if token in self.released or token < self.floor():
+        if token in self.released or token not in self.grants:
             return self
-        return FenceState(self.grants, self.lease_expiry, self.released | {token})
+        return FenceState(
+            self.grants, self.lease_expiry, self.released | {token}, self.lapsed, self.moved
+        )
+
+    def lapse(self, token: int) -> FenceState:
+        """Record that ``token``'s lease ran out (the home's decision)."""
+        if token in self.lapsed or token not in self.grants:
+            return self
+        return FenceState(
+            self.grants, self.lease_expiry, self.released, self.lapsed | {token}, self.moved
+        )
+
+    def move(self, token: int) -> FenceState:
+        """Move the fence to ``token`` without granting it: every token below is
+        superseded, and the next grant is ``token + 1``. The fence's grant, if it
+        was signed, keeps its signature only while it is the fence (``_compact``)."""
+        if token <= self.moved:
+            return self
+        return FenceState(
+            self.grants, self.lease_expiry, self.released, self.lapsed, token
+        )._compact()

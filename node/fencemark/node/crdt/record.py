@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from fencemark.node.crdt import lww, tagset
 from fencemark.node.crdt.fence import FenceState
@@ -20,20 +21,35 @@ from fencemark.node.crdt.tagset import TagSet
 HOME_TAG_PREFIX = "homeRegion:"
 
 
-def _merge_home(a: LWW[str] | None, b: LWW[str] | None) -> LWW[str] | None:
-    # First writer wins: the home is fixed at creation, and should two regions
-    # ever create the same key concurrently, every replica picks the earliest.
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return min(a, b)
+class Birth(NamedTuple):
+    """When a region created the record, and that region's signature over it
+    (``b""``: unsigned — a node without TLS, or a file from before signed births)."""
+
+    stamp: Stamp
+    signature: bytes = b""
+
+
+def merge_birth(a: Birth, b: Birth) -> Birth:
+    """A region's earliest birth; of two versions of one birth, the signed one
+    (the larger signature), so the join stays a join."""
+    if a.stamp != b.stamp:
+        return a if a.stamp < b.stamp else b
+    return a if a.signature >= b.signature else b
 
 
 @dataclass(frozen=True)
 class Record:
+    """``births`` maps each region that created the record to that creation.
+
+    One region creates a record; two do only when they create the same key
+    while cut off from each other. The earliest birth is the home, on every
+    replica alike (SPEC §2), and the grants of every birth region are kept, so
+    that the home can supersede whatever the other side granted
+    (docs/consistency.md, *Two births*).
+    """
+
     key: str
-    home: LWW[str] | None = None
+    births: Mapping[str, Birth] = field(default_factory=dict)
     fields: Mapping[str, LWW[str]] = field(default_factory=dict)
     tags: TagSet = field(default_factory=dict)
     deleted: LWW[bool] = lww.FALSE
@@ -46,7 +62,7 @@ class Record:
             raise ValueError(f"cannot merge {other.key!r} into {self.key!r}")
         return Record(
             key=self.key,
-            home=_merge_home(self.home, other.home),
+            births=lww.merge_maps(self.births, other.births, merge_birth),
             fields=lww.merge_maps(self.fields, other.fields, lww.merge),
             tags=tagset.merge(self.tags, other.tags),
             deleted=lww.merge(self.deleted, other.deleted),
@@ -56,13 +72,33 @@ class Record:
     # -- value ----------------------------------------------------------------
 
     @property
+    def home(self) -> LWW[str] | None:
+        """The earliest birth, as ``(stamp, region)``; None if never created."""
+        if not self.births:
+            return None
+        region, birth = min(self.births.items(), key=lambda item: (item[1].stamp, item[0]))
+        return LWW(birth.stamp, region)
+
+    @property
     def exists(self) -> bool:
         """Created somewhere (possibly deleted since)."""
-        return self.home is not None
+        return bool(self.births)
 
     @property
     def is_deleted(self) -> bool:
-        return self.deleted.value
+        """Deleted, unless a claim was granted after the delete's epoch: a grant
+        counts as a write of "not deleted" at its epoch (SPEC §4), so a delete
+        admitted where the grant was not yet known never erases a claimed record."""
+        deleted = self.deleted
+        return deleted.value and deleted.stamp.epoch >= max(self.fence.grants, default=0)
+
+    def claim_live(self, now_ms: int) -> bool:
+        """A live claim granted by the home (a grant of another birth region is
+        superseded as soon as the births meet)."""
+        holder = self.fence.holder()
+        return (
+            holder is not None and holder.region == self.home_region and self.fence.is_live(now_ms)
+        )
 
     @property
     def visible(self) -> bool:
@@ -84,8 +120,7 @@ class Record:
         return sorted(present)
 
     def stamps(self) -> Iterator[Stamp]:
-        if self.home is not None:
-            yield self.home.stamp
+        yield from (birth.stamp for birth in self.births.values())
         yield from (reg.stamp for reg in self.fields.values())
         yield from (reg.stamp for reg in self.tags.values())
         yield self.deleted.stamp
@@ -104,11 +139,11 @@ class Record:
         the key made earlier elsewhere (by a region that had never seen it) cannot
         delete a record created after it.
         """
-        if self.home is not None:
+        if self.births:
             return self
         return replace(
             self,
-            home=LWW(stamp, home_region),
+            births={home_region: Birth(stamp)},
             deleted=lww.assign(self.deleted, False, stamp),
         )
 

@@ -6,8 +6,8 @@ without this module a node would keep pulling from, and pushing to, a peer whose
 certificate is on its CRL. :class:`PeerCheck` closes that gap from the calling
 side: it opens a separate TLS connection to the peer's address with the standard
 library's ``ssl`` module (this node's own certificate, the CA bundle, ALPN
-``h2``, ``PROBE_TIMEOUT_S``; in a thread, so the event loop never blocks), reads
-the certificate the peer presents and checks it:
+``h2``, TLS 1.3 only, ``PROBE_TIMEOUT_S``; in a thread, so the event loop never
+blocks), reads the certificate the peer presents and checks it:
 
 - against the node's revocation list in use (``LiveTls.revocations``, the CRL
   ``fencemark.node.revocation`` reads): ``revoked_certificate``;
@@ -199,10 +199,14 @@ def split_address(address: str) -> tuple[str, int]:
 
 @functools.lru_cache(maxsize=4)
 def _context(pems: tuple[bytes, bytes, bytes]) -> ssl.SSLContext:
-    """A client context: trust the CA bundle, present the node's pair, speak h2."""
+    """A client context: trust the CA bundle, present the node's pair, speak h2, TLS 1.3.
+
+    Every node's port speaks TLS 1.3 (docs/security.md, the handshake), so an
+    address that offers only TLS 1.2 is no node of ours: no verified handshake.
+    """
     ca, cert, key = pems
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the host name
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.load_verify_locations(cadata=ca.decode())
     # load_cert_chain reads files only: a private directory (0700), gone at once.
     with tempfile.TemporaryDirectory(prefix="fencemark-probe-") as directory:

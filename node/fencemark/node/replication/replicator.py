@@ -384,18 +384,37 @@ class Replicator:
     # -- anti-entropy ----------------------------------------------------------------
 
     async def _anti_entropy_loop(self) -> None:
-        if self.catching_up:
-            await self._catch_up()
+        synced: set[str] = set()  # while catching up: peers that gave a complete round
         while True:
             now = time.monotonic()
             ready = [p for p in self._peers.values() if max(p.retry_at, p.behind_until) <= now]
+            pending = [p for p in ready if p.stats.region not in synced]
+            if self.catching_up and pending:
+                ready = pending  # the peers still owed a complete round go first
             result = None
             if ready:
-                result = await self._guarded_round(random.choice(ready))
+                peer = random.choice(ready)
+                result = await self._guarded_round(peer)
+                if self.catching_up and result is not None and result.complete:
+                    synced.add(peer.stats.region)
+                    if synced == set(self._peers):
+                        await self._caught_up(synced)
             # Hurry only while pulling: a round that pulled nothing, even a truncated
             # one, found a peer that is behind, and that peer pulls in its own rounds.
             busy = result is not None and result.pulled > 0
+            if self.catching_up and pending:
+                busy = True  # nothing is decided here until every peer gave a round
             await asyncio.sleep(0.02 if busy else self.interval * random.uniform(0.5, 1.5))
+
+    async def _caught_up(self, synced: set[str]) -> None:
+        """Every peer has given one complete round: this node has seen every grant its
+        peers hold (fencemark.node.grant_gate). A peer that stays unreachable keeps
+        the node from deciding; removing it from ``--peer`` is the operator's way to
+        say it is gone for good (docs/operations.md, *A node that lost its disk*)."""
+        self.catching_up = False
+        log.info("caught up with %s; deciding claims", ", ".join(sorted(synced)))
+        if self._on_caught_up is not None:
+            await self._on_caught_up()
 
     async def _guarded_round(self, peer: _Peer) -> RoundResult | None:
         try:
@@ -422,25 +441,6 @@ class Replicator:
             # rounds for a while instead of descending into it again and again.
             peer.behind_until = time.monotonic() + BEHIND_PAUSE_S
         return result
-
-    async def _catch_up(self) -> None:
-        """Full passes with the peers until this node has seen their states."""
-        synced: set[str] = set()
-        while True:
-            for region, peer in self._peers.items():
-                if region in synced or peer.retry_at > time.monotonic():
-                    continue
-                result = await self._guarded_round(peer)
-                if result is not None and result.complete:
-                    synced.add(region)
-            gave_up = {r for r, p in self._peers.items() if p.stats.failures >= 3}
-            if synced and synced | gave_up == set(self._peers):
-                break
-            await asyncio.sleep(0.05)
-        self.catching_up = False
-        log.info("caught up with %s; granting claims", ", ".join(sorted(synced)))
-        if self._on_caught_up is not None:
-            await self._on_caught_up()
 
     async def sync_round(self, peer: _Peer) -> RoundResult:
         """One bounded anti-entropy round with ``peer``: this node pulls what differs."""
@@ -534,13 +534,21 @@ class Replicator:
             for key, digest, hlc in await self.replica.storage.bucket_entries(spans)
         }
         changed = [k for k, (digest, _) in theirs.items() if mine.get(k, (b"",))[0] != digest]
+        # A state this node refused is left where it is until its pause is over
+        # (PeerStats.refused): fetching it again would only be refused again.
+        # While catching up every state is fetched: an unknown signer may be learnt
+        # from this peer now, and a round that left one behind would not be complete.
+        refused = peer.stats.skips
+        changed_pulls = [k for k in changed if self.catching_up or not refused(k, theirs[k][0])]
         only_mine = len(mine.keys() - theirs.keys())
         # Skip states whose largest HLC is below ours: typically an older version
         # of ours. Should one hold something ours lacks, the peer pulls ours (its
         # HLC is larger) and the next comparison fetches the join; a node catching
         # up after disk loss takes everything (docs/replication.md, step 4).
         pull = [
-            k for k in changed if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
+            k
+            for k in changed_pulls
+            if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
         ]
         return pull, len(changed) + only_mine
 

@@ -95,12 +95,13 @@ async def merge_all(
         return_exceptions=True,
     )
     changed = 0
-    for result in results:
+    for result, record, state in zip(results, records, encoded, strict=True):
         if isinstance(result, MergeRefused):
-            log.warning("refused a state from %s: %s", region or "?", result)
-            if peer is not None:
-                peer.merges_refused += 1
-                peer.last_refusal = str(result)[:500]
+            if peer is None:
+                log.warning("refused a state from %s: %s", region or "?", result)
+            else:
+                raw = state if state is not None else codec.encode(record)
+                peer.refused(result.key, result.reason, result.detail, codec.digest(raw))
         elif isinstance(result, BaseException):
             raise result
         else:

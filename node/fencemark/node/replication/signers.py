@@ -6,12 +6,21 @@ states it asks the peer that delivered them (``Replication.Certificates``): that
 peer merged the grant, so it verified it and knows the certificate. Each one is
 checked here against the cluster CA (``Keyring.add``) whoever relayed it, kept in
 the keyring and persisted (storage meta), so it is known after a restart and can
-be relayed on. Asking is throttled per peer and key id; a state whose signer is
-still unknown is refused ``unknown_signer`` and the next exchange retries.
+be relayed on.
+
+Learning never holds up a merge that does not need it: there is one fetch in
+flight per (peer, key id), which every merge of states from that peer needing
+that key id awaits, and nothing else does — a merge whose signers are all known
+awaits nothing, whatever is being learned meanwhile. A fetch has a deadline
+(``TIMEOUT_S``); a state whose signer is still unknown after it is refused
+``unknown_signer``, and a later exchange retries. Asking is throttled per peer
+and key id (``ASK_AGAIN_S`` after the last fetch ended), so a peer that does
+not answer, or answers slowly, is not asked in a loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -30,62 +39,100 @@ from fencemark.v1 import replication_pb2, replication_pb2_grpc
 log = logging.getLogger(__name__)
 
 MAX_KEY_IDS = 64  # per Certificates request
-ASK_AGAIN_S = 5.0  # a peer that did not know a key id is asked again after this
-TIMEOUT_S = 5.0
+ASK_AGAIN_S = 5.0  # a peer is asked for a key id again this long after the last fetch ended
+TIMEOUT_S = 5.0  # the deadline of one fetch (the Certificates call)
+MAX_ASKED = 10_000  # (peer, key id) pairs remembered for the throttle
 
 
 async def learn_signers(replica: Replica, peer: PeerStats, records: Sequence[Record]) -> int:
-    """Fetch from ``peer`` the certificates of unknown signers in ``records``;
-    returns how many were added to the keyring."""
+    """Fetch from ``peer`` the certificates of unknown signers in ``records``, or
+    await the fetch of them already in flight; returns how many of them are known
+    afterwards. Returns at once when every signer is known."""
     keyring = replica.keyring
     if keyring is None:
         return 0
-    async with keyring.learning:
-        return await _learn(replica, keyring, peer, records)
-
-
-async def _learn(
-    replica: Replica, keyring: Keyring, peer: PeerStats, records: Sequence[Record]
-) -> int:
-    now = time.monotonic()
-    asked = keyring.asked
-    ask = sorted(
-        kid
-        for kid in keyring.missing(records)
-        if now - asked.get((peer.region, kid), -ASK_AGAIN_S) >= ASK_AGAIN_S
-    )[:MAX_KEY_IDS]
-    if not ask:
+    missing = keyring.missing(records)
+    if not missing:
         return 0
-    if len(asked) > 10_000:
+    now = time.monotonic()
+    waits: set[asyncio.Task[None]] = set()
+    ask: list[bytes] = []
+    for kid in sorted(missing):
+        fetch = keyring.fetches.get((peer.region, kid))
+        if fetch is not None:
+            waits.add(fetch)
+        elif (
+            now - keyring.asked.get((peer.region, kid), -ASK_AGAIN_S) >= ASK_AGAIN_S
+            and len(ask) < MAX_KEY_IDS
+        ):
+            ask.append(kid)
+    if ask:
+        waits.add(_start_fetch(replica, keyring, peer, ask))
+    if waits:
+        # Each fetch ends by its deadline. asyncio.wait cancels nothing: should this
+        # merge's caller give up, a fetch that others await runs on.
+        await asyncio.wait(waits)
+    return sum(kid in keyring for kid in missing)
+
+
+def _start_fetch(
+    replica: Replica, keyring: Keyring, peer: PeerStats, ask: list[bytes]
+) -> asyncio.Task[None]:
+    """One Certificates call for ``ask``, registered as in flight for each key id."""
+    asked = keyring.asked
+    if len(asked) > MAX_ASKED:
         asked.clear()
+    now = time.monotonic()
     for kid in ask:
         asked[(peer.region, kid)] = now
+    fetch = asyncio.get_running_loop().create_task(_fetch(replica, keyring, peer, ask))
+    for kid in ask:
+        keyring.fetches[(peer.region, kid)] = fetch
+
+    def done(task: asyncio.Task[None]) -> None:
+        ended = time.monotonic()
+        for kid in ask:
+            asked[(peer.region, kid)] = ended  # throttled from when it ended
+            if keyring.fetches.get((peer.region, kid)) is task:
+                del keyring.fetches[(peer.region, kid)]
+
+    fetch.add_done_callback(done)
+    return fetch
+
+
+async def _fetch(replica: Replica, keyring: Keyring, peer: PeerStats, ask: list[bytes]) -> None:
     origin = replication_pb2.Origin(
         region=replica.region, node_id=replica.node_id, hlc=replica.clock.now()
     )
     try:
-        async with peer_channel(peer.address, peer.credentials) as channel:
-            stub = replication_pb2_grpc.ReplicationStub(channel)
-            response = await stub.Certificates(
-                replication_pb2.CertificatesRequest(origin=origin, key_ids=ask), timeout=TIMEOUT_S
-            )
+        # The call's deadline tells the peer; the outer one also bounds connecting,
+        # closing the channel, and keeping what it answered.
+        async with asyncio.timeout(TIMEOUT_S):
+            async with peer_channel(peer.address, peer.credentials) as channel:
+                stub = replication_pb2_grpc.ReplicationStub(channel)
+                request = replication_pb2.CertificatesRequest(origin=origin, key_ids=ask)
+                response = await stub.Certificates(request, timeout=TIMEOUT_S)
+            await _keep(replica, keyring, peer.region, list(response.certificates[:MAX_KEY_IDS]))
     except grpc.aio.AioRpcError as exc:
         log.info("could not fetch signer certificates from %s: %s", peer.region, exc.code().name)
-        return 0
-    return await _keep(replica, keyring, peer.region, list(response.certificates[:MAX_KEY_IDS]))
+    except TimeoutError:
+        log.info("could not fetch signer certificates from %s: no answer in time", peer.region)
+    except Exception:  # a local fault (storage): the states wait for a later exchange
+        log.exception("keeping signer certificates from %s failed", peer.region)
 
 
 async def _keep(replica: Replica, keyring: Keyring, region: str, certificates: list[bytes]) -> int:
-    added = 0
+    # All into the keyring first (no await between them), then persisted: merges
+    # use the keyring, and persisting only lets a restart skip asking again.
+    added: list[tuple[bytes, bytes]] = []
     for der in certificates:
         try:
-            kid = keyring.add(der)
+            added.append((keyring.add(der), der))
         except ValueError as exc:
             log.warning("refused a signer certificate relayed by %s: %s", region, exc)
-            continue
-        added += 1
+    for kid, der in added:
         await persist(replica, kid, der)
-    return added
+    return len(added)
 
 
 async def persist(replica: Replica, kid: bytes, der: bytes) -> None:

@@ -1,0 +1,146 @@
+"""A node that lost its disk owes a catch-up until it completes one, however often it
+restarts (issue 13, hole 1; SPEC §4).
+
+Real node processes, ``kill -9`` and ``SIGTERM``, a wiped data directory and
+``SIGSTOP``ped peers: the sequences an attacker arranged. Before the fix, whether
+catch-up was still owed was inferred from an empty store at start-up, so a
+restart after one client write — or after part of a catch-up — granted again a
+token a worker still held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fencemark.client import AsyncClient, ClaimConflict
+from fencemark.client.errors import NotFound, Unavailable
+from fencemark.node.admission import RECOVERY_GAP
+from fencemark.node.process import NodeProcess
+from tests.cluster import ProcessCluster, eventually
+
+pytestmark = pytest.mark.slow
+
+TAGS = ["backlog", "homeRegion:us"]
+
+
+@contextlib.contextmanager
+def paused(*nodes: NodeProcess) -> Iterator[None]:
+    """``SIGSTOP`` the nodes (a paused process: connections open, nothing answers)."""
+    for node in nodes:
+        os.kill(node.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for node in nodes:
+            os.kill(node.proc.pid, signal.SIGCONT)
+
+
+async def deciding(address: str) -> bool:
+    async with AsyncClient(address) as client:
+        return (await client.info()).claims_serving
+
+
+async def assert_not_deciding(address: str, key: str) -> None:
+    """Health says catching up, and a claim is refused as not serving."""
+    async with AsyncClient(address, timeout=5) as client:
+        assert not (await client.info()).claims_serving
+        with pytest.raises(Unavailable, match="catching up"):
+            await client.claim(key, "worker-b", lease_seconds=60)
+
+
+async def test_catch_up_stays_owed_across_restarts_after_a_client_write(tmp_path: Path) -> None:
+    """us grants token 1 (eu sees it), loses its disk, restarts while eu is paused,
+    takes an unfenced write, and restarts again (kill -9, then SIGTERM): it must
+    still refuse to grant. Before the fix the second restart found a non-empty
+    store, served claims, and granted token 1 to worker-b."""
+    async with ProcessCluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await eventually(lambda: deciding(us.address), "us deciding claims")
+        async with AsyncClient(us.address) as client:
+            made = await client.remember("lattice", "backlog", "item-1", title="x", tags=TAGS)
+            key = made.record.key
+            first = await client.claim(key, "worker-a", lease_seconds=1)
+        assert first.fencing_token == 1
+
+        async def eu_has_the_grant() -> bool:
+            async with AsyncClient(eu.address) as client:
+                return (await client.claim_status(key)).fence == 1
+
+        await eventually(eu_has_the_grant, "the grant replicated to eu")
+        await cluster.kill("us")
+        cluster.wipe("us")
+        with paused(eu):
+            us = await cluster.start("us")
+            await assert_not_deciding(us.address, key)
+            async with AsyncClient(us.address, timeout=5) as client:
+                # Unfenced writes are taken meanwhile (by a non-home node's rule).
+                await client.remember("lattice", "backlog", "item-1", title="again", tags=TAGS)
+            await cluster.kill("us")
+            us = await cluster.start("us")
+            await assert_not_deciding(us.address, key)
+            await cluster.stop("us")
+            us = await cluster.start("us")
+            await assert_not_deciding(us.address, key)
+
+        await eventually(lambda: deciding(us.address), "us deciding after catching up", within=30)
+        async with AsyncClient(us.address) as client:
+            second = await client.claim(key, "worker-b", lease_seconds=60)
+            assert second.granted
+            # Past the gap: no token the lost disk may have granted comes again.
+            assert second.fencing_token > 1 + RECOVERY_GAP
+            with pytest.raises(ClaimConflict) as refused:
+                await client.update(key, fields={"body": "a"}, fencing_token=1)
+            assert refused.value.reason == "superseded"
+
+
+async def test_a_restart_in_the_middle_of_catch_up_leaves_it_owed(tmp_path: Path) -> None:
+    """Three regions: us grants token 2 while eu and ap are paused (it never
+    replicates), loses its disk, catches up from eu while ap hangs, is killed in
+    that window and restarted. Before the fix it then granted token 2 again and
+    admitted the old holder's write."""
+    async with ProcessCluster(tmp_path, ["us", "eu", "ap"]) as cluster:
+        us, eu, ap = await cluster.start_all()
+        await eventually(lambda: deciding(us.address), "us deciding claims")
+        async with AsyncClient(us.address) as client:
+            made = await client.remember("lattice", "backlog", "item-2", title="x", tags=TAGS)
+            key = made.record.key
+            first = await client.claim(key, "worker-a", lease_seconds=60)
+            await client.release_claim(key, first.fencing_token)
+
+        async def replicated(address: str) -> bool:
+            async with AsyncClient(address) as client:
+                try:
+                    return (await client.claim_status(key)).fence == 1
+                except NotFound:
+                    return False
+
+        await eventually(lambda: replicated(eu.address), "token 1 at eu")
+        await eventually(lambda: replicated(ap.address), "token 1 at ap")
+        with paused(eu, ap):
+            async with AsyncClient(us.address) as client:
+                lost = await client.claim(key, "worker-b", lease_seconds=60)
+            assert lost.fencing_token == 2  # on us's disk only
+            await cluster.kill("us")
+        cluster.wipe("us")
+
+        with paused(ap):
+            us = await cluster.start("us")
+            await eventually(lambda: replicated(us.address), "us pulled token 1 from eu")
+            await assert_not_deciding(us.address, key)
+            await cluster.kill("us")
+            us = await cluster.start("us")
+            await assert_not_deciding(us.address, key)
+
+        await eventually(lambda: deciding(us.address), "us deciding after catching up", within=30)
+        async with AsyncClient(us.address) as client:
+            again = await client.claim(key, "worker-c", lease_seconds=60)
+            assert again.granted and again.fencing_token > 2
+            with pytest.raises(ClaimConflict) as refused:
+                await client.update(key, fields={"body": "b"}, fencing_token=2)
+            assert refused.value.reason == "superseded"

@@ -1,0 +1,126 @@
+"""One id created in two regions during a partition (issue 13, hole 2; SPEC §2).
+
+Before the fix the replicas kept two homes forever, both regions granted token 1
+to different owners and admitted both owners' fenced writes, and replication
+re-fetched the refused state about 40 times a second. Now the earliest birth is
+the home on every replica, the surviving home moves its fence past every token
+either side issued, and nothing is fetched in a loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fencemark.client import AsyncClient, ClaimConflict
+from fencemark.node.crdt import Grant
+from fencemark.node.integrity import Bounds
+from fencemark.node.server import NodeServer
+from tests.cluster import Cluster, eventually, wait_converged
+
+pytestmark = pytest.mark.slow
+
+
+async def deciding(*nodes: NodeServer) -> None:
+    async def all_deciding() -> bool:
+        return all(node.replica.deciding for node in nodes)
+
+    await eventually(all_deciding, "every node deciding claims")
+
+
+async def rounds_pass(node: NodeServer, count: int) -> None:
+    """Wait until ``node`` has run ``count`` more anti-entropy rounds."""
+    target = node.replicator.rounds + count
+
+    async def done() -> bool:
+        return node.replicator.rounds >= target
+
+    await eventually(done, f"{count} anti-entropy rounds at {node.config.region}", within=30)
+
+
+async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_holders(
+    tmp_path: Path,
+) -> None:
+    async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
+        await deciding(*await cluster.start_all())
+        await cluster.stop("us")
+        await cluster.stop("eu")
+        # The split: us and eu each alone (ap reaches neither).
+        us = await cluster.start_isolated("us")
+        eu = await cluster.start_isolated("eu")
+        async with AsyncClient(us.address) as at_us, AsyncClient(eu.address) as at_eu:
+            made = await at_us.remember("lattice", "backlog", "split-1", title="from us")
+            key = made.record.key
+            await at_eu.remember("lattice", "backlog", "split-1", title="from eu")
+            held_us = await at_us.claim(key, "worker-us", lease_seconds=60)
+            held_eu = await at_eu.claim(key, "worker-eu", lease_seconds=60)
+            assert held_us.fencing_token == held_eu.fencing_token == 1  # two homes, apart
+            await at_us.update(key, fields={"body": "us work"}, fencing_token=1)
+            await at_eu.update(key, fields={"body": "eu work"}, fencing_token=1)
+
+        await cluster.stop("us")
+        await cluster.stop("eu")
+        us, eu = await cluster.start_all(["us", "eu"])  # the heal
+        nodes = [us, eu, cluster["ap"]]
+        await wait_converged(nodes, within=30)
+
+        for node in nodes:
+            stored = await node.storage.get(key)
+            assert stored is not None
+            assert stored.record.home_region == "us"  # the earlier birth, everywhere
+            assert set(stored.record.births) == {"us", "eu"}
+            # The surviving home moved its fence past both sides' token 1.
+            assert stored.record.fence.fence == 2 and stored.record.fence.holder() is None
+
+        async with AsyncClient(us.address) as at_us, AsyncClient(eu.address) as at_eu:
+            status = await at_us.claim_status(key)
+            assert status.claim is None and status.fence == 2
+            with pytest.raises(ClaimConflict) as refused:
+                await at_us.update(key, fields={"body": "late us"}, fencing_token=1)
+            assert refused.value.reason == "superseded"
+            with pytest.raises(ClaimConflict) as elsewhere:
+                await at_eu.update(key, fields={"body": "late eu"}, fencing_token=1)
+            assert elsewhere.value.reason == "wrong_region"
+            renewal = await at_eu.renew_claim(key, 1)
+            assert not renewal.renewed and renewal.reason == "wrong_region"
+            again = await at_us.claim(key, "worker-next", lease_seconds=60)
+            assert again.granted and again.fencing_token == 3
+
+        # Nothing refused, so nothing to fetch again and again.
+        await rounds_pass(us, 5)
+        for node in nodes:
+            for region in node.config.peers:
+                stats = node.replicator.peer_stats(region)
+                assert stats.merges_refused == 0, stats.last_refusal
+
+
+async def test_a_refused_state_is_not_fetched_again_and_again(tmp_path: Path) -> None:
+    """A state a peer holds and this node refuses is fetched, counted by reason, and
+    then left alone while the peer still holds it — before the fix it was fetched
+    again in every round, and a round that fetched anything was followed at once by
+    the next (about 40 a second). Here eu accepts token jumps that us refuses;
+    ap keeps us's rounds going."""
+    async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
+        us, eu, ap = await cluster.start_all()
+        await deciding(us, eu, ap)
+        eu.replica.bounds = Bounds(eu.replica.bounds.max_offset_ms, max_token_jump=1 << 40)
+        async with AsyncClient(eu.address) as client:
+            made = await client.remember("lattice", "backlog", "jumpy", title="x")
+            key = made.record.key
+        await wait_converged([us, eu, ap])
+        stored = await eu.storage.get(key)
+        assert stored is not None
+        record, clock = stored.record, eu.replica.clock
+        jump = record.fence.grant(1 << 30, Grant(clock.now(), "w", "eu"), clock.wall_ms() + 60_000)
+        await eu.replica.merge(record.with_fence(jump))  # as a hostile eu could hold it
+        stats = us.replicator.peer_stats("eu")
+
+        async def refused_once() -> bool:
+            return stats.merge_refusals["token_jump"] >= 1
+
+        await eventually(refused_once, "us refusing eu's state")
+        await rounds_pass(us, 12)
+        assert stats.merge_refusals["token_jump"] <= 2, stats.merge_refusals
+        assert key in stats.refused_states
+        assert stats.merges_refused == sum(stats.merge_refusals.values())
