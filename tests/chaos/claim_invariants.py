@@ -300,10 +300,11 @@ def fenced_writes_survive(
             f"{write.agent}'s {write.op} {write.key} {write.detail}={write.value}"
             f" (token {write.token}) {why}, at {','.join(r for r, _ in absent)}"
         )
+    kept = len(acked) - overwritten - lost
     detail = "; ".join(violations[:3]) or (
-        f"{len(acked)} acknowledged fenced writes in every region's final state, but"
+        f"{len(acked)} acknowledged fenced writes: {kept} in every region's final state,"
         f" {overwritten} overwritten under a newer claim or after theirs ended"
-        + (f" and {lost} lost with a wiped disk before they could replicate" if lost else "")
+        + (f", {lost} lost with a wiped disk before they could replicate" if lost else "")
     )
     return Verdict(
         "9. fenced writes survive",

@@ -189,7 +189,8 @@ class Shapes:
                     return homes[0]
                 seen = f"homes {','.join(homes)}, fence {fence} (tokens up to {granted})"
             await asyncio.sleep(MEET_POLL_S)
-        self.workload.record(key.rsplit("/", 1)[1], "split-met", key, "fail", invoked, seen)
+        # What it saw last as the value: the detail of a failure counts as a refusal.
+        self.workload.record(key.rsplit("/", 1)[1], "split-met", key, "fail", invoked, "", seen)
         return ""
 
     async def _claim_once(self, key: str, home: str, who: str) -> None:
