@@ -56,7 +56,7 @@ def certs(tmp_path: Path) -> Path:
 
 
 def merge_refusals(node: NodeServer) -> dict[tuple[str, ...], float]:
-    return counters(node, "fencemark_replication_merge_refusals", "peer", "reason")
+    return counters(node, "fencemark_replication_merges_refused", "peer", "reason")
 
 
 def reissue(certs: Path, staged: Path, region: str) -> None:
@@ -94,7 +94,7 @@ def test_a_signature_is_refused_from_the_moment_its_certificates_revocation_is_l
     mangled = signed._replace(owner="mallory")
     assert ring.problem(key, 1, mangled) == (
         "bad_signature",
-        "token 1's signature does not match its grant",
+        "token 1: the signature does not match what it signs",
     )
 
 
@@ -190,8 +190,10 @@ async def test_a_grant_signed_by_a_revoked_key_is_refused_and_the_holder_keeps_i
         )
         assert code == 0
         shown = capsys.readouterr().out
-        (row,) = [line for line in shown.splitlines() if line.strip().startswith("peer ap")]
-        assert "REFUSED 1 states" in row and "revoked_signer" in row, row
+        lines = shown.splitlines()
+        (at,) = [i for i, line in enumerate(lines) if line.strip().startswith("peer ap")]
+        assert "REFUSED 1 states" in lines[at], lines[at]
+        assert "last refused state" in lines[at + 1] and "revoked_signer" in lines[at + 1]
 
 
 # -- slow signers -------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
-"""Floods are bounded: waiting claims per client and in all, and calls in flight.
+"""Floods are bounded: waiting claims per client and in all, and calls in flight per class.
 
 A caller beyond a bound is refused at once with RESOURCE_EXHAUSTED (and an
-ErrorInfo naming the resource and its limit) instead of queueing without end.
+ErrorInfo naming the resource and its limit) instead of queueing without end. No
+class of call can take the slots of another (fencemark.node.budgets): waiting
+claims hold none, so health checks, reads and the peers' replication keep answering.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -15,12 +18,22 @@ from typing import Any, cast
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient, FencemarkError, tls_credentials
 from fencemark.node.server import NodeServer
 from fencemark.node.tls import TlsFiles, init_dir
-from fencemark.v1 import claims_pb2, claims_pb2_grpc
+from fencemark.v1 import (
+    claims_pb2,
+    claims_pb2_grpc,
+    records_pb2,
+    records_pb2_grpc,
+    replication_pb2,
+    replication_pb2_grpc,
+)
+from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode
+from tests.metrics import counters, gauges, refusals
 
 HOLD_S = 30.0
 
@@ -97,24 +110,88 @@ async def test_waiters_are_bounded_in_all(start_node: StartNode) -> None:
         assert "at most 2" in str(refused.value)
 
 
+def _error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    trailers = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    (raw,) = [v for k, v in trailers if k == "grpc-status-details-bin"]
+    assert isinstance(raw, bytes)
+    info = error_details_pb2.ErrorInfo()
+    assert status_pb2.Status.FromString(raw).details[0].Unpack(info)
+    return info
+
+
+@contextlib.asynccontextmanager
+async def watching(channel: grpc.aio.Channel, count: int) -> AsyncIterator[None]:
+    """``count`` health Watch streams open on ``channel`` (each holds a read slot)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    streams = [stub.Watch(health_pb2.HealthCheckRequest()) for _ in range(count)]
+    try:
+        for stream in streams:  # each has started once it sent its first status
+            first = await stream.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+        yield
+    finally:
+        for stream in streams:
+            stream.cancel()
+
+
 @pytest.mark.slow
-async def test_calls_in_flight_are_bounded(start_node: StartNode) -> None:
-    node = await start_node(max_concurrent_rpcs=2, max_waiters_per_client=10)
+async def test_each_class_of_call_has_a_budget_of_its_own(start_node: StartNode) -> None:
+    """Regression: gRPC's one pool of calls let any class of call starve the others."""
+    node = await start_node(max_concurrent_reads=2, max_concurrent_writes=2)
+    async with AsyncClient(node.address, retries=0) as client:
+        key = (await client.remember("limits", "t", "budget", title="x")).record.key
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            async with watching(channel, 2):  # the read budget is full ...
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await records_pb2_grpc.RecordsStub(channel).Get(
+                        records_pb2.GetRequest(key=key), timeout=5
+                    )
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                info = _error_info(refused.value)
+                assert info.metadata["resource"] == "concurrent read calls"
+                assert info.metadata["limit"] == "2"
+                one_more = health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest()
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as streams_refused:
+                    await one_more.read()  # streams count too
+                assert streams_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                # ... and writes, health checks and replication have budgets of their own.
+                assert (await client.update(key, fields={"body": "b"})).fields["body"] == "b"
+                assert await client.health() == "SERVING"
+                tree = replication_pb2.TreeRequest(origin=replication_pb2.Origin(region="eu"))
+                await replication_pb2_grpc.ReplicationStub(channel).Tree(tree, timeout=5)
+            assert (await client.get(key)).key == key  # the slots came back
+    budget_refusals = counters(node, "fencemark_rpc_budget_refusals", "class")
+    assert budget_refusals == {("read",): 2, ("write",): 0, ("replication",): 0, ("health",): 0}
+    assert refusals(node)[("Get", "resource_exhausted")] == 1
+
+
+@pytest.mark.slow
+async def test_claims_waiting_in_line_hold_no_call_slot(start_node: StartNode) -> None:
+    node = await start_node(
+        max_concurrent_reads=2, max_concurrent_writes=2, max_waiters_per_client=10
+    )
     async with AsyncClient(node.address, retries=0) as client:
         key = await held_record(node, client)
-        async with waiting(node, client, key, 2):
-            with pytest.raises(FencemarkError) as refused:
-                await client.get(key)
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        for _ in range(100):  # the node notices the cancellations: capacity comes back
-            try:
-                assert (await client.get(key)).key == key
-                break
-            except FencemarkError as exc:
-                assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("calls in flight never went back under the bound")
+        async with waiting(node, client, key, 5):  # more than any budget
+            assert (await client.get(key)).key == key
+            assert (await client.claim(key, "no-wait")).reason == "contended"
+            assert (await client.claim_status(key)).queue_depth == 5
+            in_flight = gauges(node, "fencemark_rpcs_in_flight", "class")
+            assert in_flight[("write",)] == 0
+
+        # A caller that gave up is CANCELLED, not UNKNOWN. (Waited for with the
+        # connection open: each cancellation reaches the node on its own.)
+        async def all_gave_up() -> bool:
+            codes = counters(node, "fencemark_requests", "method", "code")
+            return node.claims.waiting == 0 and codes.get(("Claim", "CANCELLED"), 0) == 5
+
+        async def codes() -> str:
+            return str(counters(node, "fencemark_requests", "method", "code"))
+
+        await eventually(all_gave_up, "the node counting every waiter that gave up", explain=codes)
+    assert ("Claim", "UNKNOWN") not in counters(node, "fencemark_requests", "method", "code")
 
 
 # -- per client: one certificate identity is one client, whatever its connections -------------
@@ -127,15 +204,6 @@ def _claims_channel(node: NodeServer, certs: Path, name: str) -> grpc.aio.Channe
         TlsFiles.in_dir(certs, name).channel_credentials(),
         options=[("grpc.use_local_subchannel_pool", 1)],
     )
-
-
-def _error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
-    trailers = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
-    (raw,) = [v for k, v in trailers if k == "grpc-status-details-bin"]
-    assert isinstance(raw, bytes)
-    info = error_details_pb2.ErrorInfo()
-    assert status_pb2.Status.FromString(raw).details[0].Unpack(info)
-    return info
 
 
 @pytest.mark.slow
@@ -193,3 +261,76 @@ async def test_waiter_limit_is_per_certificate_identity_across_connections(
         await asyncio.gather(*waiters, return_exceptions=True)
         for channel in channels:
             await channel.close(None)
+
+
+@pytest.mark.slow
+async def test_waiting_claims_of_several_identities_leave_health_reads_and_replication_alone(
+    tmp_path: Path,
+) -> None:
+    """The report, scaled down: 10 calls per class, 100 waiters, 4 per identity. Three
+    identities with 4 waiting claims each made Info, Health.Check and eu's
+    Replication.Tree answer RESOURCE_EXHAUSTED, and eu marked us unreachable."""
+    certs = tmp_path / "certs"
+    agents = ["agent-0", "agent-1", "agent-2"]
+    init_dir(certs, regions=["us", "eu"], clients=["alice", *agents])
+    scaled = {f"max_concurrent_{kind}": 10 for kind in ("reads", "writes", "replication", "health")}
+    async with Cluster(
+        tmp_path / "nodes", ["us", "eu"], max_waiters=100, max_waiters_per_client=4, **scaled
+    ) as cluster:
+        us = await cluster.start("us", tls=TlsFiles.in_dir(certs, "us"))
+        eu = await cluster.start("eu", tls=TlsFiles.in_dir(certs, "eu"))
+        async with AsyncClient(
+            us.address, credentials=tls_credentials(certs, "alice"), retries=0
+        ) as alice:
+
+            async def deciding() -> bool:
+                return (await alice.info()).claims_serving
+
+            await eventually(deciding, "us deciding claims once it has seen eu")
+            key = await held_record(us, alice)
+            clients = [
+                AsyncClient(us.address, credentials=tls_credentials(certs, a), retries=0)
+                for a in agents
+            ]
+            waiters = [
+                asyncio.create_task(c.claim(key, f"{a}-{i}", wait_seconds=HOLD_S))
+                for c, a in zip(clients, agents, strict=True)
+                for i in range(4)
+            ]
+            try:
+                for _ in range(200):  # bounded: until all twelve queue
+                    if us.claims.waiting == 12:
+                        break
+                    await asyncio.sleep(0.05)
+                assert us.claims.waiting == 12  # more than any class's 10 slots
+                # Each identity's own bound still holds ...
+                with pytest.raises(FencemarkError) as refused:
+                    await clients[0].claim(key, "agent-0-more", wait_seconds=HOLD_S)
+                assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "claim waiters from one client" in str(refused.value)
+                # ... and nothing else is starved: Info, Health.Check, a peer's Tree.
+                assert (await alice.info()).region == "us"
+                assert await alice.health() == "SERVING"
+                credentials = TlsFiles.in_dir(certs, "eu").channel_credentials()
+                async with grpc.aio.secure_channel(us.address, credentials) as channel:
+                    origin = replication_pb2.Origin(region="eu", hlc=eu.replica.clock.now())
+                    tree = await replication_pb2_grpc.ReplicationStub(channel).Tree(
+                        replication_pb2.TreeRequest(origin=origin), timeout=5
+                    )
+                    assert tree.hashes
+                # eu completes a round with us while they wait: us stays reachable.
+                since = time.time()
+                await eventually(lambda: _synced_since(eu, "us", since), "a round of eu's with us")
+            finally:
+                for task in waiters:
+                    task.cancel()
+                await asyncio.gather(*waiters, return_exceptions=True)
+                for c in clients:
+                    await c.close()
+        assert not any(counters(us, "fencemark_rpc_budget_refusals", "class").values())
+
+
+async def _synced_since(node: NodeServer, peer: str, since: float) -> bool:
+    """``node`` completed an anti-entropy round with ``peer`` after ``since``."""
+    stats = node.replicator.peer_stats(peer)
+    return stats.last_sync is not None and stats.last_sync > since and stats.reachable

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fencemark.node import validation
@@ -19,6 +21,8 @@ from fencemark.node.crdt import FenceState, Grant, Record
 from fencemark.node.errors import Exhausted, InvalidInput, Reason
 from fencemark.node.replica import Replica
 from fencemark.node.storage import Stored
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,19 +86,22 @@ class Claims:
         lease_seconds: float = 0.0,
         wait_seconds: float = 0.0,
         client: str = "",
+        on_wait: Callable[[], None] | None = None,
     ) -> Outcome:
         """Grant, or say why not; with ``wait_seconds``, wait in line that long first.
 
         Waiting is bounded: beyond ``max_waiters`` in all, or
         ``max_waiters_per_client`` from one ``client``, a caller that would wait
-        is refused with :class:`Exhausted` instead of queueing.
+        is refused with :class:`Exhausted` instead of queueing. ``on_wait`` is
+        called as the caller joins the line (the server stops counting the call
+        against its budget of calls in flight: the waiter limits bound it).
         """
         validation.key(key)
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
         wait_s = validation.wait(wait_seconds)
         self._check_serving()
-        outcome = await self._try(key, owner, lease_ms, queued_ahead=self.queue_depth(key) > 0)
+        outcome, _ = await self._try(key, owner, lease_ms, queued_ahead=self.queue_depth(key) > 0)
         if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
             if self.waiting >= self.max_waiters:
                 raise Exhausted("claim waiters", self.max_waiters)
@@ -102,6 +109,8 @@ class Claims:
                 raise Exhausted("claim waiters from one client", self.max_waiters_per_client)
             self.waits += 1
             self._waiting_by_client[client] += 1
+            if on_wait is not None:
+                on_wait()
             try:
                 outcome = await self._wait_in_line(
                     key, owner, lease_ms, wait_s, outcome.home_region
@@ -128,7 +137,7 @@ class Claims:
                 me.wake.clear()  # before any await, so no wake-up is lost
                 pause = float("inf")
                 if line[0] is me:
-                    outcome = await self._try(key, owner, lease_ms, queued_ahead=False)
+                    outcome = await self._try_at_head(key, owner, lease_ms)
                     if outcome.ok or outcome.reason is not Reason.CONTENDED:
                         return outcome
                     home = outcome.home_region
@@ -156,10 +165,37 @@ class Claims:
         lapse_ms = fence.expiry(fence.fence) - now
         return max(lapse_ms, 0) / 1000 + 0.001
 
-    async def _try(self, key: str, owner: str, lease_ms: int, *, queued_ahead: bool) -> Outcome:
+    async def _try_at_head(self, key: str, owner: str, lease_ms: int) -> Outcome:
+        """``_try`` for the head of the line, whose caller may leave meanwhile.
+
+        A waiter is granted whenever the holder lets go, which is when its caller
+        is likeliest to have given up. Cancelled while its grant is being made
+        durable, it would never hear of the token, and the claim would sit with
+        nobody for a whole lease while the line behind starves (docs/consistency.md,
+        *Claims*). So the attempt runs to its end, and a token it newly granted is
+        released before the cancellation goes on (an owner's live claim that it
+        merely extended is left alone).
+        """
+        attempt = asyncio.create_task(self._try(key, owner, lease_ms, queued_ahead=False))
+        try:
+            outcome, _ = await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            try:
+                outcome, granted = await attempt
+                if granted:
+                    await self.release(key, outcome.token)
+            except Exception:  # the lease still lapses on its own
+                log.exception("releasing %s, granted to a caller that left, failed", key)
+            raise
+        return outcome
+
+    async def _try(
+        self, key: str, owner: str, lease_ms: int, *, queued_ahead: bool
+    ) -> tuple[Outcome, bool]:
+        """Decide a claim at this moment; also say whether it granted a new token."""
         replica = self.replica
 
-        def change(current: Record) -> tuple[Record, Outcome]:
+        def change(current: Record) -> tuple[Record, tuple[Outcome, bool]]:
             fence, outcome = decide_claim(
                 current,
                 owner,
@@ -170,13 +206,14 @@ class Claims:
                 queued_ahead=queued_ahead,
                 recovered_hlc=replica.recovered_hlc,
             )
-            if replica.signer is not None and fence.fence != current.fence.fence:
+            granted = fence.fence != current.fence.fence
+            if replica.signer is not None and granted:
                 # A new grant: signed by this (home) node before it is durable.
                 fence = replica.signer.sign_fence(key, fence)
-            return current.with_fence(fence), outcome
+            return current.with_fence(fence), (outcome, granted)
 
-        _, outcome = await replica.transact(key, change)
-        return outcome
+        _, result = await replica.transact(key, change)
+        return result
 
     async def renew(self, key: str, token: int, *, lease_seconds: float = 0.0) -> Outcome:
         validation.key(key)

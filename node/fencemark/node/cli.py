@@ -60,6 +60,13 @@ def cmd_node(args: argparse.Namespace) -> int:
     except (InvalidInput, ValueError) as exc:
         print(f"fencemark node: {exc}", file=sys.stderr)
         return 2
+    if args.max_concurrent_rpcs:
+        print(
+            "fencemark node: --max-concurrent-rpcs is deprecated: it now sets"
+            " --max-concurrent-reads and --max-concurrent-writes; replication and health"
+            " checks have budgets of their own (docs/operations.md)",
+            file=sys.stderr,
+        )
     config = NodeConfig(
         region=args.region,
         listen=args.listen,
@@ -69,7 +76,10 @@ def cmd_node(args: argparse.Namespace) -> int:
         peers=peers,
         anti_entropy_interval=args.anti_entropy_interval,
         metrics_listen=args.metrics_listen,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_concurrent_reads=args.max_concurrent_rpcs or args.max_concurrent_reads,
+        max_concurrent_writes=args.max_concurrent_rpcs or args.max_concurrent_writes,
+        max_concurrent_replication=args.max_concurrent_replication,
+        max_concurrent_health=args.max_concurrent_health,
         max_waiters=args.max_waiters,
         max_waiters_per_client=args.max_waiters_per_client,
         max_token_jump=args.max_token_jump,
@@ -157,8 +167,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"  push backlog {p.push_backlog:>5}"
                     + (f"  REFUSED {p.merges_refused} states" if p.merges_refused else "")
                 )
-                row += f"  last error: {p.last_error}" if p.last_error else ""
-                lines.append(row + (f"  last refusal: {p.last_refusal}" if p.last_refusal else ""))
+                lines.append(row + (f"  last error: {p.last_error}" if p.last_error else ""))
+                if p.last_refusal:
+                    lines.append(f"    last refused state: {p.last_refusal}")
         lines.append(
             f"{serving} of {len(args.targets)} nodes serving; largest peer lag"
             f" {max(lags, default=0) / 1000:.1f} s; divergence {divergence}; skew alarms {skew}"
@@ -542,11 +553,27 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
     )
     defaults = NodeConfig()
+    budgets = (
+        ("reads", "Get, List, ClaimStatus, Info, health Watch streams, reflection"),
+        ("writes", "Remember, Update, Delete, renewals, releases, and claims until they"
+                   " wait in line: a waiting claim holds no call slot, --max-waiters bounds it"),
+        ("replication", "the peers' Replication calls"),
+        ("health", "grpc.health.v1 Check"),
+    )  # fmt: skip
+    for kind, methods in budgets:
+        name = f"max_concurrent_{kind}"
+        node.add_argument(
+            f"--max-concurrent-{kind}",
+            type=int,
+            default=_setting(config, name, getattr(defaults, name)),
+            help=f"calls in flight of this class ({methods}); beyond it a call is refused"
+            f" RESOURCE_EXHAUSTED (env FENCEMARK_{name.upper()})",
+        )
     node.add_argument(
         "--max-concurrent-rpcs",
         type=int,
-        default=_setting(config, "max_concurrent_rpcs", defaults.max_concurrent_rpcs),
-        help="calls in flight beyond this are refused RESOURCE_EXHAUSTED",
+        default=_setting(config, "max_concurrent_rpcs", 0),
+        help="deprecated: sets both --max-concurrent-reads and --max-concurrent-writes",
     )
     node.add_argument(
         "--max-waiters",

@@ -30,6 +30,7 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from fencemark.node.authz import DEFAULT_ACCESS, AccessMap, Authorize
+from fencemark.node.budgets import CallBudgets, Limits, give_back
 from fencemark.node.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT, Claims
 from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
@@ -68,7 +69,9 @@ SERVICES: tuple[descriptor.ServiceDescriptor, ...] = (
     replication_pb2.DESCRIPTOR.services_by_name["Replication"],
 )
 CLAIMS_SERVICE = "fencemark.v1.Claims"
-FENCES_SIGNED = "fences_signed"  # storage meta: "1" once every fence grant made here is signed
+REPLICATION_SERVICE = "fencemark.v1.Replication"
+# storage meta: "1" once every fence grant and birth made here is signed
+OWN_SIGNED = "own_states_signed"
 
 
 def default_data_dir(region: str) -> Path:
@@ -91,9 +94,13 @@ class NodeConfig:
     peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
     anti_entropy_interval: float = 1.0
     metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" serves none
-    # Floods: calls in flight beyond this are refused RESOURCE_EXHAUSTED by gRPC;
-    # waiting claims are bounded in all and per client (fencemark.node.claims).
-    max_concurrent_rpcs: int = 1024
+    # Floods: calls in flight beyond their class's budget are refused
+    # RESOURCE_EXHAUSTED (fencemark.node.budgets); claims waiting in line hold no
+    # call slot and are bounded in all and per client (fencemark.node.claims).
+    max_concurrent_reads: int = Limits.read
+    max_concurrent_writes: int = Limits.write
+    max_concurrent_replication: int = Limits.replication
+    max_concurrent_health: int = Limits.health
     max_waiters: int = MAX_WAITERS
     max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
     # A merged grant more than this above the grant below it is refused (integrity.py).
@@ -112,10 +119,31 @@ class NodeConfig:
     def db_path(self) -> Path:
         return (self.data_dir or default_data_dir(self.region)) / DB_FILE
 
+    @property
+    def call_limits(self) -> Limits:
+        return Limits(
+            read=self.max_concurrent_reads,
+            write=self.max_concurrent_writes,
+            replication=self.max_concurrent_replication,
+            health=self.max_concurrent_health,
+        )
+
 
 def is_read(method: descriptor.MethodDescriptor) -> bool:
     level = method.GetOptions().idempotency_level
     return bool(level == descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS)
+
+
+def call_classes() -> dict[str, str]:
+    """Each fencemark.v1 method's class of call budget (fencemark.node.budgets)."""
+    classes = {}
+    for service in SERVICES:
+        for method in service.methods:
+            kind = "read" if is_read(method) else "write"
+            if service.full_name == REPLICATION_SERVICE:
+                kind = "replication"
+            classes[f"/{service.full_name}/{method.name}"] = kind
+    return classes
 
 
 def gated_handler(
@@ -216,13 +244,14 @@ class NodeServer:
         if signer is not None and keyring is not None:
             replica.signer = signer
             await load_keyring(replica, keyring)
-            if storage.meta.get(FENCES_SIGNED) != "1":
-                # Once per file: grants from before signed grants or an --insecure run.
-                signed = await replica.sign_fences()
-                log.info("signed %d fence grants made without a signature", signed)
-                await storage.put_meta(FENCES_SIGNED, "1")
-        elif storage.meta.get(FENCES_SIGNED) == "1":
-            await storage.put_meta(FENCES_SIGNED, "0")  # grants made now go unsigned
+            if storage.meta.get(OWN_SIGNED) != "1":
+                # Once per file: grants and births from before they were signed, or
+                # from an --insecure run.
+                signed = await replica.sign_own()
+                log.info("signed the grants and births of %d records made unsigned", signed)
+                await storage.put_meta(OWN_SIGNED, "1")
+        elif storage.meta.get(OWN_SIGNED) == "1":
+            await storage.put_meta(OWN_SIGNED, "0")  # grants and births made now go unsigned
         if storage.meta.get("restored_at"):
             log.info(
                 "data restored from a backup at %s (fencemark restore): the first grant on each"
@@ -269,13 +298,16 @@ class NodeServer:
         metrics.watch(replica, claims, peers)
         if tls is not None:
             metrics.watch_tls(tls)
-        # Telemetry first: it times and counts what Authorize refuses, too.
+        # Telemetry first: it times and counts what Authorize and the budgets refuse,
+        # too. Authorize before the budgets: a call refused anyway takes no slot.
         interceptors: list[grpc.aio.ServerInterceptor] = [Telemetry(metrics)]  # type: ignore[type-arg]
         if tls is not None:
             interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
+        # Per class, not gRPC's maximum_concurrent_rpcs: one pool let waiting claims
+        # starve health checks and the peers' replication (fencemark.node.budgets).
+        interceptors.append(CallBudgets(config.call_limits, call_classes(), metrics))
         server = grpc.aio.server(
             interceptors=interceptors,
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", MAX_SEND_BYTES),
@@ -290,7 +322,7 @@ class NodeServer:
         )
         servicers = {
             "Records": RecordsService(replica),
-            "Claims": ClaimsService(claims),
+            "Claims": ClaimsService(claims, on_wait=give_back),
             "Node": NodeService(
                 replica, claims, replicator, peers, writes_enabled=config.enable_writes
             ),

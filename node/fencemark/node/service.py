@@ -270,8 +270,11 @@ def client_of(context: grpc.aio.ServicerContext[Any, Any]) -> str:
 
 
 class ClaimsService:
-    def __init__(self, claims: Claims) -> None:
+    def __init__(self, claims: Claims, on_wait: Callable[[], None] | None = None) -> None:
         self.claims = claims
+        # Called as a claim joins the line: its call leaves the call budget
+        # (fencemark.node.budgets.give_back).
+        self.on_wait = on_wait
 
     @refusals
     async def Claim(
@@ -283,6 +286,7 @@ class ClaimsService:
             lease_seconds=request.lease_seconds,
             wait_seconds=request.wait_seconds,
             client=client_of(context),
+            on_wait=self.on_wait,
         )
         return claims_pb2.ClaimResponse(
             granted=outcome.ok,

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -92,6 +93,21 @@ class NodeMetrics:
         )  # fmt: skip
         self.build = Gauge("fencemark_node_info", "This node: region and version (always 1)",
                            ["region", "version"], registry=r)  # fmt: skip
+        # Call budgets per class (fencemark.node.budgets).
+        self.budget = Gauge(
+            "fencemark_rpc_budget", "Calls in flight allowed per class of call", ["class"],
+            registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "fencemark_rpcs_in_flight",
+            "Calls in flight per class (claims waiting in line are fencemark_claim_waiters)",
+            ["class"], registry=r,
+        )  # fmt: skip
+        self.budget_refusals = Counter(
+            "fencemark_rpc_budget_refusals",
+            "Calls refused RESOURCE_EXHAUSTED: their class's budget was full", ["class"],
+            registry=r,
+        )  # fmt: skip
 
     def observe_commit(self, writes: int, seconds: float) -> None:
         self.commit_batch.observe(writes)
@@ -188,9 +204,9 @@ class _StateCollector(Collector):
             "fencemark_replication_skew_alarms": (
                 CounterMetricFamily, "Exchanges refused: the peer's clock ran ahead",
                 lambda p: p.skew_alarms),
-            "fencemark_replication_merges_refused": (
-                CounterMetricFamily, "States from the peer refused as invalid (docs/security.md)",
-                lambda p: p.merges_refused),
+            "fencemark_replication_states_too_large": (
+                CounterMetricFamily, "This node's states not sent to the peer: over the record"
+                " size limit (stored before merges were limited)", lambda p: p.states_too_large),
             "fencemark_replication_lag_seconds": (
                 GaugeMetricFamily, "Seconds since the last completed round with the peer",
                 lambda p: p.lag_ms() / 1000),
@@ -206,6 +222,17 @@ class _StateCollector(Collector):
             for peer in self.peers.values():
                 metric.add_metric([peer.region], value(peer))
             yield metric
+        merges = CounterMetricFamily(
+            "fencemark_replication_merges_refused",
+            "States from the peer refused, by reason: over_limit, or an integrity rule"
+            " (docs/security.md); each is logged once and not fetched again while"
+            " neither side's state of the record changes",
+            labels=["peer", "reason"],
+        )
+        for peer in self.peers.values():
+            for reason, count in sorted(peer.merge_refusals.items()):
+                merges.add_metric([peer.region, reason], count)
+        yield merges
         refused = CounterMetricFamily(
             "fencemark_replication_peer_refusals",
             "Checks of the certificate the peer's address presents that refused it"
@@ -216,17 +243,6 @@ class _StateCollector(Collector):
             for reason, count in sorted(peer.certificate_refusals.items()):
                 refused.add_metric([peer.region, reason], count)
         yield refused
-        merges = CounterMetricFamily(
-            "fencemark_replication_merge_refusals",
-            "States from the peer refused as invalid, by reason (token_jump, unknown_signer,"
-            " revoked_signer, ...; docs/security.md): each is logged once and not fetched"
-            " again while the peer holds it",
-            labels=["peer", "reason"],
-        )
-        for peer in self.peers.values():
-            for reason, count in sorted(peer.merge_refusals.items()):
-                merges.add_metric([peer.region, reason], count)
-        yield merges
 
 
 # -- the interceptor ---------------------------------------------------------------------
@@ -258,6 +274,9 @@ class Telemetry(UnaryInterceptor):
             code = grpc.StatusCode.OK
             try:
                 return await inner(request, context)
+            except asyncio.CancelledError:
+                code = _gave_up(context)
+                raise
             except BaseException:
                 code = _code(context)
                 raise
@@ -277,6 +296,15 @@ class Telemetry(UnaryInterceptor):
                     )  # fmt: skip
 
         return observed
+
+
+def _gave_up(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
+    """Why a call's handler was cancelled: its caller cancelled it, or its deadline
+    passed (gRPC cancels the handler either way, setting no code)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 def _code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:

@@ -31,6 +31,8 @@ MAX_WAIT_S = 300.0
 MAX_RECORD_BYTES = 4 << 20
 MAX_PAGE_SIZE, DEFAULT_PAGE_SIZE = 1000, 100
 HOME_TAG_PREFIX = "homeRegion:"
+# The merge refusal of a state outside these limits (fencemark.node.integrity.MergeRefused).
+OVER_LIMIT = "over_limit"
 
 
 class Key(NamedTuple):
@@ -126,6 +128,43 @@ def record_size(record: Record, name: str, tags_name: str = "tags") -> None:
         raise InvalidInput.field(
             tags_name, f"the record would have {tags} tags; at most {MAX_TAGS}"
         )
+
+
+def state(record: Record, size: int) -> None:
+    """Every limit of a client write, on a whole record state of ``size`` encoded bytes.
+
+    Replicated states obey the limits of client writes (SPEC §4), so a node checks a
+    remote state, and the result of merging it, with this before anything is written
+    (docs/consistency.md, *Limits and merges*). Cleared fields and removed tags count
+    towards the size only, as they do for a client's write; their names are checked
+    like the present ones' were when they were written.
+    """
+    key(record.key)
+    if size > MAX_RECORD_BYTES:
+        raise InvalidInput.field("state", f"the record is {size} bytes; at most {MAX_RECORD_BYTES}")
+    if record.home is not None:
+        region(record.home.value, "home_region")
+    present = record.field_values()
+    fields(present)
+    for cleared in record.fields.keys() - present.keys():
+        segment(cleared, "fields")
+    present_tags = sorted(tagset.value(record.tags))
+    tags(present_tags)
+    no_home_tags(present_tags, "tags")  # the home is the record's own, not a tag
+    for removed in record.tags.keys() - set(present_tags):
+        tags([removed])
+    for token, grant in record.fence.grants.items():
+        owner(grant.owner, f"grants[{token}].owner")
+        region(grant.region, f"grants[{token}].region")
+
+
+def state_problem(record: Record, size: int) -> str | None:
+    """What :func:`state` would refuse, in words; None when the state is within limits."""
+    try:
+        state(record, size)
+    except InvalidInput as exc:
+        return str(exc)
+    return None
 
 
 def owner(value: str, name: str = "owner") -> str:

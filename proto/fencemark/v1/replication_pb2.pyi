@@ -320,6 +320,7 @@ class FetchResponse(_message.Message):
 
     STATES_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
+    OVERSIZED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Canonical states of the requested keys the node holds (unknown keys are
@@ -330,15 +331,24 @@ class FetchResponse(_message.Message):
     def truncated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requested keys not returned because of the size cap; ask again."""
 
+    @_builtins.property
+    def oversized(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requested keys whose state is over the record size limit (4 MiB): never
+        sent, since every node refuses such a state (reason over_limit). Only a
+        record stored before merges were limited can be one; do not ask again
+        until its digest changes.
+        """
+
     def __init__(
         self,
         *,
         states: _abc.Iterable[_builtins.bytes] | None = ...,
         truncated: _abc.Iterable[_builtins.str] | None = ...,
+        oversized: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["states", b"states", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["oversized", b"oversized", "states", b"states", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -13,12 +12,13 @@ import grpc
 from fencemark.node import validation
 from fencemark.node.errors import InvalidInput
 
-log = logging.getLogger("fencemark.node.replication")
-
-# States refused from one peer, remembered so that they are not fetched again
-# while the peer still holds the same state (SPEC §2: never re-fetched in a loop).
-MAX_REFUSED_STATES = 10_000
-REFUSAL_RETRY_S = (1.0, 60.0)  # first and longest pause before fetching one again
+# Refused states remembered per peer, by key (the oldest is forgotten first).
+MAX_REFUSED_KEYS = 10_000
+# Refusals that a later exchange may lift with the very same states: a signer's
+# certificate not known yet (integrity.py). Such a state is fetched again, but not
+# before this pause (the signer's certificate is asked for at most that often).
+RETRIED_REFUSALS = frozenset({"unknown_signer"})
+RETRY_REFUSED_S = 5.0
 
 
 def parse_peers(specs: Iterable[str], *, own_region: str) -> dict[str, str]:
@@ -52,12 +52,15 @@ class PeerStats:
     bytes_received: int = 0
     divergence: int = 0
     skew_alarms: int = 0
-    merges_refused: int = 0  # states from this peer that failed integrity.check
+    merges_refused: int = 0  # states from this peer refused (integrity.check, limits)
     last_refusal: str = ""
-    # The same refusals by reason (token_jump, unknown_signer, revoked_signer, ...).
-    merge_refusals: Counter[str] = field(default_factory=Counter)
-    # key -> (digest of the refused state, monotonic time to try it again, refusals so far)
-    refused_states: OrderedDict[str, tuple[bytes, float, int]] = field(default_factory=OrderedDict)
+    merge_refusals: Counter[str] = field(default_factory=Counter)  # ... by reason
+    # key -> (reason, the peer's digest, ours, monotonic time it was refused) of the
+    # last state refused for that key.
+    refused: dict[str, tuple[str, bytes, bytes, float]] = field(default_factory=dict)
+    # This node's own states not sent to the peer: over the record size limit.
+    states_too_large: int = 0
+    too_large_keys: dict[str, None] = field(default_factory=dict)  # ... logged, by key
     reachable: bool = False
     last_error: str = ""
     failures: int = 0  # consecutive failed attempts
@@ -75,33 +78,34 @@ class PeerStats:
         since = self.last_sync if self.last_sync is not None else self.started
         return max(0, round(((now or time.time()) - since) * 1000))
 
-    def refused(self, key: str, reason: str, detail: str, digest: bytes) -> None:
-        """Count a state refused from this peer, log it once per key and reason, and
-        back off fetching it again while the peer holds the same state."""
+    def refused_state(
+        self, key: str, reason: str, message: str, digests: tuple[bytes, bytes]
+    ) -> bool:
+        """Count a state of the peer's that this node refused; ``digests`` are the
+        peer's state's and this node's own. True when it is news: the first refusal
+        of ``key`` for ``reason`` (log it), not a repeat."""
         self.merges_refused += 1
         self.merge_refusals[reason] += 1
-        self.last_refusal = f"{key}: {reason}: {detail}"[:500]
-        seen, _, times = self.refused_states.pop(key, (b"", 0.0, 0))
-        times = times + 1 if seen == digest else 1
-        first, longest = REFUSAL_RETRY_S
-        self.refused_states[key] = (
-            digest,
-            time.monotonic() + min(longest, first * 2 ** (times - 1)),
-            times,
-        )
-        if len(self.refused_states) > MAX_REFUSED_STATES:
-            self.refused_states.popitem(last=False)
-        if times == 1:
-            log.warning("refused a state from %s: %s: %s: %s", self.region, key, reason, detail)
-        else:
-            log.debug("refused the same state from %s again (%d times): %s: %s",
-                      self.region, times, key, reason)  # fmt: skip
+        self.last_refusal = message[:500]
+        before = self.refused.pop(key, None)
+        self.refused[key] = (reason, *digests, time.monotonic())
+        while len(self.refused) > MAX_REFUSED_KEYS:
+            del self.refused[next(iter(self.refused))]
+        return before is None or before[0] != reason
 
-    def skips(self, key: str, digest: bytes) -> bool:
-        """Whether to leave ``key`` unfetched: its state at the peer is one this node
-        refused, and the pause before trying it again is not over."""
-        memo = self.refused_states.get(key)
-        return memo is not None and memo[0] == digest and time.monotonic() < memo[1]
+    def refused_before(
+        self, key: str, theirs: bytes, ours: bytes, *, catching_up: bool = False
+    ) -> bool:
+        """Whether this node refused the peer's state ``theirs`` of ``key`` against its
+        own state ``ours``: the same merge would be refused again, so it is not
+        fetched again (SPEC §2) until either side changes. A refusal that may lift
+        (an unknown signer) is retried after a pause, and at once while catching up."""
+        before = self.refused.get(key)
+        if before is None or before[1:3] != (theirs, ours):
+            return False
+        if before[0] not in RETRIED_REFUSALS:
+            return True
+        return not catching_up and time.monotonic() - before[3] < RETRY_REFUSED_S
 
     def succeeded(self) -> None:
         self.reachable = True

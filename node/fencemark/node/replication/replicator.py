@@ -29,7 +29,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,6 +38,7 @@ from google.protobuf.message import Message
 
 from fencemark.node.digest_tree import CHECK_BYTES, DEPTH, FANOUT, children, leaf_range
 from fencemark.node.errors import ClockSkewed
+from fencemark.node.integrity import MergeRefused
 from fencemark.node.replica import Replica
 from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
@@ -49,9 +50,11 @@ from fencemark.node.replication.service import (
     MAX_TREE_PARENTS,
     decode_states,
     merge_all,
+    too_large,
 )
 from fencemark.node.tls import peer_channel, retire_channel
 from fencemark.node.tls_reload import LiveTls
+from fencemark.node.validation import MAX_RECORD_BYTES, OVER_LIMIT
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -361,6 +364,12 @@ class Replicator:
                 try:
                     states = await self.replica.storage.states(keys)
                     fresh = [k for k in keys if k in states and k not in peer.fetched]
+                    for key in fresh:
+                        if len(states[key]) > MAX_RECORD_BYTES:
+                            # The peer would refuse it, and it may not fit a message:
+                            # left out, so it cannot hold up the others.
+                            too_large(peer.stats, peer.stats.region, key, len(states[key]))
+                    fresh = [k for k in fresh if len(states[k]) <= MAX_RECORD_BYTES]
                     if not fresh:
                         continue  # fetched meanwhile, or gone: no call, nothing learned
                     await self._push(peer, [states[k] for k in fresh])
@@ -523,8 +532,11 @@ class Replicator:
                 break
         return RoundResult(False, pulled, differing, truncated)
 
-    async def _compare(self, peer: _Peer, level: int, nodes: list[int]) -> tuple[list[str], int]:
-        """The keys to pull below ``nodes``, and how many records differ there."""
+    async def _compare(
+        self, peer: _Peer, level: int, nodes: list[int]
+    ) -> tuple[dict[str, tuple[bytes, bytes]], int]:
+        """The keys to pull below ``nodes``, each with the peer's digest and ours (b""
+        for a record this node lacks), and how many records differ there."""
         listing = replication_pb2.BucketsRequest(origin=self._origin(), level=level, nodes=nodes)
         entries = await self._call(peer, "Buckets", listing, replication_pb2.BucketsResponse)
         theirs = {e.key: (e.digest, e.max_hlc) for e in entries.entries}
@@ -534,27 +546,31 @@ class Replicator:
             for key, digest, hlc in await self.replica.storage.bucket_entries(spans)
         }
         changed = [k for k, (digest, _) in theirs.items() if mine.get(k, (b"",))[0] != digest]
-        # A state this node refused is left where it is until its pause is over
-        # (PeerStats.refused): fetching it again would only be refused again.
-        # While catching up every state is fetched: an unknown signer may be learnt
-        # from this peer now, and a round that left one behind would not be complete.
-        refused = peer.stats.skips
-        changed_pulls = [k for k in changed if self.catching_up or not refused(k, theirs[k][0])]
         only_mine = len(mine.keys() - theirs.keys())
         # Skip states whose largest HLC is below ours: typically an older version
         # of ours. Should one hold something ours lacks, the peer pulls ours (its
         # HLC is larger) and the next comparison fetches the join; a node catching
         # up after disk loss takes everything (docs/replication.md, step 4).
-        pull = [
-            k
-            for k in changed_pulls
+        pull = {
+            k: (theirs[k][0], mine.get(k, (b"",))[0])
+            for k in changed
             if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
-        ]
+        }
+        # A state refused against ours is not fetched again until either changes:
+        # the merge would be refused again (SPEC §2), round after round. A node
+        # catching up counts such a state as seen (it judged it), but asks again at
+        # once for one whose signer it did not know: it may learn it now.
+        catching_up = self.catching_up
+        for key, (their_digest, our_digest) in list(pull.items()):
+            if peer.stats.refused_before(key, their_digest, our_digest, catching_up=catching_up):
+                del pull[key]
         return pull, len(changed) + only_mine
 
-    async def _pull(self, peer: _Peer, pull: list[str]) -> int:
-        """Fetch and merge the states of ``pull``; returns how many arrived."""
+    async def _pull(self, peer: _Peer, wanted: Mapping[str, tuple[bytes, bytes]]) -> int:
+        """Fetch and merge the states of ``wanted`` (key -> the peer's digest and ours);
+        returns how many arrived."""
         pulled = 0
+        pull = list(wanted)
         # The next batch is fetched while this one merges: the peer reads while we write.
         fetching = self._fetch(peer, pull[:MAX_STATES]) if pull else None
         try:
@@ -562,6 +578,8 @@ class Replicator:
                 found = await fetching
                 pull = [*found.truncated, *pull[MAX_STATES:]]
                 fetching = self._fetch(peer, pull[:MAX_STATES]) if pull else None
+                for key in found.oversized:  # never sent: the round goes on without it
+                    self._oversized(peer, key, wanted.get(key, (b"", b"")))
                 states = list(found.states)
                 records = decode_states(states)
                 peer.stats.records_received += await merge_all(
@@ -574,6 +592,16 @@ class Replicator:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await fetching
         return pulled
+
+    @staticmethod
+    def _oversized(peer: _Peer, key: str, digests: tuple[bytes, bytes]) -> None:
+        """The peer holds a state of ``key`` over the record size limit and did not send
+        it: refused like a state over the limit, and not asked for again until it changes."""
+        refusal = MergeRefused(
+            key, OVER_LIMIT, f"the peer's state is over {MAX_RECORD_BYTES} bytes; not transferred"
+        )
+        if peer.stats.refused_state(key, OVER_LIMIT, str(refusal), digests):
+            log.warning("refused a state from %s: %s", peer.stats.region, refusal)
 
     def _fetch(self, peer: _Peer, keys: list[str]) -> asyncio.Task[replication_pb2.FetchResponse]:
         request = replication_pb2.FetchRequest(origin=self._origin(), keys=keys)

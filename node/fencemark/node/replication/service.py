@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from fencemark.node import validation
 from fencemark.node.crdt import ClockSkew, Record, codec
 from fencemark.node.digest_tree import (
     DEPTH,
@@ -27,7 +28,7 @@ from fencemark.node.digest_tree import (
 from fencemark.node.errors import ClockSkewed, Denial, InvalidInput, PermissionDenied
 from fencemark.node.integrity import MergeRefused
 from fencemark.node.replica import Replica
-from fencemark.node.replication.peers import PeerStats
+from fencemark.node.replication.peers import MAX_REFUSED_KEYS, PeerStats
 from fencemark.node.replication.signers import MAX_KEY_IDS, learn_signers
 from fencemark.node.service import refusals
 from fencemark.node.tls import peer_identity
@@ -80,33 +81,75 @@ async def merge_all(
 
     ``states`` are the records' canonical encodings, as received (a record that
     the merge leaves equal to the received one is stored as is, not encoded
-    again). A state that fails the integrity rules (``fencemark.node.integrity``)
-    is not merged; the others are. Each refusal is counted against the sending
-    ``peer`` and logged with it.
+    again). A state that breaks the limits of a client write, alone or merged
+    with this node's (``over_limit``, ``validation.state``), or the integrity
+    rules (``fencemark.node.integrity``), is not merged; the others are. Each
+    refusal is counted against the sending ``peer``, and logged once per key.
     """
     check_clock(replica, region, [r.max_hlc() for r in records])
+    encoded = list(states) if states is not None else [codec.encode(r) for r in records]
+    refused: dict[int, MergeRefused] = {}
+    for index, (record, state) in enumerate(zip(records, encoded, strict=True)):
+        problem = validation.state_problem(record, len(state))
+        if problem is not None:  # refused before it costs a lock, a read or a signer
+            key = record.key[:400]  # a valid key is shorter; an invalid one is only named
+            refused[index] = MergeRefused(key, validation.OVER_LIMIT, f"the state sent: {problem}")
+    merging = [i for i in range(len(records)) if i not in refused]
     if peer is not None and replica.keyring is not None:
-        await learn_signers(replica, peer, records)
-    await replica.storage.preload([r.key for r in records])  # one read, not one per record
-    encoded = states if states is not None else [None] * len(records)
+        await learn_signers(replica, peer, [records[i] for i in merging])
+    await replica.storage.preload([records[i].key for i in merging])  # one read, not one each
     # Concurrent merges of different records share group commits.
     results = await asyncio.gather(
-        *(replica.merge(r, state) for r, state in zip(records, encoded, strict=True)),
-        return_exceptions=True,
+        *(replica.merge(records[i], encoded[i]) for i in merging), return_exceptions=True
     )
     changed = 0
-    for result, record, state in zip(results, records, encoded, strict=True):
+    for index, result in zip(merging, results, strict=True):
         if isinstance(result, MergeRefused):
-            if peer is None:
-                log.warning("refused a state from %s: %s", region or "?", result)
-            else:
-                raw = state if state is not None else codec.encode(record)
-                peer.refused(result.key, result.reason, result.detail, codec.digest(raw))
+            refused[index] = result
         elif isinstance(result, BaseException):
             raise result
         else:
             changed += result
+    for index, refusal in sorted(refused.items()):
+        await _refused(replica, region, peer, refusal, encoded[index])
     return changed
+
+
+async def _refused(
+    replica: Replica, region: str, peer: PeerStats | None, refusal: MergeRefused, state: bytes
+) -> None:
+    """Count and log a refused state; its key is logged once per peer and reason."""
+    news = True
+    if peer is not None:
+        stored = await replica.storage.get(refusal.key)
+        ours = stored.digest if stored is not None else b""
+        news = peer.refused_state(
+            refusal.key, refusal.reason, str(refusal), (codec.digest(state), ours)
+        )
+    log.log(
+        logging.WARNING if news else logging.DEBUG,
+        "refused a state from %s: %s",
+        region or "?",
+        refusal,
+    )
+
+
+def too_large(peer: PeerStats | None, region: str, key: str, size: int) -> None:
+    """Count (and log, once per key) a state of this node's not sent to ``region``:
+    over the record size limit, which only a record stored before merges were
+    limited can be. Deleting the record (or clearing fields) replicates again."""
+    if peer is not None:
+        peer.states_too_large += 1
+        if key in peer.too_large_keys:
+            return
+        peer.too_large_keys[key] = None
+        while len(peer.too_large_keys) > MAX_REFUSED_KEYS:
+            del peer.too_large_keys[next(iter(peer.too_large_keys))]
+    log.warning(
+        "not sending %s to %s: its state is %d bytes, over the record size limit (%d);"
+        " delete the record, or clear fields, to replicate it again",
+        key, region or "?", size, validation.MAX_RECORD_BYTES,
+    )  # fmt: skip
 
 
 class ReplicationService:
@@ -277,6 +320,12 @@ class ReplicationService:
         for key in request.keys:
             state = found.get(key)
             if state is None:
+                continue
+            if len(state) > validation.MAX_RECORD_BYTES:
+                # Stored before merges were limited: the asker would refuse it, and it
+                # may not fit a message at all. It must not fail the asker's round.
+                response.oversized.append(key)
+                too_large(peer, request.origin.region, key, len(state))
                 continue
             if response.states and size + len(state) > MAX_BATCH_BYTES:
                 response.truncated.append(key)

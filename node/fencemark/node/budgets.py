@@ -1,0 +1,159 @@
+"""Budgets of calls in flight, one per class of call, so no class can starve another.
+
+gRPC's own ``maximum_concurrent_rpcs`` is one pool for every call: claims waiting
+in line (up to 300 s each) filled it, and ``Node.Info``, health checks and the
+peers' ``Replication.Tree`` were refused RESOURCE_EXHAUSTED, so peers marked the
+node unreachable. Here each class has a budget of its own (docs/operations.md,
+*Call budgets*):
+
+- ``read``: methods without side effects (``Get``, ``List``, ``ClaimStatus``,
+  ``Info``), health ``Watch`` streams and reflection;
+- ``write``: every other client method (claims included, until they wait);
+- ``replication``: the peers' ``fencemark.v1.Replication`` calls;
+- ``health``: ``grpc.health.v1.Health/Check``, which answers at once.
+
+A claim that starts waiting in line gives its slot back (:func:`give_back`): a
+waiting claim holds a place in a queue, bounded by the waiter limits
+(``--max-waiters``, ``--max-waiters-per-client``), not a call slot. A call over its
+class's budget is refused at once with RESOURCE_EXHAUSTED and an ``ErrorInfo``
+naming the resource and the limit, and counted by class.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from fencemark.node.errors import Exhausted
+from fencemark.node.interceptor import Continuation
+from fencemark.node.service import refuse
+from fencemark.node.telemetry import NodeMetrics
+
+CLASSES = ("read", "write", "replication", "health")
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Calls in flight per class (``--max-concurrent-reads`` and the others)."""
+
+    read: int = 512
+    write: int = 512
+    replication: int = 128
+    health: int = 64
+
+    def of(self, kind: str) -> int:
+        return int(getattr(self, kind))
+
+
+class _Slot:
+    def __init__(self, budgets: CallBudgets, kind: str) -> None:
+        self.budgets = budgets
+        self.kind = kind
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.budgets.leave(self.kind)
+
+
+_slot: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("budget_slot", default=None)
+
+
+def give_back() -> None:
+    """The call being served stops counting against its class's budget (a claim
+    that starts waiting in line). Nothing outside a budgeted call."""
+    slot = _slot.get()
+    if slot is not None:
+        slot.release()
+
+
+class CallBudgets(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """The server interceptor that keeps each class of call within its budget.
+
+    ``classes`` maps a method's full path to its class; a path not in it is a
+    ``read`` (reflection, health ``Watch``), except ``Health/Check``.
+    """
+
+    def __init__(self, limits: Limits, classes: Mapping[str, str], metrics: NodeMetrics) -> None:
+        self.limits = limits
+        self.classes = classes
+        self.in_flight = dict.fromkeys(CLASSES, 0)
+        # Each class's gauge and counter, looked up once rather than on every call.
+        self._gauges = {kind: metrics.in_flight.labels(kind) for kind in CLASSES}
+        self._refusals = {kind: metrics.budget_refusals.labels(kind) for kind in CLASSES}
+        for kind in CLASSES:
+            metrics.budget.labels(kind).set(limits.of(kind))
+
+    def kind_of(self, method: str) -> str:
+        if method == HEALTH_CHECK:
+            return "health"
+        return self.classes.get(method, "read")
+
+    async def enter(self, kind: str, context: grpc.aio.ServicerContext[Any, Any]) -> _Slot:
+        """A slot of ``kind``'s budget, or the call refused RESOURCE_EXHAUSTED."""
+        limit = self.limits.of(kind)
+        if self.in_flight[kind] >= limit:
+            self._refusals[kind].inc()
+            await refuse(context, Exhausted(f"concurrent {kind} calls", limit))
+        self.in_flight[kind] += 1
+        self._gauges[kind].inc()
+        return _Slot(self, kind)
+
+    def leave(self, kind: str) -> None:
+        self.in_flight[kind] -= 1
+        self._gauges[kind].dec()
+
+    async def intercept_service(
+        self, continuation: Continuation, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        # None (despite the stubs) for a method no servicer has: gRPC answers UNIMPLEMENTED.
+        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(details)
+        if handler is None:
+            return handler  # type: ignore[return-value]
+        kind = self.kind_of(details.method)
+        wrap: Callable[..., grpc.RpcMethodHandler[Any, Any]]
+        for behaviour, wrap in (
+            (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+            (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+            (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+            (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+        ):
+            if behaviour is not None:
+                return wrap(
+                    self._within(kind, behaviour),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+    def _within(self, kind: str, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+        """``behaviour`` holding a slot of ``kind`` while it runs (or streams)."""
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                slot = await self.enter(kind, context)
+                try:
+                    responses: AsyncIterator[Any] = behaviour(request, context)
+                    async for response in responses:
+                        yield response
+                finally:
+                    slot.release()
+
+            return streaming
+
+        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            slot = await self.enter(kind, context)
+            _slot.set(slot)
+            try:
+                return await behaviour(request, context)
+            finally:
+                slot.release()
+
+        return call
