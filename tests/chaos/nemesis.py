@@ -41,7 +41,8 @@ RESTARTS = (2, 3)
 STOP_SIGNALS = ("SIGKILL", "SIGTERM")
 CUT_PEER_PROBABILITY = 0.75
 HOLDING_LIMIT_S = 10.0  # a restarted node holds some of its peers' records within this
-CUT_WATCH_S = 2.0  # after its last restart, how long the node is watched not deciding
+UP_BEFORE_STOP_S = 1.0  # then it serves (reads, and refuses the rest) this long
+CUT_WATCH_S = 2.0  # after its last restart, how long it is up, cut off, before the heal
 LOSS_PROBABILITY = 0.3
 SLOW_LATENCY_MS = 250.0
 SLOW_BANDWIDTH = 64 * 1024.0  # bytes/s each way
@@ -305,11 +306,13 @@ class Nemesis:
             for signal in fault.restarts:
                 moved = await self._start_cut_off(region, pairs, address)
                 holding = await self._until_holding(region)
+                await asyncio.sleep(UP_BEFORE_STOP_S)  # calls meet a node catching up
                 await asyncio.to_thread(self.cluster.kill, region, signal)
                 notes.append(f"{signal} holding {holding} records{moved}")
                 await asyncio.sleep(0.3)
             notes.append("started" + await self._start_cut_off(region, pairs, address))
-            if pairs:
+            if pairs:  # up and answering, not only started, while it cannot catch up
+                await self._until_holding(region)
                 await asyncio.sleep(CUT_WATCH_S)
                 watcher_done(watcher)
                 await asyncio.to_thread(self.cluster.heal_network)
