@@ -17,16 +17,9 @@ from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.node.crdt import Grant
 from fencemark.node.integrity import Bounds
 from fencemark.node.server import NodeServer
-from tests.cluster import Cluster, eventually, wait_converged
+from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 
 pytestmark = pytest.mark.slow
-
-
-async def deciding(*nodes: NodeServer) -> None:
-    async def all_deciding() -> bool:
-        return all(node.replica.deciding for node in nodes)
-
-    await eventually(all_deciding, "every node deciding claims")
 
 
 async def rounds_pass(node: NodeServer, count: int) -> None:
@@ -43,7 +36,7 @@ async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_hold
     tmp_path: Path,
 ) -> None:
     async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
-        await deciding(*await cluster.start_all())
+        await all_deciding(*await cluster.start_all())
         await cluster.stop("us")
         await cluster.stop("eu")
         # The split: us and eu each alone (ap reaches neither).
@@ -103,7 +96,7 @@ async def test_a_refused_state_is_not_fetched_again_and_again(tmp_path: Path) ->
     ap keeps us's rounds going."""
     async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
         us, eu, ap = await cluster.start_all()
-        await deciding(us, eu, ap)
+        await all_deciding(us, eu, ap)
         eu.replica.bounds = Bounds(eu.replica.bounds.max_offset_ms, max_token_jump=1 << 40)
         async with AsyncClient(eu.address) as client:
             made = await client.remember("lattice", "backlog", "jumpy", title="x")
