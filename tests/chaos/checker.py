@@ -281,10 +281,11 @@ def one_home(
 
 # -- 10. catching up before deciding -------------------------------------------------------
 
-# What a node decides or admits: claims and everything written (reads are served
-# from what it has, at once).
-DECIDED = ("grant", "renew", "release", "write", "finish", "note", "create", "meddle",
-           "meddle-delete")  # fmt: skip
+# What only a node that has caught up decides: claims, renewals, releases and fenced
+# writes (SPEC §4). Unfenced writes and creations it admits meanwhile, by the rule of
+# a node that is not the home (docs/consistency.md, *Catch-up*): "fenced writes
+# survive" judges what those may not do.
+DECIDED = ("grant", "renew", "release", "write", "finish")
 
 
 def decided_at(
