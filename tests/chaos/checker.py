@@ -95,6 +95,7 @@ def check(
         granted_once(claims, lease_seconds),
         fenced_writes_survive(history, claims, finals, homes, played),
         caught_up_first(history, played, claims, homes),
+        forgeries_refused(played),
     ]
 
 
@@ -347,4 +348,25 @@ def caught_up_first(
         not problems,
         detail,
         {"faults judged": len(judged), "refused or unanswered": refused},
+    )
+
+
+def forgeries_refused(played: Sequence[Played]) -> Verdict:
+    """11. Forgeries refused: no forged state pushed during a ``forge`` fault merged."""
+    faults = [f for f in played if f.kind == "forge" and f.injected]
+    pushed = [push for f in faults for push in f.forged]
+    merged = [(rule, key) for rule, key, count in pushed if count]
+    problems = [f"a {rule} forgery of {key} was merged" for rule, key in merged[:3]]
+    if not pushed:
+        problems.append("no forged state was pushed: nothing to judge")
+    rules = sorted({rule for rule, _, _ in pushed})
+    detail = "; ".join(problems) or (
+        f"{len(pushed)} forged states pushed in {len(faults)} faults ({', '.join(rules)}):"
+        " none merged"
+    )
+    return Verdict(
+        "11. forgeries refused",
+        not problems,
+        detail,
+        {"pushed": len(pushed), "merged": len(merged)},
     )

@@ -27,10 +27,11 @@ from fencemark.client import AsyncClient, FencemarkError
 from fencemark.node.proxy import ProxyMesh
 from fencemark.node.workload import Agent
 from tests.chaos.cluster import ChaosCluster
+from tests.chaos.forger import forge_against
 
 PARTITIONS = ("isolate", "halves", "bridge")
 DISK_LOSSES = ("wipe", "wipe-restart")
-KINDS = (*PARTITIONS, "kill", *DISK_LOSSES, "pause", "agent-pause", "loss", "slow")
+KINDS = (*PARTITIONS, "kill", *DISK_LOSSES, "pause", "agent-pause", "loss", "slow", "forge")
 FAULT_SECONDS = (4.0, 7.0)  # how long a timed fault lasts, drawn uniformly
 GAP_SECONDS = (1.5, 3.0)  # quiet time between faults
 DOWN_SECONDS = (1.0, 3.0)  # how long a killed node stays down
@@ -80,6 +81,8 @@ class Played:
     # cannot have caught up), and when it said it served claims before that (0: never).
     cut_healed: float = 0.0
     serving_early: float = 0.0
+    # forge: (the rule each forged state breaks, its key, how many states merged)
+    forged: tuple[tuple[str, str, int], ...] = ()
 
 
 class Shapes(Protocol):
@@ -149,6 +152,9 @@ def _draw(
         return Fault(kind, (rng.choice(regions),), round(2 * lease, 2), gap)
     if kind == "agent-pause":
         return Fault(kind, (rng.choice(agents),), lease + 10, gap)
+    if kind == "forge":  # the node forged against, then the region the forger poses as
+        victim, posing = rng.sample(regions, 2)
+        return Fault(kind, (victim, posing), 0.0, gap)
     return Fault(kind, tuple(regions), span, gap)  # loss, slow: between every node
 
 
@@ -184,6 +190,7 @@ class Nemesis:
         self._down_at = 0.0
         self._cut_healed = 0.0
         self._serving_early = 0.0
+        self._forged: tuple[tuple[str, str, int], ...] = ()
 
     async def play(
         self, faults: Sequence[Fault], stop: asyncio.Event, until: float | None = None
@@ -198,6 +205,7 @@ class Nemesis:
             started = self.clock()
             self.log(f"nemesis: {fault.kind} {' '.join(fault.targets)} ({fault.seconds:.1f} s)")
             self._down_at = self._cut_healed = self._serving_early = 0.0
+            self._forged = ()
             try:
                 detail = await self._inject(fault)
             except (DockerException, RuntimeError) as exc:
@@ -222,6 +230,7 @@ class Nemesis:
                     down_at=self._down_at,
                     cut_healed=self._cut_healed,
                     serving_early=self._serving_early,
+                    forged=self._forged,
                 )
             )
             self.log(f"nemesis: {fault.kind} healed{': ' + detail if detail else ''}")
@@ -274,6 +283,14 @@ class Nemesis:
             await asyncio.sleep(fault.seconds)
             await asyncio.to_thread(self.cluster.heal_network)
             return ""
+        if fault.kind == "forge":
+            posing = fault.targets[1]
+            address = self.cluster.regions[region].address
+            self._forged = await forge_against(address, region, posing, self.log)
+            merged = sum(1 for push in self._forged if push[2])
+            return (
+                f"{len(self._forged)} forged states pushed to {region} as {posing}, {merged} merged"
+            )
         if fault.kind == "slow":
             await asyncio.to_thread(self.cluster.slow_link, SLOW_LATENCY_MS, SLOW_BANDWIDTH)
             await asyncio.sleep(fault.seconds)

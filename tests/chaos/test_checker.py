@@ -35,6 +35,9 @@ PARTITION = Played("isolate", ("ap",), 10.0, 20.0, cut=(("ap", "us"), ("ap", "eu
 # ap lost its disk and was restarted twice before catching up, cut off from us until 48 s.
 CATCH_UP = Played("wipe-restart", ("ap", "us"), 40.0, 50.0, cut=(("ap", "us"),), down_at=40.2,
                   cut_healed=48.0)  # fmt: skip
+# A hostile peer posing as eu pushed forgeries of a us record; us merged none.
+FORGE = Played("forge", ("us", "eu"), 55.0, 56.0,
+               forged=(("token_jump", KEY, 0), ("grant_outside_home", KEY, 0)))  # fmt: skip
 
 
 def event(agent: str, op: str, at: float, *, token: int = 0, outcome: str = "ok",
@@ -75,7 +78,7 @@ SERVED = [event(f"probe-{r}", "probe-read", 12.0, key=NOTES) for r in REGIONS]
 def verdicts(h: History, played: list[Played] | None = None,
              states: dict[str, dict[str, Record]] | None = None,
              convergence: Convergence | None = CONVERGED) -> dict[str, Verdict]:  # fmt: skip
-    judged = check(h, played if played is not None else [PARTITION, CATCH_UP],
+    judged = check(h, played if played is not None else [PARTITION, CATCH_UP, FORGE],
                    states or finals(), HOMES, convergence)  # fmt: skip
     return {v.name.split(". ")[1]: v for v in judged}
 
@@ -471,3 +474,20 @@ def test_a_node_that_refuses_until_it_caught_up_passes() -> None:
     verdict = verdicts(history(refused, later, note, *SERVED))["catching up before deciding"]
     assert verdict.ok, verdict
     assert not verdicts(history(*SERVED), played=[PARTITION])["catching up before deciding"].ok
+
+
+# -- 11. forgeries refused ------------------------------------------------------------------
+
+
+def test_a_forged_state_a_node_merged_is_caught() -> None:
+    merged = replace(FORGE, forged=(("lease_too_long", KEY, 0), ("orphan_token", KEY, 1)))
+    verdict = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP, merged])
+    assert not verdict["forgeries refused"].ok
+    assert "orphan_token forgery" in verdict["forgeries refused"].detail
+
+
+def test_forgeries_all_refused_pass_and_a_run_without_any_judges_nothing() -> None:
+    verdict = verdicts(history(*SERVED))["forgeries refused"]
+    assert verdict.ok and verdict.numbers == {"pushed": 2, "merged": 0}
+    unjudged = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP])["forgeries refused"]
+    assert not unjudged.ok and "nothing to judge" in unjudged.detail
