@@ -16,6 +16,7 @@ serving mutual TLS on loopback with an access map, the published client.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -30,13 +31,17 @@ from fencemark.node.tls import TlsFiles, init_dir
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode
+from tests.test_cli import fencemark
+from tests.test_mcp import call, tools_of
+from tests.test_mcp_walkthrough import expect_ok
 
 REGIONS = ["us", "eu", "ap"]
-CLIENTS = ["alice", "bob", "reader", "ops"]
+CLIENTS = ["alice", "bob", "reader", "ops", "mcp"]
 ACCESS = """\
 [clients]
 alice = ["read", "write", "claim"]
 bob = ["read", "write", "claim"]
+mcp = ["read", "write", "claim"]
 reader = ["read"]
 ops = ["read", "write", "claim", "act-for-others"]
 """
@@ -92,6 +97,11 @@ async def state_of(node: NodeServer, key: str) -> tuple[Record, bytes]:
     stored = await node.storage.get(key)
     assert stored is not None, f"{node.config.region} has no {key}"
     return stored.record, stored.digest
+
+
+async def holds_fence(node: NodeServer, key: str, token: int) -> bool:
+    stored = await node.storage.get(key)
+    return stored is not None and stored.record.fence.fence == token
 
 
 def not_holder(refused: pytest.ExceptionInfo[PermissionDenied], who: str) -> None:
@@ -175,12 +185,7 @@ async def test_a_read_identity_sees_the_claim_but_not_its_token(
     key, token = await alice_holds(cluster, certs, "status")
     for region in ("us", "eu"):
         node = cluster[region]
-
-        async def replicated(node: NodeServer = node) -> bool:
-            stored = await node.storage.get(key)
-            return stored is not None and stored.record.fence.fence == token
-
-        await eventually(replicated, f"{region} holding alice's grant")
+        await eventually(functools.partial(holds_fence, node, key, token), f"{region} merging")
         seen = {}
         for name in ("reader", "bob", "alice", "ops"):
             async with client(node, certs, name) as c:
@@ -244,13 +249,9 @@ async def test_a_grant_merged_at_another_region_keeps_its_identity(
     every region keeps alice's."""
     us, eu = cluster["us"], cluster["eu"]
     key, token = await alice_holds(cluster, certs, "replicated")
-
-    async def merged(node: NodeServer) -> bool:
-        stored = await node.storage.get(key)
-        return stored is not None and stored.record.fence.fence == token
-
     for region in ("eu", "ap"):
-        await eventually(lambda region=region: merged(cluster[region]), f"{region} merging")
+        node = cluster[region]
+        await eventually(functools.partial(holds_fence, node, key, token), f"{region} merging")
         record, _ = await state_of(cluster[region], key)
         grant = record.fence.grants[token]
         assert (grant.identity, grant.owner) == ("client/alice", OWNER)
@@ -286,3 +287,68 @@ async def test_without_tls_a_token_is_a_bearer_credential(start_node: StartNode)
         assert (await other.release_claim(key, token)).released
     record, _ = await state_of(node, key)
     assert record.fence.grants[token].identity == ""
+
+
+async def test_the_mcp_server_claims_as_its_own_identity(cluster: Cluster, certs: Path) -> None:
+    """Every agent behind one ``fencemark mcp`` is that server's identity: its own
+    claims work as before (owner names tell its agents apart), and a token granted
+    to another identity is a tool error naming ``not_holder``."""
+    us = cluster["us"]
+    key, token = await alice_holds(cluster, certs, "mcp")
+    async with tools_of(us.address, credentials=tls_credentials(certs, "mcp")) as tools:
+        status = expect_ok(await call(tools, "repocontext_claim_status", key=key))
+        assert status["claim"] == {
+            "owner": OWNER, "leaseExpiresAtUtc": status["claim"]["leaseExpiresAtUtc"]
+        }  # fmt: skip
+        refused = await call(
+            tools, "repocontext_update", key=key, fields={"body": "x"}, fencingToken=token
+        )
+        assert refused.is_error and refused.text.startswith("PermissionDenied (not_holder)")
+        taken = await call(tools, "repocontext_claim", key=key, owner=OWNER, leaseSeconds=60)
+        assert (taken.structured["granted"], taken.structured["reason"]) == (False, "contended")
+
+        other = expect_ok(
+            await call(tools, "repocontext_remember", repoId="lattice", topic="backlog", id="m2")
+        )["record"]["key"]
+        held = expect_ok(
+            await call(tools, "repocontext_claim", key=other, owner="agent-1", leaseSeconds=60)
+        )
+        mine = held["fencingToken"]
+        again = expect_ok(
+            await call(tools, "repocontext_claim", key=other, owner="agent-1", leaseSeconds=60)
+        )
+        assert again["fencingToken"] == mine
+        written = expect_ok(
+            await call(
+                tools, "repocontext_update", key=other, fields={"body": "done"}, fencingToken=mine
+            )
+        )
+        assert written["record"]["body"] == "done"
+        renew = {"key": other, "fencingToken": mine, "leaseSeconds": 60}
+        assert expect_ok(await call(tools, "repocontext_renew_claim", **renew))["renewed"]
+        release = {"key": other, "fencingToken": mine}
+        assert expect_ok(await call(tools, "repocontext_release_claim", **release))["released"]
+
+
+@pytest.mark.slow
+async def test_the_cli_acts_as_the_identity_of_its_tls_name(cluster: Cluster, certs: Path) -> None:
+    """Each ``fencemark`` command is a new process and connection; the identity, not
+    the connection, holds the claim, so claim, renew and release in three commands
+    work for alice, and bob's release of her token is refused ``not_holder``."""
+    us = cluster["us"]
+    async with client(us, certs, "alice") as alice:
+        made = await alice.remember("lattice", "backlog", "cli", tags=["homeRegion:us"])
+    key = made.record.key
+
+    def as_(name: str) -> list[str]:
+        return ["--target", us.address, "--tls-dir", str(certs), "--tls-name", name]
+
+    claimed = (await fencemark("claim", key, "--owner", OWNER, *as_("alice"))).json()
+    token = str(claimed["fencing_token"])
+    renewed = await fencemark("renew-claim", key, "--fencing-token", token, *as_("alice"))
+    assert renewed.json()["renewed"] is True
+    refused = await fencemark("release-claim", key, "--fencing-token", token, *as_("bob"))
+    assert refused.code == 1
+    assert refused.stderr.startswith("fencemark: refused: not_holder (client/bob): ")
+    released = await fencemark("release-claim", key, "--fencing-token", token, *as_("alice"))
+    assert released.json()["released"] is True
