@@ -31,6 +31,7 @@ from fencemark.node.tls import TlsFiles, init_dir
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode
+from tests.metrics import refusals
 from tests.test_cli import fencemark
 from tests.test_mcp import call, tools_of
 from tests.test_mcp_walkthrough import expect_ok
@@ -170,6 +171,9 @@ async def test_bob_cannot_renew_release_or_write_with_alices_token(
         assert unfenced.value.reason == "claimed"
     _, after = await state_of(us, key)
     assert after == before
+    refused = refusals(us)  # counted like every refusal, by its machine-readable reason
+    for method in ("RenewClaim", "ReleaseClaim", "Update", "Delete", "Remember"):
+        assert refused[(method, "not_holder")] == 1, method
     async with client(us, certs, "alice") as alice:
         assert (await alice.renew_claim(key, token, lease_seconds=60)).renewed
         written = await alice.update(key, fields={"body": "alice's"}, fencing_token=token)
