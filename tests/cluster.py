@@ -61,6 +61,16 @@ async def eventually(
         await asyncio.sleep(every)
 
 
+async def all_deciding(*nodes: NodeServer, within: float = 15.0) -> None:
+    """Wait until every one of ``nodes`` decides claims: a new cluster's nodes first
+    catch up with every peer (docs/replication.md, catch-up)."""
+
+    async def deciding() -> bool:
+        return all(node.replica.deciding for node in nodes)
+
+    await eventually(deciding, "every node deciding claims", within=within)
+
+
 class _Topology:
     """Regions, their fixed addresses and data directories."""
 

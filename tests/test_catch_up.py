@@ -70,7 +70,10 @@ async def test_catch_up_stays_owed_across_restarts_after_a_client_write(tmp_path
 
         async def eu_has_the_grant() -> bool:
             async with AsyncClient(eu.address) as client:
-                return (await client.claim_status(key)).fence == 1
+                try:
+                    return (await client.claim_status(key)).fence == 1
+                except NotFound:
+                    return False
 
         await eventually(eu_has_the_grant, "the grant replicated to eu")
         await cluster.kill("us")

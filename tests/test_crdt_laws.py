@@ -819,3 +819,24 @@ def test_signatures_of_one_grant_that_disagree_still_merge_as_a_join() -> None:
         assert merged.grants[1].signature == b"" and merged.grants[2].signature == b"\x03" * 72
     with pytest.raises(ValueError):
         versions[2].signed(b"\x01" * 72)  # not an inflation: refused
+
+
+def test_of_two_versions_of_one_birth_every_replica_keeps_the_same() -> None:
+    """A region's birth signed (or signed twice, ECDSA being randomized) and unsigned:
+    the join keeps the larger signature whatever the order, and an earlier birth of
+    the same region wins over a later one."""
+    stamp = Stamp(0, pack(EPOCH_MS), "n")
+    base = Record(KEY).create("local", stamp)
+    versions = [
+        base,
+        base.with_birth("local", Birth(stamp, b"\x01" * 72)),
+        base.with_birth("local", Birth(stamp, b"\x02" * 72)),
+    ]
+    for a in versions:
+        for b in versions:
+            assert a.merge(b) == b.merge(a)
+            assert a.merge(b).births["local"].signature == max(
+                a.births["local"].signature, b.births["local"].signature
+            )
+    later = Record(KEY).create("local", Stamp(0, pack(EPOCH_MS + 5), "n2"))
+    assert later.merge(versions[2]).births["local"] == versions[2].births["local"]

@@ -94,7 +94,7 @@ def test_a_signature_is_refused_from_the_moment_its_certificates_revocation_is_l
     mangled = signed._replace(owner="mallory")
     assert ring.problem(key, 1, mangled) == (
         "bad_signature",
-        "token 1's signature does not match its grant",
+        "token 1: the signature does not match what it signs",
     )
 
 

@@ -18,16 +18,9 @@ import pytest
 from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.client.errors import NotFound
 from fencemark.node.server import NodeServer
-from tests.cluster import Cluster, eventually, wait_converged
+from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 
 pytestmark = pytest.mark.slow
-
-
-async def deciding(*nodes: NodeServer) -> None:
-    async def all_deciding() -> bool:
-        return all(node.replica.deciding for node in nodes)
-
-    await eventually(all_deciding, "every node deciding claims")
 
 
 async def body_at(node: NodeServer, key: str) -> str:
@@ -39,7 +32,7 @@ async def test_a_region_that_missed_the_renewals_refuses_unfenced_writes(tmp_pat
     """(a): eu saw B's claim, then was cut off while B renewed and worked at us."""
     async with Cluster(tmp_path, ["us", "eu"]) as cluster:
         us, eu = await cluster.start_all()
-        await deciding(us, eu)
+        await all_deciding(us, eu)
         async with AsyncClient(us.address) as at_us:
             made = await at_us.remember("lattice", "backlog", "held", title="x",
                                         tags=["homeRegion:us"])  # fmt: skip
@@ -88,7 +81,7 @@ async def test_a_delete_from_a_region_that_never_saw_the_claim_erases_nothing(
     """(b): the claim is granted while eu is cut off; eu deletes the record."""
     async with Cluster(tmp_path, ["us", "eu"]) as cluster:
         us, eu = await cluster.start_all()
-        await deciding(us, eu)
+        await all_deciding(us, eu)
         async with AsyncClient(us.address) as at_us:
             made = await at_us.remember("lattice", "backlog", "gone", title="x",
                                         tags=["homeRegion:us"])  # fmt: skip
@@ -121,7 +114,7 @@ async def test_the_home_records_a_lapse_and_every_region_readmits_unfenced_write
 ) -> None:
     async with Cluster(tmp_path, ["us", "eu"]) as cluster:
         us, eu = await cluster.start_all()
-        await deciding(us, eu)
+        await all_deciding(us, eu)
         async with AsyncClient(us.address) as at_us, AsyncClient(eu.address) as at_eu:
             made = await at_us.remember("lattice", "backlog", "lapse", title="x",
                                         tags=["homeRegion:us"])  # fmt: skip

@@ -23,7 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from fencemark.client import AsyncClient, tls_credentials
-from fencemark.node.crdt import Record, codec
+from fencemark.node.crdt import Birth, Record, Stamp, codec
 from fencemark.node.crdt.fence import Grant
 from fencemark.node.server import NodeServer
 from fencemark.node.signing import KEY_ID_SIZE, Keyring, Signer, key_id
@@ -452,7 +452,7 @@ async def test_a_file_from_before_signed_grants_is_upgraded_and_its_fences_signe
         # Turn the file into one the previous version wrote: format-1 states, no marker.
         with sqlite3.connect(path) as db:
             db.execute("UPDATE records SET state = ? WHERE key = ?", (format_1(record), key))
-            db.execute("DELETE FROM meta WHERE name IN ('state_format', 'fences_signed')")
+            db.execute("DELETE FROM meta WHERE name IN ('state_format', 'own_states_signed')")
         db.close()
 
         us = await cluster.start("us", tls=files(certs, "us"))
@@ -512,3 +512,47 @@ async def test_a_node_whose_key_cannot_sign_grants_refuses_to_start(
     with pytest.raises(ValueError, match="EC P-256"):
         await start_node("us", tls=files(rsa_dir, "us"))
     assert not databases(tmp_path)  # refused before anything was opened
+
+
+@pytest.mark.slow
+async def test_no_node_can_claim_a_birth_for_another_region(tmp_path: Path, certs: Path) -> None:
+    """Regression (issue 14, hole 1): a peer pushed "born in eu 1 ms before us" for a
+    us-homed record, us merged it silently, and every region then sent alice to eu.
+    A birth is signed by the region that made it: ap can neither leave eu's
+    signature off nor sign for eu. (eu itself signing a back-dated birth of its own
+    is the residual docs/security.md names: it takes the home, and the fence moves
+    past alice's token — never two holders.)"""
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        us, eu, ap = [await cluster.start(r, tls=files(certs, r)) for r in REGIONS]
+        for node in (us, eu, ap):
+            await serving(node, certs)
+        async with client(us, certs) as alice:
+            made = await alice.remember("lattice", "backlog", "homed", tags=["homeRegion:us"])
+            key = made.record.key
+            token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
+        await wait_converged([us, eu, ap])
+        state = await state_of(us, key)
+        assert state.births["us"].signature  # us signed its own birth
+        home = state.home
+        assert home is not None
+        earlier = Birth(Stamp(0, home.stamp.hlc - (1 << 16), "hostile"))
+        forged = state.with_birth("eu", earlier)
+        assert await push(us, certs, "ap", forged) == 0
+        assert "unsigned_birth" in us.replicator.peer_stats("ap").last_refusal
+        signed_by_ap = Signer.from_files(files(certs, "ap")).sign_birth(forged, "eu")
+        assert await push(us, certs, "ap", signed_by_ap) == 0
+        assert "signer_not_home" in us.replicator.peer_stats("ap").last_refusal
+        assert (await state_of(us, key)).home_region == "us"
+        async with client(us, certs) as alice:
+            assert (await alice.renew_claim(key, token)).renewed
+
+        # eu's own node, signing a back-dated birth of its own region: accepted, and
+        # safe — the new home moves its fence past alice's token.
+        signed_by_eu = Signer.from_files(files(certs, "eu")).sign_birth(forged, "eu")
+        assert await push(us, certs, "eu", signed_by_eu) == 1
+        await wait_converged([us, eu, ap])
+        record = await state_of(eu, key)
+        assert record.home_region == "eu" and record.fence.fence > token
+        async with client(eu, certs) as alice:
+            renewal = await alice.renew_claim(key, token)
+            assert (renewal.renewed, renewal.reason) == (False, "superseded")

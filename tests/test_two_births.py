@@ -17,16 +17,9 @@ from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.node.crdt import Grant
 from fencemark.node.integrity import Bounds
 from fencemark.node.server import NodeServer
-from tests.cluster import Cluster, eventually, wait_converged
+from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 
 pytestmark = pytest.mark.slow
-
-
-async def deciding(*nodes: NodeServer) -> None:
-    async def all_deciding() -> bool:
-        return all(node.replica.deciding for node in nodes)
-
-    await eventually(all_deciding, "every node deciding claims")
 
 
 async def rounds_pass(node: NodeServer, count: int) -> None:
@@ -39,11 +32,16 @@ async def rounds_pass(node: NodeServer, count: int) -> None:
     await eventually(done, f"{count} anti-entropy rounds at {node.config.region}", within=30)
 
 
+@pytest.mark.parametrize("first", ["us", "eu"], ids=["home-claims-first", "home-claims-last"])
 async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_holders(
-    tmp_path: Path,
+    tmp_path: Path, first: str
 ) -> None:
+    """Both sides grant token 1; the two grants merge into one entry, the later one
+    (regression, found by the chaos tier: when that was the home's own grant, made
+    after the other birth by the clock, the fence did not move, and the home took
+    token 1 from both owners)."""
     async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
-        await deciding(*await cluster.start_all())
+        await all_deciding(*await cluster.start_all())
         await cluster.stop("us")
         await cluster.stop("eu")
         # The split: us and eu each alone (ap reaches neither).
@@ -53,8 +51,12 @@ async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_hold
             made = await at_us.remember("lattice", "backlog", "split-1", title="from us")
             key = made.record.key
             await at_eu.remember("lattice", "backlog", "split-1", title="from eu")
-            held_us = await at_us.claim(key, "worker-us", lease_seconds=60)
-            held_eu = await at_eu.claim(key, "worker-eu", lease_seconds=60)
+            if first == "us":
+                held_us = await at_us.claim(key, "worker-us", lease_seconds=60)
+                held_eu = await at_eu.claim(key, "worker-eu", lease_seconds=60)
+            else:
+                held_eu = await at_eu.claim(key, "worker-eu", lease_seconds=60)
+                held_us = await at_us.claim(key, "worker-us", lease_seconds=60)
             assert held_us.fencing_token == held_eu.fencing_token == 1  # two homes, apart
             await at_us.update(key, fields={"body": "us work"}, fencing_token=1)
             await at_eu.update(key, fields={"body": "eu work"}, fencing_token=1)
@@ -103,7 +105,7 @@ async def test_a_refused_state_is_not_fetched_again_and_again(tmp_path: Path) ->
     ap keeps us's rounds going."""
     async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
         us, eu, ap = await cluster.start_all()
-        await deciding(us, eu, ap)
+        await all_deciding(us, eu, ap)
         eu.replica.bounds = Bounds(eu.replica.bounds.max_offset_ms, max_token_jump=1 << 40)
         async with AsyncClient(eu.address) as client:
             made = await client.remember("lattice", "backlog", "jumpy", title="x")

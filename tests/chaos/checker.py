@@ -1,37 +1,59 @@
-"""The chaos tier's checker: five invariants over the history and the final states.
+"""The chaos tier's checker: ten invariants over the history and the final states.
 
 Each invariant is judged on its own and reported separately (docs/chaos.md says
-what each means and what it does not promise):
+what each means and what it does not promise); those about claims are in
+``claims.py``:
 
 1. fencing safety — no fenced write accepted with a token lower than one already
    granted for that record, none from a worker after it was told ``superseded``,
-   none from a worker that stalled past its lease;
+   none from a worker that stalled past its lease, none under a split-time token
+   once the births met;
 2. tokens strictly increase — per record, across every grant, restarts and disk
-   loss included; no token granted to two owners;
-3. no acknowledged write lost — every acknowledged write (each to a field of its
-   own) and every acknowledged creation is in every region's final state. The
-   one exception is SPEC's: a write acknowledged by a node that then lost its
-   disk before it had been connected to its peers for ``DISK_LOSS_GRACE_S`` may
-   be gone with that disk; such writes are counted and listed, never hidden;
+   loss included;
+3. no acknowledged write lost — every acknowledged unfenced write (each to a
+   field of its own) and every acknowledged creation is in every region's final
+   state. The one exception is SPEC's: a write acknowledged by a node that then
+   lost its disk before it had been connected to its peers for
+   ``DISK_LOSS_GRACE_S`` may be gone with that disk; such writes are counted and
+   listed, never hidden;
 4. convergence — after the final heal every region holds byte-identical records
    within ``CONVERGE_ROUNDS`` anti-entropy rounds; the time it took is reported;
 5. availability — while the network is faulty (partitions, packet loss, a slow
    link) every region keeps serving reads and unfenced writes to unclaimed
-   records; home-only calls that cannot be served fail fast, with a reason.
+   records; home-only calls that cannot be served fail fast, with a reason;
+6. one home per record — every region's final state names the same one home,
+   the region that created the record (for an id born on both sides of a split:
+   one of those);
+7. one live claim at a time;
+8. a token is granted once;
+9. fenced writes survive;
+10. catching up before deciding — a node that lost its disk and was restarted
+    before it had caught up, with a peer cut off, granted nothing and admitted no
+    write until that peer was back (SPEC §4).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fencemark.client import Record
-from fencemark.node.workload import Event, History, fencing_safety, grants_by_key, tokens_increase
+from fencemark.node.workload import Event, History
+from tests.chaos.claim_invariants import (
+    Verdict,
+    fenced_writes_survive,
+    fencing_safety,
+    granted_once,
+    one_live_claim,
+    token_order,
+)
+from tests.chaos.claims import DISK_LOSS_GRACE_S, Claim, Split, claims_of, lost_with_disk, splits_of
 from tests.chaos.nemesis import PARTITIONS, Played
 from tests.chaos.workload import CALL_TIMEOUT_S
 
+__all__ = ["CONVERGE_ROUNDS", "DISK_LOSS_GRACE_S", "Convergence", "Verdict", "check"]
+
 NETWORK_FAULTS = (*PARTITIONS, "loss", "slow")
-DISK_LOSS_GRACE_S = 5.0  # healthy seconds a node had to pass a write on before a wipe
 CONVERGE_ROUNDS = 20  # anti-entropy rounds convergence may take after the final heal
 # A home-only call at a node that is not the record's home is refused within this;
 # generous because three nodes and the test share two cores: it separates an
@@ -41,14 +63,7 @@ WRONG_REGION_FAST_S = 2.0
 # the test process's own scheduling.
 DEADLINE_SLACK_S = 1.0
 HOME_ONLY_OPS = ("claim", "write", "renew", "finish", "release")
-
-
-@dataclass
-class Verdict:
-    name: str
-    ok: bool
-    detail: str
-    numbers: dict[str, float] = field(default_factory=dict)
+HOME_TAG = "homeRegion:"
 
 
 @dataclass(frozen=True)
@@ -64,97 +79,36 @@ def check(
     finals: Mapping[str, Mapping[str, Record]],
     homes: Mapping[str, str],
     convergence: Convergence | None,
+    *,
+    lease_seconds: float = 2.0,
 ) -> list[Verdict]:
-    grants = grants_by_key(history)
-    fencing = fencing_safety(history, grants)
-    tokens = tokens_increase(grants)
+    splits = splits_of(history, played)
+    claims = claims_of(history, played, homes, splits, lease_seconds)
     return [
-        Verdict(
-            "1. fencing safety",
-            fencing.ok,
-            fencing.detail,
-            {
-                "fenced writes acknowledged": _count(history, ("write", "finish"), "ok"),
-                "stale writes refused": _count(history, ("stale-write",), "fail"),
-            },
-        ),
-        token_order(tokens.ok, tokens.detail, grants, played, homes, history.started),
+        fencing_safety(history, claims, splits),
+        token_order(claims, played, homes),
         acknowledged_writes(history, played, finals, homes),
         converged(convergence),
         availability(history, played),
+        one_home(finals, homes, splits),
+        one_live_claim(claims, splits),
+        granted_once(claims, lease_seconds),
+        fenced_writes_survive(history, claims, finals, homes, played),
+        caught_up_first(history, played, claims, homes),
     ]
-
-
-def _count(history: History, ops: Sequence[str], outcome: str) -> float:
-    return float(sum(e.op in ops and e.outcome == outcome for e in history.events))
-
-
-# -- 2. tokens --------------------------------------------------------------------------
-
-
-def token_order(
-    ok: bool,
-    detail: str,
-    grants: Mapping[str, Sequence[Event]],
-    played: Sequence[Played],
-    homes: Mapping[str, str],
-    started: float,
-) -> Verdict:
-    """The token check, and how often it was put to the test: records granted both
-    before and after their home region was killed or lost its disk."""
-    crossed = {"kill": 0, "wipe": 0}
-    for key, events in grants.items():
-        times = [e.completed - started for e in events]
-        for fault in played:
-            if fault.kind in crossed and fault.targets[0] == homes.get(key):
-                before = any(t < fault.started for t in times)
-                after = any(t > fault.ended for t in times)
-                crossed[fault.kind] += before and after
-    if ok:
-        detail += (
-            f"; {crossed['kill']} records granted again after their home was"
-            f" killed, {crossed['wipe']} after it lost its disk"
-        )
-    return Verdict(
-        "2. tokens strictly increase",
-        ok,
-        detail,
-        {
-            "grants": sum(len(g) for g in grants.values()),
-            "records granted across a kill -9": crossed["kill"],
-            "records granted across a disk loss": crossed["wipe"],
-        },
-    )
 
 
 # -- 3. acknowledged writes ------------------------------------------------------------
 
 
 def acked_by(event: Event, homes: Mapping[str, str]) -> str:
-    """The region whose node acknowledged ``event``: fenced writes and creations are
-    decided at the record's home; a probe's note at the probe's own region."""
+    """The region whose node acknowledged ``event``: a creation names it (detail), a
+    probe's note is its own region's, a fenced write its record's home."""
+    if event.op == "create":
+        return event.detail
     if event.op == "note" or event.agent.startswith("probe-"):
         return event.agent.removeprefix("probe-")
     return homes.get(event.key, "")
-
-
-def lost_with_disk(acked_at: float, region: str, played: Sequence[Played]) -> bool:
-    """Whether ``region`` lost its disk after a write it acknowledged at ``acked_at``
-    (seconds since the run started, like the faults' times) before it could pass it
-    on: fewer than DISK_LOSS_GRACE_S healthy seconds between the ack and the wipe."""
-    for wipe in played:
-        # The kill lands a moment after the fault starts: a write acknowledged in
-        # between was acknowledged by the node whose disk is then lost.
-        lost_at = wipe.down_at or wipe.started
-        if wipe.kind != "wipe" or wipe.targets[0] != region or lost_at < acked_at:
-            continue
-        healthy_since = acked_at
-        for fault in played:
-            touches = region in fault.targets or fault.kind in ("loss", "slow")
-            if touches and fault is not wipe and healthy_since < fault.ended <= wipe.started:
-                healthy_since = fault.ended
-        return lost_at - healthy_since < DISK_LOSS_GRACE_S
-    return False
 
 
 def acknowledged_writes(
@@ -163,7 +117,8 @@ def acknowledged_writes(
     finals: Mapping[str, Mapping[str, Record]],
     homes: Mapping[str, str],
 ) -> Verdict:
-    acked = [e for e in history.events if e.outcome == "ok" and e.op in ("write", "note", "create")]
+    # Fenced writes are judged by invariant 9, which knows what may overwrite them.
+    acked = [e for e in history.events if e.outcome == "ok" and e.op in ("note", "create")]
     missing, exempt = [], []
     for event in acked:
         absent = [region for region, records in finals.items() if not _holds(records, event)]
@@ -177,7 +132,7 @@ def acknowledged_writes(
                 f"{event.op} {event.key} {event.detail}={event.value} missing at {','.join(absent)}"
             )
     detail = "; ".join(missing[:3]) or (
-        f"{len(acked)} acknowledged writes and creations, in all {len(finals)} regions"
+        f"{len(acked)} acknowledged unfenced writes and creations, in all {len(finals)} regions"
         + (f" ({len(exempt)} lost with a wiped disk before they could replicate)" if exempt else "")
     )
     return Verdict(
@@ -275,4 +230,121 @@ def availability(history: History, played: Sequence[Played]) -> Verdict:
             "problems": len(problems),
             "slowest refusal s": round(slowest_refusal, 3),
         },
+    )
+
+
+# -- 6. one home per record --------------------------------------------------------------
+
+
+def one_home(
+    finals: Mapping[str, Mapping[str, Record]],
+    homes: Mapping[str, str],
+    splits: Mapping[str, Split],
+) -> Verdict:
+    """Every region's final state of a record names one home, the same everywhere: the
+    region that created it, or for an id born on both sides of a split one of those."""
+    problems = []
+    keys = sorted({key for records in finals.values() for key in records})
+    for key in keys:
+        named = {r: records[key] for r, records in finals.items() if key in records}
+        seen = {record.home_region for record in named.values()}
+        if seen == {""}:
+            continue  # a tombstone of a key nobody created: no home to name
+        if len(seen) != 1:
+            where = ", ".join(f"{r}: {record.home_region or '-'}" for r, record in named.items())
+            problems.append(f"{key} has different homes ({where})")
+            continue
+        home = seen.pop()
+        tags = {
+            r: {t for t in record.tags if t.startswith(HOME_TAG)} for r, record in named.items()
+        }
+        if any(found != {HOME_TAG + home} for found in tags.values()):
+            names = ", ".join(f"{r}: {' '.join(sorted(found))}" for r, found in tags.items())
+            problems.append(f"{key} is homed at {home} but its tags name {names}")
+        elif key in homes and homes[key] != home:
+            problems.append(f"{key} was created at {homes[key]} but is homed at {home}")
+        elif key in splits and home not in splits[key].maybe:
+            born = ",".join(sorted(splits[key].maybe))
+            problems.append(f"{key} was created at {born} but is homed at {home}")
+    met = sum(split.met_seen for split in splits.values())
+    detail = "; ".join(problems[:3]) or (
+        f"{len(keys)} records, one home each in every region; {len(splits)} ids born on both"
+        f" sides of a split, {met} of which met within {CONVERGE_ROUNDS} rounds of the heal"
+    )
+    return Verdict(
+        "6. one home per record",
+        not problems,
+        detail,
+        {"records": len(keys), "born on both sides": len(splits), "births met": met},
+    )
+
+
+# -- 10. catching up before deciding -------------------------------------------------------
+
+# What only a node that has caught up decides: claims, renewals, releases and fenced
+# writes (SPEC §4). Unfenced writes and creations it admits meanwhile, by the rule of
+# a node that is not the home (docs/consistency.md, *Catch-up*): "fenced writes
+# survive" judges what those may not do.
+DECIDED = ("grant", "renew", "release", "write", "finish")
+
+
+def decided_at(
+    event: Event, claims: Mapping[tuple[str, int, str], Claim], homes: Mapping[str, str]
+) -> str:
+    """The region whose node decided or admitted ``event``."""
+    if event.op == "grant":
+        return event.detail or homes.get(event.key, "")
+    if event.op.startswith("meddle"):
+        return event.agent.removeprefix("meddler-")
+    claim = claims.get((event.key, event.token, event.agent))
+    if claim is not None:
+        return claim.region
+    return acked_by(event, homes)
+
+
+def caught_up_first(
+    history: History,
+    played: Sequence[Played],
+    claims: Mapping[tuple[str, int, str], Claim],
+    homes: Mapping[str, str],
+) -> Verdict:
+    """A node that lost its disk decides nothing before its catch-up pass with every
+    peer (SPEC §4), however often it is restarted first: judged where a peer was cut
+    off from it until ``cut_healed``, so that it could not have caught up before."""
+    start = history.started
+    judged = [f for f in played if f.kind == "wipe-restart" and f.cut_healed and f.injected]
+    problems = []
+    refused = 0
+    for fault in judged:
+        region = fault.targets[0]
+        if fault.serving_early:
+            problems.append(
+                f"{region} said it served claims at {fault.serving_early:.1f} s, cut off from"
+                f" {fault.targets[1]} until {fault.cut_healed:.1f} s"
+            )
+        for event in history.events:
+            sent, done = event.invoked - start, event.completed - start
+            if event.op not in DECIDED or not fault.down_at <= sent <= done <= fault.cut_healed:
+                continue
+            if decided_at(event, claims, homes) != region:
+                continue
+            if event.outcome == "ok":
+                problems.append(
+                    f"{region} acknowledged {event.agent}'s {event.op} of {event.key} at"
+                    f" {done:.1f} s, before it could have caught up (cut off from"
+                    f" {fault.targets[1]} until {fault.cut_healed:.1f} s)"
+                )
+            else:
+                refused += 1
+    if not judged:
+        problems.append("no node was restarted before catching up with a peer cut off")
+    detail = "; ".join(problems[:3]) or (
+        f"{len(judged)} nodes restarted before catching up decided nothing until they could;"
+        f" {refused} claims and writes at them refused or unanswered meanwhile"
+    )
+    return Verdict(
+        "10. catching up before deciding",
+        not problems,
+        detail,
+        {"faults judged": len(judged), "refused or unanswered": refused},
     )

@@ -20,8 +20,8 @@ Faults:
 - :meth:`lose_packets`: drop a random fraction of node-to-node packets
   (iptables ``statistic``);
 - :meth:`slow_link`: latency and a bandwidth cap on the proxied link;
-- :meth:`kill` / :meth:`start_node`: ``kill -9`` (SIGKILL to PID 1) and a restart on
-  the same volume;
+- :meth:`kill` / :meth:`start_node`: ``kill -9`` (SIGKILL to PID 1; or SIGTERM, a
+  graceful stop) and a restart on the same volume;
 - :meth:`wipe`: the volume's contents removed while the node is down (disk loss);
 - :meth:`pause` / :meth:`unpause`: the cgroup freezer (``docker pause``).
 
@@ -285,10 +285,11 @@ class ChaosCluster:
 
     # -- process faults --------------------------------------------------------------
 
-    def kill(self, name: str) -> None:
-        """``kill -9`` the node (PID 1): no shutdown handler runs."""
+    def kill(self, name: str, signal: str = "SIGKILL") -> None:
+        """``kill -9`` the node (PID 1): no shutdown handler runs. With ``SIGTERM``
+        it shuts down gracefully; either way this returns once it has exited."""
         container = self.regions[name].container.get_wrapped_container()
-        container.kill(signal="SIGKILL")
+        container.kill(signal=signal)
         self._wait_status(name, "exited")
 
     def start_node(self, name: str) -> None:

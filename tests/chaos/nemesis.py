@@ -6,6 +6,10 @@ at random until its time is spent. Faults never overlap (each heals before the
 next starts, with a quiet gap between), so the checker can attribute what it
 sees to one fault, and a seed replays the same faults in the same order with the
 same targets (timing still varies with the machine).
+
+Some faults set the workload going on a shape of its own (:class:`Shapes`): a
+partition has the same untagged ids created on both of its sides, and a node
+restarted again and again before it has caught up is pressed with claims.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from docker.errors import DockerException
 
@@ -24,10 +29,20 @@ from fencemark.node.workload import Agent
 from tests.chaos.cluster import ChaosCluster
 
 PARTITIONS = ("isolate", "halves", "bridge")
-KINDS = (*PARTITIONS, "kill", "wipe", "pause", "agent-pause", "loss", "slow")
+DISK_LOSSES = ("wipe", "wipe-restart")
+KINDS = (*PARTITIONS, "kill", *DISK_LOSSES, "pause", "agent-pause", "loss", "slow")
 FAULT_SECONDS = (4.0, 7.0)  # how long a timed fault lasts, drawn uniformly
 GAP_SECONDS = (1.5, 3.0)  # quiet time between faults
 DOWN_SECONDS = (1.0, 3.0)  # how long a killed node stays down
+# wipe-restart: how many times the node is stopped again before it has caught up,
+# with which signal, and how likely (past the first of the kind) one peer is cut
+# off meanwhile, so that the catch-up cannot finish.
+RESTARTS = (2, 3)
+STOP_SIGNALS = ("SIGKILL", "SIGTERM")
+CUT_PEER_PROBABILITY = 0.75
+HOLDING_LIMIT_S = 10.0  # a restarted node holds some of its peers' records within this
+UP_BEFORE_STOP_S = 1.0  # then it serves (reads, and refuses the rest) this long
+CUT_WATCH_S = 2.0  # after its last restart, how long it is up, cut off, before the heal
 LOSS_PROBABILITY = 0.3
 SLOW_LATENCY_MS = 250.0
 SLOW_BANDWIDTH = 64 * 1024.0  # bytes/s each way
@@ -42,6 +57,9 @@ class Fault:
     targets: tuple[str, ...]
     seconds: float  # how long it lasts (for kill/wipe: downtime; pause: past the lease)
     gap: float  # quiet time before it
+    # wipe-restart (targets: the node, then the peer cut off from it, if any): the
+    # signal of each stop that comes before the node has caught up.
+    restarts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,20 @@ class Played:
     # kill, wipe: when the node was dead for sure (SIGKILL delivered; for a wipe, the
     # disk gone). A write the node acknowledged before this was acknowledged by it.
     down_at: float = 0.0
+    # wipe-restart with a peer cut off: when that cut was healed (until then the node
+    # cannot have caught up), and when it said it served claims before that (0: never).
+    cut_healed: float = 0.0
+    serving_early: float = 0.0
+
+
+class Shapes(Protocol):
+    """What the workload does when a fault sets up one of its shapes."""
+
+    def split(self, sides: tuple[str, str], healed: asyncio.Event) -> None:
+        """Create untagged ids on both ``sides`` of a partition (until ``healed``)."""
+
+    def press(self, region: str, until: asyncio.Event) -> None:
+        """Claim records homed at ``region`` while its node catches up (until ``until``)."""
 
 
 def schedule(
@@ -73,16 +105,25 @@ def schedule(
     kinds = list(KINDS)
     rng.shuffle(kinds)
     while kinds or budget > 0:
+        first = bool(kinds)
         kind = kinds.pop() if kinds else rng.choice(KINDS)
-        fault = _draw(rng, kind, list(regions), list(agents), lease)
+        fault = _draw(rng, kind, list(regions), list(agents), lease, first=first)
         faults.append(fault)
         budget -= fault.gap + fault.seconds
     return faults
 
 
 def _draw(
-    rng: random.Random, kind: str, regions: list[str], agents: list[str], lease: float
+    rng: random.Random,
+    kind: str,
+    regions: list[str],
+    agents: list[str],
+    lease: float,
+    *,
+    first: bool = False,
 ) -> Fault:
+    """One fault of ``kind``; the ``first`` of its kind in a schedule (the short run's)
+    takes a sure form: a wipe-restart cuts a peer off, and is quick about it."""
     gap = round(rng.uniform(*GAP_SECONDS), 2)
     span = round(rng.uniform(*FAULT_SECONDS), 2)
     if kind == "isolate":
@@ -96,6 +137,14 @@ def _draw(
         return Fault(kind, (a, b), span, gap)  # a and b apart; both still reach the rest
     if kind in ("kill", "wipe"):
         return Fault(kind, (rng.choice(regions),), round(rng.uniform(*DOWN_SECONDS), 2), gap)
+    if kind == "wipe-restart":
+        victim = rng.choice(regions)
+        down = round(rng.uniform(*DOWN_SECONDS), 2)
+        stops = RESTARTS[0] if first else rng.randint(*RESTARTS)
+        restarts = tuple(rng.choice(STOP_SIGNALS) for _ in range(stops))
+        cut_off = first or rng.random() < CUT_PEER_PROBABILITY
+        peer = (rng.choice([r for r in regions if r != victim]),) if cut_off else ()
+        return Fault(kind, (victim, *peer), down, gap, restarts)
     if kind == "pause":
         return Fault(kind, (rng.choice(regions),), round(2 * lease, 2), gap)
     if kind == "agent-pause":
@@ -104,7 +153,9 @@ def _draw(
 
 
 def cut_pairs(fault: Fault) -> list[tuple[str, str]]:
-    """The region pairs a partition separates."""
+    """The region pairs a partition separates (wipe-restart: the node and its cut peer)."""
+    if fault.kind == "wipe-restart":
+        return [(fault.targets[0], fault.targets[1])] if len(fault.targets) > 1 else []
     if fault.kind == "bridge":
         return [(fault.targets[0], fault.targets[1])]
     half = 1 if fault.kind == "isolate" else len(fault.targets) // 2
@@ -121,14 +172,18 @@ class Nemesis:
         agents: Sequence[Agent],
         clock: Callable[[], float],
         log: Callable[[str], None],
+        shapes: Shapes | None = None,
     ) -> None:
         self.cluster = cluster
         self.mesh = mesh
         self.agents = {agent.name: agent for agent in agents}
         self.clock = clock
         self.log = log
+        self.shapes = shapes
         self.played: list[Played] = []
         self._down_at = 0.0
+        self._cut_healed = 0.0
+        self._serving_early = 0.0
 
     async def play(
         self, faults: Sequence[Fault], stop: asyncio.Event, until: float | None = None
@@ -142,7 +197,7 @@ class Nemesis:
             await asyncio.sleep(fault.gap)
             started = self.clock()
             self.log(f"nemesis: {fault.kind} {' '.join(fault.targets)} ({fault.seconds:.1f} s)")
-            self._down_at = 0.0
+            self._down_at = self._cut_healed = self._serving_early = 0.0
             try:
                 detail = await self._inject(fault)
             except (DockerException, RuntimeError) as exc:
@@ -163,8 +218,10 @@ class Nemesis:
                     started,
                     self.clock(),
                     detail,
-                    tuple(cut_pairs(fault)) if fault.kind in PARTITIONS else (),
+                    tuple(cut_pairs(fault)) if fault.kind in (*PARTITIONS, "wipe-restart") else (),
                     down_at=self._down_at,
+                    cut_healed=self._cut_healed,
+                    serving_early=self._serving_early,
                 )
             )
             self.log(f"nemesis: {fault.kind} healed{': ' + detail if detail else ''}")
@@ -177,9 +234,15 @@ class Nemesis:
             for a, b in pairs:  # agents in a region are cut off from the other side too
                 self.mesh.link(a, b).cut()
                 self.mesh.link(b, a).cut()
-            await asyncio.sleep(fault.seconds)
-            self.mesh.heal()
-            await asyncio.to_thread(self.cluster.heal_network)
+            healed = asyncio.Event()
+            if self.shapes is not None:  # the same new ids on both sides of the cut
+                self.shapes.split(pairs[0], healed)
+            try:
+                await asyncio.sleep(fault.seconds)
+            finally:
+                self.mesh.heal()
+                await asyncio.to_thread(self.cluster.heal_network)
+                healed.set()
             return ""
         if fault.kind in ("kill", "wipe"):
             await asyncio.to_thread(self.cluster.kill, region)
@@ -190,6 +253,8 @@ class Nemesis:
             await asyncio.to_thread(self.cluster.start_node, region)
             took = await self._until_deciding(region)
             return f"{region} deciding claims again {took:.1f} s after its restart"
+        if fault.kind == "wipe-restart":
+            return await self._wipe_restart(fault)
         if fault.kind == "pause":
             await self._retry(self.cluster.pause, region)
             await asyncio.sleep(fault.seconds)
@@ -216,6 +281,102 @@ class Nemesis:
             return "-".join(self.cluster.proxied)
         raise ValueError(f"unknown fault kind {fault.kind!r}")
 
+    async def _wipe_restart(self, fault: Fault) -> str:
+        """Disk loss, then the node stopped again (and again) before it has caught up:
+        each time it comes back on a data directory that holds part of what its peers
+        have. With a peer cut off meanwhile, it cannot catch up until the cut heals,
+        and must decide nothing until then (SPEC §4); a watcher notes if it does."""
+        region = fault.targets[0]
+        pairs = cut_pairs(fault)
+        pressed = asyncio.Event()
+        watcher: asyncio.Task[None] | None = None
+        notes = []
+        try:
+            if pairs:  # cut while both run: a stopped node's rules cannot be set
+                await asyncio.to_thread(self.cluster.cut, pairs)
+            address = await asyncio.to_thread(self.cluster.ip, region)
+            await asyncio.to_thread(self.cluster.kill, region)
+            await asyncio.to_thread(self.cluster.wipe, region)
+            self._down_at = self.clock()
+            if self.shapes is not None:
+                self.shapes.press(region, pressed)
+            if pairs:
+                watcher = asyncio.create_task(self._watch_not_deciding(region))
+            await asyncio.sleep(fault.seconds)
+            for signal in fault.restarts:
+                moved = await self._start_cut_off(region, pairs, address)
+                holding = await self._until_holding(region)
+                await asyncio.sleep(UP_BEFORE_STOP_S)  # calls meet a node catching up
+                await asyncio.to_thread(self.cluster.kill, region, signal)
+                notes.append(f"{signal} holding {holding} records{moved}")
+                await asyncio.sleep(0.3)
+            notes.append("started" + await self._start_cut_off(region, pairs, address))
+            if pairs:  # up and answering, not only started, while it cannot catch up
+                await self._until_holding(region)
+                await asyncio.sleep(CUT_WATCH_S)
+                watcher_done(watcher)
+                await asyncio.to_thread(self.cluster.heal_network)
+                self._cut_healed = self.clock()
+            took = await self._until_deciding(region)
+        finally:
+            watcher_done(watcher)
+            pressed.set()
+        detail = f"{region} stopped before catching up: {', '.join(notes)}"
+        if pairs:
+            detail += f"; cut off from {pairs[0][1]}, deciding claims {took:.1f} s after the heal"
+        else:
+            detail += f"; deciding claims {took:.1f} s after its last restart"
+        if self._serving_early:
+            detail += f"; SERVED CLAIMS while cut off, at {self._serving_early:.1f} s"
+        return detail
+
+    async def _start_cut_off(
+        self, region: str, pairs: Sequence[tuple[str, str]], address: str
+    ) -> str:
+        """Start ``region``'s node and (again) cut it from its peer: a restarted
+        container has a fresh network namespace, without the old rules. The peer's
+        rules still drop the node's old address; a note if it got a new one (then
+        the node may have reached its peer before the cut was renewed)."""
+        await asyncio.to_thread(self.cluster.start_node, region)
+        if not pairs:
+            return ""
+        await asyncio.to_thread(self.cluster.cut, pairs)
+        now = await asyncio.to_thread(self.cluster.ip, region)
+        return "" if now == address else f" (new address {now}, was {address})"
+
+    async def _until_holding(self, region: str) -> int:
+        """Wait until a restarted node holds some records (it is catching up); how many."""
+        client = AsyncClient(self.cluster.regions[region].address, timeout=1.0, retries=0)
+        held = 0
+
+        async def holding() -> bool:
+            nonlocal held
+            try:
+                held = (await client.info()).record_count
+            except FencemarkError:
+                return False
+            return held > 0
+
+        try:
+            await wait_for(f"{region} holding records", holding, HOLDING_LIMIT_S)
+        except TimeoutError:
+            pass  # stopped empty-handed: still a restart before catching up
+        finally:
+            await client.close()
+        return held
+
+    async def _watch_not_deciding(self, region: str) -> None:
+        """Poll a node that cannot have caught up; note when it says it decides claims."""
+        client = AsyncClient(self.cluster.regions[region].address, timeout=1.0, retries=0)
+        try:
+            while not self._serving_early:
+                if await _serving(client):
+                    self._serving_early = self.clock()
+                    self.log(f"nemesis: {region} serves claims before it could catch up")
+                await asyncio.sleep(0.2)
+        finally:
+            await client.close()
+
     @staticmethod
     async def _retry(action: Callable[[str], None], region: str, attempts: int = 5) -> None:
         """``action(region)`` in a thread, retried: the freezer sometimes cannot freeze a
@@ -238,6 +399,11 @@ class Nemesis:
             )
         finally:
             await client.close()
+
+
+def watcher_done(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
 
 
 async def _serving(client: AsyncClient) -> bool:

@@ -33,6 +33,7 @@ COLOURS = {
     "bridge": "salmon",
     "kill": "black",
     "wipe": "tab:purple",
+    "wipe-restart": "indigo",
     "pause": "tab:gray",
     "agent-pause": "khaki",
     "loss": "tab:orange",
@@ -75,6 +76,8 @@ def write(
             row = asdict(event)
             row["invoked"] = round(event.invoked - history.started, 4)
             row["completed"] = round(event.completed - history.started, 4)
+            if event.expires:
+                row["expires"] = round(event.expires - history.started, 4)
             out.write(json.dumps(row) + "\n")
     (folder / "report.md").write_text(markdown(report))
     timeline(folder / "timeline.png", played, samples, heal_at, settings)

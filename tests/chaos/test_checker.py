@@ -7,6 +7,7 @@ run means something (a checker that cannot fail would pass any run).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -20,21 +21,28 @@ from tests.chaos.checker import (
     check,
 )
 from tests.chaos.nemesis import KINDS, Played, cut_pairs, schedule
+from tests.chaos.shapes import SPLIT_TOPIC
 
 KEY = "repo/r/mem/t/item"
 NOTES = "repo/r/mem/notes/us"
+SPLIT = f"repo/r/mem/{SPLIT_TOPIC}/split-000-0"
 HOMES = {KEY: "us", NOTES: "us"}
 REGIONS = ("us", "eu", "ap")
 AGENTS = ("us-agent-0", "eu-agent-0")
 # Events carry monotonic clock readings; faults, seconds since the run started.
 START = 5000.0
 PARTITION = Played("isolate", ("ap",), 10.0, 20.0, cut=(("ap", "us"), ("ap", "eu")))
+# ap lost its disk and was restarted twice before catching up, cut off from us until 48 s.
+CATCH_UP = Played("wipe-restart", ("ap", "us"), 40.0, 50.0, cut=(("ap", "us"),), down_at=40.2,
+                  cut_healed=48.0)  # fmt: skip
 
 
 def event(agent: str, op: str, at: float, *, token: int = 0, outcome: str = "ok",
           detail: str = "", value: str = "", took: float = 0.1, key: str = KEY,
-          ) -> Event:  # fmt: skip
-    return Event(agent, op, key, token, outcome, START + at, START + at + took, detail, value)
+          expires: float = 0.0) -> Event:  # fmt: skip
+    """An event ``at`` seconds into the run; ``expires``: a lease's end, run clock too."""
+    return Event(agent, op, key, token, outcome, START + at, START + at + took, detail, value,
+                 START + expires if expires else 0.0)  # fmt: skip
 
 
 def history(*events: Event) -> History:
@@ -44,12 +52,19 @@ def history(*events: Event) -> History:
     return made
 
 
-def record(key: str = KEY, **fields: str) -> Record:
-    return Record(key=key, repo="r", topic="t", id="item", fields=fields, home_region="us")
+def record(key: str = KEY, home: str = "us", **fields: str) -> Record:
+    return Record(key=key, repo="r", topic="t", id="item", fields=fields, home_region=home,
+                  tags=(f"homeRegion:{home}",))  # fmt: skip
 
 
 def finals(**fields: str) -> dict[str, dict[str, Record]]:
     return {region: {KEY: record(**fields), NOTES: record(NOTES)} for region in REGIONS}
+
+
+def every(states: dict[str, dict[str, Record]], key: str, made: Record) -> None:
+    """``key`` is ``made`` in every region's final state."""
+    for records in states.values():
+        records[key] = made
 
 
 CONVERGED = Convergence(seconds=1.0, interval=1.0, records=2)
@@ -60,8 +75,8 @@ SERVED = [event(f"probe-{r}", "probe-read", 12.0, key=NOTES) for r in REGIONS]
 def verdicts(h: History, played: list[Played] | None = None,
              states: dict[str, dict[str, Record]] | None = None,
              convergence: Convergence | None = CONVERGED) -> dict[str, Verdict]:  # fmt: skip
-    judged = check(h, played if played is not None else [PARTITION], states or finals(),
-                   HOMES, convergence)  # fmt: skip
+    judged = check(h, played if played is not None else [PARTITION, CATCH_UP],
+                   states or finals(), HOMES, convergence)  # fmt: skip
     return {v.name.split(". ")[1]: v for v in judged}
 
 
@@ -94,15 +109,10 @@ def test_a_stalled_workers_accepted_write_violates_fencing_safety() -> None:
     assert not verdicts(h)["fencing safety"].ok
 
 
-def test_tokens_granted_out_of_order_or_twice_are_caught() -> None:
+def test_tokens_granted_out_of_order_are_caught() -> None:
     backwards = history(event("us-agent-0", "grant", 1.0, token=5),
                         event("eu-agent-0", "grant", 3.0, token=4), *SERVED)  # fmt: skip
     assert not verdicts(backwards)["tokens strictly increase"].ok
-    twice = history(event("us-agent-0", "grant", 1.0, token=5),
-                    event("eu-agent-0", "grant", 9.0, token=5), *SERVED)  # fmt: skip
-    assert (
-        "granted to us-agent-0 and eu-agent-0" in verdicts(twice)["tokens strictly increase"].detail
-    )
 
 
 def test_grants_across_a_wipe_of_the_home_are_counted() -> None:
@@ -122,12 +132,11 @@ def test_overlapping_claims_may_complete_in_either_order() -> None:
 
 
 def test_an_acknowledged_write_missing_anywhere_is_lost() -> None:
-    write = event("us-agent-0", "write", 2.0, token=1, detail="p.a", value="1")
-    h = history(event("us-agent-0", "grant", 1.0, token=1), write, *SERVED)
-    states = finals(**{"p.a": "1"})
-    states["eu"][KEY] = record()  # eu never got it
-    verdict = verdicts(h, states=states)["no acknowledged write lost"]
-    assert not verdict.ok and "missing at eu" in verdict.detail
+    note = event("probe-us", "note", 2.0, detail="note.us.1", value="us:1", key=NOTES)
+    states = finals()
+    states["us"][NOTES] = record(NOTES, **{"note.us.1": "us:1"})  # eu and ap never got it
+    verdict = verdicts(history(note, *SERVED), states=states)["no acknowledged write lost"]
+    assert not verdict.ok and "missing at eu,ap" in verdict.detail
 
 
 def test_a_write_lost_with_its_nodes_disk_right_after_the_ack_is_counted_not_failed() -> None:
@@ -164,6 +173,14 @@ def test_a_fault_on_the_node_restarts_the_grace_it_had_to_pass_a_write_on() -> N
     wipe = Played("wipe", ("ap",), 20.0 + DISK_LOSS_GRACE_S / 2, 40.0)
     verdict = verdicts(history(note, *SERVED), [PARTITION, wipe])["no acknowledged write lost"]
     assert verdict.ok and verdict.numbers["lost with a disk"] == 1
+
+
+def test_a_write_with_time_to_pass_it_on_before_a_fault_is_not_excused_by_a_later_wipe() -> None:
+    """Healthy from 1 s until the partition at 10 s: long enough, whatever came after."""
+    note = event("probe-ap", "note", 1.0, detail="note.ap.1", value="ap:1", key=NOTES)
+    wipe = Played("wipe", ("ap",), 20.0 + DISK_LOSS_GRACE_S / 2, 40.0)
+    verdict = verdicts(history(note, *SERVED), [PARTITION, wipe])["no acknowledged write lost"]
+    assert not verdict.ok
 
 
 def test_convergence_fails_when_it_never_happened_or_took_too_many_rounds() -> None:
@@ -219,3 +236,238 @@ def test_partitions_cut_the_pairs_they_name() -> None:
     assert cut_pairs(bridge) == [(bridge.targets[0], bridge.targets[1])]
     halves = by_kind["halves"]
     assert len(cut_pairs(halves)) == 2  # 3 regions: one on one side, two on the other
+
+
+# -- 6. one home per record -------------------------------------------------------------
+
+
+def split_birth(*regions: str, at: float = 12.0) -> list[Event]:
+    """SPLIT created at each of ``regions`` during PARTITION, and the births meeting."""
+    born = [event(f"split-000-0-{r}", "create", at, key=SPLIT, detail=r, value="created")
+            for r in regions]  # fmt: skip
+    met = event("split-000-0", "split-met", 20.0, took=1.5, key=SPLIT, detail=regions[-1])
+    return [*born, met]
+
+
+def test_a_record_whose_replicas_name_different_homes_violates_one_home() -> None:
+    """The hole: an id created on both sides of a split, each side keeping its own home."""
+    states = finals()
+    every(states, SPLIT, record(SPLIT, home="us"))
+    states["ap"][SPLIT] = record(SPLIT, home="ap")
+    verdict = verdicts(history(*split_birth("us", "ap"), *SERVED), states=states)
+    assert not verdict["one home per record"].ok
+    assert "different homes (us: us, eu: us, ap: ap)" in verdict["one home per record"].detail
+
+
+def test_a_record_naming_two_homes_or_one_that_never_created_it_violates_one_home() -> None:
+    states = finals()
+    two = Record(key=SPLIT, repo="r", topic="split", id="split-000-0", home_region="us",
+                 tags=("homeRegion:ap", "homeRegion:us"))  # fmt: skip
+    every(states, SPLIT, two)
+    assert not verdicts(history(*split_birth("us", "ap"), *SERVED), states=states)[
+        "one home per record"
+    ].ok
+    every(states, SPLIT, record(SPLIT, home="eu"))  # eu never created it
+    verdict = verdicts(history(*split_birth("us", "ap"), *SERVED), states=states)
+    assert "created at ap,us but is homed at eu" in verdict["one home per record"].detail
+
+
+def test_an_id_born_on_both_sides_with_one_home_everywhere_passes() -> None:
+    states = finals()
+    every(states, SPLIT, record(SPLIT, home="ap"))
+    verdict = verdicts(history(*split_birth("us", "ap"), *SERVED), states=states)
+    assert verdict["one home per record"].ok
+    assert verdict["one home per record"].numbers["born on both sides"] == 1
+
+
+# -- 7. one live claim at a time -----------------------------------------------------------
+
+
+def test_a_claim_granted_while_another_is_live_violates_one_live_claim() -> None:
+    """us-agent-0's lease runs to 5 s (renewed); eu-agent-0 is granted at 3 s."""
+    h = history(
+        event("us-agent-0", "grant", 1.0, token=1, expires=3.0),
+        event("us-agent-0", "renew", 2.0, token=1, expires=5.0),
+        event("eu-agent-0", "grant", 3.0, token=2, expires=5.0),
+        *SERVED,
+    )
+    verdict = verdicts(h)["one live claim at a time"]
+    assert not verdict.ok
+    assert "us-agent-0 (token 1, from us) and eu-agent-0 (token 2, from us)" in verdict.detail
+    assert "live from 3.10 s to 5.00 s" in verdict.detail
+
+
+def test_a_claim_ends_at_its_lease_its_release_or_its_first_refusal() -> None:
+    lapsed = history(event("us-agent-0", "grant", 1.0, token=1, expires=3.0),
+                     event("eu-agent-0", "grant", 3.0, token=2, expires=5.0), *SERVED)  # fmt: skip
+    assert verdicts(lapsed)["one live claim at a time"].ok
+    released = history(
+        event("us-agent-0", "grant", 1.0, token=1, expires=9.0),
+        event("us-agent-0", "release", 2.0, token=1, took=2.0),  # its reply came late
+        event("eu-agent-0", "grant", 2.5, token=2, expires=5.0),
+        *SERVED,
+    )
+    assert verdicts(released)["one live claim at a time"].ok
+    refused = history(
+        event("us-agent-0", "grant", 1.0, token=1, expires=9.0),
+        event("us-agent-0", "write", 2.0, token=1, outcome="fail", detail="superseded"),
+        event("eu-agent-0", "grant", 2.5, token=2, expires=5.0),
+        *SERVED,
+    )
+    assert verdicts(refused)["one live claim at a time"].ok
+
+
+def split_claims(renewed_after_meeting: bool = False) -> list[Event]:
+    """SPLIT claimed on both sides during PARTITION; the births meet at 21.5 s."""
+    events = [
+        *split_birth("us", "ap"),
+        event("split-000-0-us", "grant", 12.5, token=1, key=SPLIT, detail="us", expires=14.6),
+        event("split-000-0-ap", "grant", 12.5, token=1, key=SPLIT, detail="ap", expires=14.6),
+        event("split-000-0-us", "renew", 14.0, token=1, key=SPLIT, expires=22.0),
+        event("split-000-0-ap", "renew", 14.0, token=1, key=SPLIT, expires=22.0),
+        event("split-000-0-ap", "write", 21.8, token=1, key=SPLIT, outcome="fail",
+              detail="wrong_region"),
+        event("split-000-0-after", "grant", 22.5, token=3, key=SPLIT, detail="ap", expires=24.6),
+    ]  # fmt: skip
+    if renewed_after_meeting:  # us's node kept the split-time claim: renewed, never refused
+        events.append(event("split-000-0-us", "renew", 21.6, token=1, key=SPLIT, expires=23.7))
+    else:
+        events.append(event("split-000-0-us", "write", 21.8, token=1, key=SPLIT, outcome="fail",
+                            detail="superseded"))  # fmt: skip
+    return events
+
+
+def test_claims_granted_on_both_sides_of_a_split_may_overlap_until_the_births_meet() -> None:
+    states = finals()
+    every(states, SPLIT, record(SPLIT, home="ap"))
+    verdict = verdicts(history(*split_claims(), *SERVED), states=states)
+    assert all(v.ok for v in verdict.values()), verdict
+    assert verdict["one live claim at a time"].numbers["split overlaps before meeting"] == 1
+
+
+def test_a_split_time_claim_renewed_after_the_births_met_violates_fencing_and_one_claim() -> None:
+    states = finals()
+    every(states, SPLIT, record(SPLIT, home="ap"))
+    verdict = verdicts(history(*split_claims(renewed_after_meeting=True), *SERVED), states=states)
+    assert "after the births met" in verdict["fencing safety"].detail
+    # Its holder still believed it live when the post-heal claim was granted.
+    assert "split-000-0-us (token 1, from us) and split-000-0-after" in (
+        verdict["one live claim at a time"].detail
+    )
+
+
+# -- 8. a token is granted once --------------------------------------------------------------
+
+
+def test_a_token_granted_to_two_owners_or_again_after_its_release_is_caught() -> None:
+    twice = history(event("us-agent-0", "grant", 1.0, token=5),
+                    event("eu-agent-0", "grant", 9.0, token=5), *SERVED)  # fmt: skip
+    verdict = verdicts(twice)["a token is granted once"]
+    assert not verdict.ok and "token 5 granted to us-agent-0 and eu-agent-0" in verdict.detail
+    again = history(
+        event("us-agent-0", "grant", 1.0, token=5, expires=9.0),
+        event("us-agent-0", "release", 2.0, token=5),
+        event("us-agent-0", "grant", 3.0, token=5, expires=5.0),
+        *SERVED,
+    )
+    verdict = verdicts(again)["a token is granted once"]
+    assert not verdict.ok and "again at 3.00 s, after it was released" in verdict.detail
+
+
+def test_a_retry_of_a_live_claim_and_a_split_are_not_tokens_granted_twice() -> None:
+    retry = history(
+        event("us-agent-0", "grant", 1.0, token=5, expires=3.0),
+        event("us-agent-0", "write", 1.5, token=5, outcome="unknown", detail="UNAVAILABLE"),
+        event("us-agent-0", "grant", 2.0, token=5, expires=4.0),  # the same claim, extended
+        *SERVED,
+    )
+    verdict = verdicts(retry)["a token is granted once"]
+    assert verdict.ok and verdict.numbers["idempotent retries"] == 1
+    lapsed = history(event("us-agent-0", "grant", 1.0, token=5, expires=3.0),
+                     event("us-agent-0", "grant", 4.0, token=5, expires=6.0), *SERVED)  # fmt: skip
+    assert "after its lease had lapsed" in verdicts(lapsed)["a token is granted once"].detail
+    states = finals()
+    every(states, SPLIT, record(SPLIT, home="ap"))
+    assert verdicts(history(*split_claims(), *SERVED), states=states)[
+        "a token is granted once"
+    ].ok  # token 1 on both sides: allowed, until the births met
+
+
+# -- 9. fenced writes survive ----------------------------------------------------------------
+
+FIELD = "progress.us-holder-0.1.0"
+
+
+def holder(*more: Event) -> History:
+    """us-holder-0 holds KEY (token 1) from 1 s, renewing to 9 s, and writes FIELD at 2 s."""
+    return history(
+        event("us-holder-0", "grant", 1.0, token=1, expires=3.0),
+        event("us-holder-0", "write", 2.0, token=1, detail=FIELD, value="us-holder-0@1"),
+        event("us-holder-0", "renew", 2.5, token=1, expires=9.0),
+        *more,
+        *SERVED,
+    )
+
+
+def test_an_acknowledged_fenced_write_missing_anywhere_is_lost() -> None:
+    states = finals(**{FIELD: "us-holder-0@1"})
+    states["eu"][KEY] = record()  # eu never got it
+    verdict = verdicts(holder(), states=states)["fenced writes survive"]
+    assert not verdict.ok and "missing, at eu" in verdict.detail
+
+
+def test_an_unfenced_write_at_a_non_home_region_over_a_live_claim_violates_survival() -> None:
+    """The hole: eu had not heard of the renewal, took the lease for lapsed, admitted."""
+    meddle = event("meddler-eu", "meddle", 4.0, detail=FIELD, value="meddle:eu:1")
+    verdict = verdicts(holder(meddle), states=finals(**{FIELD: "meddle:eu:1"}))
+    assert not verdict["fenced writes survive"].ok
+    assert "overwritten by an unfenced write at eu (ok, 4.10 s) while token 1 was unreleased" in (
+        verdict["fenced writes survive"].detail
+    )
+
+
+def test_an_unfenced_delete_at_a_non_home_region_over_a_live_claim_violates_survival() -> None:
+    delete = event("meddler-ap", "meddle-delete", 4.0)
+    states = finals()
+    every(states, KEY, replace(record(), deleted=True))
+    verdict = verdicts(holder(delete), states=states)["fenced writes survive"]
+    assert not verdict.ok and "erased by an unfenced delete at ap" in verdict.detail
+
+
+def test_a_fenced_write_overwritten_after_its_claim_ended_or_by_a_newer_token_survives() -> None:
+    release = event("us-holder-0", "release", 5.0, token=1)
+    meddle = event("meddler-eu", "meddle", 5.2, detail=FIELD, value="meddle:eu:1")
+    verdict = verdicts(holder(release, meddle), states=finals(**{FIELD: "meddle:eu:1"}))
+    assert verdict["fenced writes survive"].ok
+    assert verdict["fenced writes survive"].numbers["overwritten legitimately"] == 1
+    lapsed = event("meddler-eu", "meddle", 9.5, detail=FIELD, value="meddle:eu:1")
+    assert verdicts(holder(lapsed), states=finals(**{FIELD: "meddle:eu:1"}))[
+        "fenced writes survive"
+    ].ok
+    delete = event("meddler-ap", "meddle-delete", 5.2)
+    states = finals()
+    every(states, KEY, replace(record(), deleted=True))
+    assert verdicts(holder(release, delete), states=states)["fenced writes survive"].ok
+
+
+# -- 10. catching up before deciding -----------------------------------------------------------
+
+
+def test_a_node_that_decides_before_it_could_catch_up_is_caught() -> None:
+    """ap, wiped, restarted twice and cut off from us until 48 s, granted at 45 s."""
+    grant = event("press-ap", "grant", 45.0, token=7, detail="ap", key=NOTES)
+    verdict = verdicts(history(grant, *SERVED))["catching up before deciding"]
+    assert not verdict.ok and "ap acknowledged press-ap's grant" in verdict.detail
+    early = replace(CATCH_UP, serving_early=43.0)
+    verdict = verdicts(history(*SERVED), played=[PARTITION, early])["catching up before deciding"]
+    assert not verdict.ok and "ap said it served claims at 43.0 s" in verdict.detail
+
+
+def test_a_node_that_refuses_until_it_caught_up_passes() -> None:
+    refused = event("press-ap", "claim", 45.0, outcome="unknown", detail="UNAVAILABLE")
+    later = event("press-ap", "grant", 49.0, token=7, detail="ap")  # after the heal
+    # An unfenced note meanwhile is admitted by a non-home node's rule: no decision.
+    note = event("probe-ap", "note", 44.0, detail="note.ap.9", value="ap:9", key=NOTES)
+    verdict = verdicts(history(refused, later, note, *SERVED))["catching up before deciding"]
+    assert verdict.ok, verdict
+    assert not verdicts(history(*SERVED), played=[PARTITION])["catching up before deciding"].ok

@@ -6,6 +6,9 @@
   node directly and other regions through a host-side :class:`ProxyMesh`, which
   the nemesis cuts along with the nodes' links, so a partition separates agents
   from remote homes as it separates the nodes.
+- Holders, one per region: the same agents, but each keeps its claim for
+  several leases (more steps, slower), renewing as it goes: the claims that
+  ``shapes.py``'s meddlers write around.
 - A producer that keeps the backlog topped up, creating items at their home.
 - A prober per region, straight at its own node: a read, an unfenced write to
   an unclaimed record (each to a field of its own), and a home-only call that
@@ -14,7 +17,9 @@
   convergence timeline.
 
 Every operation lands in one :class:`History` (invoke/ok/fail/unknown, with its
-start and end on the run's monotonic clock).
+start and end on the run's monotonic clock). ``shapes.py`` adds what the agents
+never do: ids born on both sides of a partition, unfenced writes around live
+claims, claims at a node that is catching up.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ SAMPLE_TIMEOUT_S = 1.0
 PROBE_INTERVAL_S = 0.25
 NOTES_PER_RECORD = 100  # then a probe starts a new note record (MAX_FIELDS is 256)
 SAMPLE_INTERVAL_S = 1.0
+AGENT_STEPS = 2  # an agent's fenced writes per claim, each followed by a renewal
+HOLDER_STEPS = 8  # a holder's
+HOLDER_WORK_S = 0.6  # between them: a claim held about three 2 s leases
 
 
 @dataclass
@@ -69,6 +77,7 @@ class Workload:
     notes: dict[str, str] = field(default_factory=dict)  # region -> its note record's key
     samples: list[Sample] = field(default_factory=list)
     agents: list[Agent] = field(default_factory=list)
+    holders: list[Agent] = field(default_factory=list)  # agents that keep claims for long
     _clients: list[AsyncClient] = field(default_factory=list)
     _created: int = 0
 
@@ -97,7 +106,7 @@ class Workload:
         for made in self._clients:
             await made.close()
 
-    def _record(
+    def record(
         self,
         who: str,
         op: str,
@@ -108,6 +117,7 @@ class Workload:
         value: str = "",
         token: int = 0,
     ) -> None:
+        """Add an operation that ends now to the history (``invoked``: monotonic)."""
         self.history.add(
             Event(who, op, key, token, outcome, invoked, time.monotonic(), detail, value)
         )
@@ -130,12 +140,25 @@ class Workload:
                 self.client(region, routed=True, retries=2),
                 self.history,
                 lease_seconds=self.lease_seconds,
-                steps=2,
+                steps=AGENT_STEPS,
                 work_seconds=0.1,
                 seed=self.rng.randrange(1 << 30),
             )
             for region in self.regions
             for i in range(self.agents_per_region)
+        ]
+        self.holders = [
+            Agent(
+                f"{region}-holder-0",
+                region,
+                self.client(region, routed=True, retries=2),
+                self.history,
+                lease_seconds=self.lease_seconds,
+                steps=HOLDER_STEPS,
+                work_seconds=HOLDER_WORK_S,
+                seed=self.rng.randrange(1 << 30),
+            )
+            for region in self.regions
         ]
 
     async def _new_notes(self, node: AsyncClient, region: str, index: int) -> str | None:
@@ -146,10 +169,11 @@ class Workload:
             made = await node.remember(REPO, NOTES_TOPIC, name, title=f"notes kept in {region}",
                                        tags=[f"homeRegion:{region}"])  # fmt: skip
         except FencemarkError as exc:
-            self._record(f"probe-{region}", "create", name, _outcome(exc), invoked, _detail(exc))
+            self.record(f"probe-{region}", "create", name, outcome_of(exc), invoked,
+                        detail_of(exc), region)  # fmt: skip
             return None
         self.homes[made.record.key] = region
-        self._record(f"probe-{region}", "create", made.record.key, "ok", invoked, region)
+        self.record(f"probe-{region}", "create", made.record.key, "ok", invoked, region)
         return made.record.key
 
     async def _create(self, direct: Mapping[str, AsyncClient]) -> None:
@@ -168,20 +192,17 @@ class Workload:
                 fields={"status": "todo"},
                 tags=[TAG, f"homeRegion:{home}"],
             )
-        except Unavailable:
-            self._record("producer", "create", name, "unknown", invoked, home)
-            return
-        except FencemarkError as exc:
-            self._record("producer", "create", name, "fail", invoked, type(exc).__name__)
+        except FencemarkError as exc:  # acknowledged: the region; otherwise why, and the region
+            self.record("producer", "create", name, outcome_of(exc), invoked, detail_of(exc), home)
             return
         self.homes[made.record.key] = home
-        self._record("producer", "create", made.record.key, "ok", invoked, home)
+        self.record("producer", "create", made.record.key, "ok", invoked, home)
 
     # -- the concurrent parts --------------------------------------------------------
 
     def tasks(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         return [
-            *(asyncio.create_task(agent.run(stop)) for agent in self.agents),
+            *(asyncio.create_task(agent.run(stop)) for agent in (*self.agents, *self.holders)),
             asyncio.create_task(self._produce(stop)),
             *(asyncio.create_task(self._probe(region, stop)) for region in self.regions),
             asyncio.create_task(self._sample(stop)),
@@ -189,7 +210,7 @@ class Workload:
 
     async def _produce(self, stop: asyncio.Event) -> None:
         direct = {region: self.client(region) for region in self.regions}
-        while not await _stopped(stop, 0.5):
+        while not await stopped(stop, 0.5):
             todo = None
             for region in self.rng.sample(self.regions, len(self.regions)):
                 with contextlib.suppress(FencemarkError):
@@ -205,7 +226,7 @@ class Workload:
         who = f"probe-{region}"
         elsewhere = self.notes[self.regions[(self.regions.index(region) + 1) % len(self.regions)]]
         n = written = records = 0
-        while not await _stopped(stop, PROBE_INTERVAL_S):
+        while not await stopped(stop, PROBE_INTERVAL_S):
             if written >= NOTES_PER_RECORD:  # a record holds at most 256 fields: a new one
                 made = await self._new_notes(node, region, records + 1)
                 if made is not None:
@@ -214,31 +235,31 @@ class Workload:
             invoked = time.monotonic()
             try:
                 await node.get(key)
-                self._record(who, "probe-read", key, "ok", invoked)
+                self.record(who, "probe-read", key, "ok", invoked)
             except FencemarkError as exc:
-                self._record(who, "probe-read", key, _outcome(exc), invoked, _detail(exc))
+                self.record(who, "probe-read", key, outcome_of(exc), invoked, detail_of(exc))
             n += 1
             name, value = f"note.{region}.{n}", f"{region}:{n}"
             invoked = time.monotonic()
             try:
                 await node.update(key, fields={name: value})
-                self._record(who, "note", key, "ok", invoked, name, value)
+                self.record(who, "note", key, "ok", invoked, name, value)
                 written += 1
             except FencemarkError as exc:  # the reason as the detail, the field as the value
-                self._record(who, "note", key, _outcome(exc), invoked, _detail(exc), name)
+                self.record(who, "note", key, outcome_of(exc), invoked, detail_of(exc), name)
             invoked = time.monotonic()
             try:
                 claimed = await node.claim(elsewhere, who, lease_seconds=self.lease_seconds)
                 outcome = "ok" if claimed.granted else "fail"
-                self._record(who, "probe-home-only", elsewhere, outcome, invoked, _reason(claimed))
+                self.record(who, "probe-home-only", elsewhere, outcome, invoked, _reason(claimed))
             except FencemarkError as exc:
-                self._record(
-                    who, "probe-home-only", elsewhere, _outcome(exc), invoked, _detail(exc)
+                self.record(
+                    who, "probe-home-only", elsewhere, outcome_of(exc), invoked, detail_of(exc)
                 )
 
     async def _sample(self, stop: asyncio.Event) -> None:
         readers = {region: self.client(region, timeout=SAMPLE_TIMEOUT_S) for region in self.regions}
-        while not await _stopped(stop, SAMPLE_INTERVAL_S):
+        while not await stopped(stop, SAMPLE_INTERVAL_S):
             self.samples.append(await self.sample(readers))
 
     async def sample(self, readers: Mapping[str, AsyncClient]) -> Sample:
@@ -295,18 +316,18 @@ async def all_records(client: AsyncClient) -> dict[str, Record]:
     return {record.key: record async for record in listing}
 
 
-async def _stopped(stop: asyncio.Event, seconds: float) -> bool:
+async def stopped(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep ``seconds`` unless ``stop`` is set first; whether it is set."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
     return stop.is_set()
 
 
-def _outcome(exc: FencemarkError) -> str:
+def outcome_of(exc: FencemarkError) -> str:
     return "unknown" if isinstance(exc, Unavailable) else "fail"
 
 
-def _detail(exc: FencemarkError) -> str:
+def detail_of(exc: FencemarkError) -> str:
     if isinstance(exc, ClaimConflict):
         return exc.reason
     if isinstance(exc, Unavailable) and exc.code is not None:

@@ -144,18 +144,23 @@ def lapse_due(record: Record, region: str, now_ms: int) -> bool:
 
 
 def split_tokens(record: Record) -> bool:
-    """Whether the record holds a claim granted while two of its births were apart
-    that the fence has not moved past yet: a grant by another birth region, or a
-    grant made before the latest birth (SPEC §2). The home then moves the fence
-    (``FenceState.move``) past every token either side issued."""
+    """Whether the record holds claims granted while two of its births were apart
+    that the fence has not moved past yet (SPEC §2). The home then moves the fence
+    (``FenceState.move``) past every token either side issued.
+
+    When births first meet, the fence has never moved (``moved == 0``): every grant
+    so far may have been made apart — each side granted as a home, and two grants
+    of one token merge into one entry, so which side made it says nothing. After
+    that move, only a grant by another birth region can still be from the split
+    (it granted before it learnt of the earlier birth)."""
     if len(record.births) < 2:
         return False
     fence = record.fence
+    if fence.moved == 0:
+        return True
     home = record.home_region
-    latest_birth = max(birth.stamp.hlc for birth in record.births.values())
     return any(
-        token >= fence.moved and (grant.region != home or grant.granted_hlc < latest_birth)
-        for token, grant in fence.grants.items()
+        token >= fence.moved and grant.region != home for token, grant in fence.grants.items()
     )
 
 

@@ -25,9 +25,12 @@ legitimate state (and so never stops convergence):
   the join, when it is not the one this node held, carries the signature of its
   region's node: ``unsigned_grant``, ``bad_signature``, ``signer_not_home``, or
   ``unknown_signer`` while the signing certificate is not known here (the caller
-  fetches it from the sending peer first; a later exchange retries). Grants below
-  the fence carry no signature: they can never become the fence again, so they
-  can raise nothing (``fence.py``).
+  fetches it from the sending peer first; a later exchange retries), or
+  ``revoked_signer``. Grants below the fence carry no signature: they can never
+  become the fence again, so they can raise nothing (``fence.py``). Likewise every
+  birth the join holds that this node did not hold as it is carries the signature
+  of the region it names (``unsigned_birth`` and the same reasons), so no node can
+  claim for another region that it created a record — and earlier than its home.
 
 Stamps further ahead than ``max_clock_offset`` are refused before this (the clock
 check), and malformed states when they are decoded. What this does *not* stop is a
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fencemark.node.admission import RECOVERY_GAP
-from fencemark.node.crdt import Record
+from fencemark.node.crdt import Birth, Record
 from fencemark.node.crdt.fence import HISTORY, Grant
 from fencemark.node.errors import FencemarkError
 from fencemark.node.validation import MAX_LEASE_S
@@ -70,6 +73,9 @@ class Bounds:
 class GrantVerifier(Protocol):
     def problem(self, record_key: str, token: int, grant: Grant) -> tuple[str, str] | None:
         """(reason, detail) when ``grant`` is not signed by its region's node."""
+
+    def birth_problem(self, record_key: str, region: str, birth: Birth) -> tuple[str, str] | None:
+        """(reason, detail) when ``region``'s ``birth`` is not signed by that region's node."""
 
 
 def check(
@@ -120,6 +126,13 @@ def check(
                                        f" (at most {bounds.max_token_jump})")  # fmt: skip
 
     if verifier is not None:
+        # Every birth this node did not hold as it is: the region that made it signed
+        # it, so no other node can claim an earlier birth for it (SPEC §4).
+        for region, birth in births.items():
+            if local.births.get(region) != birth:
+                problem = verifier.birth_problem(key, region, birth)
+                if problem is not None:
+                    raise refuse(*problem)
         top = merged.fence.fence
         holder = merged.fence.grants.get(top)
         if holder is not None and holder != local.fence.grants.get(top):

@@ -6,11 +6,13 @@ unreleased grant in their view. The home turns "the lease ran out" into state â€
 the token joins the record's ``lapsed`` set, durably, and replicates like any
 write â€” which readmits unfenced writes on every node.
 
-The watcher keeps a heap of ``(expiry, key)`` for every unreleased grant of a
-record homed here, fed by every commit that leaves one (grants, renewals,
-merges: ``Replica.on_lease``) and, at start, by one scan of the file. Entries
-go stale when a lease is renewed or released; ``Replica.record_lapse``
-re-checks the state under the record's lock, so a stale entry changes nothing.
+The watcher keeps the latest known expiry of every unreleased grant of a record
+homed here, fed by every commit that leaves one (grants, renewals, merges:
+``Replica.on_lease``) and, at start, by one scan of the file, and a heap of
+``(expiry, key)`` with about one entry per key: a renewal only moves the known
+expiry, and the entry due first looks it up when it comes round.
+``Replica.record_lapse`` re-checks the state under the record's lock, so an entry
+gone stale (renewed or released meanwhile) changes nothing.
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ class LapseWatcher:
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self._heap: list[tuple[int, str]] = []
+        self._due: dict[str, int] = {}  # key -> the latest expiry committed
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.recorded = 0  # lapses this node recorded (metrics)
         replica.on_lease(self.watch)
 
     def watch(self, key: str, expiry_ms: int) -> None:
+        known = self._due.get(key)
+        self._due[key] = expiry_ms
+        if known is not None and known <= expiry_ms:
+            return  # the entry already in the heap comes round first
         heapq.heappush(self._heap, (expiry_ms, key))
         if self._heap[0] == (expiry_ms, key):
             self._wake.set()  # earlier than what the loop sleeps towards
@@ -81,9 +88,14 @@ class LapseWatcher:
                     await asyncio.wait_for(self._wake.wait(), pause)
                 continue
             heapq.heappop(self._heap)
+            due = self._due.get(key)
+            if due is None or due > expiry:
+                if due is not None:  # renewed since: look again then
+                    heapq.heappush(self._heap, (due, key))
+                continue
+            del self._due[key]
             if not self.replica.deciding:
-                # Catching up: the lapse waits for the gate (SCAN at caught-up time
-                # is not needed: merged grants are watched as they commit).
+                # Catching up: only a deciding home records a lapse; look again later.
                 self.watch(key, clock.wall_ms() + 1000)
                 continue
             try:

@@ -206,26 +206,28 @@ class Replica:
         _, changed = await self.transact(key, change)
         return changed
 
-    async def sign_fences(self) -> int:
-        """Sign every unsigned fence grant this (home) node made; returns how many.
+    async def sign_own(self) -> int:
+        """Sign every unsigned fence grant and birth of this region; returns how many
+        records that changed.
 
-        Grants made before signed grants existed (a file upgraded from format 1), or
-        while this node ran ``--insecure``, carry no signature, and a node that has not
-        merged them yet would refuse them (``unsigned_grant``). Signed, the grant
-        beats its unsigned version in every join (``Grant`` order), so the signature
-        spreads like any write (docs/security.md, *Signed grants*).
+        Grants and births made before they were signed (a file upgraded from an
+        older format), or while this node ran ``--insecure``, carry no signature,
+        and a node that has not merged them yet would refuse them
+        (``unsigned_grant``, ``unsigned_birth``). Signed, each beats its unsigned
+        version in every join, so the signature spreads like any write
+        (docs/security.md, *Signed grants*).
         """
         signer, region = self.signer, self.region
         if signer is None:
             return 0
 
         def change(current: Record) -> tuple[Record, bool]:
-            holder = current.fence.holder()
-            if holder is None or holder.signature or current.home_region != region:
-                return current, False
-            if holder.region != region:
-                return current, False  # not this region's grant to sign
-            return current.with_fence(signer.sign_fence(current.key, current.fence)), True
+            signed = signer.sign_birth(current, region)
+            holder = signed.fence.holder()
+            ours = holder is not None and holder.region == region == signed.home_region
+            if ours and holder is not None and not holder.signature:
+                signed = signed.with_fence(signer.sign_fence(signed.key, signed.fence))
+            return signed, signed is not current
 
         signed, after, page_size = 0, "", 500
         while True:
@@ -335,6 +337,8 @@ class Replica:
             stamp = self.stamp(self._admit(current, fencing_token, home, caller))
             created = not current.visible
             changed = current.create(home, stamp)
+            if self.signer is not None and not current.exists:
+                changed = self.signer.sign_birth(changed, self.region)  # signed births
             if current.is_deleted:
                 # Recreated: it starts from what this call says, never from what
                 # was deleted (a concurrent write may have reached the tombstone).

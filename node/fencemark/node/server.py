@@ -71,7 +71,8 @@ SERVICES: tuple[descriptor.ServiceDescriptor, ...] = (
 )
 CLAIMS_SERVICE = "fencemark.v1.Claims"
 REPLICATION_SERVICE = "fencemark.v1.Replication"
-FENCES_SIGNED = "fences_signed"  # storage meta: "1" once every fence grant made here is signed
+# storage meta: "1" once every fence grant and birth made here is signed
+OWN_SIGNED = "own_states_signed"
 
 
 def default_data_dir(region: str) -> Path:
@@ -244,13 +245,14 @@ class NodeServer:
         if signer is not None and keyring is not None:
             replica.signer = signer
             await load_keyring(replica, keyring)
-            if storage.meta.get(FENCES_SIGNED) != "1":
-                # Once per file: grants from before signed grants or an --insecure run.
-                signed = await replica.sign_fences()
-                log.info("signed %d fence grants made without a signature", signed)
-                await storage.put_meta(FENCES_SIGNED, "1")
-        elif storage.meta.get(FENCES_SIGNED) == "1":
-            await storage.put_meta(FENCES_SIGNED, "0")  # grants made now go unsigned
+            if storage.meta.get(OWN_SIGNED) != "1":
+                # Once per file: grants and births from before they were signed, or
+                # from an --insecure run.
+                signed = await replica.sign_own()
+                log.info("signed the grants and births of %d records made unsigned", signed)
+                await storage.put_meta(OWN_SIGNED, "1")
+        elif storage.meta.get(OWN_SIGNED) == "1":
+            await storage.put_meta(OWN_SIGNED, "0")  # grants and births made now go unsigned
         if storage.meta.get("restored_at"):
             log.info(
                 "data restored from a backup at %s (fencemark restore): the first grant on each"

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
     encode_dss_signature,
 )
 
-from fencemark.node.crdt import Record, codec
+from fencemark.node.crdt import Birth, Record, codec
 from fencemark.node.crdt.fence import FenceState, Grant
 from fencemark.node.revocation import Revocations
 from fencemark.node.tls import TlsFiles, identities_of
@@ -52,6 +52,7 @@ ALGORITHM = ec.ECDSA(hashes.SHA256(), deterministic_signing=True)
 
 # Refusal reasons (integrity.MergeRefused.reason).
 UNSIGNED = "unsigned_grant"
+UNSIGNED_BIRTH = "unsigned_birth"
 BAD_SIGNATURE = "bad_signature"
 UNKNOWN_SIGNER = "unknown_signer"
 SIGNER_NOT_HOME = "signer_not_home"
@@ -83,11 +84,22 @@ class Signer:
     def from_files(cls, files: TlsFiles) -> Signer:
         return cls.from_pem(files.read()[2])
 
-    def signature(self, record_key: str, token: int, grant: Grant) -> bytes:
-        der = self.key.sign(codec.grant_message(record_key, token, grant), ALGORITHM)
-        r, s = decode_dss_signature(der)
-        s = min(s, P256_ORDER - s)  # one signature per grant: no (r, n - s) twin
+    def _sign(self, message: bytes) -> bytes:
+        r, s = decode_dss_signature(self.key.sign(message, ALGORITHM))
+        s = min(s, P256_ORDER - s)  # one signature per message: no (r, n - s) twin
         return self.key_id + r.to_bytes(SCALAR_SIZE, "big") + s.to_bytes(SCALAR_SIZE, "big")
+
+    def signature(self, record_key: str, token: int, grant: Grant) -> bytes:
+        return self._sign(codec.grant_message(record_key, token, grant))
+
+    def sign_birth(self, record: Record, region: str) -> Record:
+        """``record`` with ``region``'s birth signed (unchanged when it already is):
+        a region vouches that it created the record at that stamp."""
+        birth = record.births.get(region)
+        if birth is None or birth.signature:
+            return record
+        signature = self._sign(codec.birth_message(record.key, region, birth))
+        return record.with_birth(region, birth._replace(signature=signature))
 
     def sign_fence(self, record_key: str, fence: FenceState) -> FenceState:
         """``fence`` with its fence grant signed (unchanged when it already is)."""
@@ -176,47 +188,58 @@ class Keyring:
         return [self._signers[k].der for k in dict.fromkeys(kids) if k in self._signers]
 
     def missing(self, records: Iterable[Record]) -> set[bytes]:
-        """Key ids of the fence grants in ``records`` that this keyring does not know."""
+        """Key ids of the fence grants and births in ``records`` that this keyring
+        does not know."""
         out = set()
         for record in records:
             holder = record.fence.holder()
-            if holder is not None and len(holder.signature) == SIGNATURE_SIZE:
-                kid = holder.signature[:KEY_ID_SIZE]
-                if kid not in self._signers:
-                    out.add(kid)
+            signatures = [birth.signature for birth in record.births.values()]
+            if holder is not None:
+                signatures.append(holder.signature)
+            for sig in signatures:
+                if len(sig) == SIGNATURE_SIZE and sig[:KEY_ID_SIZE] not in self._signers:
+                    out.add(sig[:KEY_ID_SIZE])
         return out
 
     def problem(self, record_key: str, token: int, grant: Grant) -> tuple[str, str] | None:
         """Why ``grant`` of ``token`` is not signed by its region's node with a
         certificate that is not revoked: (reason, detail), or None when it is."""
-        sig = grant.signature
-        if not sig:
+        if not grant.signature:
             return UNSIGNED, f"token {token}'s grant carries no signature"
+        message = codec.grant_message(record_key, token, grant)
+        return self._check(f"token {token}", grant.signature, grant.region, message)
+
+    def birth_problem(self, record_key: str, region: str, birth: Birth) -> tuple[str, str] | None:
+        """Why ``region``'s birth of the record is not signed by that region's node
+        (docs/security.md, *Signed births*): (reason, detail), or None when it is."""
+        if not birth.signature:
+            return UNSIGNED_BIRTH, f"the birth in region {region!r} carries no signature"
+        message = codec.birth_message(record_key, region, birth)
+        return self._check(f"the birth in region {region!r}", birth.signature, region, message)
+
+    def _check(self, what: str, sig: bytes, region: str, message: bytes) -> tuple[str, str] | None:
         if len(sig) != SIGNATURE_SIZE:
-            return BAD_SIGNATURE, f"token {token}'s signature is {len(sig)} bytes, not 72"
+            return BAD_SIGNATURE, f"{what}: the signature is {len(sig)} bytes, not 72"
         kid = sig[:KEY_ID_SIZE]
         signer = self._signers.get(kid)
         if signer is None:
-            return UNKNOWN_SIGNER, f"token {token} is signed by key {kid.hex()}, unknown here"
-        if signer.region != grant.region:
+            return UNKNOWN_SIGNER, f"{what} is signed by key {kid.hex()}, unknown here"
+        if signer.region != region:
             return SIGNER_NOT_HOME, (
-                f"token {token} of region {grant.region!r} is signed by the node of"
-                f" region {signer.region!r}"
+                f"{what} of region {region!r} is signed by the node of region {signer.region!r}"
             )
         r = int.from_bytes(sig[KEY_ID_SIZE : KEY_ID_SIZE + SCALAR_SIZE], "big")
         s = int.from_bytes(sig[KEY_ID_SIZE + SCALAR_SIZE :], "big")
         if not (0 < r < P256_ORDER and 0 < s <= P256_ORDER // 2):
-            return BAD_SIGNATURE, f"token {token}'s signature is not canonical"
+            return BAD_SIGNATURE, f"{what}: the signature is not canonical"
         try:
-            signer.public_key.verify(
-                encode_dss_signature(r, s), codec.grant_message(record_key, token, grant), ALGORITHM
-            )
+            signer.public_key.verify(encode_dss_signature(r, s), message, ALGORITHM)
         except InvalidSignature:
-            return BAD_SIGNATURE, f"token {token}'s signature does not match its grant"
-        # Last: a refusal names a key that really signed the grant.
+            return BAD_SIGNATURE, f"{what}: the signature does not match what it signs"
+        # Last: a refusal names a key that really signed it.
         if (signer.issuer, signer.serial) in self.revocations.revoked:
             return REVOKED_SIGNER, (
-                f"token {token} is signed by key {kid.hex()}, whose certificate (region"
+                f"{what} is signed by key {kid.hex()}, whose certificate (region"
                 f" {signer.region!r}, serial {signer.serial:x}) is revoked"
             )
         return None

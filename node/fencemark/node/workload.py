@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TypeVar
 
 from fencemark.client import (
@@ -41,8 +42,18 @@ class Event:
     outcome: str  # ok | fail | unknown
     invoked: float
     completed: float
-    detail: str = ""  # the refusal reason, or the field written
+    detail: str = ""  # the refusal reason, the field written, or for a grant the granting region
     value: str = ""
+    # For a granted claim or a renewal: when its lease ends as the reply said, on the
+    # same monotonic clock as ``invoked`` (the nodes' clock is the host's).
+    expires: float = 0.0
+
+
+def monotonic_at(moment: datetime | None) -> float:
+    """``moment`` (an absolute UTC time from a node) on this process's monotonic clock."""
+    if moment is None:
+        return 0.0
+    return time.monotonic() + (moment.timestamp() - time.time())
 
 
 @dataclass
@@ -56,6 +67,50 @@ class History:
         self.counts[f"{event.op}:{event.outcome}"] += 1
         if event.outcome == "fail" and event.detail:
             self.counts[f"refused:{event.detail}"] += 1
+
+
+async def recorded(
+    history: History,
+    who: str,
+    op: str,
+    key: str,
+    token: int,
+    call: Awaitable[T],
+    *,
+    detail: str = "",
+    value: str = "",
+) -> tuple[T | None, Event]:
+    """Await ``call`` and add its event to ``history``: the result (None unless it
+    completed) and the event. A claim, renewal or release that is not granted is a
+    value, not an error; the history records it as the refusal it is."""
+    invoked = time.monotonic()
+    outcome, result, expires = "ok", None, 0.0
+    try:
+        result = await call
+        if isinstance(result, ClaimResult | RenewResult):
+            expires = monotonic_at(result.lease_expires_at)
+        if isinstance(result, ClaimResult | RenewResult | ReleaseResult) and not (
+            getattr(result, "granted", False)
+            or getattr(result, "renewed", False)
+            or getattr(result, "released", False)
+        ):
+            outcome, detail = "fail", result.reason
+    except ClaimConflict as exc:
+        outcome, detail = "fail", exc.reason
+    except Unavailable as exc:
+        outcome, detail = "unknown", exc.code.name if exc.code else "unavailable"
+    except FencemarkError as exc:
+        outcome, detail = "fail", type(exc).__name__
+    event = Event(who, op, key, token, outcome, invoked, time.monotonic(), detail, value, expires)
+    history.add(event)
+    return result, event
+
+
+def grant_of(call: Event, claim: ClaimResult) -> Event:
+    """The grant a granted claim call made: it took effect somewhere during the call,
+    at the region that answered (``detail``), with the lease the reply named."""
+    return Event(call.agent, "grant", call.key, claim.fencing_token, "ok", call.invoked,
+                 call.completed, claim.home_region, "", call.expires)  # fmt: skip
 
 
 def item_id(index: int) -> str:
@@ -107,27 +162,7 @@ class Agent:
         self.last: Event | None = None  # the latest operation's event
 
     async def _call(self, op: str, key: str, token: int, call: Awaitable[T], **kw: str) -> T | None:
-        invoked = time.monotonic()
-        outcome, detail, result = "ok", kw.get("detail", ""), None
-        try:
-            result = await call
-            # A claim, renewal or release that is not granted is a value, not an
-            # error; the history records it as the refusal it is.
-            if isinstance(result, ClaimResult | RenewResult | ReleaseResult) and not (
-                getattr(result, "granted", False)
-                or getattr(result, "renewed", False)
-                or getattr(result, "released", False)
-            ):
-                outcome, detail = "fail", result.reason
-        except ClaimConflict as exc:
-            outcome, detail = "fail", exc.reason
-        except Unavailable as exc:
-            outcome, detail = "unknown", exc.code.name if exc.code else "unavailable"
-        except FencemarkError as exc:
-            outcome, detail = "fail", type(exc).__name__
-        self.last = Event(self.name, op, key, token, outcome, invoked, time.monotonic(),
-                          detail, kw.get("value", ""))  # fmt: skip
-        self.history.add(self.last)
+        result, self.last = await recorded(self.history, self.name, op, key, token, call, **kw)
         return result
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -150,12 +185,8 @@ class Agent:
             if claim is None or not claim.granted:
                 await asyncio.sleep(self.rng.uniform(0.02, 0.1))
                 continue
-            # A grant spans its claim call: it took effect somewhere in between.
             assert self.last is not None
-            self.history.add(
-                Event(self.name, "grant", item.key, claim.fencing_token, "ok",
-                      self.last.invoked, self.last.completed)
-            )  # fmt: skip
+            self.history.add(grant_of(self.last, claim))
             await self._work_on(item.key, claim.fencing_token)
 
     async def _items(self) -> list[Record]:

@@ -171,3 +171,8 @@ class Record:
 
     def with_fence(self, fence: FenceState) -> Record:
         return replace(self, fence=fence)
+
+    def with_birth(self, region: str, birth: Birth) -> Record:
+        """``region``'s birth replaced by ``birth`` — another version of the same one
+        (its signature): the merge keeps whichever it prefers."""
+        return replace(self, births={**self.births, region: birth})

@@ -397,8 +397,9 @@ class Replicator:
         while True:
             now = time.monotonic()
             ready = [p for p in self._peers.values() if max(p.retry_at, p.behind_until) <= now]
+            owed = self.catching_up and len(synced) < len(self._peers)
             pending = [p for p in ready if p.stats.region not in synced]
-            if self.catching_up and pending:
+            if owed and pending:
                 ready = pending  # the peers still owed a complete round go first
             result = None
             if ready:
@@ -411,7 +412,7 @@ class Replicator:
             # Hurry only while pulling: a round that pulled nothing, even a truncated
             # one, found a peer that is behind, and that peer pulls in its own rounds.
             busy = result is not None and result.pulled > 0
-            if self.catching_up and pending:
+            if owed:
                 busy = True  # nothing is decided here until every peer gave a round
             await asyncio.sleep(0.02 if busy else self.interval * random.uniform(0.5, 1.5))
 

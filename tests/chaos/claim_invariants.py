@@ -1,0 +1,329 @@
+"""The invariants about claims: 1, 2, 7, 8 and 9 (checker.py has the others).
+
+``claims.py`` says what a claim, its life and its end are, and what a split-born
+id is; docs/chaos.md says what each invariant means.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from fencemark.client import Record
+from fencemark.node.workload import Event, History
+from tests.chaos.claims import (
+    CLOCK_SLACK_S,
+    FENCED_WRITES,
+    INF,
+    RENEWALS,
+    Claim,
+    Span,
+    Split,
+    by_key,
+    exempt,
+    lost_with_disk,
+)
+from tests.chaos.nemesis import DISK_LOSSES, Played
+
+
+@dataclass
+class Verdict:
+    name: str
+    ok: bool
+    detail: str
+    numbers: dict[str, float] = field(default_factory=dict)
+
+
+# -- 1. fencing safety -----------------------------------------------------------------
+
+
+def fencing_safety(
+    history: History,
+    claims: Mapping[tuple[str, int, str], Claim],
+    splits: Mapping[str, Split],
+) -> Verdict:
+    """No fenced write accepted with a token below one already granted; none after its
+    writer was told ``superseded``; none from a worker stalled past its lease; and no
+    write or renewal under a split-time token once the births met."""
+    start = history.started
+    grouped = by_key(claims)
+    violations = []
+    told = {
+        (e.agent, e.key, e.token): e.completed
+        for e in history.events
+        if e.outcome == "fail" and e.detail == "superseded"
+    }
+    for event in history.events:
+        if event.outcome != "ok" or event.op not in (*FENCED_WRITES, *RENEWALS):
+            continue
+        mine = claims.get((event.key, event.token, event.agent))
+        sent = event.invoked - start
+        if event.op in FENCED_WRITES:
+            for other in grouped.get(event.key, []):
+                if other.token > event.token and other.granted < sent and not exempt(mine, other):
+                    violations.append(
+                        f"{event.agent} wrote {event.key} with token {event.token}"
+                        f" after token {other.token} was granted"
+                    )
+                    break
+            since = told.get((event.agent, event.key, event.token))
+            if since is not None and event.invoked > since:
+                violations.append(f"{event.agent} wrote {event.key} after being told superseded")
+            if event.op == "stale-write":
+                # Written after the worker stalled past its lease: expired or superseded.
+                violations.append(
+                    f"{event.agent} wrote {event.key} with a lapsed token {event.token}"
+                )
+        split = splits.get(event.key)
+        if mine is not None and mine.split and split is not None and sent > split.met:
+            when = (
+                f"{sent - split.met:.1f} s after the births met"
+                if split.met_seen
+                else f"{sent - split.healed:.1f} s after the heal (the births never met)"
+            )
+            violations.append(
+                f"{event.agent}'s {event.op} of {event.key} under split-time token"
+                f" {event.token} accepted {when}"
+            )
+    writes = sum(e.op in ("write", "finish") and e.outcome == "ok" for e in history.events)
+    stale = sum(e.op == "stale-write" and e.outcome == "fail" for e in history.events)
+    return Verdict(
+        "1. fencing safety",
+        not violations,
+        "; ".join(violations[:3]) or "no write got through with a stale token",
+        {"fenced writes acknowledged": writes, "stale writes refused": stale},
+    )
+
+
+# -- 2. tokens strictly increase -------------------------------------------------------
+
+
+def token_order(
+    claims: Mapping[tuple[str, int, str], Claim],
+    played: Sequence[Played],
+    homes: Mapping[str, str],
+) -> Verdict:
+    """Per record, a grant that completed before another was sent has the smaller token
+    (calls that overlapped may complete in either order); and how often that was put to
+    the test: records granted both before and after their home was killed or lost its disk."""
+    violations = []
+    crossed = {"kill": 0, "wipe": 0}
+    grouped = by_key(claims)
+    for key, records in grouped.items():
+        grants = [(claim, span) for claim in records for span in claim.grants]
+        for (first, (_, done)), (then, (sent, _)) in itertools.product(grants, grants):
+            if first is then or exempt(first, then):
+                continue
+            if done < sent and first.token >= then.token:
+                violations.append(f"{key}: token {then.token} granted after {first.token}")
+        times = [done for _, (_, done) in grants]
+        for fault in played:
+            kind = "wipe" if fault.kind in DISK_LOSSES else fault.kind
+            if kind in crossed and fault.targets[0] == homes.get(key):
+                before = any(t < fault.started for t in times)
+                after = any(t > fault.ended for t in times)
+                crossed[kind] += before and after
+    count = sum(len(c.grants) for c in claims.values())
+    detail = "; ".join(violations[:3]) or (
+        f"{count} grants, in order; {crossed['kill']} records granted again after their home"
+        f" was killed, {crossed['wipe']} after it lost its disk"
+    )
+    return Verdict(
+        "2. tokens strictly increase",
+        not violations,
+        detail,
+        {
+            "grants": count,
+            "records granted across a kill -9": crossed["kill"],
+            "records granted across a disk loss": crossed["wipe"],
+        },
+    )
+
+
+# -- 7. one live claim at a time ---------------------------------------------------------
+
+
+def overlap(a: Sequence[Span], b: Sequence[Span]) -> Span | None:
+    """The first stretch of time in both span lists longer than the clocks' slack."""
+    for (a0, a1), (b0, b1) in itertools.product(a, b):
+        start, end = max(a0, b0), min(a1, b1)
+        if end - start > CLOCK_SLACK_S:
+            return start, end
+    return None
+
+
+def one_live_claim(
+    claims: Mapping[tuple[str, int, str], Claim], splits: Mapping[str, Split]
+) -> Verdict:
+    """Never two live claims on one record, but for split-time claims of different
+    regions before their births met."""
+    violations = []
+    allowed = 0
+    for key, records in by_key(claims).items():
+        for a, b in itertools.combinations(records, 2):
+            if exempt(a, b):
+                met = splits[key].met
+                allowed += overlap(a.live(met), b.live(met)) is not None
+                continue
+            both = overlap(a.live(), b.live())
+            if both is not None:
+                violations.append(
+                    f"{key}: {a.owner} (token {a.token}, from {a.region}) and {b.owner} (token"
+                    f" {b.token}, from {b.region}) live from {both[0]:.2f} s to {both[1]:.2f} s"
+                )
+    cut = sum(any(a.cut < min(a.expires, c.stop) for a in c.acks) for c in claims.values())
+    detail = "; ".join(violations[:3]) or (
+        f"{len(claims)} claims on {len(by_key(claims))} records, never two live at once"
+        f" ({allowed} overlaps of claims granted on both sides of a split, before the births"
+        f" met; {cut} claims cut short by their home's disk loss)"
+    )
+    return Verdict(
+        "7. one live claim at a time",
+        not violations,
+        detail,
+        {"claims": len(claims), "split overlaps before meeting": allowed, "cut by disk loss": cut},
+    )
+
+
+# -- 8. a token is granted once ----------------------------------------------------------
+
+
+def granted_once(claims: Mapping[tuple[str, int, str], Claim], lease_seconds: float) -> Verdict:
+    """No token granted to two owners (but on both sides of a split), nor to one owner
+    again once its claim had been released, refused or had lapsed (a retry of a live
+    claim gets its own token back: an idempotent retry, SPEC §4)."""
+    violations = []
+    retries = 0
+    for key, records in by_key(claims).items():
+        for a, b in itertools.combinations(records, 2):
+            if a.token == b.token and not exempt(a, b):
+                violations.append(f"{key}: token {a.token} granted to {a.owner} and {b.owner}")
+        for claim in records:
+            for sent, _ in claim.grants[1:]:
+                retries += 1
+                if claim.refused_or_released < sent:
+                    why = "after it was released or refused"
+                elif sent > claim.lease_bound(sent, lease_seconds) + CLOCK_SLACK_S:
+                    why = "after its lease had lapsed"
+                else:
+                    continue
+                violations.append(
+                    f"{key}: token {claim.token} granted to {claim.owner} again at {sent:.2f} s,"
+                    f" {why}"
+                )
+    detail = "; ".join(violations[:3]) or (
+        f"{sum(len(c.grants) for c in claims.values())} grants, each token once"
+        f" ({retries} idempotent retries of a live claim)"
+    )
+    return Verdict(
+        "8. a token is granted once",
+        not violations,
+        detail,
+        {"idempotent retries": retries, "violations": len(violations)},
+    )
+
+
+# -- 9. fenced writes survive --------------------------------------------------------------
+
+
+def fenced_writes_survive(
+    history: History,
+    claims: Mapping[tuple[str, int, str], Claim],
+    finals: Mapping[str, Mapping[str, Record]],
+    homes: Mapping[str, str],
+    played: Sequence[Played],
+) -> Verdict:
+    """Every acknowledged fenced write is in every region's final state, unless a write
+    with a higher epoch overwrote its field: a later fenced write, or an unfenced write
+    or delete that may have been admitted after its claim ended."""
+    start = history.started
+    written: dict[tuple[str, str], list[Event]] = {}  # (key, value) -> writes that wrote it
+    deletes: dict[str, list[Event]] = {}
+    for event in history.events:
+        if event.outcome not in ("ok", "unknown"):
+            continue
+        if event.op in (*FENCED_WRITES, "meddle"):
+            written.setdefault((event.key, event.value), []).append(event)
+        elif event.op == "meddle-delete":
+            deletes.setdefault(event.key, []).append(event)
+
+    def excuse(write: Event, end: float, record: Record | None) -> tuple[bool, str]:
+        """Whether ``write``'s absence from ``record`` is explained, and how."""
+        if record is None:
+            return False, "record missing"
+        value = "" if record.deleted else record.fields.get(write.detail, "")
+        if not value:  # erased: a delete clears every field
+            after = [d for d in deletes.get(write.key, []) if d.completed > write.invoked]
+            if any(d.completed - start > end for d in after):
+                return True, "erased by a delete after its claim ended"
+            for d in after:
+                return False, (
+                    f"erased by an unfenced delete at {_region(d)} ({d.outcome},"
+                    f" {d.completed - start:.2f} s) while token {write.token} was unreleased"
+                )
+            return False, "deleted" if record.deleted else "missing"
+        for other in written.get((write.key, value), []):
+            if other.op != "meddle":
+                if other.token > write.token:
+                    return True, f"overwritten under token {other.token}"
+                return False, f"overwritten by {other.agent}'s write under token {other.token}"
+            if other.completed - start > end:
+                return True, "overwritten by an unfenced write after its claim ended"
+            return False, (
+                f"overwritten by an unfenced write at {_region(other)} ({other.outcome},"
+                f" {other.completed - start:.2f} s) while token {write.token} was unreleased"
+            )
+        return False, f"holds {value!r}, which no write in the history explains"
+
+    acked = [e for e in history.events if e.op in ("write", "finish") and e.outcome == "ok"]
+    violations: list[str] = []
+    overwritten = lost = 0
+    for write in acked:
+        claim = claims.get((write.key, write.token, write.agent))
+        absent = [
+            (region, records.get(write.key))
+            for region, records in finals.items()
+            if not _holds(records.get(write.key), write)
+        ]
+        if not absent:
+            continue
+        excused, why = excuse(write, claim.end if claim else INF, absent[0][1])
+        if excused:
+            overwritten += 1
+            continue
+        acked_at = write.completed - start
+        if lost_with_disk(acked_at, claim.region if claim else homes.get(write.key, ""), played):
+            lost += 1
+            continue
+        violations.append(
+            f"{write.agent}'s {write.op} {write.key} {write.detail}={write.value}"
+            f" (token {write.token}) {why}, at {','.join(r for r, _ in absent)}"
+        )
+    kept = len(acked) - overwritten - lost
+    detail = "; ".join(violations[:3]) or (
+        f"{len(acked)} acknowledged fenced writes: {kept} in every region's final state,"
+        f" {overwritten} overwritten under a newer claim or after theirs ended"
+        + (f", {lost} lost with a wiped disk before they could replicate" if lost else "")
+    )
+    return Verdict(
+        "9. fenced writes survive",
+        not violations,
+        detail,
+        {
+            "acknowledged": len(acked),
+            "overwritten legitimately": overwritten,
+            "lost with a disk": lost,
+            "violations": len(violations),
+        },
+    )
+
+
+def _holds(record: Record | None, write: Event) -> bool:
+    return (
+        record is not None and not record.deleted and record.fields.get(write.detail) == write.value
+    )
+
+
+def _region(event: Event) -> str:
+    return event.agent.removeprefix("meddler-")

@@ -1,0 +1,289 @@
+"""The workload's sharper shapes: what an attacker did that the agents never do.
+
+- **Split births.** When the nemesis partitions the cluster, the same untagged ids
+  are created on both sides of the cut at once (each side's node homes such an id
+  in its own region), claimed on both sides, written and renewed. After the heal
+  their holders keep writing and renewing until they are refused; meanwhile the ids
+  are watched until every region names one home whose fence is past every token
+  either side granted (the births *met*); then each id is claimed once more, at
+  that home. The history says which ids were created where: a ``create`` event
+  per side (acknowledged: detail the region, value ``created`` or ``merged``, as
+  the node answered; otherwise detail the reason, value the region).
+- **Meddlers**, one per region: unfenced writes and deletes, at their own node, of
+  backlog items homed elsewhere whose claims are live and being renewed. Holders
+  (agents that keep a claim for several leases, see ``workload.py``) give them
+  claims that outlive a non-home node's view of the lease. A meddling write goes
+  to a field the holder writes under its token (``progress.<holder>.<token>.<step>``)
+  with a value of its own, so the final state says which write won.
+- **Pressing a node that catches up**: while a node that lost its disk is restarted
+  before catching up (``wipe-restart``), claims of items homed there, at that node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
+
+from fencemark.client import AsyncClient, ClaimResult, FencemarkError, RenewResult
+from fencemark.node.workload import REPO, TOPIC, Event, grant_of, recorded
+from tests.chaos.workload import (
+    AGENT_STEPS,
+    CALL_TIMEOUT_S,
+    HOLDER_STEPS,
+    Workload,
+    detail_of,
+    outcome_of,
+    stopped,
+)
+
+T = TypeVar("T")
+
+SPLIT_TOPIC = "split"  # apart from the backlog: agents and the producer never see them
+SPLIT_IDS = 2  # ids born on both sides of each partition
+SPLIT_STEP_S = 0.4  # a split holder writes and renews this often
+# After the heal the births must meet within this (as many anti-entropy rounds as
+# convergence may take, docs/chaos.md); holders stop trying a little after it.
+SPLIT_MEET_LIMIT_S = 20.0
+MEET_POLL_S = 0.25
+POST_HEAL_TRIES = 3
+MEDDLE_INTERVAL_S = 0.3
+MEDDLE_DELETE_SHARE = 0.1
+PRESS_INTERVAL_S = 0.3
+HELD_WINDOW = 400  # events looked back over to find the claims being held
+
+
+class Shapes:
+    """Runs the shapes against the workload's nodes, into the workload's history."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.history = workload.history
+        self.lease = workload.lease_seconds
+        self.spawned: list[asyncio.Task[None]] = []  # split births and presses, as started
+        self._direct: dict[str, AsyncClient] = {}
+        self._splits = 0
+        self._split_tokens: dict[str, int] = {}  # split-born key -> largest token granted
+        self._seeds = {region: workload.rng.randrange(1 << 30) for region in workload.regions}
+
+    def direct(self, region: str) -> AsyncClient:
+        """A client of ``region``'s node alone (never routed elsewhere)."""
+        if region not in self._direct:
+            self._direct[region] = self.workload.client(region, timeout=CALL_TIMEOUT_S)
+        return self._direct[region]
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        self.spawned.append(asyncio.create_task(work))
+
+    async def _call(
+        self, who: str, op: str, key: str, token: int, call: Awaitable[T], **kw: str
+    ) -> tuple[T | None, Event]:
+        return await recorded(self.history, who, op, key, token, call, **kw)
+
+    # -- nemesis hooks (nemesis.Shapes) ------------------------------------------------
+
+    def split(self, sides: tuple[str, str], healed: asyncio.Event) -> None:
+        self._spawn(self._split(sides, healed))
+
+    def press(self, region: str, until: asyncio.Event) -> None:
+        self._spawn(self._press(region, until))
+
+    def tasks(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+        return [asyncio.create_task(self._meddle(r, stop)) for r in self.workload.regions]
+
+    # -- split births --------------------------------------------------------------------
+
+    async def _split(self, sides: tuple[str, str], healed: asyncio.Event) -> None:
+        n = self._splits
+        self._splits += 1
+        born = []
+        for i in range(SPLIT_IDS):
+            name = f"split-{n:03d}-{i}"
+            made = await asyncio.gather(*(self._create(f"{name}-{r}", r, name) for r in sides))
+            if all(made):
+                born.append(f"repo/{REPO}/mem/{SPLIT_TOPIC}/{name}")
+        await asyncio.gather(*(self._after_birth(key, sides, healed) for key in born))
+
+    async def _create(self, who: str, region: str, name: str) -> bool:
+        """Create ``name`` untagged at ``region``'s node; whether this call created it."""
+        invoked = time.monotonic()
+        try:
+            made = await self.direct(region).remember(
+                REPO, SPLIT_TOPIC, name, kind="Task", author="chaos",
+                title=f"Born on both sides: {name}",
+            )  # fmt: skip
+        except FencemarkError as exc:
+            key = f"repo/{REPO}/mem/{SPLIT_TOPIC}/{name}"
+            self.workload.record(
+                who, "create", key, outcome_of(exc), invoked, detail_of(exc), region
+            )
+            return False
+        value = "created" if made.created else "merged"
+        self.workload.record(who, "create", made.record.key, "ok", invoked, region, value)
+        return made.created
+
+    async def _after_birth(self, key: str, sides: tuple[str, str], healed: asyncio.Event) -> None:
+        """Claim ``key`` on both sides; after the heal, until the births meet; then once more."""
+        met = asyncio.ensure_future(self._until_met(key, healed))
+        ends = await asyncio.gather(*(self._hold(key, region, healed) for region in sides))
+        home = await met
+        if not home:
+            return
+        # Not before every split-time claim has surely ended (refused or lapsed): its
+        # holder would still believe it live (docs/chaos.md, one live claim at a time).
+        await asyncio.sleep(max(0.0, max(ends, default=0.0) - time.monotonic()) + 0.1)
+        await self._claim_once(key, home, f"{key.rsplit('/', 1)[1]}-after")
+
+    async def _hold(self, key: str, region: str, healed: asyncio.Event) -> float:
+        """Claim ``key`` at ``region``'s node (which believes it is its home), then write
+        and renew until refused; the time (monotonic) the claim had surely ended."""
+        who = f"{key.rsplit('/', 1)[1]}-{region}"
+        node = self.direct(region)
+        claim, called = await self._call(
+            who, "claim", key, 0, node.claim(key, who, lease_seconds=self.lease)
+        )
+        if claim is None or not claim.granted:
+            return time.monotonic()
+        self.history.add(grant_of(called, claim))
+        token = claim.fencing_token
+        self._split_tokens[key] = max(self._split_tokens.get(key, 0), token)
+        expires, step, healed_at = called.expires, 0, 0.0
+        while True:
+            if healed.is_set() and not healed_at:
+                healed_at = time.monotonic()
+            if healed_at and time.monotonic() > healed_at + SPLIT_MEET_LIMIT_S + 2:
+                return expires  # never refused: the checker says what that means
+            name = f"split.{who}.{token}.{step}"
+            value = f"{who}@{token}"
+            write = node.update(key, fields={name: value}, fencing_token=token)
+            _, wrote = await self._call(who, "write", key, token, write, detail=name, value=value)
+            if wrote.outcome != "ok":
+                return wrote.completed if wrote.outcome == "fail" else expires
+            await asyncio.sleep(SPLIT_STEP_S)
+            renewal = node.renew_claim(key, token, lease_seconds=self.lease)
+            renewed, called = await self._call(who, "renew", key, token, renewal)
+            if not isinstance(renewed, RenewResult) or not renewed.renewed:
+                return called.completed if called.outcome == "fail" else expires
+            expires, step = called.expires, step + 1
+
+    async def _until_met(self, key: str, healed: asyncio.Event) -> str:
+        """After the heal: the home every region names once the births met (its fence
+        past every token either side granted), or "" if they did not in time."""
+        await healed.wait()
+        invoked = time.monotonic()
+        seen = "no answer"
+        while time.monotonic() < invoked + SPLIT_MEET_LIMIT_S:
+            try:
+                records = [await self.direct(r).get(key) for r in self.workload.regions]
+            except FencemarkError as exc:
+                seen = type(exc).__name__
+            else:
+                homes = sorted({r.home_region for r in records})
+                fence = min(r.fence for r in records)
+                granted = self._split_tokens.get(key, 0)
+                if len(homes) == 1 and fence > granted:
+                    self.workload.record(key.rsplit("/", 1)[1], "split-met", key, "ok", invoked,
+                                         homes[0], str(fence), token=granted)  # fmt: skip
+                    return homes[0]
+                seen = f"homes {','.join(homes)}, fence {fence} (tokens up to {granted})"
+            await asyncio.sleep(MEET_POLL_S)
+        # What it saw last as the value: the detail of a failure counts as a refusal.
+        self.workload.record(key.rsplit("/", 1)[1], "split-met", key, "fail", invoked, "", seen)
+        return ""
+
+    async def _claim_once(self, key: str, home: str, who: str) -> None:
+        """Claim ``key`` at its home, write under the token, release."""
+        node = self.direct(home)
+        for _ in range(POST_HEAL_TRIES):
+            claim, called = await self._call(
+                who, "claim", key, 0, node.claim(key, who, lease_seconds=self.lease)
+            )
+            if isinstance(claim, ClaimResult) and claim.granted:
+                break
+            await asyncio.sleep(0.5)
+        else:
+            return
+        self.history.add(grant_of(called, claim))
+        token = claim.fencing_token
+        name, value = f"split.{who}.{token}.0", f"{who}@{token}"
+        write = node.update(key, fields={name: value}, fencing_token=token)
+        await self._call(who, "write", key, token, write, detail=name, value=value)
+        await self._call(who, "release", key, token, node.release_claim(key, token))
+
+    # -- meddlers ------------------------------------------------------------------------
+
+    def held(self) -> list[Event]:
+        """Grants of backlog items whose holders have not (yet) released, been refused
+        or given up, as far as the recent history shows; newest first."""
+        ended: set[tuple[str, str, int]] = set()
+        holding = []
+        for event in reversed(self.history.events[-HELD_WINDOW:]):
+            claim = (event.agent, event.key, event.token)
+            if event.op == "grant":
+                if claim not in ended and f"/mem/{TOPIC}/" in event.key:
+                    holding.append(event)
+            elif event.token and (event.op == "release" or event.outcome != "ok"):
+                ended.add(claim)
+        return holding
+
+    async def _meddle(self, region: str, stop: asyncio.Event) -> None:
+        """Unfenced writes and deletes at ``region``'s node of items claimed elsewhere."""
+        rng = random.Random(self._seeds[region])
+        node = self.direct(region)
+        who = f"meddler-{region}"
+        n = 0
+        while not await stopped(stop, MEDDLE_INTERVAL_S):
+            homes = self.workload.homes
+            targets = [g for g in self.held() if homes.get(g.key, region) != region]
+            if not targets:
+                continue
+            # Holders' claims first: they outlive a non-home node's view of the lease.
+            long = [g for g in targets if "-holder-" in g.agent]
+            grant = rng.choice(long if long and rng.random() < 0.7 else targets)
+            n += 1
+            invoked = time.monotonic()
+            if rng.random() < MEDDLE_DELETE_SHARE:
+                try:
+                    await node.delete(grant.key)
+                    self.workload.record(who, "meddle-delete", grant.key, "ok", invoked)
+                except FencemarkError as exc:
+                    outcome = outcome_of(exc)
+                    self.workload.record(who, "meddle-delete", grant.key, outcome, invoked,
+                                         detail_of(exc) if outcome == "fail" else "")  # fmt: skip
+                continue
+            steps = HOLDER_STEPS if "-holder-" in grant.agent else AGENT_STEPS
+            name = f"progress.{grant.agent}.{grant.token}.{rng.randrange(steps)}"
+            value = f"meddle:{region}:{n}"
+            try:
+                await node.update(grant.key, fields={name: value})
+                self.workload.record(who, "meddle", grant.key, "ok", invoked, name, value)
+            except FencemarkError as exc:
+                # Refused: the reason; unknown: the field, as it may have been written.
+                outcome = outcome_of(exc)
+                detail = name if outcome == "unknown" else detail_of(exc)
+                self.workload.record(who, "meddle", grant.key, outcome, invoked, detail, value)
+
+    # -- a node catching up --------------------------------------------------------------
+
+    async def _press(self, region: str, until: asyncio.Event) -> None:
+        """Claims at ``region``'s node of items homed there, held ones first, until
+        ``until``; a claim it grants is released at once."""
+        rng = random.Random(self._seeds[region] + 1)
+        node = self.direct(region)
+        who = f"press-{region}"
+        while not await stopped(until, PRESS_INTERVAL_S):
+            homed = [k for k, home in self.workload.homes.items() if home == region]
+            held = [g.key for g in self.held() if g.key in homed]
+            keys = held or [k for k in homed if f"/mem/{TOPIC}/" in k]
+            if not keys:
+                continue
+            key = rng.choice(keys)
+            claim, called = await self._call(
+                who, "claim", key, 0, node.claim(key, who, lease_seconds=self.lease)
+            )
+            if isinstance(claim, ClaimResult) and claim.granted:
+                self.history.add(grant_of(called, claim))
+                token = claim.fencing_token
+                await self._call(who, "release", key, token, node.release_claim(key, token))
