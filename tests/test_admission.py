@@ -19,7 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from fencemark.client import AsyncClient, ClaimConflict, NotFound, WrongRegion
 from fencemark.client.types import Record as ClientRecord
-from fencemark.node.admission import admit_write
+from fencemark.node.admission import ANYONE, admit_write
 from fencemark.node.crdt import FenceState, Grant, Record, Stamp
 from fencemark.node.errors import ClaimConflict as NodeClaimConflict
 from fencemark.node.errors import Reason
@@ -231,25 +231,25 @@ def test_fenced_write_away_from_home_is_refused_wrong_region_by_the_rule() -> No
     record = Record("repo/a/mem/b/c").create("us", Stamp(0, 1, "n1"))
     fence = FenceState().grant(1, Grant(2, "worker-a", "us"), now + 60_000)
     record = record.with_fence(fence)
-    assert admit_write(record, 1, home="us", region="us", now_ms=now) == 1
+    assert admit_write(record, 1, caller=ANYONE, home="us", region="us", now_ms=now) == 1
     with pytest.raises(NodeClaimConflict) as refused:
-        admit_write(record, 1, home="us", region="eu", now_ms=now)
+        admit_write(record, 1, caller=ANYONE, home="us", region="eu", now_ms=now)
     assert refused.value.conflict is Reason.WRONG_REGION
     assert (refused.value.fence, refused.value.home_region) == (1, "us")
     # Unfenced writes away from home: refused while the grant is unreleased, even
     # past its expiry — only the home decides a lapse (issue 13, hole 3a) ...
     for at in (now, now + 60_000, now + 3_600_000):
         with pytest.raises(NodeClaimConflict) as claimed:
-            admit_write(record, 0, home="us", region="eu", now_ms=at)
+            admit_write(record, 0, caller=ANYONE, home="us", region="eu", now_ms=at)
         assert claimed.value.conflict is Reason.CLAIMED
         assert claimed.value.home_region == "us"
     # ... which the home admits once the lease ran out, and everyone once it
     # recorded the lapse (or the holder released).
-    assert admit_write(record, 0, home="us", region="us", now_ms=now + 60_000) == 1
+    assert admit_write(record, 0, caller=ANYONE, home="us", region="us", now_ms=now + 60_000) == 1
     lapsed = record.with_fence(record.fence.lapse(1))
-    assert admit_write(lapsed, 0, home="us", region="eu", now_ms=now) == 1
+    assert admit_write(lapsed, 0, caller=ANYONE, home="us", region="eu", now_ms=now) == 1
     released = record.with_fence(record.fence.release(1))
-    assert admit_write(released, 0, home="us", region="eu", now_ms=now) == 1
+    assert admit_write(released, 0, caller=ANYONE, home="us", region="eu", now_ms=now) == 1
 
 
 async def test_fenced_write_at_a_replica_outside_the_home_region_is_refused_wrong_region(

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from fencemark.node.admission import Caller
 from fencemark.node.authz import METHOD_RIGHTS, AccessMap, Right, load_access, parse_access
-from fencemark.node.errors import Denial
+from fencemark.node.errors import Denial, PermissionDenied
 from fencemark.node.server import SERVICES
 from fencemark.node.tls import Identity
 
@@ -55,3 +56,16 @@ def test_access_files_in_toml_and_json(tmp_path: Path) -> None:
 def test_a_bad_access_map_is_refused_in_words(data: dict[str, object], says: str) -> None:
     with pytest.raises(Exception, match=says):
         parse_access(data)
+
+
+def test_acting_for_others_is_a_right_of_the_map_and_no_method_needs_it() -> None:
+    """``act-for-others`` only widens what the claim rules accept (``admission.acts_for``):
+    the default (no map) gives it to no one, and it is no method's right."""
+    access = parse_access({"clients": {"ops": ["claim", "act-for-others"], "alice": ["claim"]}})
+    assert access.caller(Identity("client", "ops")) == Caller("client/ops", acts_for_others=True)
+    assert access.caller(Identity("client", "alice")) == Caller("client/alice")
+    assert not AccessMap().caller(Identity("client", "alice")).acts_for_others
+    assert not access.caller(Identity("region", "eu")).acts_for_others
+    assert Right.ACT_FOR_OTHERS not in METHOD_RIGHTS.values()
+    with pytest.raises(PermissionDenied):
+        access.caller(None)

@@ -16,6 +16,7 @@ import sqlite3
 from pathlib import Path
 
 from fencemark.bench.records import REPO, record_id, typical_fields, typical_tags
+from fencemark.node.admission import ANYONE
 from fencemark.node.crdt import HybridClock
 from fencemark.node.replica import Replica
 from fencemark.node.server import DB_FILE
@@ -40,7 +41,12 @@ async def seed(data_dir: Path, count: int, *, home: str) -> Path:
             await asyncio.gather(
                 *(
                     replica.remember(
-                        REPO, TOPIC, record_id("s", i), fields=typical_fields(i), tags=tags
+                        REPO,
+                        TOPIC,
+                        record_id("s", i),
+                        fields=typical_fields(i),
+                        tags=tags,
+                        caller=ANYONE,  # unfenced: no claim to act for
                     )
                     for i in range(start, min(count, start + CHUNK))
                 )

@@ -96,8 +96,10 @@ class PermissionDenied(FencemarkError):
     claim or replicate), ``no_identity`` (the certificate names no fencemark
     identity), or for replication calls ``unauthenticated_peer``,
     ``unknown_region`` or ``region_mismatch``, or ``revoked_certificate`` (the
-    caller's certificate is on the node's revocation list); ``identity`` is who the node
-    took the caller for (e.g. ``client/alice``).
+    caller's certificate is on the node's revocation list), or ``not_holder`` (a
+    renewal, release or fenced write with the token of a claim granted to another
+    identity; ``right`` is then ``act-for-others``, the right that would allow it);
+    ``identity`` is who the node took the caller for (e.g. ``client/alice``).
     """
 
     def __init__(

@@ -94,7 +94,11 @@ class ReleaseResult:
 
 @dataclass(frozen=True)
 class LiveClaim:
-    """A claim that was live at the answering node when it answered."""
+    """A claim that was live at the answering node when it answered.
+
+    Over mutual TLS ``fencing_token`` is 0 unless the caller is the identity the
+    claim was granted to, or may act for others (docs/security.md).
+    """
 
     owner: str
     fencing_token: int

@@ -206,7 +206,11 @@ class ReleaseOut(_Out):
 
 class LiveClaimOut(_Out):
     owner: str
-    fencing_token: int
+    fencing_token: int | None = Field(
+        default=None,
+        description="Left out unless this server's identity is the one the claim was"
+        " granted to (or may act for others): another identity's token is of no use here.",
+    )
     lease_expires_at_utc: datetime | None = None
 
 
@@ -233,7 +237,7 @@ class ClaimStatusOut(_Out):
             if live is None
             else LiveClaimOut(
                 owner=live.owner,
-                fencing_token=live.fencing_token,
+                fencing_token=live.fencing_token or None,
                 lease_expires_at_utc=live.lease_expires_at,
             ),
             fence=status.fence,

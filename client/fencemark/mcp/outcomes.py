@@ -10,7 +10,9 @@ true``) whose text says what went wrong and what to do, never a stack trace:
   such as the MCP Inspector validates error results against it too);
 - arguments the node refuses name the argument, in the tools' camelCase spelling
   (``fencemark.mcp.arguments`` words the ones the tool's own schema refuses);
-- an unreachable node says so and that the call can be retried.
+- an unreachable node says so and that the call can be retried;
+- a caller the node refuses (PERMISSION_DENIED) is told why: the server's identity
+  lacks a right, or the token was granted to another identity (``not_holder``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fencemark.client.errors import (
     FencemarkError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     Unavailable,
     Unimplemented,
     WrongRegion,
@@ -137,6 +140,18 @@ def failure_result(
             f"Unavailable (retryable): {subject} failed because the Fencemark node"
             f" (target {target}) could not be reached in time: {error}. Retry in a few"
             f" seconds.{caution}"
+        )
+    if isinstance(error, PermissionDenied):
+        advice = (
+            "That fencingToken was granted to another identity than this server's: use"
+            " the token your own repocontext_claim returned, or claim the item."
+            if error.reason == "not_holder"
+            else "This server's identity may not make this call: ask the node's operator"
+            " for the right named, or run the server with --tls-name of one that has it."
+        )
+        return error_result(
+            f"PermissionDenied ({error.reason}): {subject} was refused to"
+            f" {error.identity or 'this server'}. {advice} Node says: {error.message}"
         )
     if isinstance(error, Unimplemented):
         return error_result(

@@ -1,8 +1,10 @@
 """What a node accepts: every rule of SPEC §4, and only here.
 
-Pure functions of a record's state, the caller's token and the node's wall
-clock. They decide; they never read storage, stamp, or know about gRPC.
-docs/consistency.md states the guarantees these rules add up to.
+Pure functions of a record's state, the caller (its token and, under mutual
+TLS, its identity) and the node's wall clock. They decide; they never read
+storage, stamp, or know about gRPC. docs/consistency.md states the guarantees
+these rules add up to; docs/security.md (*Claims are bound to identities*) the
+identity rule.
 """
 
 from __future__ import annotations
@@ -10,12 +12,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fencemark.node.crdt import FenceState, Grant, Record
-from fencemark.node.errors import ClaimConflict, Reason
+from fencemark.node.errors import ACT_FOR_OTHERS, ClaimConflict, Denial, PermissionDenied, Reason
 
 # A node that lost its disk grants its first token of each record this far above
 # the fence it caught up to (docs/replication.md, catch-up): a grant of its
 # earlier life that never reached a peer then stays below every new token.
 RECOVERY_GAP = 1 << 20
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks, as far as claims care: a grant records the identity it was made to.
+
+    ``identity`` is the caller's certificate identity (``client/alice``), ``""``
+    on a node without TLS; ``acts_for_others`` is the access map's
+    ``act-for-others`` right.
+    """
+
+    identity: str
+    acts_for_others: bool = False
+
+
+# A node without TLS (--insecure) knows no identities: any caller may act on any
+# claim there, so a token is a bearer credential (docs/security.md).
+ANYONE = Caller("", acts_for_others=True)
+
+
+def acts_for(caller: Caller, grant: Grant) -> bool:
+    """Whether ``caller`` may use ``grant``'s token: renew, release or write with it,
+    retry its claim by owner name, see it in ``ClaimStatus`` (SPEC §4: a token is
+    not a bearer credential). A grant that records no identity (made without TLS,
+    or before grants recorded one) binds no one."""
+    return caller.acts_for_others or not grant.identity or grant.identity == caller.identity
+
+
+def _check_holder(fence: FenceState, token: int, caller: Caller) -> None:
+    """Refuse ``not_holder`` when ``token`` names a grant made to another identity.
+
+    Only grants the record still remembers can be checked (its last ``HISTORY``);
+    an older token is superseded anyway, and releasing it changes nothing.
+    """
+    grant = fence.grants.get(token)
+    if grant is not None and not acts_for(caller, grant):
+        raise PermissionDenied(
+            Denial.NOT_HOLDER,
+            f"fencing token {token} was granted to another identity than {caller.identity}:"
+            f" only that identity (or one with the {ACT_FOR_OTHERS!r} right) may renew,"
+            " release or write with it (docs/security.md)",
+            identity=caller.identity,
+            right=ACT_FOR_OTHERS,
+        )
 
 
 @dataclass(frozen=True)
@@ -45,7 +91,14 @@ def token_problem(fence: FenceState, token: int, now_ms: int) -> Reason | None:
 
 
 def admit_write(
-    record: Record, token: int, *, home: str, region: str, now_ms: int, deciding: bool = True
+    record: Record,
+    token: int,
+    *,
+    caller: Caller,
+    home: str,
+    region: str,
+    now_ms: int,
+    deciding: bool = True,
 ) -> int:
     """Admit a write to ``record`` at ``region``'s node; return the epoch to stamp it with.
 
@@ -54,7 +107,8 @@ def admit_write(
     unreleased grant in this node's view — only the home decides that a lease
     has lapsed, because a renewal may not have arrived here yet. Otherwise it is
     admitted under the fence this node knows. Fenced: only the home region
-    decides, and only the live claim's token gets through. A home that is not
+    decides, only the live claim's token gets through, and only from the
+    identity it was granted to (``not_holder``, ``acts_for``). A home that is not
     ``deciding`` (catching up: ``grant_gate``) takes unfenced writes by the rule
     of the other nodes; fenced ones it does not see at all.
     """
@@ -66,6 +120,7 @@ def admit_write(
         return fence.fence
     if home != region:
         raise ClaimConflict(Reason.WRONG_REGION, fence=fence.fence, home_region=home)
+    _check_holder(fence, token, caller)
     problem = token_problem(fence, token, now_ms)
     if problem is None and not record.claim_live(now_ms):
         problem = Reason.SUPERSEDED  # granted by another birth region: superseded at the meet
@@ -138,6 +193,7 @@ def decide_claim(
     record: Record,
     owner: str,
     *,
+    caller: Caller,
     lease_ms: int,
     now_ms: int,
     hlc: int,
@@ -148,7 +204,10 @@ def decide_claim(
     """Grant, retry or refuse a claim; returns the new fence state and the outcome.
 
     ``queued_ahead`` says other claimers wait in the FIFO queue before this one:
-    they go first, so a free claim is still ``contended`` for a newcomer.
+    they go first, so a free claim is still ``contended`` for a newcomer. A claim
+    by the holder's owner name is a retry only from an identity that ``acts_for``
+    the holder; from any other it is another claimer's, ``contended``. A new
+    grant records the caller's identity.
     """
     fence = record.fence
     refusal = _not_here(record, region)
@@ -158,7 +217,7 @@ def decide_claim(
     expiry = now_ms + lease_ms
     if record.claim_live(now_ms):
         holder = fence.holder()
-        if holder is not None and holder.owner == owner:
+        if holder is not None and holder.owner == owner and acts_for(caller, holder):
             # The grant's reply may have been lost: answer from the durable state.
             token = fence.fence
             extended = fence.extend(token, expiry)
@@ -167,19 +226,21 @@ def decide_claim(
     if queued_ahead:
         return fence, Outcome(False, Reason.CONTENDED, home_region=home, fence=fence.fence)
     token = next_token(fence, recovered_hlc)
-    granted = fence.grant(token, Grant(hlc, owner, region), expiry)
+    granted = fence.grant(token, Grant(hlc, owner, region, identity=caller.identity), expiry)
     return granted, Outcome(True, None, token, expiry, home, token)
 
 
 def decide_renew(
-    record: Record, token: int, *, lease_ms: int, now_ms: int, region: str
+    record: Record, token: int, *, caller: Caller, lease_ms: int, now_ms: int, region: str
 ) -> tuple[FenceState, Outcome]:
-    """Extend the live claim of ``token``; a renewal never shortens a lease."""
+    """Extend the live claim of ``token``; a renewal never shortens a lease.
+    Refused ``not_holder`` (raised) for a token granted to another identity."""
     fence = record.fence
     refusal = _not_here(record, region)
     if refusal is not None:
         return fence, refusal
     home = record.home_region
+    _check_holder(fence, token, caller)
     problem = token_problem(fence, token, now_ms)
     if problem is not None:
         return fence, Outcome(False, problem, home_region=home, fence=fence.fence)
@@ -187,8 +248,11 @@ def decide_renew(
     return extended, Outcome(True, None, token, extended.expiry(token), home, fence.fence)
 
 
-def decide_release(record: Record, token: int, *, region: str) -> tuple[FenceState, Outcome]:
-    """Release ``token``: idempotent up to the fence, ``unknown_token`` above it.
+def decide_release(
+    record: Record, token: int, *, caller: Caller, region: str
+) -> tuple[FenceState, Outcome]:
+    """Release ``token``: idempotent up to the fence, ``unknown_token`` above it,
+    refused ``not_holder`` (raised) when it was granted to another identity.
 
     Only the current fence token changes the state; the fence itself never
     drops, so every older token stays refused (``superseded``) forever.
@@ -200,5 +264,6 @@ def decide_release(record: Record, token: int, *, region: str) -> tuple[FenceSta
     home = record.home_region
     if token > fence.fence:
         return fence, Outcome(False, Reason.UNKNOWN_TOKEN, home_region=home, fence=fence.fence)
+    _check_holder(fence, token, caller)
     released = fence.release(token) if token == fence.fence else fence
     return released, Outcome(True, None, token, home_region=home, fence=fence.fence)

@@ -12,6 +12,11 @@ says who it is. Each ``fencemark.v1`` method needs one :class:`Right`
   (``--access FILE``) gives NAME, or the map's ``"*"`` entry; without a map,
   every client of the CA holds ``read``, ``write`` and ``claim``.
 
+One right belongs to no method: ``act-for-others`` lets an identity use the
+tokens of claims granted to other identities (renew, release, write with them,
+retry their claims, see them in ``ClaimStatus``). The claim rules ask for it
+(:func:`caller_of`, ``admission.acts_for``); the method still needs its own right.
+
 A denial is ``PERMISSION_DENIED`` with an ``ErrorInfo`` (reason
 ``PERMISSION_DENIED``, metadata ``denial``, ``identity``, ``right``), decided
 before the servicer runs, so nothing is read or written for it. Health
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -31,6 +36,8 @@ from typing import Any
 
 import grpc
 
+from fencemark.node.admission import Caller
+from fencemark.node.errors import ACT_FOR_OTHERS as ACTING_FOR_OTHERS
 from fencemark.node.errors import Denial, PermissionDenied
 from fencemark.node.interceptor import Handler, UnaryInterceptor
 from fencemark.node.revocation import Revocations
@@ -44,6 +51,7 @@ __all__ = [
     "AccessMap",
     "Authorize",
     "Right",
+    "caller_of",
     "load_access",
 ]
 
@@ -55,6 +63,9 @@ class Right(StrEnum):
     WRITE = "write"
     CLAIM = "claim"
     REPLICATE = "replicate"
+    # Use claims granted to other identities (docs/security.md, *Claims are bound to
+    # identities*). Needed by no method: the claim rules ask for it.
+    ACT_FOR_OTHERS = ACTING_FOR_OTHERS
 
 
 # Every fencemark.v1 method and the right it needs. A method missing here is
@@ -114,8 +125,23 @@ class AccessMap:
             )
         return None
 
+    def caller(self, identity: Identity | None) -> Caller:
+        """Who ``identity`` is to the claim rules: its name and whether it acts for others."""
+        if identity is None:  # Authorize refuses such a call before any servicer runs
+            raise PermissionDenied(Denial.NO_IDENTITY, "the caller's certificate names no identity")
+        return Caller(str(identity), Right.ACT_FOR_OTHERS in self.rights(identity))
+
 
 DEFAULT_ACCESS = AccessMap()
+
+
+def caller_of(access: AccessMap) -> Callable[[grpc.aio.ServicerContext[Any, Any]], Caller]:
+    """The servicers' view of a call's caller on a node serving TLS."""
+
+    def of(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
+        return access.caller(peer_identity(context))
+
+    return of
 
 
 def parse_access(data: Mapping[str, Any], source: str = "access map") -> AccessMap:

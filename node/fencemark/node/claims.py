@@ -16,7 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fencemark.node import validation
-from fencemark.node.admission import Outcome, decide_claim, decide_release, decide_renew
+from fencemark.node.admission import (
+    Caller,
+    Outcome,
+    acts_for,
+    decide_claim,
+    decide_release,
+    decide_renew,
+)
 from fencemark.node.crdt import FenceState, Grant, Record
 from fencemark.node.errors import Exhausted, InvalidInput, Reason
 from fencemark.node.replica import Replica
@@ -33,7 +40,8 @@ class _Waiter:
 
 @dataclass(frozen=True)
 class Status:
-    """What this node knows of a record's claim; never authoritative."""
+    """What this node knows of a record's claim; never authoritative. ``token`` is
+    0 for a caller that does not act for the holder (``admission.acts_for``)."""
 
     holder: Grant | None
     token: int
@@ -83,6 +91,7 @@ class Claims:
         key: str,
         owner: str,
         *,
+        caller: Caller,
         lease_seconds: float = 0.0,
         wait_seconds: float = 0.0,
         client: str = "",
@@ -101,7 +110,8 @@ class Claims:
         lease_ms = round(validation.lease(lease_seconds) * 1000)
         wait_s = validation.wait(wait_seconds)
         self._check_serving()
-        outcome, _ = await self._try(key, owner, lease_ms, queued_ahead=self.queue_depth(key) > 0)
+        ahead = self.queue_depth(key) > 0
+        outcome, _ = await self._try(key, owner, caller, lease_ms, queued_ahead=ahead)
         if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
             if self.waiting >= self.max_waiters:
                 raise Exhausted("claim waiters", self.max_waiters)
@@ -113,7 +123,7 @@ class Claims:
                 on_wait()
             try:
                 outcome = await self._wait_in_line(
-                    key, owner, lease_ms, wait_s, outcome.home_region
+                    key, owner, caller, lease_ms, wait_s, outcome.home_region
                 )
             finally:
                 self._waiting_by_client[client] -= 1
@@ -125,7 +135,7 @@ class Claims:
         return outcome
 
     async def _wait_in_line(
-        self, key: str, owner: str, lease_ms: int, wait_s: float, home: str
+        self, key: str, owner: str, caller: Caller, lease_ms: int, wait_s: float, home: str
     ) -> Outcome:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -137,7 +147,7 @@ class Claims:
                 me.wake.clear()  # before any await, so no wake-up is lost
                 pause = float("inf")
                 if line[0] is me:
-                    outcome = await self._try_at_head(key, owner, lease_ms)
+                    outcome = await self._try_at_head(key, owner, caller, lease_ms)
                     if outcome.ok or outcome.reason is not Reason.CONTENDED:
                         return outcome
                     home = outcome.home_region
@@ -165,7 +175,7 @@ class Claims:
         lapse_ms = fence.expiry(fence.fence) - now
         return max(lapse_ms, 0) / 1000 + 0.001
 
-    async def _try_at_head(self, key: str, owner: str, lease_ms: int) -> Outcome:
+    async def _try_at_head(self, key: str, owner: str, caller: Caller, lease_ms: int) -> Outcome:
         """``_try`` for the head of the line, whose caller may leave meanwhile.
 
         A waiter is granted whenever the holder lets go, which is when its caller
@@ -176,21 +186,21 @@ class Claims:
         released before the cancellation goes on (an owner's live claim that it
         merely extended is left alone).
         """
-        attempt = asyncio.create_task(self._try(key, owner, lease_ms, queued_ahead=False))
+        attempt = asyncio.create_task(self._try(key, owner, caller, lease_ms, queued_ahead=False))
         try:
             outcome, _ = await asyncio.shield(attempt)
         except asyncio.CancelledError:
             try:
                 outcome, granted = await attempt
                 if granted:
-                    await self.release(key, outcome.token)
+                    await self.release(key, outcome.token, caller=caller)
             except Exception:  # the lease still lapses on its own
                 log.exception("releasing %s, granted to a caller that left, failed", key)
             raise
         return outcome
 
     async def _try(
-        self, key: str, owner: str, lease_ms: int, *, queued_ahead: bool
+        self, key: str, owner: str, caller: Caller, lease_ms: int, *, queued_ahead: bool
     ) -> tuple[Outcome, bool]:
         """Decide a claim at this moment; also say whether it granted a new token."""
         replica = self.replica
@@ -199,6 +209,7 @@ class Claims:
             fence, outcome = decide_claim(
                 current,
                 owner,
+                caller=caller,
                 lease_ms=lease_ms,
                 now_ms=replica.clock.wall_ms(),
                 hlc=replica.clock.now(),
@@ -215,7 +226,9 @@ class Claims:
         _, result = await replica.transact(key, change)
         return result
 
-    async def renew(self, key: str, token: int, *, lease_seconds: float = 0.0) -> Outcome:
+    async def renew(
+        self, key: str, token: int, *, caller: Caller, lease_seconds: float = 0.0
+    ) -> Outcome:
         validation.key(key)
         _token(token)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
@@ -226,6 +239,7 @@ class Claims:
             fence, outcome = decide_renew(
                 current,
                 token,
+                caller=caller,
                 lease_ms=lease_ms,
                 now_ms=replica.clock.wall_ms(),
                 region=replica.region,
@@ -235,13 +249,15 @@ class Claims:
         _, outcome = await replica.transact(key, change)
         return outcome
 
-    async def release(self, key: str, token: int) -> Outcome:
+    async def release(self, key: str, token: int, *, caller: Caller) -> Outcome:
         validation.key(key)
         _token(token)
         self._check_serving()
 
         def change(current: Record) -> tuple[Record, Outcome]:
-            fence, outcome = decide_release(current, token, region=self.replica.region)
+            fence, outcome = decide_release(
+                current, token, caller=caller, region=self.replica.region
+            )
             return current.with_fence(fence), outcome
 
         _, outcome = await self.replica.transact(key, change)
@@ -250,15 +266,17 @@ class Claims:
             line[0].wake.set()  # the head of the line may take it now
         return outcome
 
-    async def status(self, key: str) -> Status:
+    async def status(self, key: str, *, caller: Caller) -> Status:
+        """The claim as this node sees it; the live token only for a caller that
+        acts for its holder (docs/security.md, *Claims are bound to identities*)."""
         stored = await self.replica.get(key)
         fence: FenceState = stored.record.fence
         live = stored.record.claim_live(self.replica.clock.wall_ms())
-        token = fence.fence if live else 0
+        holder = fence.holder() if live else None
         return Status(
-            holder=fence.holder() if live else None,
-            token=token,
-            expiry_ms=fence.expiry(token) if live else 0,
+            holder=holder,
+            token=fence.fence if holder is not None and acts_for(caller, holder) else 0,
+            expiry_ms=fence.expiry(fence.fence) if holder is not None else 0,
             fence=fence.fence,
             queue_depth=self.queue_depth(key),
             home_region=stored.record.home_region,

@@ -55,7 +55,7 @@ def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | No
 
 
 def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[object]]) -> int:
-    from fencemark.client import AsyncClient, ClaimConflict, FencemarkError
+    from fencemark.client import AsyncClient, ClaimConflict, FencemarkError, PermissionDenied
 
     credentials = client_credentials(args)
 
@@ -73,6 +73,10 @@ def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[objec
             f" home region {exc.home_region}): {exc}",
             file=sys.stderr,
         )
+        return 1
+    except PermissionDenied as exc:
+        who = f" ({exc.identity})" if exc.identity else ""
+        print(f"fencemark: refused: {exc.reason}{who}: {exc.message}", file=sys.stderr)
         return 1
     except FencemarkError as exc:
         print(f"fencemark: {exc}", file=sys.stderr)

@@ -128,6 +128,14 @@ class Denial(StrEnum):
     REGION_MISMATCH = "region_mismatch"
     # The caller's certificate is on the CRL (crl.pem in the node's --tls-dir).
     REVOKED_CERTIFICATE = "revoked_certificate"
+    # A renewal, release or fenced write presenting the token of a claim granted to
+    # another identity, by a caller without the act-for-others right (SPEC §4).
+    NOT_HOLDER = "not_holder"
+
+
+# The access-map right that lets an identity act on claims granted to others
+# (``authz.Right.ACT_FOR_OTHERS``); named here because the claim rules refuse with it.
+ACT_FOR_OTHERS = "act-for-others"
 
 
 class PermissionDenied(FencemarkError):

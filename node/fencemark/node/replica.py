@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fencemark.node import integrity, validation
-from fencemark.node.admission import admit_write, lapse_due, split_tokens
+from fencemark.node.admission import Caller, admit_write, lapse_due, split_tokens
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
 from fencemark.node.errors import InvalidInput, NotFound, WrongRegion
 from fencemark.node.grant_gate import GrantGate
@@ -184,8 +184,8 @@ class Replica:
         if fencing_token:
             self.gate.check()
 
-    def _admit(self, current: Record, token: int, home: str) -> int:
-        return admit_write(current, token, home=home, region=self.region,
+    def _admit(self, current: Record, token: int, home: str, caller: Caller) -> int:
+        return admit_write(current, token, caller=caller, home=home, region=self.region,
                            now_ms=self.clock.wall_ms(), deciding=self.gate.deciding)  # fmt: skip
 
     def _lapse_if_due(self, record: Record) -> Record:
@@ -309,6 +309,7 @@ class Replica:
         fields: Mapping[str, str],
         tags: Sequence[str],
         fencing_token: int = 0,
+        caller: Caller,
     ) -> Remembered:
         """Create the record or merge into it (SPEC §2: born in its home region)."""
         key = str(
@@ -333,7 +334,7 @@ class Replica:
                     "tags", f"homeRegion is fixed when a record is created: it is {home!r}"
                 )
             current = self._lapse_if_due(current)
-            stamp = self.stamp(self._admit(current, fencing_token, home))
+            stamp = self.stamp(self._admit(current, fencing_token, home, caller))
             created = not current.visible
             changed = current.create(home, stamp)
             if self.signer is not None and not current.exists:
@@ -363,6 +364,7 @@ class Replica:
         add_tags: Sequence[str] = (),
         remove_tags: Sequence[str] = (),
         fencing_token: int = 0,
+        caller: Caller,
     ) -> Stored:
         validation.key(key)
         validation.fields(fields)
@@ -379,7 +381,7 @@ class Replica:
             if not current.visible:
                 raise NotFound(key)
             current = self._lapse_if_due(current)
-            epoch = self._admit(current, fencing_token, current.home_region)
+            epoch = self._admit(current, fencing_token, current.home_region, caller)
             if not fields and not add_tags and not remove_tags:
                 return current, None  # admitted, nothing to write (but a lapse it recorded)
             stamp = self.stamp(epoch)
@@ -392,7 +394,7 @@ class Replica:
         assert stored is not None
         return stored
 
-    async def delete(self, key: str, *, fencing_token: int = 0) -> Stored:
+    async def delete(self, key: str, *, fencing_token: int = 0, caller: Caller) -> Stored:
         """Write a tombstone; always written, even for a key never seen here."""
         validation.key(key)
         self._check_gate(fencing_token)
@@ -400,7 +402,7 @@ class Replica:
         def change(current: Record) -> tuple[Record, None]:
             home = current.home_region or self.region
             current = self._lapse_if_due(current)
-            stamp = self.stamp(self._admit(current, fencing_token, home))
+            stamp = self.stamp(self._admit(current, fencing_token, home, caller))
             # A delete erases the content; the tombstone keeps home and fence. A
             # key never seen here gets a tombstone without a home: homing it here
             # could take over a record created meanwhile in another region.

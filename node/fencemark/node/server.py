@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from fencemark.node.authz import DEFAULT_ACCESS, AccessMap, Authorize
+from fencemark.node.authz import DEFAULT_ACCESS, AccessMap, Authorize, caller_of
 from fencemark.node.budgets import CallBudgets, Limits, give_back
 from fencemark.node.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT, Claims
 from fencemark.node.crdt import HybridClock
@@ -46,6 +46,7 @@ from fencemark.node.service import (
     ClaimsService,
     NodeService,
     RecordsService,
+    anyone,
     refuse,
 )
 from fencemark.node.signing import Keyring, Signer
@@ -320,9 +321,11 @@ class NodeServer:
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ],
         )
+        # A grant records the identity it was made to; without TLS there is none.
+        callers = caller_of(config.access or DEFAULT_ACCESS) if tls is not None else anyone
         servicers = {
-            "Records": RecordsService(replica),
-            "Claims": ClaimsService(claims, on_wait=give_back),
+            "Records": RecordsService(replica, caller_of=callers),
+            "Claims": ClaimsService(claims, caller_of=callers, on_wait=give_back),
             "Node": NodeService(
                 replica, claims, replicator, peers, writes_enabled=config.enable_writes
             ),

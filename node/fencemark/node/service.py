@@ -17,7 +17,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from fencemark.node import __version__, validation
-from fencemark.node.admission import Outcome
+from fencemark.node.admission import ANYONE, Caller, Outcome
 from fencemark.node.claims import Claims
 from fencemark.node.crdt import hlc
 from fencemark.node.errors import (
@@ -45,6 +45,15 @@ DOMAIN = "fencemark"
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]
+# Who calls, for the claim rules: ``authz.caller_of`` on a node serving TLS, ``anyone``
+# without (docs/security.md, *Claims are bound to identities*).
+CallerOf = Callable[[grpc.aio.ServicerContext[Any, Any]], Caller]
+
+
+def anyone(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
+    """Without TLS (``--insecure``) there are no identities: every caller acts for
+    every claim, and a fencing token is a bearer credential."""
+    return ANYONE
 
 
 def _status(
@@ -167,8 +176,9 @@ def record_message(stored: Stored) -> record_pb2.Record:
 
 
 class RecordsService:
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: Replica, *, caller_of: CallerOf) -> None:
         self.replica = replica
+        self.caller_of = caller_of
 
     @refusals
     async def Remember(
@@ -194,6 +204,7 @@ class RecordsService:
             fields=fields,
             tags=list(request.tags),
             fencing_token=request.fencing_token,
+            caller=self.caller_of(context),
         )
         return records_pb2.RememberResponse(
             record=record_message(result.stored), created=result.created
@@ -215,6 +226,7 @@ class RecordsService:
             add_tags=list(request.add_tags),
             remove_tags=list(request.remove_tags),
             fencing_token=request.fencing_token,
+            caller=self.caller_of(context),
         )
         return records_pb2.UpdateResponse(record=record_message(stored))
 
@@ -222,7 +234,9 @@ class RecordsService:
     async def Delete(
         self, request: records_pb2.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> records_pb2.DeleteResponse:
-        stored = await self.replica.delete(request.key, fencing_token=request.fencing_token)
+        stored = await self.replica.delete(
+            request.key, fencing_token=request.fencing_token, caller=self.caller_of(context)
+        )
         return records_pb2.DeleteResponse(record=record_message(stored))
 
     @refusals
@@ -270,8 +284,11 @@ def client_of(context: grpc.aio.ServicerContext[Any, Any]) -> str:
 
 
 class ClaimsService:
-    def __init__(self, claims: Claims, on_wait: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, claims: Claims, *, caller_of: CallerOf, on_wait: Callable[[], None] | None = None
+    ) -> None:
         self.claims = claims
+        self.caller_of = caller_of
         # Called as a claim joins the line: its call leaves the call budget
         # (fencemark.node.budgets.give_back).
         self.on_wait = on_wait
@@ -283,6 +300,7 @@ class ClaimsService:
         outcome = await self.claims.claim(
             request.key,
             request.owner,
+            caller=self.caller_of(context),
             lease_seconds=request.lease_seconds,
             wait_seconds=request.wait_seconds,
             client=client_of(context),
@@ -301,7 +319,10 @@ class ClaimsService:
         self, request: claims_pb2.RenewClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> claims_pb2.RenewClaimResponse:
         outcome = await self.claims.renew(
-            request.key, request.fencing_token, lease_seconds=request.lease_seconds
+            request.key,
+            request.fencing_token,
+            caller=self.caller_of(context),
+            lease_seconds=request.lease_seconds,
         )
         return claims_pb2.RenewClaimResponse(
             renewed=outcome.ok,
@@ -315,7 +336,9 @@ class ClaimsService:
     async def ReleaseClaim(
         self, request: claims_pb2.ReleaseClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> claims_pb2.ReleaseClaimResponse:
-        outcome = await self.claims.release(request.key, request.fencing_token)
+        outcome = await self.claims.release(
+            request.key, request.fencing_token, caller=self.caller_of(context)
+        )
         return claims_pb2.ReleaseClaimResponse(
             released=outcome.ok,
             reason=_reason(outcome),
@@ -327,7 +350,7 @@ class ClaimsService:
     async def ClaimStatus(
         self, request: claims_pb2.ClaimStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> claims_pb2.ClaimStatusResponse:
-        status = await self.claims.status(request.key)
+        status = await self.claims.status(request.key, caller=self.caller_of(context))
         live = None
         if status.holder is not None:
             live = claims_pb2.ClaimStatusResponse.LiveClaim(

@@ -20,6 +20,8 @@ KEY = re.compile(
 )
 FIELD_NAME = SEGMENT
 REGION = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# The identity a grant was made to (``tls.Identity`` as text): empty, or KIND/NAME.
+GRANT_IDENTITY = re.compile(rf"((client|region)/{REGION.pattern})?")
 
 MAX_VALUE_BYTES = 1 << 20
 MAX_FIELDS = 256
@@ -156,6 +158,11 @@ def state(record: Record, size: int) -> None:
     for token, grant in record.fence.grants.items():
         owner(grant.owner, f"grants[{token}].owner")
         region(grant.region, f"grants[{token}].region")
+        if GRANT_IDENTITY.fullmatch(grant.identity) is None:
+            raise InvalidInput.field(
+                f"grants[{token}].identity",
+                f"an identity is client/NAME or region/NAME, got {grant.identity[:100]!r}",
+            )
 
 
 def state_problem(record: Record, size: int) -> str | None:

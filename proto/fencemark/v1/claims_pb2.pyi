@@ -19,8 +19,18 @@ Outcomes are values, not errors: a claim that is not granted answers
 - `expired`: the lease lapsed without renewal;
 - `released`: the token was released;
 - `unknown_token`: the token is higher than any granted.
-Only bad input (INVALID_ARGUMENT with a `google.rpc.BadRequest`) and an
-unavailable node are errors.
+Only bad input (INVALID_ARGUMENT with a `google.rpc.BadRequest`), an
+unavailable node and a refused caller (PERMISSION_DENIED) are errors.
+
+On a node serving mutual TLS a grant is bound to the client identity it was
+granted to: renewals, releases, fenced writes and same-owner retries with
+its token are accepted only from that identity, or from one the access map
+gives the `act-for-others` right. A renewal or release from any other
+identity fails PERMISSION_DENIED with `google.rpc.ErrorInfo` metadata
+`denial` = `not_holder`; a claim by the holder's owner name from another
+identity is another claimer (`contended`). Without TLS (`--insecure`) there
+are no identities and a token is a bearer credential. docs/security.md,
+*Claims are bound to identities*.
 
 `Claim`, `RenewClaim` and `ReleaseClaim` exist only on a node started with
 writes enabled. docs/consistency.md states what each call guarantees.
@@ -264,6 +274,10 @@ class ClaimStatusResponse(_message.Message):
         LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
         owner: _builtins.str
         fencing_token: _builtins.int
+        """The claim's token; 0 unless the caller is the identity it was granted
+        to or may act for others (always shown without TLS). The number is no
+        secret (it is the `fence`): what makes it usable is the identity.
+        """
         @_builtins.property
         def lease_expires_at(self) -> _timestamp_pb2.Timestamp: ...
         def __init__(

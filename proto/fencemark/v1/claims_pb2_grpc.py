@@ -65,8 +65,10 @@ class ClaimsServicer:
         """Claim asks for the record's lease.
 
         Granted when no live claim exists, with a token strictly higher than
-        every token granted before. When `owner` already holds the live claim the
-        call is an idempotent retry: the same token, the lease extended. With
+        every token granted before, bound to the caller's identity. When `owner`
+        already holds the live claim and the caller is the identity it was
+        granted to, the call is an idempotent retry: the same token, the lease
+        extended; from another identity it is `contended`. With
         `wait_seconds > 0` a contended claim waits in a FIFO queue; the state is
         re-checked when the caller reaches the head of the queue. The grant is on
         disk before it is answered.
@@ -78,6 +80,7 @@ class ClaimsServicer:
     def RenewClaim(self, request, context):
         """RenewClaim extends the live claim of `fencing_token`. `renewed=false`
         with `superseded` is the authoritative "you lost this item" signal.
+        PERMISSION_DENIED (`not_holder`) for a token granted to another identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,7 +89,8 @@ class ClaimsServicer:
     def ReleaseClaim(self, request, context):
         """ReleaseClaim ends the claim of `fencing_token`. Idempotent for every
         token up to the fence; it never lowers the fence, so a superseded token
-        stays refused forever.
+        stays refused forever. PERMISSION_DENIED (`not_holder`) for a token
+        granted to another identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

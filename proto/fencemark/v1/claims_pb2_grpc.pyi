@@ -19,8 +19,18 @@ Outcomes are values, not errors: a claim that is not granted answers
 - `expired`: the lease lapsed without renewal;
 - `released`: the token was released;
 - `unknown_token`: the token is higher than any granted.
-Only bad input (INVALID_ARGUMENT with a `google.rpc.BadRequest`) and an
-unavailable node are errors.
+Only bad input (INVALID_ARGUMENT with a `google.rpc.BadRequest`), an
+unavailable node and a refused caller (PERMISSION_DENIED) are errors.
+
+On a node serving mutual TLS a grant is bound to the client identity it was
+granted to: renewals, releases, fenced writes and same-owner retries with
+its token are accepted only from that identity, or from one the access map
+gives the `act-for-others` right. A renewal or release from any other
+identity fails PERMISSION_DENIED with `google.rpc.ErrorInfo` metadata
+`denial` = `not_holder`; a claim by the holder's owner name from another
+identity is another claimer (`contended`). Without TLS (`--insecure`) there
+are no identities and a token is a bearer credential. docs/security.md,
+*Claims are bound to identities*.
 
 `Claim`, `RenewClaim` and `ReleaseClaim` exist only on a node started with
 writes enabled. docs/consistency.md states what each call guarantees.
@@ -60,8 +70,10 @@ class ClaimsStub:
     """Claim asks for the record's lease.
 
     Granted when no live claim exists, with a token strictly higher than
-    every token granted before. When `owner` already holds the live claim the
-    call is an idempotent retry: the same token, the lease extended. With
+    every token granted before, bound to the caller's identity. When `owner`
+    already holds the live claim and the caller is the identity it was
+    granted to, the call is an idempotent retry: the same token, the lease
+    extended; from another identity it is `contended`. With
     `wait_seconds > 0` a contended claim waits in a FIFO queue; the state is
     re-checked when the caller reaches the head of the queue. The grant is on
     disk before it is answered.
@@ -69,11 +81,13 @@ class ClaimsStub:
     RenewClaim: _grpc.UnaryUnaryMultiCallable[_claims_pb2.RenewClaimRequest, _claims_pb2.RenewClaimResponse]
     """RenewClaim extends the live claim of `fencing_token`. `renewed=false`
     with `superseded` is the authoritative "you lost this item" signal.
+    PERMISSION_DENIED (`not_holder`) for a token granted to another identity.
     """
     ReleaseClaim: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ReleaseClaimRequest, _claims_pb2.ReleaseClaimResponse]
     """ReleaseClaim ends the claim of `fencing_token`. Idempotent for every
     token up to the fence; it never lowers the fence, so a superseded token
-    stays refused forever.
+    stays refused forever. PERMISSION_DENIED (`not_holder`) for a token
+    granted to another identity.
     """
     ClaimStatus: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ClaimStatusRequest, _claims_pb2.ClaimStatusResponse]
     """ClaimStatus reports what the answering node knows of the record's claim.
@@ -89,8 +103,10 @@ class ClaimsAsyncStub(ClaimsStub):
     """Claim asks for the record's lease.
 
     Granted when no live claim exists, with a token strictly higher than
-    every token granted before. When `owner` already holds the live claim the
-    call is an idempotent retry: the same token, the lease extended. With
+    every token granted before, bound to the caller's identity. When `owner`
+    already holds the live claim and the caller is the identity it was
+    granted to, the call is an idempotent retry: the same token, the lease
+    extended; from another identity it is `contended`. With
     `wait_seconds > 0` a contended claim waits in a FIFO queue; the state is
     re-checked when the caller reaches the head of the queue. The grant is on
     disk before it is answered.
@@ -98,11 +114,13 @@ class ClaimsAsyncStub(ClaimsStub):
     RenewClaim: _aio.UnaryUnaryMultiCallable[_claims_pb2.RenewClaimRequest, _claims_pb2.RenewClaimResponse]  # type: ignore[assignment]
     """RenewClaim extends the live claim of `fencing_token`. `renewed=false`
     with `superseded` is the authoritative "you lost this item" signal.
+    PERMISSION_DENIED (`not_holder`) for a token granted to another identity.
     """
     ReleaseClaim: _aio.UnaryUnaryMultiCallable[_claims_pb2.ReleaseClaimRequest, _claims_pb2.ReleaseClaimResponse]  # type: ignore[assignment]
     """ReleaseClaim ends the claim of `fencing_token`. Idempotent for every
     token up to the fence; it never lowers the fence, so a superseded token
-    stays refused forever.
+    stays refused forever. PERMISSION_DENIED (`not_holder`) for a token
+    granted to another identity.
     """
     ClaimStatus: _aio.UnaryUnaryMultiCallable[_claims_pb2.ClaimStatusRequest, _claims_pb2.ClaimStatusResponse]  # type: ignore[assignment]
     """ClaimStatus reports what the answering node knows of the record's claim.
@@ -121,8 +139,10 @@ class ClaimsServicer(metaclass=_abc_1.ABCMeta):
         """Claim asks for the record's lease.
 
         Granted when no live claim exists, with a token strictly higher than
-        every token granted before. When `owner` already holds the live claim the
-        call is an idempotent retry: the same token, the lease extended. With
+        every token granted before, bound to the caller's identity. When `owner`
+        already holds the live claim and the caller is the identity it was
+        granted to, the call is an idempotent retry: the same token, the lease
+        extended; from another identity it is `contended`. With
         `wait_seconds > 0` a contended claim waits in a FIFO queue; the state is
         re-checked when the caller reaches the head of the queue. The grant is on
         disk before it is answered.
@@ -136,6 +156,7 @@ class ClaimsServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_claims_pb2.RenewClaimResponse, _abc.Awaitable[_claims_pb2.RenewClaimResponse]]:
         """RenewClaim extends the live claim of `fencing_token`. `renewed=false`
         with `superseded` is the authoritative "you lost this item" signal.
+        PERMISSION_DENIED (`not_holder`) for a token granted to another identity.
         """
 
     @_abc_1.abstractmethod
@@ -146,7 +167,8 @@ class ClaimsServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_claims_pb2.ReleaseClaimResponse, _abc.Awaitable[_claims_pb2.ReleaseClaimResponse]]:
         """ReleaseClaim ends the claim of `fencing_token`. Idempotent for every
         token up to the fence; it never lowers the fence, so a superseded token
-        stays refused forever.
+        stays refused forever. PERMISSION_DENIED (`not_holder`) for a token
+        granted to another identity.
         """
 
     @_abc_1.abstractmethod

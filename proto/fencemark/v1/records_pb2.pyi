@@ -7,7 +7,11 @@ Writes come in two kinds (docs/consistency.md has the full table):
 - an *unfenced* write carries no `fencing_token`. Any node admits it unless
   that node sees a live claim on the record;
 - a *fenced* write carries the `fencing_token` of a claim. Only the record's
-  home region decides it, and only while that token is the live claim.
+  home region decides it, and only while that token is the live claim. On a
+  node serving mutual TLS, only the client identity the claim was granted to
+  (or one the access map lets act for others) may present its token: anyone
+  else is refused PERMISSION_DENIED, `ErrorInfo` metadata `denial` =
+  `not_holder` (docs/security.md, *Claims are bound to identities*).
 
 A refused write changes nothing and fails with FAILED_PRECONDITION carrying a
 `google.rpc.ErrorInfo` with domain `fencemark` and one of these reasons:
