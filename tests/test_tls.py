@@ -17,13 +17,17 @@ from typing import cast
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from google.rpc import error_details_pb2, status_pb2
 
 from fencemark.client import AsyncClient, PermissionDenied, Unavailable, tls_credentials
 from fencemark.node.authz import load_access
 from fencemark.node.cli import main
+from fencemark.node.crdt import codec
 from fencemark.node.process import NodeProcess
 from fencemark.node.server import NodeServer
+from fencemark.node.signing import Signer
 from fencemark.node.tls import Identity, TlsFiles, init_dir
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, wait_converged
@@ -73,13 +77,30 @@ async def push(
         return response
 
 
-async def a_state(start_node: StartNode, key_id: str) -> tuple[str, bytes]:
-    """A real record state, written by a plaintext node of region eu of its own."""
+async def a_state(
+    start_node: StartNode, key_id: str, certs: Path | None = None
+) -> tuple[str, bytes]:
+    """A real record state, written by a plaintext node of region eu of its own; with
+    ``certs``, its birth signed with eu's node key, as a TLS node of eu signs it."""
     other = await start_node("eu")
     async with AsyncClient(other.address) as c:
         record = (await c.remember("lattice", "backlog", key_id, title="forged?")).record
-    states = await other.storage.states([record.key])
-    return record.key, states[record.key]
+    state = (await other.storage.states([record.key]))[record.key]
+    if certs is not None:
+        signer = Signer.from_files(TlsFiles.in_dir(certs, "eu"))
+        state = codec.encode(signer.sign_birth(codec.decode(state), "eu"))
+    return record.key, state
+
+
+def knowing_eu(node: NodeServer, certs: Path) -> None:
+    """``node`` knows eu's node certificate (as after any exchange with eu), so it can
+    verify what eu signed without asking a peer."""
+    assert node.replica.keyring is not None
+    node.replica.keyring.add(
+        x509.load_pem_x509_certificate((certs / "eu.pem").read_bytes()).public_bytes(
+            serialization.Encoding.DER
+        )
+    )
 
 
 # -- the helper ------------------------------------------------------------------------------
@@ -158,9 +179,10 @@ async def test_nodes_replicate_over_mutual_tls(tmp_path: Path, certs: Path) -> N
 async def test_replication_from_a_region_that_is_no_peer_is_refused_and_merges_nothing(
     tmp_path: Path, certs: Path, start_node: StartNode
 ) -> None:
-    key, state = await a_state(start_node, "from-ap")
+    key, state = await a_state(start_node, "from-ap", certs)
     async with Cluster(tmp_path, ["us", "eu"]) as cluster:
         us = await cluster.start("us", tls=files(certs, "us"))
+        knowing_eu(us, certs)
         # ap holds a node certificate of the cluster CA, but us has no peer ap.
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await push(us, files(certs, "ap").channel_credentials(), "ap", [state])

@@ -24,7 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fencemark.client import AsyncClient, PermissionDenied
 from fencemark.node.tls import TlsFiles, init_dir
 from tests.conftest import StartNode
-from tests.test_tls import a_state, error_info, push
+from tests.test_tls import a_state, error_info, knowing_eu, push
 
 NOWHERE = "127.0.0.1:9"  # ap's node is never up: only its certificate matters here
 
@@ -32,7 +32,7 @@ NOWHERE = "127.0.0.1:9"  # ap's node is never up: only its certificate matters h
 @pytest.fixture
 def certs(tmp_path: Path) -> Path:
     directory = tmp_path / "certs"
-    init_dir(directory, regions=["us"], clients=["alice"])
+    init_dir(directory, regions=["us", "eu"], clients=["alice"])
     return directory
 
 
@@ -109,8 +109,9 @@ async def test_the_same_uri_in_a_uri_san_is_the_node_of_ap(
     start_node: StartNode, certs: Path
 ) -> None:
     """The control: the same CA, the same text, as a URI SAN: merged."""
-    key, state = await a_state(start_node, "ap-uri")
+    key, state = await a_state(start_node, "ap-uri", certs)
     us = await start_node("us", tls=TlsFiles.in_dir(certs, "us"), peers={"ap": NOWHERE})
+    knowing_eu(us, certs)
     node_of_ap = issue_with(certs, "ap-uri", [x509.UniformResourceIdentifier(AP)])
     merged = await push(us, node_of_ap.channel_credentials(), "ap", [state])
     assert merged.merged == 1
