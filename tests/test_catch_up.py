@@ -22,7 +22,7 @@ from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.client.errors import NotFound, Unavailable
 from fencemark.node.admission import RECOVERY_GAP
 from fencemark.node.process import NodeProcess
-from tests.cluster import ProcessCluster, eventually
+from tests.cluster import Cluster, ProcessCluster, all_deciding, eventually, wait_converged
 
 pytestmark = pytest.mark.slow
 
@@ -146,4 +146,41 @@ async def test_a_restart_in_the_middle_of_catch_up_leaves_it_owed(tmp_path: Path
             assert again.granted and again.fencing_token > 2
             with pytest.raises(ClaimConflict) as refused:
                 await client.update(key, fields={"body": "b"}, fencing_token=2)
+            assert refused.value.reason == "superseded"
+
+
+async def test_a_node_that_loses_its_disk_twice_never_grants_its_first_recoverys_token_again(
+    tmp_path: Path,
+) -> None:
+    """Found by the 30-minute chaos run: eu recovered from a disk loss, granted token
+    1048577 (the fence it learnt, 0, plus the recovery gap), lost its disk again
+    before that grant left it, recovered, and granted 1048577 again to another
+    worker: a gap counted from what the peers know lands on the same token every
+    time. The floor now also rises with the recovery's time."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            made = await client.remember("lattice", "backlog", "twice", title="x", tags=TAGS)
+            key = made.record.key
+            first = await client.claim(key, "worker-a", lease_seconds=60)
+            await client.release_claim(key, first.fencing_token)
+        await wait_converged([us, eu])
+
+        for loss in range(2):  # lose us's disk, catch up from eu
+            await cluster.stop("us")
+            cluster.wipe("us")
+            us = await cluster.start("us")
+            await all_deciding(us)
+            if loss == 0:
+                await cluster.stop("eu")  # the next grant never leaves us's disk
+                async with AsyncClient(us.address) as client:
+                    lost = await client.claim(key, "worker-b", lease_seconds=60)
+                assert lost.fencing_token > first.fencing_token + RECOVERY_GAP
+                eu = await cluster.start("eu")
+        async with AsyncClient(us.address) as client:
+            again = await client.claim(key, "worker-c", lease_seconds=60)
+            assert again.granted and again.fencing_token > lost.fencing_token
+            with pytest.raises(ClaimConflict) as refused:
+                await client.update(key, fields={"body": "b"}, fencing_token=lost.fencing_token)
             assert refused.value.reason == "superseded"

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fencemark.client import AsyncClient
-from fencemark.node.admission import RECOVERY_GAP
+from fencemark.node.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.fence import Grant
 from fencemark.node.crdt.hlc import pack
@@ -91,6 +91,14 @@ def granted(tokens: tuple[int, ...] = (1,), region: str = HOME) -> Record:
     return record.with_fence(fence)
 
 
+def made_now(token: int) -> Record:
+    """``granted()`` with ``token`` granted too, at EPOCH_MS (so its time's ceiling,
+    ``token_ceiling``, is that of EPOCH_MS whatever the token)."""
+    record = granted()
+    grant = Grant(pack(EPOCH_MS), "worker", HOME)
+    return record.with_fence(record.fence.grant(token, grant, NOW + 60_000))
+
+
 def refused(local: Record, remote: Record) -> str:
     with pytest.raises(MergeRefused) as caught:
         check(local, remote, now_ms=NOW, bounds=BOUNDS)
@@ -140,8 +148,11 @@ def test_a_grant_by_a_region_that_is_not_home_is_refused() -> None:
 
 
 def test_a_token_far_above_the_grant_below_it_is_refused() -> None:
-    assert refused(granted(), granted((1, 2 + BOUNDS.max_token_jump))) == "token_jump"
-    # The jump a home makes after a disk loss is fine, even from nothing.
+    beyond = token_ceiling(pack(EPOCH_MS)) + 1 + BOUNDS.max_token_jump
+    assert refused(granted(), made_now(beyond)) == "token_jump"
+    # The jumps a home makes after a disk loss are fine, even from nothing: the gap,
+    # and the ceiling of the moment (a second recovery's floor).
+    assert check(granted(), made_now(token_ceiling(pack(EPOCH_MS))), now_ms=NOW, bounds=BOUNDS)
     after_loss = granted((1 + RECOVERY_GAP,))
     assert check(Record(KEY), after_loss, now_ms=NOW, bounds=BOUNDS).fence.fence == 1 + RECOVERY_GAP
 
@@ -240,7 +251,7 @@ async def test_a_hostile_peer_cannot_raise_a_fence_steal_a_grant_or_revive_a_rel
             hlc = us.replica.clock.now()
             fence = held_state.fence
             raise_fence = held_state.with_fence(
-                fence.grant(fence.fence + 1 + 2 * RECOVERY_GAP + 5,
+                fence.grant(token_ceiling(hlc) + 2 * RECOVERY_GAP + 5,
                             Grant(hlc, "mallory", "us"), now + 60_000)
             )  # fmt: skip
             steal = held_state.with_fence(
@@ -277,6 +288,7 @@ async def test_a_hostile_peer_cannot_raise_a_fence_steal_a_grant_or_revive_a_rel
 @given(st.integers(min_value=1, max_value=5))
 def test_bounds_follow_the_configured_token_jump(jump: int) -> None:
     bounds = Bounds(max_offset_ms=500, max_token_jump=jump)
-    check(granted(), granted((1, 1 + jump)), now_ms=NOW, bounds=bounds)
+    ceiling = token_ceiling(pack(EPOCH_MS))
+    check(granted(), made_now(ceiling + jump), now_ms=NOW, bounds=bounds)
     with pytest.raises(MergeRefused):
-        check(granted(), granted((1, 2 + jump)), now_ms=NOW, bounds=bounds)
+        check(granted(), made_now(ceiling + jump + 1), now_ms=NOW, bounds=bounds)

@@ -1056,7 +1056,7 @@ async def test_a_grant_that_never_replicated_is_not_reissued_after_disk_loss(
             assert (await at_us.claim_status(item.key)).fence == first.fencing_token
             fresh = await at_us.claim(item.key, "b", lease_seconds=LONG_LEASE)
             assert fresh.granted
-            assert fresh.fencing_token == first.fencing_token + 1 + RECOVERY_GAP
+            assert fresh.fencing_token >= first.fencing_token + 1 + RECOVERY_GAP
             with pytest.raises(ClaimConflict) as refused:
                 await at_us.update(
                     item.key, fields={"body": "late"}, fencing_token=lost.fencing_token

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import grpc
 
 from fencemark.client import AsyncClient, FencemarkError
+from fencemark.node.admission import token_ceiling
 from fencemark.node.crdt import Grant, Record, Stamp, codec
 from fencemark.node.crdt.hlc import wall_clock_ms
 from fencemark.node.integrity import DEFAULT_MAX_TOKEN_JUMP
@@ -40,9 +41,8 @@ def forgeries(record: Record, posing: str) -> dict[str, Record]:
     hlc = (now << 16) + 1
     fence = record.fence
     home = record.home_region
-    jump = fence.grant(
-        fence.fence + 2 * DEFAULT_MAX_TOKEN_JUMP, Grant(hlc, "forger", home), now + 60_000
-    )
+    beyond = max(fence.fence, token_ceiling(hlc)) + 2 * DEFAULT_MAX_TOKEN_JUMP
+    jump = fence.grant(beyond, Grant(hlc, "forger", home), now + 60_000)
     outside = fence.grant(fence.fence + 1, Grant(hlc, "forger", posing), now + 60_000)
     forged = {
         "token_jump": record.with_fence(jump),

@@ -12,12 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fencemark.node.crdt import FenceState, Grant, Record
+from fencemark.node.crdt.hlc import physical_ms
 from fencemark.node.errors import ACT_FOR_OTHERS, ClaimConflict, Denial, PermissionDenied, Reason
 
 # A node that lost its disk grants its first token of each record this far above
 # the fence it caught up to (docs/replication.md, catch-up): a grant of its
 # earlier life that never reached a peer then stays below every new token.
 RECOVERY_GAP = 1 << 20
+# ... and at least at the recovery's wall-clock millisecond times 2**TOKENS_PER_MS_BITS
+# (``recovery_floor``): a node that lost its disk twice must not land its second
+# life's first token on a grant of its first life that never left that disk.
+TOKENS_PER_MS_BITS = 10
 
 
 @dataclass(frozen=True)
@@ -164,12 +169,30 @@ def split_tokens(record: Record) -> bool:
     )
 
 
+def token_ceiling(hlc: int) -> int:
+    """The largest token a home can have granted at ``hlc``: its wall-clock
+    millisecond times 2**TOKENS_PER_MS_BITS (a recovery floor; ``integrity`` bounds
+    merged grants by it)."""
+    return physical_ms(hlc) << TOKENS_PER_MS_BITS
+
+
 def next_token(fence: FenceState, recovered_hlc: int = 0) -> int:
-    """The token a grant gets: ``fence + 1``, plus ``RECOVERY_GAP`` for the first
-    grant a recovered node makes on a record (one whose holder it did not grant)."""
+    """The token a grant gets: ``fence + 1``; for the first grant a recovered node
+    makes on a record (one whose holder it did not grant), past a floor.
+
+    The floor is ``fence + 1 + RECOVERY_GAP``, and at least ``token_ceiling`` of the
+    moment it recovered. A grant its earlier life made and never replicated is
+    below the first: that life can have granted fewer than 2**20 tokens unseen. A
+    life before that one recovered earlier, so every token it granted is below
+    its own recovery millisecond's ceiling plus the grants it made since — below
+    the second, unless one record was granted more than 2**10 times in one
+    millisecond (each grant is an fsync'd transaction at its home) or the
+    recovered node's clock (which has observed every stamp its peers hold) is
+    behind its earlier life's (docs/replication.md, catch-up after disk loss).
+    """
     holder = fence.holder()
     if recovered_hlc and (holder is None or holder.granted_hlc < recovered_hlc):
-        return fence.fence + 1 + RECOVERY_GAP
+        return max(fence.fence + 1 + RECOVERY_GAP, token_ceiling(recovered_hlc))
     return fence.fence + 1
 
 

@@ -336,8 +336,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
     print(
         f"fencemark restore: {restored.path} ({restored.records} records) is marked restored,"
         f" new node id {restored.node_id}: the first claim granted on each record homed in this"
-        f" node's region jumps its fencing token {RECOVERY_GAP} above the fence, past every"
-        " token granted after the backup. Restore every region this way before starting any."
+        f" node's region jumps its fencing token at least {RECOVERY_GAP} above the fence, past"
+        " every token granted after the backup. Restore every region this way before"
+        " starting any."
     )
     return 0
 

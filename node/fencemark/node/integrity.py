@@ -15,9 +15,11 @@ legitimate state (and so never stops convergence):
 - ``grant_outside_home``: every grant names the region that made it, and only a
   region that created the record grants (the home; another birth region only
   while the two births were apart);
-- ``token_jump``: a home grants ``fence + 1``, or ``fence + 1 + RECOVERY_GAP`` once
-  after a disk loss; a token further above the grant below it than ``max_token_jump``
-  was never granted;
+- ``token_jump``: a home grants ``fence + 1``, or once after a disk loss a recovery
+  floor (``admission.next_token``): at most ``RECOVERY_GAP`` above the fence it
+  learnt, or the ceiling of the grant's own millisecond (``token_ceiling``). A token
+  further than ``max_token_jump`` above both the grant below it and that ceiling was
+  never granted;
 - ``lease_too_long``: a lease expiry (new to this node) further ahead than the
   longest lease plus ``max_clock_offset``;
 - ``orphan_token``: an expiry or a release for a token that no grant names;
@@ -44,7 +46,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Protocol
 
-from fencemark.node.admission import RECOVERY_GAP
+from fencemark.node.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.crdt import Birth, Record
 from fencemark.node.crdt.fence import HISTORY, Grant
 from fencemark.node.errors import FencemarkError
@@ -121,9 +123,12 @@ def check(
             # The lowest grant of a folded history, for a record this node has
             # no grant of: nothing to measure its jump from (docs/security.md).
             continue
-        if token - below > bounds.max_token_jump:
-            raise refuse("token_jump", f"token {token} is {token - below} above token {below}"
-                                       f" (at most {bounds.max_token_jump})")  # fmt: skip
+        ceiling = token_ceiling(grant.granted_hlc)
+        if token - below > bounds.max_token_jump and token - ceiling > bounds.max_token_jump:
+            above = f"{token - below} above token {below}, {token - ceiling} above its time's"
+            raise refuse(
+                "token_jump", f"token {token} is {above} (at most {bounds.max_token_jump})"
+            )
 
     if verifier is not None:
         # Every birth this node did not hold as it is: the region that made it signed
