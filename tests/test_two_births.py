@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict
+from fencemark.node.admission import token_ceiling
 from fencemark.node.crdt import Grant
 from fencemark.node.integrity import Bounds
 from fencemark.node.server import NodeServer
@@ -114,7 +115,9 @@ async def test_a_refused_state_is_not_fetched_again_and_again(tmp_path: Path) ->
         stored = await eu.storage.get(key)
         assert stored is not None
         record, clock = stored.record, eu.replica.clock
-        jump = record.fence.grant(1 << 30, Grant(clock.now(), "w", "eu"), clock.wall_ms() + 60_000)
+        hlc = clock.now()
+        beyond = token_ceiling(hlc) + (1 << 30)  # past the ceiling of its own time
+        jump = record.fence.grant(beyond, Grant(hlc, "w", "eu"), clock.wall_ms() + 60_000)
         await eu.replica.merge(record.with_fence(jump))  # as a hostile eu could hold it
         stats = us.replicator.peer_stats("eu")
 
@@ -126,3 +129,34 @@ async def test_a_refused_state_is_not_fetched_again_and_again(tmp_path: Path) ->
         assert stats.merge_refusals["token_jump"] <= 2, stats.merge_refusals
         assert stats.refused[key][0] == "token_jump"
         assert stats.merges_refused == sum(stats.merge_refusals.values())
+
+
+async def test_a_merge_that_leaves_the_sender_behind_is_pushed_like_a_write(
+    tmp_path: Path,
+) -> None:
+    """Regression (30-minute chaos run, seed 3838938735): a home whose split-time holder
+    kept writing never pulled the other birth — anti-entropy fetches a state only when
+    its largest HLC is not below ours, and the holder's writes kept ours ahead — so
+    the fence never moved and the split-time token stayed live. A node that merges a
+    state and holds more than it now pushes the join, as it pushes a write; one that
+    merely takes the sender's state pushes nothing."""
+    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
+        us, eu = await cluster.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            key = (await client.remember("lattice", "backlog", "behind", title="x")).record.key
+        await wait_converged([us, eu])
+        stored = await eu.storage.get(key)
+        assert stored is not None
+        older = stored.record
+        async with AsyncClient(us.address) as client:
+            await client.update(key, fields={"body": "only us has this"})
+        pushed: list[str] = []
+        us.replica.on_local_write(pushed.append)
+        await us.replica.merge(older)  # eu's copy: behind ours
+        assert pushed == [key]
+        latest = await us.storage.get(key)
+        assert latest is not None
+        pushed.clear()
+        await us.replica.merge(latest.record)  # ours already: nothing to share
+        assert pushed == []

@@ -155,23 +155,28 @@ class Replica:
         validation.key(remote.key)
         self.clock.observe(remote.max_hlc())
         await self.gate.merging()
-        moved = False
+        share = False
 
         def change(current: Record) -> tuple[Record, bool]:
-            nonlocal moved
+            nonlocal share
             merged = integrity.check(current, remote, now_ms=self.clock.wall_ms(),
                                      bounds=self.bounds, verifier=self.keyring)  # fmt: skip
             if merged.home_region == self.region and split_tokens(merged):
                 # Two births met, and this node is the surviving home: every claim
                 # either side granted apart is superseded (SPEC §2).
                 merged = merged.with_fence(merged.fence.move(merged.fence.fence + 1))
-                moved = True
+            # Whatever the sender lacks (a decision just made, or what this node held
+            # and the sender did not) is pushed at once, as a write is. Anti-entropy
+            # would fetch it only once the sender's largest HLC stops outrunning
+            # ours — never, while the sender keeps writing to the record (the chaos
+            # tier found a home that kept admitting a split-time token that way).
+            share = merged != remote
             return merged, merged != current
 
         known = (remote, state) if state is not None else None
         _, changed = await self.transact(remote.key, change, local=False, known=known)
-        if moved:
-            self._written(remote.key)  # a decision of this node's: push it at once
+        if share:
+            self._written(remote.key)
         return changed
 
     def _written(self, key: str) -> None:
