@@ -6,6 +6,8 @@ and the clock must still hand out strictly increasing timestamps.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -83,6 +85,20 @@ def test_default_clock_reads_the_real_wall_clock() -> None:
     after = wall_clock_ms()
     assert before <= physical_ms(stamp) <= after
     assert HybridClock().max_offset_ms == DEFAULT_MAX_CLOCK_OFFSET_MS == 500
+
+
+def test_the_physical_part_is_milliseconds_since_the_unix_epoch() -> None:
+    """Regression (issue 15): the test above compares the clock with itself, so a wall
+    clock off by half an hour (nanoseconds divided by 999_999) passed. The max-offset
+    guard (500 ms) compares this node's wall clock with the physical part of a peer's
+    stamps, which only works if every node reads Unix-epoch milliseconds: checked
+    against ``time.time()``, within a second."""
+    before_ms = time.time() * 1000
+    physical = physical_ms(HybridClock().now())
+    wall = wall_clock_ms()
+    after_ms = time.time() * 1000
+    assert before_ms - 1000 <= physical <= after_ms + 1000
+    assert before_ms - 1000 <= wall <= after_ms + 1000
 
 
 # -- now() -------------------------------------------------------------------------
