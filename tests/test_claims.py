@@ -13,7 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fencemark.client import AsyncClient, ClaimConflict, ClaimResult, InvalidArgument
+from fencemark.client import (
+    AsyncClient,
+    ClaimConflict,
+    ClaimResult,
+    InvalidArgument,
+)
+from fencemark.node.claims import Claims
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.server import NodeServer
 from tests.conftest import StartNode
@@ -242,6 +248,51 @@ async def test_a_waiter_is_granted_when_the_lease_lapses_without_release(
     assert result.granted, result
     assert result.fencing_token > holder.fencing_token
     assert granted_at >= holder.lease_expires_at
+
+
+# -- FIFO hand-over and waiter accounting (issue 15) ---------------------------------------
+#
+# Some of these drive the node's ``Claims`` in-process, where a test can act between
+# two steps of the node without racing a network round trip.
+
+WAIT = 120.0  # a waiter's wait_seconds, when the test must tell "soon" from "at its deadline"
+SOON = 20.0  # a bounded wait for an event that is due within a lease of 1-2 s
+
+
+async def queued(claims: Claims, key: str, depth: int) -> None:
+    """Bounded wait until ``depth`` claimers wait in line for ``key``."""
+    for _ in range(500):
+        if claims.queue_depth(key) == depth:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"queue depth of {key} never reached {depth}")
+
+
+async def test_a_waiter_cancelled_as_it_is_woken_leaves_the_line_without_the_claim(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """Regression (issue 15): a waiter whose caller gave up in the moment the release
+    woke it (its wake-up and its cancellation both pending) swallowed the cancellation
+    (``asyncio.wait_for`` on Python 3.11 returns the awaited result if it is done when
+    the cancellation arrives), stayed in line and was granted the claim for a caller
+    that had left: the claim sat with nobody for a whole lease while the line behind
+    it starved. Now the cancellation wins, and the next in line takes the claim."""
+    key = await make(client, "cancelled-as-woken")
+    claims = node.claims
+    holder = await claims.claim(key, "holder", lease_seconds=LONG_LEASE)
+    first = asyncio.create_task(claims.claim(key, "first", wait_seconds=WAIT))
+    await queued(claims, key, 1)
+    second = asyncio.create_task(claims.claim(key, "second", wait_seconds=WAIT))
+    await queued(claims, key, 2)
+    assert (await claims.release(key, holder.token)).ok  # wakes the head ...
+    first.cancel()  # ... whose caller leaves before it has run
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    async with asyncio.timeout(SOON):
+        took = await second
+    assert (took.ok, took.token) == (True, holder.token + 1)
+    status = await claims.status(key)
+    assert status.holder is not None and status.holder.owner == "second"
 
 
 async def test_queue_depth_counts_the_claimers_waiting(client: AsyncClient) -> None:
