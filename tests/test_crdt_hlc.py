@@ -18,6 +18,8 @@ from fencemark.node.crdt.hlc import (
     LOGICAL_BITS,
     MAX_HLC,
     PHYSICAL_BITS,
+    ZERO_STAMP,
+    Stamp,
     pack,
     physical_ms,
     wall_clock_ms,
@@ -69,6 +71,16 @@ def test_pack_round_trips_and_orders_by_milliseconds_first(
     if other != ms:
         assert (pack(other, 0xFFFF) < hlc) == (other < ms)
         assert (pack(other, 0) < hlc) == (other < ms)
+
+
+def test_the_zero_stamp_is_the_least_stamp_and_all_zeros() -> None:
+    """``ZERO_STAMP`` stamps a register never written (``lww.FALSE``: a record's
+    initial ``deleted=False``). It must lose to every write, even one admitted under
+    epoch 0 with the smallest HLC, or a first delete would not win over "never
+    deleted"; and every node encodes it alike, as zeros (codec: uint64 varints)."""
+    assert Stamp(0, 0, "") == ZERO_STAMP
+    assert Stamp(0, 1, "") > ZERO_STAMP
+    assert Stamp(0, 0, "a") > ZERO_STAMP
 
 
 def test_clock_exposes_the_wall_clock_it_follows() -> None:
@@ -218,7 +230,9 @@ def test_a_stamp_more_than_max_offset_ahead_is_refused_as_clock_skew() -> None:
         clock.check(too_far)
     assert (refused.value.remote_ms, refused.value.local_ms) == (NOW_MS + 501, NOW_MS)
     assert refused.value.max_offset_ms == 500
-    assert "501 ms ahead" in str(refused.value)
+    # The sentence an operator acts on: how far ahead, exactly ("3534451200501 ms
+    # ahead" also contains "501 ms ahead").
+    assert str(refused.value).startswith("remote clock is 501 ms ahead of this node's")
     assert "500 ms" in str(refused.value)
 
     with pytest.raises(ClockSkew):
