@@ -5,13 +5,14 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard proto/fencemark/v1/*.proto)
 
-.PHONY: help venv proto proto-check lint typecheck test check demo bench clean inspector
+.PHONY: help venv proto proto-check lint typecheck test check demo bench clean inspector mutate
 
 help:
 	@echo "make demo        the main job: agents in three local regions drain a backlog under faults"
 	@echo "make test        run the whole test suite"
 	@echo "make bench       the benchmarks against etcd and Redis (docs/performance.md)"
 	@echo "make check       lint, type-check and verify generated code is fresh"
+	@echo "make mutate      mutation testing of the rule modules; MODULE=fence for one (docs/testing.md)"
 	@echo "make proto       regenerate fencemark.v1 from proto/"
 	@echo "make image       build the fencemark:dev docker image air-gapped (docs/deploy.md)"
 	@echo "make inspector   install Node 22 and the pinned MCP Inspector CLI into .tools/"
@@ -68,6 +69,14 @@ demo: $(STAMP)
 # Every scenario, full length (several minutes); BENCH_ARGS="--quick" for a short run.
 bench: $(STAMP)
 	$(BIN)/fencemark bench $(BENCH_ARGS)
+
+# Mutation testing of the rule modules, each against its own fast tests (mutation/,
+# docs/testing.md): hours for all of them; `make mutate MODULE=hlc` for one (quick mode).
+RULE_MODULES := hlc lww tagset fence record codec admission claims integrity validation grant_gate
+MODULE ?= $(RULE_MODULES)
+mutate: $(STAMP)
+	@for module in $(MODULE); do mutation/run.sh $$module || exit 1; done
+	@cat $(foreach module,$(MODULE),build/mutation/$(module).txt) | grep ': score '
 
 # Node >= 22 and the pinned MCP Inspector CLI, into .tools/node22 (gitignored),
 # for tests/test_mcp_inspector.py (which skips locally without them, fails in CI).

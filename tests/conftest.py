@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from fencemark.client import AsyncClient
 from fencemark.node.server import NodeConfig, NodeServer
@@ -22,6 +22,18 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.register_profile("thorough", max_examples=2000, deadline=None)
+# One test run per mutant (make mutate, docs/testing.md): dev-sized, the same examples
+# every run so scores compare, and no shrinking (a mutant is killed by any failure;
+# shrinking it costs time and tells nothing) nor saved examples (each run stands alone).
+settings.register_profile(
+    "mutation",
+    max_examples=50,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 StartNode = Callable[..., Awaitable[NodeServer]]

@@ -16,13 +16,29 @@ from typing import cast
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from fencemark.client import AsyncClient, ClaimConflict, NotFound, WrongRegion
 from fencemark.client.types import Record as ClientRecord
-from fencemark.node.admission import ANYONE, admit_write
+from fencemark.node.admission import (
+    ANYONE,
+    RECOVERY_GAP,
+    TOKENS_PER_MS_BITS,
+    Outcome,
+    admit_write,
+    decide_claim,
+    decide_renew,
+    lapse_due,
+    next_token,
+    token_ceiling,
+    token_problem,
+)
 from fencemark.node.crdt import FenceState, Grant, Record, Stamp
+from fencemark.node.crdt.hlc import pack
 from fencemark.node.errors import ClaimConflict as NodeClaimConflict
 from fencemark.node.errors import Reason
+from fencemark.node.integrity import DEFAULT_MAX_TOKEN_JUMP
 from fencemark.node.server import NodeServer
 from fencemark.v1 import records_pb2, records_pb2_grpc
 from tests.conftest import StartNode
@@ -410,3 +426,94 @@ async def test_delete_obeys_the_fence_like_update(client: AsyncClient) -> None:
     assert tombstone.fence == token
     with pytest.raises(NotFound):
         await client.get(key)
+
+
+# -- the rules as pure functions ------------------------------------------------------------
+
+NOW_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z
+
+
+def claimed_at_home(expiry_ms: int) -> Record:
+    """A record homed at ``local`` whose token 1 was granted there, leased until ``expiry_ms``."""
+    record = Record(key_of("pure")).create("local", Stamp(0, pack(NOW_MS - 1), "n1"))
+    grant = Grant(pack(NOW_MS), "worker-a", "local")
+    return record.with_fence(FenceState().grant(1, grant, expiry_ms))
+
+
+@given(st.integers(-3, 3))
+@example(0)  # now == expiry: the lease is over
+def test_a_token_is_honoured_exactly_while_its_claim_is_live(offset_ms: int) -> None:
+    """SPEC §3: a claim is live while ``now < expiry``. Every rule that asks whether the
+    lease is over must answer alike, so at ``now == expiry`` the token is refused
+    ``expired`` (fenced write, renewal), the home admits unfenced writes, and the home
+    records the lapse; a millisecond earlier none of that holds."""
+    expiry = NOW_MS + 60_000
+    record = claimed_at_home(expiry)
+    now = expiry + offset_ms
+    live = now < expiry
+    assert record.fence.is_live(now) is live
+    assert record.claim_live(now) is live
+    assert token_problem(record.fence, 1, now) == (None if live else Reason.EXPIRED)
+    _, renewal = decide_renew(record, 1, caller=ANYONE, lease_ms=60_000, now_ms=now, region="local")
+    assert (renewal.ok, renewal.reason) == (live, None if live else Reason.EXPIRED)
+    assert lapse_due(record, "local", now) is not live
+    if live:
+        assert admit_write(record, 1, home="local", region="local", now_ms=now, caller=ANYONE) == 1
+        with pytest.raises(NodeClaimConflict) as claimed:
+            admit_write(record, 0, home="local", region="local", now_ms=now, caller=ANYONE)
+        assert claimed.value.conflict is Reason.CLAIMED
+    else:
+        with pytest.raises(NodeClaimConflict) as expired:
+            admit_write(record, 1, home="local", region="local", now_ms=now, caller=ANYONE)
+        assert expired.value.conflict is Reason.EXPIRED
+        assert admit_write(record, 0, home="local", region="local", now_ms=now, caller=ANYONE) == 1
+
+
+def test_a_free_record_goes_to_the_line_not_to_a_newcomer() -> None:
+    """SPEC §4, FIFO: while others wait in line (``queued_ahead``), a free record is
+    ``contended`` for a newcomer: no token, the fence unmoved. The head of the line,
+    which has nobody ahead, is granted the next token."""
+    record = claimed_at_home(NOW_MS)  # the lease of token 1 is over: the record is free
+
+    def claim_now(owner: str, *, queued_ahead: bool) -> tuple[FenceState, Outcome]:
+        hlc = pack(NOW_MS, 1)
+        return decide_claim(
+            record,
+            owner,
+            caller=ANYONE,
+            lease_ms=60_000,
+            now_ms=NOW_MS,
+            hlc=hlc,
+            region="local",
+            queued_ahead=queued_ahead,
+        )
+
+    fence, newcomer = claim_now("newcomer", queued_ahead=True)
+    assert newcomer == Outcome(False, Reason.CONTENDED, home_region="local", fence=1)
+    assert fence == record.fence
+    fence, head = claim_now("head", queued_ahead=False)
+    assert (head.ok, head.token, fence.fence) == (True, 2, 2)
+
+
+def test_the_recovery_floor_is_the_gap_of_2_to_the_20_and_the_time_ceiling() -> None:
+    """A node that lost its disk grants its first token of a record at least
+    RECOVERY_GAP above the fence it caught up to, past whatever its earlier life
+    granted that never reached a peer, and at least at its recovery millisecond's
+    ceiling (2**10 tokens a millisecond), past whatever an even earlier life granted
+    (docs/replication.md, catch-up). Every node must agree on both: peers refuse a
+    token further than max_token_jump (twice the gap) above both the grant below it
+    and its own time's ceiling (integrity)."""
+    assert RECOVERY_GAP == 2**20
+    assert TOKENS_PER_MS_BITS == 10
+    assert DEFAULT_MAX_TOKEN_JUMP == 2 * RECOVERY_GAP
+    fence = claimed_at_home(NOW_MS).fence
+    before_the_loss, after_it = pack(NOW_MS) - 1, pack(NOW_MS) + 1
+    floor = NOW_MS * 2**10
+    assert token_ceiling(after_it) == floor
+    assert next_token(fence) == 2
+    assert next_token(fence, recovered_hlc=after_it) == floor  # holder of its earlier life
+    assert next_token(fence, recovered_hlc=before_the_loss) == 2  # granted since the recovery
+    assert next_token(FenceState(), recovered_hlc=after_it) == floor
+    # The gap still rules when the fence is that high already.
+    high = FenceState().grant(floor, Grant(pack(NOW_MS - 5), "w", "local"), NOW_MS + 60_000)
+    assert next_token(high, recovered_hlc=after_it) == floor + 1 + 2**20

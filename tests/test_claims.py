@@ -6,16 +6,29 @@ All over gRPC against a real node; leases that must lapse are 1 s long.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import grpc
 import pytest
 
-from fencemark.client import AsyncClient, ClaimConflict, ClaimResult, InvalidArgument
+from fencemark.client import (
+    AsyncClient,
+    ClaimConflict,
+    ClaimResult,
+    FencemarkError,
+    InvalidArgument,
+)
+from fencemark.node.admission import ANYONE, Outcome
+from fencemark.node.claims import Claims
+from fencemark.node.crdt import HybridClock, Record, Stamp
 from fencemark.node.crdt.fence import HISTORY
+from fencemark.node.crdt.hlc import wall_clock_ms
+from fencemark.node.errors import Reason
+from fencemark.node.replica import Replica
 from fencemark.node.server import NodeServer
+from fencemark.node.storage import DB_FILE, Storage
 from tests.conftest import StartNode
 
 REPO, TOPIC = "claims", "backlog"
@@ -242,6 +255,237 @@ async def test_a_waiter_is_granted_when_the_lease_lapses_without_release(
     assert result.granted, result
     assert result.fencing_token > holder.fencing_token
     assert granted_at >= holder.lease_expires_at
+
+
+# -- FIFO hand-over and waiter accounting (issue 15) ---------------------------------------
+#
+# Some of these drive the node's ``Claims`` in-process, where a test can act between
+# two steps of the node without racing a network round trip.
+
+WAIT = 120.0  # a waiter's wait_seconds, when the test must tell "soon" from "at its deadline"
+SOON = 20.0  # a bounded wait for an event that is due within a lease of 1-2 s
+
+
+async def queued(claims: Claims, key: str, depth: int) -> None:
+    """Bounded wait until ``depth`` claimers wait in line for ``key``."""
+    for _ in range(500):
+        if claims.queue_depth(key) == depth:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"queue depth of {key} never reached {depth}")
+
+
+async def test_one_waiter_is_a_line_a_newcomer_may_not_jump(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §4 FIFO: the moment the holder releases, the record is free, and the one
+    waiter it woke has not taken it yet; a claim arriving then is still ``contended``
+    (a line of one is a line), and the waiter gets the next token."""
+    key = await make(client, "line-of-one")
+    claims = node.claims
+    holder = await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+    waiter = asyncio.create_task(claims.claim(key, "waiter", wait_seconds=WAIT, caller=ANYONE))
+    await queued(claims, key, 1)
+    assert (await claims.release(key, holder.token, caller=ANYONE)).ok
+    # No await between the release and this claim: the waiter has not run yet.
+    newcomer = await claims.claim(key, "newcomer", lease_seconds=LONG_LEASE, caller=ANYONE)
+    assert newcomer == Outcome(False, Reason.CONTENDED, home_region="local", fence=holder.token)
+    async with asyncio.timeout(SOON):
+        took = await waiter
+    assert (took.ok, took.token) == (True, holder.token + 1)
+
+
+async def test_when_the_head_of_the_line_leaves_the_next_one_becomes_head(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §4 FIFO: only the head of the line watches the holder's lease; the others
+    sleep until woken. So when the head gives up, the waiter behind it must be woken to
+    take over the watch, and it gets the claim as the lease lapses, long before its own
+    deadline; the one behind it keeps waiting."""
+    key = await make(client, "head-leaves")
+    claims = node.claims
+    holder = await claims.claim(key, "holder", lease_seconds=2, caller=ANYONE)
+    lines = [
+        asyncio.create_task(
+            claims.claim(key, owner, lease_seconds=LONG_LEASE, wait_seconds=WAIT, caller=ANYONE)
+        )
+        for owner in ("first", "second", "third")
+    ]
+    first, second, third = lines
+    await queued(claims, key, 3)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first  # (premise: it left before the 2 s lease lapsed, without the claim)
+    assert claims.queue_depth(key) == 2
+    async with asyncio.timeout(SOON):
+        took = await second
+    assert (took.ok, took.token) == (True, holder.token + 1)
+    assert not third.done() and claims.queue_depth(key) == 1
+    third.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await third
+
+
+async def test_a_waiter_cancelled_as_it_is_woken_leaves_the_line_without_the_claim(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """Regression (issue 15): a waiter whose caller gave up in the moment the release
+    woke it (its wake-up and its cancellation both pending) swallowed the cancellation
+    (``asyncio.wait_for`` on Python 3.11 returns the awaited result if it is done when
+    the cancellation arrives), stayed in line and was granted the claim for a caller
+    that had left: the claim sat with nobody for a whole lease while the line behind
+    it starved. Now the cancellation wins, and the next in line takes the claim."""
+    key = await make(client, "cancelled-as-woken")
+    claims = node.claims
+    holder = await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+    first = asyncio.create_task(claims.claim(key, "first", wait_seconds=WAIT, caller=ANYONE))
+    await queued(claims, key, 1)
+    second = asyncio.create_task(claims.claim(key, "second", wait_seconds=WAIT, caller=ANYONE))
+    await queued(claims, key, 2)
+    assert (await claims.release(key, holder.token, caller=ANYONE)).ok  # wakes the head ...
+    first.cancel()  # ... whose caller leaves before it has run
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    async with asyncio.timeout(SOON):
+        took = await second
+    assert (took.ok, took.token) == (True, holder.token + 1)
+    status = await claims.status(key, caller=ANYONE)
+    assert status.holder is not None and status.holder.owner == "second"
+
+
+async def test_a_waiter_whose_record_was_deleted_answers_missing(client: AsyncClient) -> None:
+    """SPEC §4: outcomes are re-checked at the head of the line against the state; a
+    record deleted while its claimers wait answers ``missing`` at once, never a
+    ``timeout`` after the whole wait."""
+    key = await make(client, "deleted-while-waiting")
+    holder = await claim(client, key, "holder")
+    waiter = asyncio.create_task(client.claim(key, "waiter", wait_seconds=WAIT))
+    await wait_for_queue_depth(client, key, 1)
+    assert (await client.delete(key, fencing_token=holder)).deleted  # the holder is done
+    assert (await client.release_claim(key, holder)).released  # ... and lets go
+    async with asyncio.timeout(SOON):
+        result = await waiter
+    assert (result.granted, result.reason, result.fencing_token) == (False, "missing", 0)
+
+
+async def test_a_waiter_whose_record_moved_home_answers_wrong_region(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §2: the same id created earlier in another region while cut off becomes the
+    home when the births meet, and this node decides claims on it no more. A waiter in
+    line here is told ``wrong_region`` with the new home named (where a routing client
+    goes next) when it looks again at the lapse, never a ``timeout`` after the whole wait."""
+    key = await make(client, "rehomed-while-waiting")
+    holder = await client.claim(key, "holder", lease_seconds=2)
+    assert holder.granted
+    waiter = asyncio.create_task(client.claim(key, "waiter", wait_seconds=WAIT))
+    await wait_for_queue_depth(client, key, 1)
+    stored = await node.storage.get(key)
+    assert stored is not None
+    born_here = stored.record.births["local"].stamp
+    earlier = Record(key).create("us-east", Stamp(0, born_here.hlc - 1, "us-east-node"))
+    assert await node.replica.merge(earlier)
+    async with asyncio.timeout(SOON):
+        result = await waiter
+    assert (result.granted, result.reason, result.home_region) == (False, "wrong_region", "us-east")
+
+
+async def test_every_wait_gives_its_place_back_so_a_client_may_wait_any_number_of_times(
+    start_node: StartNode,
+) -> None:
+    """The per-client waiter limit bounds waits at once, not in total: each wait that
+    ends gives its place back exactly once. More waits in a row than the limit all get
+    to wait (and time out), and after them the limit still binds: two wait, a third is
+    refused RESOURCE_EXHAUSTED."""
+    node = await start_node(max_waiters_per_client=2)
+    async with AsyncClient(node.address, retries=0) as client:
+        key = await make(client, "waiter-accounting")
+        await claim(client, key, "holder")
+        for i in range(5):
+            result = await client.claim(key, f"patient-{i}", wait_seconds=0.2)
+            assert (result.granted, result.reason) == (False, "timeout"), i
+        waiting = [
+            asyncio.create_task(client.claim(key, owner, wait_seconds=WAIT))
+            for owner in ("w1", "w2")
+        ]
+        await wait_for_queue_depth(client, key, 2)
+        with pytest.raises(FencemarkError) as refused:
+            await client.claim(key, "w3", wait_seconds=1.0)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+    await queued(node.claims, key, 0)
+    assert node.claims.waiting == 0
+
+
+class CountingWall:
+    """This machine's wall clock, counting how often it is read: every look a waiter
+    takes at the claim reads it (the grant decision and the time to the lapse)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self) -> int:
+        self.reads += 1
+        return wall_clock_ms()
+
+
+@pytest.fixture
+async def counted(tmp_path: Path) -> AsyncIterator[tuple[Claims, CountingWall]]:
+    """The node's claims over its replica and a real SQLite file, on a wall clock that
+    counts its reads (nothing else of a node, so nothing else reads it)."""
+    storage = await Storage.open(tmp_path / DB_FILE)
+    wall = CountingWall()
+    replica = Replica(storage, HybridClock(wall_ms=wall), "local")
+    await replica.gate.caught_up()  # one node on a new file: nobody to learn from
+    try:
+        yield Claims(replica), wall
+    finally:
+        await storage.close()
+
+
+async def made(claims: Claims, id_: str) -> str:
+    remembered = await claims.replica.remember(
+        REPO, TOPIC, id_, fields={"title": id_}, tags=(), caller=ANYONE
+    )
+    return remembered.stored.record.key
+
+
+LOOKS = 30  # clock reads a wait may take: a few looks at ~3 reads each, not a poll
+
+
+async def test_a_waiter_takes_over_at_the_lapse_without_polling(
+    counted: tuple[Claims, CountingWall],
+) -> None:
+    """SPEC §4: the head of the line sleeps until the holder's lease lapses, then gets
+    the claim: soon after the lapse, not at its own deadline; and it looks at the claim
+    a handful of times meanwhile, not in a busy loop."""
+    claims, wall = counted
+    key = await made(claims, "hand-over")
+    holder = await claims.claim(key, "holder", lease_seconds=1, caller=ANYONE)
+    wall.reads = 0
+    async with asyncio.timeout(SOON):
+        took = await claims.claim(
+            key, "waiter", lease_seconds=LONG_LEASE, wait_seconds=WAIT, caller=ANYONE
+        )
+    assert (took.ok, took.token) == (True, holder.token + 1)
+    assert wall.reads <= LOOKS, f"{wall.reads} clock reads while waiting: it polled"
+
+
+async def test_a_waiter_that_times_out_does_not_poll(
+    counted: tuple[Claims, CountingWall],
+) -> None:
+    """SPEC §4: a waiter that never gets the claim sleeps towards its deadline (the
+    lease outlasts it) and answers ``timeout`` then, without a busy loop before or
+    after it."""
+    claims, wall = counted
+    key = await made(claims, "no-poll")
+    await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+    wall.reads = 0
+    result = await claims.claim(key, "waiter", wait_seconds=0.5, caller=ANYONE)
+    assert (result.ok, result.reason) == (False, Reason.TIMEOUT)
+    assert wall.reads <= LOOKS, f"{wall.reads} clock reads while waiting: it polled"
 
 
 async def test_queue_depth_counts_the_claimers_waiting(client: AsyncClient) -> None:

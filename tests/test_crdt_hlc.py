@@ -6,6 +6,8 @@ and the clock must still hand out strictly increasing timestamps.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,6 +18,8 @@ from fencemark.node.crdt.hlc import (
     LOGICAL_BITS,
     MAX_HLC,
     PHYSICAL_BITS,
+    ZERO_STAMP,
+    Stamp,
     pack,
     physical_ms,
     wall_clock_ms,
@@ -69,6 +73,16 @@ def test_pack_round_trips_and_orders_by_milliseconds_first(
         assert (pack(other, 0) < hlc) == (other < ms)
 
 
+def test_the_zero_stamp_is_the_least_stamp_and_all_zeros() -> None:
+    """``ZERO_STAMP`` stamps a register never written (``lww.FALSE``: a record's
+    initial ``deleted=False``). It must lose to every write, even one admitted under
+    epoch 0 with the smallest HLC, or a first delete would not win over "never
+    deleted"; and every node encodes it alike, as zeros (codec: uint64 varints)."""
+    assert Stamp(0, 0, "") == ZERO_STAMP
+    assert Stamp(0, 1, "") > ZERO_STAMP
+    assert Stamp(0, 0, "a") > ZERO_STAMP
+
+
 def test_clock_exposes_the_wall_clock_it_follows() -> None:
     clock, wall = clock_at()
     assert clock.wall_ms() == NOW_MS
@@ -83,6 +97,20 @@ def test_default_clock_reads_the_real_wall_clock() -> None:
     after = wall_clock_ms()
     assert before <= physical_ms(stamp) <= after
     assert HybridClock().max_offset_ms == DEFAULT_MAX_CLOCK_OFFSET_MS == 500
+
+
+def test_the_physical_part_is_milliseconds_since_the_unix_epoch() -> None:
+    """Regression (issue 15): the test above compares the clock with itself, so a wall
+    clock off by half an hour (nanoseconds divided by 999_999) passed. The max-offset
+    guard (500 ms) compares this node's wall clock with the physical part of a peer's
+    stamps, which only works if every node reads Unix-epoch milliseconds: checked
+    against ``time.time()``, within a second."""
+    before_ms = time.time() * 1000
+    physical = physical_ms(HybridClock().now())
+    wall = wall_clock_ms()
+    after_ms = time.time() * 1000
+    assert before_ms - 1000 <= physical <= after_ms + 1000
+    assert before_ms - 1000 <= wall <= after_ms + 1000
 
 
 # -- now() -------------------------------------------------------------------------
@@ -202,7 +230,9 @@ def test_a_stamp_more_than_max_offset_ahead_is_refused_as_clock_skew() -> None:
         clock.check(too_far)
     assert (refused.value.remote_ms, refused.value.local_ms) == (NOW_MS + 501, NOW_MS)
     assert refused.value.max_offset_ms == 500
-    assert "501 ms ahead" in str(refused.value)
+    # The sentence an operator acts on: how far ahead, exactly ("3534451200501 ms
+    # ahead" also contains "501 ms ahead").
+    assert str(refused.value).startswith("remote clock is 501 ms ahead of this node's")
     assert "500 ms" in str(refused.value)
 
     with pytest.raises(ClockSkew):

@@ -28,7 +28,7 @@ from fencemark.node.crdt import (
     encode,
     lww,
 )
-from fencemark.node.crdt.codec import upgrade
+from fencemark.node.crdt.codec import FORMAT, upgrade
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import pack
 from fencemark.node.errors import Reason
@@ -205,6 +205,19 @@ def test_a_record_claimed_thousands_of_times_keeps_a_bounded_history() -> None:
     assert fence.release(7) == fence and fence.extend(7, EPOCH_MS + 90_000) == fence
     old = FenceState().grant(7, Grant(pack(EPOCH_MS + 7), "worker-0", "local"), EPOCH_MS + 90_000)
     assert fence.merge(old) == fence == old.merge(fence)
+
+
+def test_history_is_16_grants_on_every_node() -> None:
+    """fence.HISTORY is part of the CRDT, not a tuning knob: a node keeping 15 or 17
+    grants compacts the same join to other bytes, so replicas of different versions
+    would never agree on a digest and anti-entropy would resend the record forever.
+    Changing it needs a format change (codec.FORMAT) that every node takes at once."""
+    assert HISTORY == 16
+    fence = FenceState()
+    for token in range(1, 21):
+        fence = fence.grant(token, Grant(pack(EPOCH_MS + token), "w", "local"), EPOCH_MS)
+    assert sorted(fence.grants) == list(range(5, 21))
+    assert fence.floor() == 5
 
 
 def test_the_strategies_reach_folded_histories() -> None:
@@ -708,6 +721,66 @@ def test_layout_builder_is_canonical() -> None:
 def test_decode_rejects_non_canonical_input(data: bytes) -> None:
     with pytest.raises(DecodeError):
         decode(data)
+
+
+# -- canonical integers ---------------------------------------------------------------
+#
+# Every integer of a state (counts, lengths, tokens, stamps) is one varint, so the
+# varint is where "equal states have equal bytes" is decided. ``moved`` is the last
+# field of the layout: a state whose only content is a move ends with its varint.
+
+
+def minimal_length(n: int) -> int:
+    """Bytes of the shortest LEB128 form of ``n``: one per 7 bits, at least one."""
+    return max(1, -(-n.bit_length() // 7))
+
+
+def longer_form(n: int, extra: int) -> bytes:
+    """``n`` in LEB128 with ``extra`` redundant zero groups: the same value, not minimal."""
+    shortest = varint(n)
+    return shortest[:-1] + bytes([shortest[-1] | 0x80]) + b"\x80" * (extra - 1) + b"\x00"
+
+
+@LAWS
+@given(st.integers(0, 2**64 - 1))
+@example(0)
+@example(127)  # the largest one-byte value
+@example(128)  # the smallest two-byte value
+@example(16383)  # the largest two-byte value
+@example(16384)  # the smallest three-byte value
+@example(2**63)
+@example(2**64 - 1)
+def test_an_integer_encodes_as_its_shortest_varint(n: int) -> None:
+    """codec: 7 bits a byte, least significant first, the high bit set on every byte but
+    the last, and no more bytes than the value needs."""
+    encoded = encode(Record("k").with_fence(FenceState(moved=n)))
+    assert encoded == layout(moved=varint(n))
+    assert len(varint(n)) == minimal_length(n)
+    assert decode(encoded).fence.moved == n
+
+
+@LAWS
+@given(st.integers(0, 2**49 - 1), st.integers(1, 3))
+@example(0, 1)
+@example(127, 1)
+@example(128, 1)
+@example(16383, 1)
+@example(16384, 1)
+def test_decode_refuses_an_integer_in_more_bytes_than_it_needs(n: int, extra: int) -> None:
+    """A longer form of the same value would give one state two encodings (and two
+    digests): decode takes the shortest form only. (Up to 2**49 - 1 and 3 extra bytes,
+    the longer form still fits the 10 bytes of a uint64, so only minimality refuses it.)"""
+    assert decode(layout(moved=varint(n))).fence.moved == n
+    with pytest.raises(DecodeError, match="non-minimal"):
+        decode(layout(moved=longer_form(n, extra)))
+
+
+def test_the_encoding_is_format_3() -> None:
+    """Every node must write and read the same format: a state's first byte says which,
+    decode refuses any other, and storage upgrades files of formats 1 and 2 (codec
+    docstring). A new format is a deliberate step with an upgrade path, never a drift."""
+    assert FORMAT == 3
+    assert encode(Record("k"))[0] == 3
 
 
 @LAWS

@@ -157,8 +157,11 @@ class Claims:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return Outcome(False, Reason.TIMEOUT, home_region=home)
+                # Not wait_for: on Python 3.11 it swallows a cancellation that arrives
+                # with the wake-up, and the claim would go to a caller that left.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(me.wake.wait(), timeout=min(pause, remaining))
+                    async with asyncio.timeout(min(pause, remaining)):
+                        await me.wake.wait()
         finally:
             line.remove(me)
             if line:
