@@ -170,7 +170,13 @@ class Replica:
             # would fetch it only once the sender's largest HLC stops outrunning
             # ours — never, while the sender keeps writing to the record (the chaos
             # tier found a home that kept admitting a split-time token that way).
-            share = merged != remote
+            # A birth or a moved fence learnt here is passed on at once as well: it
+            # decides who may hold the record, and the peer that lacks it may be
+            # the one anti-entropy will not fetch it for.
+            births = current.births.keys()
+            learnt = bool(births) and merged.births.keys() != births
+            learnt = learnt or merged.fence.moved != current.fence.moved
+            share = learnt or merged != remote
             return merged, merged != current
 
         known = (remote, state) if state is not None else None
