@@ -15,8 +15,11 @@ the end of the claim that wrote it (SPEC §4: only then, or under a newer token)
 
 Split births (``shapes.py``): an id created on both sides of a partition. Its
 *split-time* claims are those granted during the split, by a region that
-created it; two of them granted by different regions may overlap, hold the same
-token and write past each other's tokens, until the births *met* (every region
+created it, on both sides (a bridge partition lets the births meet through the
+third region at once: then one side answers ``wrong_region``, and the home may
+well have granted after it moved its fence — nothing to judge there); two of them
+granted by different regions may overlap, hold the same token and write past each
+other's tokens, until the births *met* (every region
 names one home whose fence is past every split-time token, as the workload saw;
 at most ``SPLIT_MEET_LIMIT_S`` after the heal). From then on a split-time token
 must be refused.
@@ -235,10 +238,20 @@ def claims_of(
                 holder.acks.append(ack(event, holder.region))
             else:
                 holder.unknown.append((sent, done))
+    granting: dict[str, set[str]] = {}  # split-born id -> regions that granted during the split
     for claim in claims.values():
         split = splits.get(claim.key)
         if split is not None:
             claim.split = claim.region in split.born and claim.grants[0][0] < split.healed
+            if claim.split:
+                granting.setdefault(claim.key, set()).add(claim.region)
+    for claim in claims.values():
+        # Granted on one side only (the other side's node already knew the earlier
+        # birth, and answered wrong_region): the one holder may have been granted after
+        # its home learnt both births too — after its fence moved — which nothing on
+        # the wire tells apart; no other holder can exist either way.
+        if claim.split and len(granting[claim.key]) < 2:
+            claim.split = False
     return claims
 
 

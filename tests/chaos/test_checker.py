@@ -359,6 +359,23 @@ def test_a_split_time_claim_renewed_after_the_births_met_violates_fencing_and_on
     )
 
 
+def test_a_claim_granted_on_one_side_only_is_no_split_time_claim() -> None:
+    """A bridge lets the births meet through the third region at once: ap answers
+    wrong_region, and us's one holder, renewed long after the heal, may well have
+    been granted after us moved its fence (found by the short run, seed 424242)."""
+    states = finals()
+    every(states, SPLIT, record(SPLIT, home="us"))
+    one_side = [
+        *split_birth("us", "ap"),
+        event("split-000-0-us", "grant", 12.5, token=2, key=SPLIT, detail="us", expires=40.0),
+        event("split-000-0-ap", "claim", 12.5, key=SPLIT, outcome="fail", detail="wrong_region"),
+        event("split-000-0-us", "renew", 35.0, token=2, key=SPLIT, expires=45.0),
+    ]
+    verdict = verdicts(history(*one_side, *SERVED), states=states)
+    assert verdict["fencing safety"].ok, verdict["fencing safety"]
+    assert verdict["one live claim at a time"].ok
+
+
 # -- 8. a token is granted once --------------------------------------------------------------
 
 

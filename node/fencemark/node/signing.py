@@ -215,9 +215,15 @@ class Keyring:
         if not birth.signature:
             return UNSIGNED_BIRTH, f"the birth in region {region!r} carries no signature"
         message = codec.birth_message(record_key, region, birth)
-        return self._check(f"the birth in region {region!r}", birth.signature, region, message)
+        what = f"the birth in region {region!r}"
+        # Not checked against revocations: a birth never changes, so one signed before
+        # its key was revoked would be refused for good by every node that had not
+        # merged it yet (docs/security.md, *Signed births*).
+        return self._check(what, birth.signature, region, message, revocable=False)
 
-    def _check(self, what: str, sig: bytes, region: str, message: bytes) -> tuple[str, str] | None:
+    def _check(
+        self, what: str, sig: bytes, region: str, message: bytes, *, revocable: bool = True
+    ) -> tuple[str, str] | None:
         if len(sig) != SIGNATURE_SIZE:
             return BAD_SIGNATURE, f"{what}: the signature is {len(sig)} bytes, not 72"
         kid = sig[:KEY_ID_SIZE]
@@ -237,7 +243,7 @@ class Keyring:
         except InvalidSignature:
             return BAD_SIGNATURE, f"{what}: the signature does not match what it signs"
         # Last: a refusal names a key that really signed it.
-        if (signer.issuer, signer.serial) in self.revocations.revoked:
+        if revocable and (signer.issuer, signer.serial) in self.revocations.revoked:
             return REVOKED_SIGNER, (
                 f"{what} is signed by key {kid.hex()}, whose certificate (region"
                 f" {signer.region!r}, serial {signer.serial:x}) is revoked"
