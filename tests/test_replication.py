@@ -353,6 +353,9 @@ async def test_a_round_stops_listing_once_the_differences_are_all_the_peers_to_p
     monkeypatch.setattr(replicator_module, "FIRST_LISTING", 50)
     async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
         us, eu = await cluster.start_all()
+        # Both done with their catch-up: a node stopped before it has caught up is
+        # still catching up when it restarts, and then pulls everything.
+        await all_serving(cluster)
         keys = []
         async with AsyncClient(us.address) as client:
             for i in range(200):
