@@ -27,7 +27,7 @@ from fencemark.client import AsyncClient, ClaimConflict, PermissionDenied, tls_c
 from fencemark.node.authz import load_access
 from fencemark.node.crdt import Record, codec
 from fencemark.node.server import NodeServer
-from fencemark.node.tls import TlsFiles, init_dir
+from fencemark.node.tls import init_dir
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode
@@ -35,6 +35,7 @@ from tests.metrics import refusals
 from tests.test_cli import fencemark
 from tests.test_mcp import call, tools_of
 from tests.test_mcp_walkthrough import expect_ok
+from tests.test_tls import client, files
 
 REGIONS = ["us", "eu", "ap"]
 CLIENTS = ["alice", "bob", "reader", "ops", "mcp"]
@@ -54,14 +55,6 @@ def certs(tmp_path: Path) -> Path:
     directory = tmp_path / "certs"
     init_dir(directory, regions=REGIONS, clients=CLIENTS)
     return directory
-
-
-def files(certs: Path, name: str) -> TlsFiles:
-    return TlsFiles.in_dir(certs, name)
-
-
-def client(node: NodeServer, certs: Path, name: str) -> AsyncClient:
-    return AsyncClient(node.address, credentials=tls_credentials(certs, name), retries=0, timeout=5)
 
 
 @pytest.fixture
