@@ -68,10 +68,12 @@ class SimNode:
         self.clock = HybridClock(wall_ms=lambda: self.wall_ms, max_offset_ms=NO_SKEW_LIMIT_MS)
         self.record = record
         self.clock.observe(record.max_hlc())
+        self.last_stamp: Stamp | None = None
 
     def stamp(self) -> Stamp:
         """The stamp of a write admitted now: epoch = the fence this node knows."""
-        return Stamp(self.record.fence.fence, self.clock.now(), self.region)
+        self.last_stamp = Stamp(self.record.fence.fence, self.clock.now(), self.region)
+        return self.last_stamp
 
     def receive(self, state: Record) -> None:
         """Merge a state gossiped from a peer (the clock moves past every stamp in it)."""
@@ -280,15 +282,77 @@ class BusyRun:
         assert node.home, "only the home region grants"
         for _ in range(self.times):
             grant_next(node, self.owner, 60_000, self.signer)
-            fence = node.record.fence
-            node.record = node.record.with_fence(fence.release(fence.fence))
+            fence = node.record.fence.release(node.record.fence.fence)
+            if self.signer is not None:
+                fence = SIGNERS[self.signer].seal(node.record.key, fence, end=True, move=True)
+            node.record = node.record.with_fence(fence)
             node.wall_ms += 1
 
 
+@dataclass(frozen=True)
+class Sealed:
+    """A release, a lapse or a move as a TLS home makes it: the end of the fence's
+    claim sealed, the move signed (``SIGNERS[signer]``; ``Replica._sealed``)."""
+
+    op: Release | Lapse | MoveFence
+    signer: int = 0
+
+    def apply(self, node: SimNode) -> None:
+        self.op.apply(node)
+        fence = SIGNERS[self.signer].seal(node.record.key, node.record.fence, end=True, move=True)
+        node.record = node.record.with_fence(fence)
+
+
 WriteOp = Create | SetFields | AddTags | RemoveTags | SetDeleted | Clear | Tombstone
-ClaimOp = GrantNext | Extend | Release | Lapse | MoveFence | BusyRun
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A write as a TLS node admits it (SPEC §4; docs/security.md, *Signed writes*):
+    while the fence is an unreleased grant, a node other than the home refuses it
+    (``claimed``); the home admits it and signs it (``SIGNERS[signer]``) when it is
+    at the epoch of that grant."""
+
+    op: WriteOp
+    signer: int | None = 0
+
+    def apply(self, node: SimNode) -> None:
+        fence = node.record.fence
+        if fence.unreleased() and not node.home:
+            return
+        self.op.apply(node)
+        stamp = node.last_stamp
+        at_claim = stamp is not None and stamp.epoch == fence.fence and fence.unreleased()
+        if node.home and self.signer is not None and at_claim and stamp is not None:
+            node.record = SIGNERS[self.signer].sign_writes(node.record, stamp)
+
+
+@dataclass(frozen=True)
+class SignOwnWrites:
+    """The home signs the writes it made unsigned at the epoch of the unreleased
+    fence grant (``Replica.sign_own``, after an upgrade or an ``--insecure`` run):
+    the same register in a signed and an unsigned version."""
+
+    signer: int
+
+    def apply(self, node: SimNode) -> None:
+        assert node.home, "only the home signs its own writes"
+        fence = node.record.fence
+        if not fence.unreleased():
+            return
+        unsigned = {
+            reg.stamp
+            for _, _, reg in node.record.registers()
+            if reg.stamp.epoch == fence.fence and reg.stamp.node == node.region
+            and not reg.signature
+        }  # fmt: skip
+        for stamp in sorted(unsigned):
+            node.record = SIGNERS[self.signer].sign_writes(node.record, stamp)
+
+
+ClaimOp = GrantNext | Extend | Release | Lapse | MoveFence | BusyRun | SignOwnWrites | Sealed
 SplitOp = SplitCreate | SplitGrant
-Operation = WriteOp | ClaimOp | SplitOp
+Operation = WriteOp | Admitted | ClaimOp | SplitOp
 
 tag_names = st.frozensets(st.sampled_from(TAGS), min_size=1, max_size=2)
 lease_ms = st.integers(min_value=1_000, max_value=3_600_000)
@@ -313,6 +377,13 @@ def write_ops(regions: Sequence[str] = REGIONS) -> st.SearchStrategy[WriteOp]:
     )
 
 
+ends: st.SearchStrategy[Release | Lapse | MoveFence] = st.one_of(
+    st.builds(Release, st.integers(0, 7)),
+    st.builds(Lapse, st.integers(0, 7)),
+    st.builds(MoveFence),
+)
+
+
 def claim_ops() -> st.SearchStrategy[ClaimOp]:
     """Claim operations, performed only by the home region's node."""
     return st.one_of(
@@ -322,13 +393,19 @@ def claim_ops() -> st.SearchStrategy[ClaimOp]:
         st.builds(Lapse, st.integers(0, 7)),
         st.builds(MoveFence),
         st.builds(BusyRun, st.integers(1, HISTORY + 2), st.sampled_from(OWNERS), signers),
+        st.builds(SignOwnWrites, st.sampled_from([0, 1])),
+        st.builds(Sealed, ends, st.sampled_from([0, 1])),
     )
 
 
 def operations(*, home: bool, regions: Sequence[str] = REGIONS) -> st.SearchStrategy[Operation]:
-    """What a node may do: every write, plus claim operations if it is the home."""
+    """What a node may do: every write, plus claim operations if it is the home
+    (whose writes are sometimes signed as a TLS home signs them: ``Admitted``)."""
     writes: st.SearchStrategy[Operation] = write_ops(regions)
-    return st.one_of(writes, claim_ops()) if home else writes
+    if not home:
+        return writes
+    signed = st.builds(Admitted, write_ops(regions), st.sampled_from([0, 1]))
+    return st.one_of(writes, signed, claim_ops())
 
 
 # -- scenarios: several replicas of one key -------------------------------------

@@ -436,8 +436,9 @@ def test_integers_in_a_state_are_uint64_on_both_sides_of_the_codec() -> None:
     sides agree on uint64: encode refuses more, decode refuses more."""
     at_limit = Record(KEY).with_fence(FenceState(released=frozenset({2**64 - 1})))
     assert decode(encode(at_limit)) == at_limit
-    # released: one token, 2**64 - 1 in ten bytes; then no lapsed token, moved 0
-    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00\x00")
+    # released: one token, 2**64 - 1 in ten bytes; then no lapsed token, no seal,
+    # moved 0 and no signature of it
+    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00" * 4)
     for beyond in (2**64, 2**77):
         with pytest.raises(ValueError, match="uint64"):
             encode(Record(KEY).with_fence(FenceState(released=frozenset({beyond}))))
@@ -483,6 +484,8 @@ def test_equal_states_encode_to_equal_bytes(states: tuple[Record, ...]) -> None:
                 r.fence.released,
                 r.fence.lapsed,
                 r.fence.moved,
+                dict(reversed(list(r.fence.seals.items()))),
+                r.fence.moved_signature,
             ),
         )
 
@@ -544,12 +547,15 @@ def section(*entries: bytes) -> bytes:
 S1 = stamp(1, pack(EPOCH_MS, 1), "local")
 
 
-def field_entry(name: str, value: str = "v") -> bytes:
-    return text(name) + S1 + text(value)
+def field_entry(name: str, value: str = "v", signature: bytes | None = b"") -> bytes:
+    """A field in format 4 (with its signature), or in format 3 (``None``: no signature)."""
+    head = text(name) + S1 + text(value)
+    return head if signature is None else head + varint(len(signature)) + signature
 
 
-def tag_entry(name: str, present: int = 1) -> bytes:
-    return text(name) + S1 + bytes([present])
+def tag_entry(name: str, present: int = 1, signature: bytes | None = b"") -> bytes:
+    head = text(name) + S1 + bytes([present])
+    return head if signature is None else head + varint(len(signature)) + signature
 
 
 SIG = bytes(range(72))  # a signature's bytes: the codec does not look inside
@@ -576,20 +582,24 @@ def birth_entry(region: str, signature: bytes = b"") -> bytes:
 
 def layout(
     *,
-    fmt: bytes = b"\x03",
+    fmt: bytes = b"\x04",
     key: bytes = text("k"),
     births: bytes = section(),
     fields: bytes = section(),
     tags: bytes = section(),
-    deleted: bytes = stamp() + b"\x00",
+    deleted: bytes = stamp() + b"\x00\x00",
     grants: bytes = section(),
     leases: bytes = section(),
     released: bytes = section(),
     lapsed: bytes = section(),
+    seals: bytes = section(),
     moved: bytes = varint(0),
+    moved_signature: bytes = b"",
 ) -> bytes:
+    ended = released + lapsed + seals
+    signed_move = varint(len(moved_signature)) + moved_signature
     return (
-        fmt + key + births + fields + tags + deleted + grants + leases + released + lapsed + moved
+        fmt + key + births + fields + tags + deleted + grants + leases + ended + moved + signed_move
     )
 
 
@@ -602,32 +612,34 @@ def legacy_layout(*, fmt: bytes, home: bytes, grants: bytes, leases: bytes) -> b
 FULL = layout(
     key=text(KEY),
     births=section(birth_entry("eu", SIG), birth_entry("local")),
-    fields=section(field_entry("body"), field_entry("title")),
-    tags=section(tag_entry("backlog"), tag_entry("done", 0)),
-    deleted=S1 + b"\x01",
+    fields=section(field_entry("body", signature=SIG), field_entry("title")),
+    tags=section(tag_entry("backlog"), tag_entry("done", 0, SIG)),
+    deleted=S1 + b"\x01" + varint(len(SIG)) + SIG,
     grants=section(grant_entry(1), grant_entry(2, SIG, "client/alice")),
     leases=section(lease_entry(1), lease_entry(2)),
     released=section(varint(2)),
     lapsed=section(varint(1)),
+    seals=section(varint(2) + varint(len(SIG)) + SIG),
 )
 
 
 def test_encoding_matches_documented_layout() -> None:
-    """Pins format 3 byte for byte: a change here breaks every stored digest."""
+    """Pins format 4 byte for byte: a change here breaks every stored digest."""
     s1 = Stamp(1, pack(EPOCH_MS, 1), "local")
     grant = Grant(pack(EPOCH_MS), "worker-a", "local")
     signed = grant._replace(signature=SIG, identity="client/alice")
     record = Record(
         KEY,
         births={"local": Birth(s1), "eu": Birth(s1, SIG)},
-        fields={"title": LWW(s1, "v"), "body": LWW(s1, "v")},
-        tags={"done": LWW(s1, False), "backlog": LWW(s1, True)},
-        deleted=LWW(s1, True),
+        fields={"title": LWW(s1, "v"), "body": LWW(s1, "v", SIG)},
+        tags={"done": LWW(s1, False, SIG), "backlog": LWW(s1, True)},
+        deleted=LWW(s1, True, SIG),
         fence=FenceState(
             grants={2: signed, 1: grant},
             lease_expiry={2: EPOCH_MS + 60_000, 1: EPOCH_MS + 60_000},
             released=frozenset({2}),
             lapsed=frozenset({1}),
+            seals={2: SIG},
         ),
     )
     assert encode(record) == FULL
@@ -636,13 +648,26 @@ def test_encoding_matches_documented_layout() -> None:
     assert decode(layout()) == Record("k")
     moved = Record("k").with_fence(FenceState(moved=7))
     assert encode(moved) == layout(moved=varint(7))
+    signed_move = moved.with_fence(moved.fence.move_signed(SIG))
+    assert encode(signed_move) == layout(moved=varint(7), moved_signature=SIG)
+    assert decode(layout(moved=varint(7), moved_signature=SIG)) == signed_move
 
 
 NON_CANONICAL = {
     "empty input": b"",
-    "unknown format": layout(fmt=b"\x04"),
+    "unknown format": layout(fmt=b"\x05"),
     "format 1 (before signatures)": layout(fmt=b"\x01"),
     "format 2 (before births)": layout(fmt=b"\x02"),
+    "format 3 (before signed writes)": layout(fmt=b"\x03"),
+    "truncated write signature": layout(fields=section(field_entry("body", signature=SIG)[:-1])),
+    "a seal of a token below the fence": layout(
+        grants=section(grant_entry(1), grant_entry(2)),
+        leases=section(lease_entry(1), lease_entry(2)),
+        released=section(varint(1), varint(2)),
+        seals=section(varint(1) + varint(len(SIG)) + SIG),
+    ),
+    "a signature of a move never made": layout(moved_signature=SIG),
+    "seals unsorted": layout(seals=section(varint(2) + b"\x00", varint(1) + b"\x00")),
     "a signature below the fence": layout(
         grants=section(grant_entry(1, SIG), grant_entry(2, SIG)),
         leases=section(lease_entry(1), lease_entry(2)),
@@ -666,7 +691,7 @@ NON_CANONICAL = {
     "lapsed unsorted": layout(lapsed=section(varint(2), varint(1))),
     "non-minimal string length": layout(key=b"\x81\x00k"),
     "non-minimal zero count": layout(fields=b"\x80\x00"),
-    "non-minimal epoch": layout(deleted=b"\x80\x00" + stamp()[1:] + b"\x00"),
+    "non-minimal epoch": layout(deleted=b"\x80\x00" + stamp()[1:] + b"\x00\x00"),
     "non-minimal token": layout(released=b"\x01\x81\x80\x00"),
     "non-minimal move": layout(moved=b"\x80\x00"),
     "varint too long": layout(fields=b"\xff" * 11 + b"\x01"),
@@ -674,9 +699,10 @@ NON_CANONICAL = {
     "varint of 11 bytes": layout(released=b"\x01" + b"\x80" * 10 + b"\x01"),
     "trailing byte": layout() + b"\x00",
     "trailing bytes after full record": FULL + b"\x01\x02",
-    "missing move": layout()[:-1],
+    "missing move": layout()[:-2],
+    "missing move signature": layout()[:-1],
     "tag flag 2": layout(tags=section(tag_entry("backlog", 2))),
-    "deleted flag 0xff": layout(deleted=stamp() + b"\xff"),
+    "deleted flag 0xff": layout(deleted=stamp() + b"\xff\x00"),
     "truncated string": layout(key=b"\x05k"),
     "count beyond the data": layout(released=b"\x03\x01\x02"),
     "truncated in the middle of a varint": b"\x01\x81",
@@ -711,6 +737,36 @@ def test_format_1_and_2_states_are_upgraded_with_their_home_as_the_one_birth() -
     assert decode(upgrade(never)) == Record("k")
 
 
+def test_format_3_states_are_upgraded_with_unsigned_writes() -> None:
+    """Format 3 had no signatures on fields, tags or the deleted flag: storage
+    re-encodes it with every register unsigned, and decode takes format 4 only."""
+    births = section(birth_entry("local"))
+    v3 = (
+        b"\x03"
+        + text("k")
+        + births
+        + section(field_entry("body", signature=None))
+        + section(tag_entry("backlog", signature=None))
+        + S1
+        + b"\x01"
+        + section() * 4
+        + varint(0)
+    )
+    v4 = layout(
+        births=births,
+        fields=section(field_entry("body")),
+        tags=section(tag_entry("backlog")),
+        deleted=S1 + b"\x01\x00",
+    )
+    assert upgrade(v3) == v4
+    with pytest.raises(DecodeError):
+        decode(v3)
+    with pytest.raises(DecodeError):
+        upgrade(v3[:-1])
+    upgraded = decode(v4)
+    assert all(not reg.signature for _, _, reg in upgraded.registers())
+
+
 def test_layout_builder_is_canonical() -> None:
     """The rejection cases are rejected for their one defect, not the builder's."""
     for data in (layout(), FULL):
@@ -727,7 +783,8 @@ def test_decode_rejects_non_canonical_input(data: bytes) -> None:
 #
 # Every integer of a state (counts, lengths, tokens, stamps) is one varint, so the
 # varint is where "equal states have equal bytes" is decided. ``moved`` is the last
-# field of the layout: a state whose only content is a move ends with its varint.
+# field of the layout but its signature: a state whose only content is an unsigned
+# move ends with its varint and an empty signature.
 
 
 def minimal_length(n: int) -> int:
@@ -775,12 +832,12 @@ def test_decode_refuses_an_integer_in_more_bytes_than_it_needs(n: int, extra: in
         decode(layout(moved=longer_form(n, extra)))
 
 
-def test_the_encoding_is_format_3() -> None:
+def test_the_encoding_is_format_4() -> None:
     """Every node must write and read the same format: a state's first byte says which,
-    decode refuses any other, and storage upgrades files of formats 1 and 2 (codec
+    decode refuses any other, and storage upgrades files of formats 1 to 3 (codec
     docstring). A new format is a deliberate step with an upgrade path, never a drift."""
-    assert FORMAT == 3
-    assert encode(Record("k"))[0] == 3
+    assert FORMAT == 4
+    assert encode(Record("k"))[0] == 4
 
 
 @LAWS

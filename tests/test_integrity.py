@@ -33,12 +33,18 @@ from tests.strategies import (
     REGIONS,
     SIGNERS,
     Act,
+    Admitted,
     BusyRun,
     Create,
     GrantNext,
+    Lapse,
+    MoveFence,
     Operation,
+    Release,
     Scenario,
+    Sealed,
     Tombstone,
+    WriteOp,
     keyring,
     scenarios,
 )
@@ -50,14 +56,21 @@ KEYRING = keyring()  # the test CA's certificates of the home (both keys)
 
 
 def realistic(scenario: Scenario) -> Scenario:
-    """As nodes do it: the record exists before anyone claims it, and only its home
-    region creates it (a node creates a record only in its own region)."""
+    """As nodes do it: the record exists before anyone claims it, only its home
+    region creates it (a node creates a record only in its own region), and writes
+    are admitted (and signed) as a TLS node admits them (``Admitted``)."""
 
     def homed(op: Operation) -> Operation:
         if isinstance(op, Create | Tombstone):
-            return dataclasses.replace(op, home_region=HOME)
+            op = dataclasses.replace(op, home_region=HOME)
         if isinstance(op, GrantNext | BusyRun) and op.signer is None:
             return dataclasses.replace(op, signer=0)  # a TLS home signs every grant
+        if isinstance(op, Release | Lapse | MoveFence):
+            return Sealed(op, 0)  # a TLS home seals an end and signs a move
+        if isinstance(op, Admitted):
+            return Admitted(homed(op.op), 0)  # type: ignore[arg-type]
+        if isinstance(op, WriteOp):
+            return Admitted(op, 0)
         return op
 
     steps = tuple(
@@ -209,6 +222,80 @@ def test_a_new_fence_grant_needs_its_homes_signature() -> None:
     # A grant below a verified fence raises nothing: it needs no signature.
     below = check(signed((1, 3)), granted((1, 2, 3)), now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
     assert below.fence.fence == 3 and below.fence.grants[2].signature == b""
+
+
+def written_under_claim(record: Record, ms: int, **fields: str) -> Record:
+    """The holder's fenced write at the home: at the fence's epoch, signed by the home."""
+    at = stamp(ms, epoch=record.fence.fence)
+    return SIGNERS[0].sign_writes(record.set_fields(fields, at), at)
+
+
+def test_a_write_at_the_epoch_of_a_live_claim_needs_the_homes_signature() -> None:
+    """Regression (issue 14, hole 8): a tombstone or a field write stamped at the
+    live claim's epoch with a later clock, pushed by a peer, was merged; ``Get``,
+    ``ClaimStatus`` and the holder's next fenced write then answered not found.
+    Only the home admits a write at the epoch of an unreleased grant (SPEC §4), so
+    one that its home did not sign is forged."""
+    held = written_under_claim(signed(), EPOCH_MS + 5, body="halfway")
+    assert held.fields["body"].signature  # the holder's write, signed by the home
+    later = stamp(EPOCH_MS + 50, epoch=1, node="n-home")  # the home's node id: known
+    overwrite = held.set_fields({"body": "mallory's"}, later)
+    tombstone = held.clear(later).set_deleted(True, later)
+    retag = held.add_tags(["done"], later)
+    for forged in (overwrite, tombstone, retag):
+        assert refused_signed(held, forged) == "unsigned_write"
+    # The home's real signature of the holder's write, on another value: tampered.
+    replayed = overwrite.fields["body"]._replace(signature=held.fields["body"].signature)
+    moved_sig = dataclasses.replace(overwrite, fields={"body": replayed})
+    assert refused_signed(held, moved_sig) == "bad_signature"
+    # What the home signed is merged wherever it goes, with either of its keys.
+    for signer in (0, 1):
+        at = stamp(EPOCH_MS + 60, epoch=1)
+        honest = SIGNERS[signer].sign_writes(held.set_fields({"body": "done"}, at), at)
+        merged = check(held, honest, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+        assert merged.field_values()["body"] == "done"
+    # Nothing is asked of what this node already holds, nor below the fence.
+    assert check(held, held, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING) == held
+    older = held.set_fields({"kind": "bug"}, stamp(EPOCH_MS + 70, epoch=0, node="n-eu"))
+    assert check(held, older, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING).fields["kind"]
+
+
+def test_once_the_claim_is_released_or_lapsed_any_node_writes_at_its_epoch() -> None:
+    """After a release or a recorded lapse, every node admits unfenced writes, stamped
+    with the epoch of the fence it knows: unsigned, and merged everywhere."""
+    held = signed()
+    for ended in (held.fence.release(1), held.fence.lapse(1)):
+        after = held.with_fence(SIGNERS[0].seal(KEY, ended, end=True, move=False))
+        elsewhere = after.set_fields({"body": "next"}, stamp(EPOCH_MS + 80, epoch=1, node="n-eu"))
+        merged = check(held, elsewhere, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+        assert merged.field_values()["body"] == "next"
+
+
+def test_the_end_of_a_claim_and_a_move_of_the_fence_need_the_homes_signature() -> None:
+    """A release, a recorded lapse or a move of the fence readmits unfenced writes on
+    every node: unsigned, a peer could forge one, and then a write at the claim's
+    epoch (hole 8) as if the claim had ended. Only the node that decided it signs
+    it (``unsigned_end``, ``unsigned_move``)."""
+    held = written_under_claim(signed(), EPOCH_MS + 5, body="halfway")
+    for end in (held.fence.release(1), held.fence.lapse(1)):
+        assert refused_signed(held, held.with_fence(end)) == "unsigned_end"
+        sealed = SIGNERS[1].seal(KEY, end, end=True, move=False)
+        assert check(held, held.with_fence(sealed), now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+        # A seal of another token's end, or of another record's, seals nothing.
+        other = SIGNERS[0].seal("repo/lattice/mem/backlog/other", end, end=True, move=False)
+        assert refused_signed(held, held.with_fence(other)) == "bad_signature"
+    moved = held.fence.move(2)
+    assert refused_signed(held, held.with_fence(moved)) == "unsigned_move"
+    signed_move = SIGNERS[0].seal(KEY, moved, end=False, move=True)
+    merged = check(held, held.with_fence(signed_move), now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert merged.fence.fence == 2 and not merged.fence.unreleased()
+    # Once held, an end or a move is not asked for again (a later exchange with a
+    # node that has the same state unsealed: from before signed ends, say).
+    ended = check(held, held.with_fence(SIGNERS[0].seal(KEY, held.fence.release(1), end=True,
+                                                        move=False)), now_ms=NOW, bounds=BOUNDS,
+                  verifier=KEYRING)  # fmt: skip
+    assert check(ended, held.with_fence(held.fence.release(1)), now_ms=NOW, bounds=BOUNDS,
+                 verifier=KEYRING) == ended  # fmt: skip
 
 
 # -- a hostile peer, against a real node -----------------------------------------------------

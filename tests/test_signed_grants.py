@@ -556,3 +556,72 @@ async def test_no_node_can_claim_a_birth_for_another_region(tmp_path: Path, cert
         async with client(eu, certs) as alice:
             renewal = await alice.renew_claim(key, token)
             assert (renewal.renewed, renewal.reason) == (False, "superseded")
+
+
+@pytest.mark.slow
+async def test_no_peer_can_overwrite_or_delete_a_live_claims_record(
+    tmp_path: Path, certs: Path
+) -> None:
+    """Regression (issue 14, hole 8): eu pushed a tombstone, and a field write,
+    stamped at alice's epoch with a later clock; us merged them, and ``Get``,
+    ``ClaimStatus`` and alice's next fenced write answered not found. Only the home
+    admits a write at the epoch of an unreleased grant, and signs it: a state
+    carrying one its home did not sign is refused like any forgery. So is a forged
+    end of the claim (a release, a lapse) or move of the fence, which would let
+    such a write in as an unfenced one."""
+    async with Cluster(tmp_path, REGIONS) as cluster:
+        key, token, _ = await claimed_at_us(cluster, certs, "held")
+        us, eu = cluster.nodes["us"], cluster.nodes["eu"]
+        async with client(us, certs) as alice:
+            await alice.update(key, fields={"body": "halfway"}, fencing_token=token)
+        await wait_converged([us, eu])
+        held = await state_of(us, key)
+        body = held.fields["body"]
+        us_key = Signer.from_files(files(certs, "us")).key_id
+        assert body.stamp.epoch == token and body.signature[:KEY_ID_SIZE] == us_key
+        # eu took alice's signed write from us: nothing was refused on the way.
+        assert eu.replicator.peer_stats("us").merges_refused == 0
+
+        later = Stamp(token, us.replica.clock.now() + (1 << 16), us.storage.node_id)
+        tombstone = held.clear(later).set_deleted(True, later)
+        overwrite = held.set_fields({"body": "mallory's"}, later)
+        eu_signer = Signer.from_files(files(certs, "eu"))
+        # ... or end the claim first, then write at its epoch as anyone may after.
+        released = held.with_fence(held.fence.release(token))
+        after_release = released.set_fields({"body": "mallory's"}, later)
+        moved = held.with_fence(held.fence.move(token + 1))
+        attempts = {
+            "unsigned_write": (tombstone, overwrite),
+            "unsigned_end": (after_release, held.with_fence(held.fence.lapse(token))),
+            "unsigned_move": (
+                moved.set_fields({"body": "mallory's"}, later._replace(epoch=token + 1)),
+            ),
+            # eu's own node key: eu is not the home, nor the region that granted.
+            "signer_not_home": (
+                eu_signer.sign_writes(overwrite, later),
+                after_release.with_fence(eu_signer.seal(key, released.fence, end=True, move=False)),
+                moved.with_fence(eu_signer.seal(key, moved.fence, end=False, move=True)),
+            ),
+        }
+        refused = 0
+        for reason, states in attempts.items():
+            for state in states:
+                assert await push(us, certs, "eu", state) == 0, reason
+                refused += 1
+                peer = us.replicator.peer_stats("eu")
+                assert peer.merges_refused == refused
+                assert reason in peer.last_refusal, (reason, peer.last_refusal)
+
+        assert await state_of(us, key) == held
+        async with client(us, certs) as alice:
+            assert (await alice.get(key)).fields["body"] == "halfway"
+            status = await alice.claim_status(key)
+            assert status.claim is not None and status.claim.owner == "alice"
+            await alice.update(key, fields={"body": "done"}, fencing_token=token)
+            assert (await alice.release_claim(key, token)).released
+        # Released: from now on any node admits unfenced writes, unsigned, everywhere.
+        await wait_converged([us, eu])
+        async with client(eu, certs) as alice:
+            await alice.update(key, fields={"body": "reviewed at eu"})
+        await wait_converged([us, eu])
+        assert (await state_of(us, key)).field_values()["body"] == "reviewed at eu"

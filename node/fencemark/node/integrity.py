@@ -32,7 +32,15 @@ legitimate state (and so never stops convergence):
   become the fence again, so they can raise nothing (``fence.py``). Likewise every
   birth the join holds that this node did not hold as it is carries the signature
   of the region it names (``unsigned_birth`` and the same reasons), so no node can
-  claim for another region that it created a record — and earlier than its home.
+  claim for another region that it created a record — and earlier than its home;
+  and every write the join holds at the epoch of an unreleased fence grant that this
+  node did not hold as it is carries the signature of the home or of the grant's
+  region (``unsigned_write`` and the same reasons): only they admit such a write, a
+  fenced write of the holder, so no peer can overwrite or delete a live claim's
+  record with a stamp at its epoch; likewise the end of the fence's claim (a
+  release or a lapse, which readmits unfenced writes) carries the seal of the node
+  that decided it (``unsigned_end``), and a move that is the fence the home's
+  signature (``unsigned_move``) (docs/security.md, *Signed writes*).
 
 Stamps further ahead than ``max_clock_offset`` are refused before this (the clock
 check), and malformed states when they are decoded. What this does *not* stop is a
@@ -43,12 +51,14 @@ bound: without TLS nothing is signed, and only the bounds hold (docs/security.md
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from fencemark.node.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.crdt import Birth, Record
 from fencemark.node.crdt.fence import HISTORY, Grant
+from fencemark.node.crdt.record import DELETED, FIELD, Register
 from fencemark.node.errors import FencemarkError
 from fencemark.node.validation import MAX_LEASE_S
 
@@ -78,6 +88,21 @@ class GrantVerifier(Protocol):
 
     def birth_problem(self, record_key: str, region: str, birth: Birth) -> tuple[str, str] | None:
         """(reason, detail) when ``region``'s ``birth`` is not signed by that region's node."""
+
+    def write_problem(
+        self, record_key: str, kind: str, name: str, register: Register, regions: Iterable[str]
+    ) -> tuple[str, str] | None:
+        """(reason, detail) when ``register`` is not signed by the node of one of ``regions``."""
+
+    def end_problem(
+        self, record_key: str, token: int, seal: bytes, regions: Iterable[str]
+    ) -> tuple[str, str] | None:
+        """(reason, detail) when ``token``'s end is not sealed by one of ``regions``."""
+
+    def move_problem(
+        self, record_key: str, token: int, signature: bytes, home: str
+    ) -> tuple[str, str] | None:
+        """(reason, detail) when the move of the fence to ``token`` is not ``home``'s."""
 
 
 def check(
@@ -149,6 +174,32 @@ def check(
             problem = verifier.problem(key, top, holder)
             if problem is not None:
                 raise refuse(*problem)
+        ended = holder is not None and merged.fence.ended(top)
+        if holder is not None and ended and not local.fence.ended(top):
+            # The end of the fence's claim: only the node that decides it (the home,
+            # or the region that granted) releases a claim or records its lapse, and
+            # either one readmits unfenced writes everywhere.
+            regions = (home, holder.region)
+            seal = merged.fence.seals.get(top, b"")
+            problem = verifier.end_problem(key, top, seal, regions)
+            if problem is not None:
+                raise refuse(*problem)
+        moved = merged.fence.moved
+        if moved == top and moved > local.fence.moved:
+            # A move that is the fence: only the home moves it (``Replica.merge``).
+            problem = verifier.move_problem(key, moved, merged.fence.moved_signature, home)
+            if problem is not None:
+                raise refuse(*problem)
+        if holder is not None and merged.fence.unreleased():
+            # Writes at the epoch of an unreleased grant: only the home (or the
+            # region that made the grant, a birth region apart from it) admits
+            # one, as a fenced write of the holder, and signs it (SPEC §4).
+            regions = (home, holder.region)
+            for kind, name, register in merged.registers():
+                if register.stamp.epoch == top and register != _register(local, kind, name):
+                    problem = verifier.write_problem(key, kind, name, register, regions)
+                    if problem is not None:
+                        raise refuse(*problem)
 
     moved = remote.fence.moved
     if moved > local.fence.fence:
@@ -177,3 +228,12 @@ def check(
         if not named(token):
             raise refuse("orphan_token", f"a lapse of token {token}, which no grant names")
     return merged
+
+
+def _register(record: Record, kind: str, name: str) -> Register | None:
+    """``record``'s register of ``kind`` and ``name`` (``Record.registers``), if any."""
+    if kind == FIELD:
+        return record.fields.get(name)
+    if kind == DELETED:
+        return record.deleted
+    return record.tags.get(name)

@@ -116,6 +116,7 @@ class Replica:
             stored = await self.storage.get(key)
             current = stored.record if stored is not None else Record(key)
             changed, result = change(current)
+            changed = self._sealed(changed)
             if changed == current:
                 return stored, result
             # A merge that takes the remote state whole stores its bytes as they came:
@@ -199,6 +200,29 @@ class Replica:
         return admit_write(current, token, caller=caller, home=home, region=self.region,
                            now_ms=self.clock.wall_ms(), deciding=self.gate.deciding)  # fmt: skip
 
+    def _sealed(self, record: Record) -> Record:
+        """With TLS: the end of the fence's claim sealed when this node ended it (the
+        home, or the region that granted), and a move signed when this node is the
+        home — what lets every other node tell them from a peer's forgery."""
+        if self.signer is None:
+            return record
+        fence = record.fence
+        holder = fence.holder()
+        home = record.home_region == self.region
+        end = holder is not None and (home or holder.region == self.region)
+        sealed = self.signer.seal(record.key, fence, end=end, move=home)
+        return record if sealed is fence else record.with_fence(sealed)
+
+    def _signed(self, record: Record, stamp: Stamp) -> Record:
+        """``record`` with the write made at ``stamp`` signed when it is at the epoch
+        of an unreleased grant: only this node (the home, or the region that made
+        the grant) admits such a write, and a peer's forgery of one is refused
+        (``integrity``; docs/security.md, *Signed writes*)."""
+        fence = record.fence
+        if self.signer is None or stamp.epoch != fence.fence or not fence.unreleased():
+            return record
+        return self.signer.sign_writes(record, stamp)
+
     def _lapse_if_due(self, record: Record) -> Record:
         """At the home: record a lapse that is due (SPEC §4) before deciding on it."""
         if self.gate.deciding and lapse_due(record, self.region, self.clock.wall_ms()):
@@ -218,15 +242,16 @@ class Replica:
         return changed
 
     async def sign_own(self) -> int:
-        """Sign every unsigned fence grant and birth of this region; returns how many
+        """Sign every unsigned fence grant and birth of this region, and every write
+        this node made at the epoch of an unreleased grant; returns how many
         records that changed.
 
-        Grants and births made before they were signed (a file upgraded from an
-        older format), or while this node ran ``--insecure``, carry no signature,
-        and a node that has not merged them yet would refuse them
-        (``unsigned_grant``, ``unsigned_birth``). Signed, each beats its unsigned
-        version in every join, so the signature spreads like any write
-        (docs/security.md, *Signed grants*).
+        Grants, births and writes made before they were signed (a file upgraded
+        from an older format), or while this node ran ``--insecure``, carry no
+        signature, and a node that has not merged them yet would refuse them
+        (``unsigned_grant``, ``unsigned_birth``, ``unsigned_write``). Signed, each
+        beats its unsigned version in every join, so the signature spreads like any
+        write (docs/security.md, *Signed grants*).
         """
         signer, region = self.signer, self.region
         if signer is None:
@@ -238,6 +263,16 @@ class Replica:
             ours = holder is not None and holder.region == region == signed.home_region
             if ours and holder is not None and not holder.signature:
                 signed = signed.with_fence(signer.sign_fence(signed.key, signed.fence))
+            fence = signed.fence
+            if holder is not None and fence.unreleased():
+                for stamp in {
+                    reg.stamp
+                    for _, _, reg in signed.registers()
+                    if reg.stamp.epoch == fence.fence
+                    and reg.stamp.node == self.node_id
+                    and not reg.signature
+                }:
+                    signed = signer.sign_writes(signed, stamp)
             return signed, signed is not current
 
         signed, after, page_size = 0, "", 500
@@ -359,7 +394,7 @@ class Replica:
                 changed = changed.set_fields({**stale_fields, **fields}, stamp)
             else:
                 changed = changed.set_fields(fields, stamp)
-            changed = changed.add_tags(plain_tags, stamp)
+            changed = self._signed(changed.add_tags(plain_tags, stamp), stamp)
             validation.record_size(changed, "fields")
             return changed, created
 
@@ -397,7 +432,7 @@ class Replica:
                 return current, None  # admitted, nothing to write (but a lapse it recorded)
             stamp = self.stamp(epoch)
             changed = current.set_fields(fields, stamp).add_tags(add_tags, stamp)
-            changed = changed.remove_tags(remove_tags, stamp)
+            changed = self._signed(changed.remove_tags(remove_tags, stamp), stamp)
             validation.record_size(changed, "fields", "add_tags")
             return changed, None
 
@@ -417,7 +452,7 @@ class Replica:
             # A delete erases the content; the tombstone keeps home and fence. A
             # key never seen here gets a tombstone without a home: homing it here
             # could take over a record created meanwhile in another region.
-            return current.clear(stamp).set_deleted(True, stamp), None
+            return self._signed(current.clear(stamp).set_deleted(True, stamp), stamp), None
 
         stored, _ = await self.transact(key, change)
         assert stored is not None

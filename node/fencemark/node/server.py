@@ -71,8 +71,10 @@ SERVICES: tuple[descriptor.ServiceDescriptor, ...] = (
 )
 CLAIMS_SERVICE = "fencemark.v1.Claims"
 REPLICATION_SERVICE = "fencemark.v1.Replication"
-# storage meta: "1" once every fence grant and birth made here is signed
+# storage meta: "2" once every fence grant, birth and write under a claim made here
+# is signed ("1": grants and births, before writes were signed)
 OWN_SIGNED = "own_states_signed"
+OWN_SIGNED_ALL = "2"
 
 
 def default_data_dir(region: str) -> Path:
@@ -245,14 +247,14 @@ class NodeServer:
         if signer is not None and keyring is not None:
             replica.signer = signer
             await load_keyring(replica, keyring)
-            if storage.meta.get(OWN_SIGNED) != "1":
-                # Once per file: grants and births from before they were signed, or
-                # from an --insecure run.
+            if storage.meta.get(OWN_SIGNED) != OWN_SIGNED_ALL:
+                # Once per file: grants, births and writes under claims from before
+                # they were signed, or from an --insecure run.
                 signed = await replica.sign_own()
-                log.info("signed the grants and births of %d records made unsigned", signed)
-                await storage.put_meta(OWN_SIGNED, "1")
-        elif storage.meta.get(OWN_SIGNED) == "1":
-            await storage.put_meta(OWN_SIGNED, "0")  # grants and births made now go unsigned
+                log.info("signed the grants, births and writes of %d records", signed)
+                await storage.put_meta(OWN_SIGNED, OWN_SIGNED_ALL)
+        elif storage.meta.get(OWN_SIGNED, "0") != "0":
+            await storage.put_meta(OWN_SIGNED, "0")  # what is made now goes unsigned
         if storage.meta.get("restored_at"):
             log.info(
                 "data restored from a backup at %s (fencemark restore): the first grant on each"

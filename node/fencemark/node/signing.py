@@ -37,8 +37,9 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
     encode_dss_signature,
 )
 
-from fencemark.node.crdt import Birth, Record, codec
+from fencemark.node.crdt import Birth, Record, Stamp, codec
 from fencemark.node.crdt.fence import FenceState, Grant
+from fencemark.node.crdt.record import Register
 from fencemark.node.revocation import Revocations
 from fencemark.node.tls import TlsFiles, identities_of
 
@@ -53,6 +54,9 @@ ALGORITHM = ec.ECDSA(hashes.SHA256(), deterministic_signing=True)
 # Refusal reasons (integrity.MergeRefused.reason).
 UNSIGNED = "unsigned_grant"
 UNSIGNED_BIRTH = "unsigned_birth"
+UNSIGNED_WRITE = "unsigned_write"
+UNSIGNED_END = "unsigned_end"
+UNSIGNED_MOVE = "unsigned_move"
 BAD_SIGNATURE = "bad_signature"
 UNKNOWN_SIGNER = "unknown_signer"
 SIGNER_NOT_HOME = "signer_not_home"
@@ -100,6 +104,29 @@ class Signer:
             return record
         signature = self._sign(codec.birth_message(record.key, region, birth))
         return record.with_birth(region, birth._replace(signature=signature))
+
+    def sign_writes(self, record: Record, stamp: Stamp) -> Record:
+        """``record`` with the registers written at ``stamp`` signed: a write this
+        node admitted at the epoch of an unreleased grant, which only the home (or
+        the region that made the grant) can admit (docs/security.md, *Signed
+        writes*)."""
+
+        def signature(kind: str, name: str, register: Register) -> bytes:
+            return self._sign(codec.write_message(record.key, kind, name, register))
+
+        return record.with_signed_writes(stamp, signature)
+
+    def seal(self, record_key: str, fence: FenceState, *, end: bool, move: bool) -> FenceState:
+        """``fence`` with the end of its fence token's claim sealed (``end``: this node
+        ended it) and its move signed (``move``: this node is the home), where they
+        are not yet: only the node that decides them can say a claim ended or the
+        fence moved (docs/security.md, *Signed writes*)."""
+        top = fence.fence
+        if end and top in fence.grants and fence.ended(top) and top not in fence.seals:
+            fence = fence.sealed(self._sign(codec.end_message(record_key, top)))
+        if move and fence.moved and not fence.moved_signature:
+            fence = fence.move_signed(self._sign(codec.move_message(record_key, fence.moved)))
+        return fence
 
     def sign_fence(self, record_key: str, fence: FenceState) -> FenceState:
         """``fence`` with its fence grant signed (unchanged when it already is)."""
@@ -196,6 +223,9 @@ class Keyring:
             signatures = [birth.signature for birth in record.births.values()]
             if holder is not None:
                 signatures.append(holder.signature)
+                signatures.extend(reg.signature for _, _, reg in record.registers())
+            signatures.extend(record.fence.seals.values())
+            signatures.append(record.fence.moved_signature)
             for sig in signatures:
                 if len(sig) == SIGNATURE_SIZE and sig[:KEY_ID_SIZE] not in self._signers:
                     out.add(sig[:KEY_ID_SIZE])
@@ -220,6 +250,54 @@ class Keyring:
         # its key was revoked would be refused for good by every node that had not
         # merged it yet (docs/security.md, *Signed births*).
         return self._check(what, birth.signature, region, message, revocable=False)
+
+    def write_problem(
+        self, record_key: str, kind: str, name: str, register: Register, regions: Iterable[str]
+    ) -> tuple[str, str] | None:
+        """Why ``register``, written at the epoch of an unreleased grant, is not
+        signed by the node of one of ``regions`` (the home, and the region that
+        made the grant): (reason, detail), or None when it is."""
+        what = (
+            f"the write of {kind} {name!r} at {tuple(register.stamp)}"
+            if name
+            else (f"the write of {kind} at {tuple(register.stamp)}")
+        )
+        allowed = sorted(set(regions))
+        if not register.signature:
+            return UNSIGNED_WRITE, (
+                f"{what} is at the epoch of a claim and carries no signature: only"
+                f" {' or '.join(map(repr, allowed))} admits such a write"
+            )
+        message = codec.write_message(record_key, kind, name, register)
+        region = self._region_of(register.signature, allowed)
+        return self._check(what, register.signature, region, message)
+
+    def end_problem(
+        self, record_key: str, token: int, seal: bytes, regions: Iterable[str]
+    ) -> tuple[str, str] | None:
+        """Why the end of ``token``'s claim (its release or lapse) is not sealed by
+        the node of one of ``regions``: (reason, detail), or None when it is."""
+        what = f"the end of token {token}'s claim"
+        if not seal:
+            return UNSIGNED_END, f"{what} carries no seal of the node that ended it"
+        message = codec.end_message(record_key, token)
+        return self._check(what, seal, self._region_of(seal, regions), message)
+
+    def move_problem(
+        self, record_key: str, token: int, signature: bytes, home: str
+    ) -> tuple[str, str] | None:
+        """Why the fence's move to ``token`` is not signed by ``home``'s node."""
+        what = f"the move of the fence to {token}"
+        if not signature:
+            return UNSIGNED_MOVE, f"{what} carries no signature of the home {home!r}"
+        return self._check(what, signature, home, codec.move_message(record_key, token))
+
+    def _region_of(self, signature: bytes, regions: Iterable[str]) -> str:
+        """The region of ``regions`` to check ``signature`` against: its signer's,
+        when that is one of them (else the first, which then refuses it)."""
+        allowed = sorted(set(regions))
+        found = self._signers.get(signature[:KEY_ID_SIZE])
+        return found.region if found is not None and found.region in allowed else allowed[0]
 
     def _check(
         self, what: str, sig: bytes, region: str, message: bytes, *, revocable: bool = True

@@ -6,29 +6,33 @@ booleans as one byte. ``decode`` accepts only canonical input (sorted, unique
 keys, minimal varints, nothing trailing), so ``encode(decode(b)) == b`` for every
 ``b`` it accepts and the digest of a state is well defined.
 
-Layout (format 3)::
+Layout (format 4)::
 
-    0x03 key births fields tags deleted grants lease_expiry released lapsed moved
+    0x04 key births fields tags deleted grants lease_expiry released lapsed seals moved
     births       = n (region stamp signature)*  sorted by region
-    fields       = n (name stamp str)*          sorted by name
-    tags         = n (tag stamp bool)*          sorted by tag
-    deleted      = stamp bool
+    fields       = n (name stamp str signature)*  sorted by name
+    tags         = n (tag stamp bool signature)*  sorted by tag
+    deleted      = stamp bool signature
     grants       = n (token hlc owner region identity signature)*  sorted by token;
                    signature = bytes, empty on every grant but the fence's
     lease_expiry = n (token expiry_ms)*         sorted by token
     released     = n token*                     ascending
     lapsed       = n token*                     ascending
-    moved        = token
+    seals        = n (token signature)*         sorted by token; the fence's only
+    moved        = token signature
     stamp        = epoch hlc node
     bytes        = varint length, then the bytes
 
-Format 2 had one optional home (``0x00 | 0x01 stamp str``) instead of births,
-grants without an identity, and neither ``lapsed`` nor ``moved``; format 1 also
-had no signatures. Storage re-encodes both when it opens an older file
+Format 3 had no signatures on registers, no seals and no signed move; format 2
+also had one optional home (``0x00 | 0x01 stamp str``) instead of births, grants
+without an identity, and neither ``lapsed`` nor ``moved``; format 1 also had no
+signatures at all. Storage re-encodes them when it opens an older file
 (``upgrade``); the wire takes the current format only.
 
 What a home signs for a grant is ``grant_message`` (docs/security.md, *Signed
-grants*): the record key, the token and the grant without its signature.
+grants*): the record key, the token and the grant without its signature; for a
+write made under a claim, ``write_message``; for the end of a claim, ``end_message``;
+for a move, ``move_message`` (*Signed writes*).
 """
 
 from __future__ import annotations
@@ -42,10 +46,14 @@ from fencemark.node.crdt.hlc import Stamp
 from fencemark.node.crdt.lww import LWW
 from fencemark.node.crdt.record import Birth, Record
 
-FORMAT = 3
-LEGACY_FORMATS = (1, 2)  # before signed grants (1), before births (2): read by ``upgrade``
+FORMAT = 4
+# Before signed grants (1), before births (2), before signed writes (3): ``upgrade``.
+LEGACY_FORMATS = (1, 2, 3)
 GRANT_MESSAGE = b"fencemark grant v1\x00"  # domain separation of grant signatures
-BIRTH_MESSAGE = b"fencemark birth v1\x00"  # ... and of birth signatures
+BIRTH_MESSAGE = b"fencemark birth v1\x00"  # ... of birth signatures
+WRITE_MESSAGE = b"fencemark write v1\x00"  # ... of signed writes
+END_MESSAGE = b"fencemark end v1\x00"  # ... of a claim's end (release, lapse)
+MOVE_MESSAGE = b"fencemark move v1\x00"  # ... and of a moved fence
 DIGEST_SIZE = 16
 MAX_UINT = (1 << 64) - 1  # every integer in a state is a uint64 (tokens, stamps, expiries)
 
@@ -109,14 +117,17 @@ def encode(record: Record) -> bytes:
         _str(out, name)
         _stamp(out, reg.stamp)
         _str(out, reg.value)
+        _bytes(out, reg.signature)
     _varint(out, len(record.tags))
     for tag in sorted(record.tags):
         flag = record.tags[tag]
         _str(out, tag)
         _stamp(out, flag.stamp)
         out.append(int(flag.value))
+        _bytes(out, flag.signature)
     _stamp(out, record.deleted.stamp)
     out.append(int(record.deleted.value))
+    _bytes(out, record.deleted.signature)
     fence = record.fence
     _varint(out, len(fence.grants))
     for token in sorted(fence.grants):
@@ -135,7 +146,12 @@ def encode(record: Record) -> bytes:
         _varint(out, len(tokens))
         for token in sorted(tokens):
             _varint(out, token)
+    _varint(out, len(fence.seals))
+    for token in sorted(fence.seals):
+        _varint(out, token)
+        _bytes(out, fence.seals[token])
     _varint(out, fence.moved)
+    _bytes(out, fence.moved_signature)
     return bytes(out)
 
 
@@ -159,6 +175,39 @@ def birth_message(key: str, region: str, birth: Birth) -> bytes:
     _str(out, key)
     _str(out, region)
     _stamp(out, birth.stamp)
+    return bytes(out)
+
+
+def write_message(key: str, kind: str, name: str, register: LWW[str] | LWW[bool]) -> bytes:
+    """The bytes the node admitting a write under a claim signs for one register it
+    wrote: the record key, which register (``kind``: FIELD, TAG or DELETED, and its
+    ``name``; ``""`` for DELETED), its stamp and its value."""
+    out = bytearray(WRITE_MESSAGE)
+    _str(out, key)
+    _str(out, kind)
+    _str(out, name)
+    _stamp(out, register.stamp)
+    if isinstance(register.value, bool):
+        out.append(int(register.value))
+    else:
+        _str(out, register.value)
+    return bytes(out)
+
+
+def end_message(key: str, token: int) -> bytes:
+    """The bytes the node ending ``token``'s claim on ``key`` (releasing it, or
+    recording its lapse) signs."""
+    out = bytearray(END_MESSAGE)
+    _str(out, key)
+    _varint(out, token)
+    return bytes(out)
+
+
+def move_message(key: str, token: int) -> bytes:
+    """The bytes a home signs for moving ``key``'s fence to ``token``."""
+    out = bytearray(MOVE_MESSAGE)
+    _str(out, key)
+    _varint(out, token)
     return bytes(out)
 
 
@@ -252,10 +301,11 @@ def decode(data: bytes) -> Record:
 
 
 def upgrade(data: bytes) -> bytes:
-    """A stored state in the current format: a format-1 or format-2 state is
-    re-encoded (grants unsigned if format 1; the home as the one birth); others
-    are returned as they are. Only storage calls this, when it opens an older
-    file: the wire takes the current format only."""
+    """A stored state in the current format: a state of a legacy format is
+    re-encoded (grants unsigned if format 1; the home as the one birth before
+    format 3; registers unsigned before format 4); others are returned as they
+    are. Only storage calls this, when it opens an older file: the wire takes the
+    current format only."""
     if data[:1] not in (bytes([fmt]) for fmt in LEGACY_FORMATS):
         return data
     return encode(_decode(data, data[0]))
@@ -276,27 +326,39 @@ def _decode(data: bytes, fmt: int) -> Record:
         raise DecodeError("unknown format")
     key = r.str()
     births: dict[str, Birth]
-    if fmt in LEGACY_FORMATS:
+    if fmt < 3:
         births = {}
         if r.bool():
             stamp = r.stamp()
             births[r.str()] = Birth(stamp)
     else:
         births = r.sorted_map(r.str, lambda: Birth(r.stamp(), r.blob()))
-    fields = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str()))
-    tags = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.bool()))
-    deleted = LWW(r.stamp(), r.bool())
+    signed = fmt >= 4
+    fields = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str(), r.blob() if signed else b""))
+    tags = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.bool(), r.blob() if signed else b""))
+    deleted = LWW(r.stamp(), r.bool(), r.blob() if signed else b"")
     grants = r.sorted_map(r.varint, lambda: _grant(r, fmt))
     lease_expiry = r.sorted_map(r.varint, r.varint)
     released = r.sorted_map(r.varint, lambda: None)
     lapsed: dict[int, None] = {}
-    moved = 0
-    if fmt not in LEGACY_FORMATS:
+    seals: dict[int, bytes] = {}
+    moved, moved_signature = 0, b""
+    if fmt >= 3:
         lapsed = r.sorted_map(r.varint, lambda: None)
+        if signed:
+            seals = r.sorted_map(r.varint, r.blob)
         moved = r.varint()
+        if signed:
+            moved_signature = r.blob()
     if r.pos != len(data):
         raise DecodeError("trailing bytes")
-    fence = FenceState(grants, lease_expiry, frozenset(released), frozenset(lapsed), moved)
+    fence = FenceState(
+        grants, lease_expiry, frozenset(released), frozenset(lapsed), moved, seals, moved_signature
+    )
     if any(g.signature for t, g in grants.items() if t != fence.fence):
         raise DecodeError("a signature on a grant that is not the fence")
+    if any(t != fence.fence for t in seals):
+        raise DecodeError("a seal of a token that is not the fence")
+    if moved_signature and not moved:
+        raise DecodeError("a signature of a move that was never made")
     return Record(key, births, fields, tags, deleted, fence)

@@ -14,18 +14,24 @@ Five lattices side by side, each with an obvious join:
 - ``moved``: a max-register, the token the home moved the fence to without
   granting it — past every token either side issued when two births of one
   record meet (docs/consistency.md, *Two births*).
+- ``seals``: token -> the signature of the node that ended that token's claim
+  (released it, or recorded its lapse), merged by maximum; ``moved_signature``,
+  the home's signature of the move, goes with ``moved`` (the larger move's; of
+  one move, the larger signature).
 
 The *fence* is the largest of ``moved`` and every granted token (0 when none);
 it only ever grows. A claim is live when the fence is a granted token, not
 released, not lapsed, and ``now < lease_expiry[fence]`` (SPEC §3).
 
 Only the fence's grant carries a signature (``Grant.signature``, the home's, made
-with its node key: docs/security.md, *Signed grants*). A grant below the fence can
-never become the fence again, so its signature would protect nothing; ``_compact``
-strips it. Stripping after every join is still a join: whether a grant keeps its
-signature depends only on the tokens of the join, and a side's own fence grant
-keeps its signature on that side (tests/test_crdt_laws.py checks the laws with
-signed grants, and with two signatures of one grant).
+with its node key: docs/security.md, *Signed grants*), and only the fence token's
+end a seal (*Signed writes*). A grant below the fence can never become the fence
+again, so its signature would protect nothing; ``_compact`` strips it, and drops
+the seals of tokens below the fence. Stripping after every join is still a join:
+whether a grant keeps its signature (a token its seal) depends only on the tokens
+of the join, and a side's own fence grant keeps its signature on that side
+(tests/test_crdt_laws.py checks the laws with signed grants, and with two
+signatures of one grant).
 
 History is bounded: a state keeps the entries of its ``HISTORY`` largest granted
 tokens and folds away everything below them (``_compact``). Every rule only
@@ -40,7 +46,7 @@ history*; tests/test_crdt_laws.py checks the laws on long claim histories).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from fencemark.node.crdt.lww import merge_maps
@@ -70,16 +76,23 @@ class FenceState:
     released: frozenset[int] = frozenset()
     lapsed: frozenset[int] = frozenset()
     moved: int = 0
+    seals: Mapping[int, bytes] = field(default_factory=dict)
+    moved_signature: bytes = b""
 
     # -- lattice --------------------------------------------------------------
 
     def merge(self, other: FenceState) -> FenceState:
+        moved, moved_signature = max(
+            (self.moved, self.moved_signature), (other.moved, other.moved_signature)
+        )
         return FenceState(
             grants=merge_maps(self.grants, other.grants, max),
             lease_expiry=merge_maps(self.lease_expiry, other.lease_expiry, max),
             released=self.released | other.released,
             lapsed=self.lapsed | other.lapsed,
-            moved=max(self.moved, other.moved),
+            moved=moved,
+            seals=merge_maps(self.seals, other.seals, max),
+            moved_signature=moved_signature,
         )._compact()
 
     def floor(self) -> int:
@@ -90,11 +103,12 @@ class FenceState:
         return sorted(self.grants)[-HISTORY]
 
     def _compact(self) -> FenceState:
-        """Drop the entries of tokens below the ``HISTORY`` latest grants, and the
-        signatures of grants below the fence."""
+        """Drop the entries of tokens below the ``HISTORY`` latest grants, the
+        signatures of grants below the fence and the seals of tokens below it."""
         floor = self.floor()
         fence = self.fence
         stale = any(g.signature for t, g in self.grants.items() if t != fence)
+        stale = stale or any(t != fence for t in self.seals)
         if not floor and not stale:
             return self
         grants = {
@@ -102,14 +116,16 @@ class FenceState:
             for t, g in self.grants.items()
             if t >= floor
         }
+        seals = {t: sig for t, sig in self.seals.items() if t == fence}
         if not floor:
-            return FenceState(grants, self.lease_expiry, self.released, self.lapsed, self.moved)
-        return FenceState(
+            return replace(self, grants=grants, seals=seals)
+        return replace(
+            self,
             grants=grants,
             lease_expiry={t: e for t, e in self.lease_expiry.items() if t >= floor},
             released=frozenset(t for t in self.released if t >= floor),
             lapsed=frozenset(t for t in self.lapsed if t >= floor),
-            moved=self.moved,
+            seals=seals,
         )
 
     # -- value ----------------------------------------------------------------
@@ -122,6 +138,10 @@ class FenceState:
     def holder(self) -> Grant | None:
         """The grant of the current fence token, if any (none once the fence moved)."""
         return self.grants.get(self.fence)
+
+    def ended(self, token: int) -> bool:
+        """Whether ``token``'s claim was released or seen to lapse by its home."""
+        return token in self.released or token in self.lapsed
 
     def unreleased(self) -> bool:
         """Whether the fence is a grant that nobody has released and the home has
@@ -143,12 +163,10 @@ class FenceState:
         if token <= self.fence:
             raise ValueError(f"token {token} is not above the fence {self.fence}")
         # max(): a merge may already have brought a later expiry for this token.
-        return FenceState(
+        return replace(
+            self,
             grants={**self.grants, token: grant},
             lease_expiry={**self.lease_expiry, token: max(expiry_ms, self.expiry(token))},
-            released=self.released,
-            lapsed=self.lapsed,
-            moved=self.moved,
         )._compact()
 
     def signed(self, signature: bytes) -> FenceState:
@@ -161,34 +179,42 @@ class FenceState:
         if signature < holder.signature:
             raise ValueError("a signature smaller than the grant's own would not be an inflation")
         grants = {**self.grants, self.fence: holder._replace(signature=signature)}
-        return FenceState(grants, self.lease_expiry, self.released, self.lapsed, self.moved)
+        return replace(self, grants=grants)
+
+    def sealed(self, signature: bytes) -> FenceState:
+        """The fence token's end (its release or lapse) with ``signature``, of the
+        node that ended it (docs/security.md, *Signed writes*)."""
+        fence = self.fence
+        if not self.ended(fence):
+            raise ValueError(f"token {fence}'s claim has not ended")
+        if signature <= self.seals.get(fence, b""):
+            return self
+        return replace(self, seals={**self.seals, fence: signature})
+
+    def move_signed(self, signature: bytes) -> FenceState:
+        """The move with ``signature``, the home's."""
+        if not self.moved:
+            raise ValueError("the fence was never moved")
+        if signature <= self.moved_signature:
+            return self
+        return replace(self, moved_signature=signature)
 
     def extend(self, token: int, expiry_ms: int) -> FenceState:
         """Move ``token``'s expiry to ``expiry_ms`` unless it is already later."""
         if expiry_ms <= self.expiry(token) or token not in self.grants:
             return self  # (tokens below the floor are folded away with their grants)
-        return FenceState(
-            grants=self.grants,
-            lease_expiry={**self.lease_expiry, token: expiry_ms},
-            released=self.released,
-            lapsed=self.lapsed,
-            moved=self.moved,
-        )
+        return replace(self, lease_expiry={**self.lease_expiry, token: expiry_ms})
 
     def release(self, token: int) -> FenceState:
         if token in self.released or token not in self.grants:
             return self
-        return FenceState(
-            self.grants, self.lease_expiry, self.released | {token}, self.lapsed, self.moved
-        )
+        return replace(self, released=self.released | {token})
 
     def lapse(self, token: int) -> FenceState:
         """Record that ``token``'s lease ran out (the home's decision)."""
         if token in self.lapsed or token not in self.grants:
             return self
-        return FenceState(
-            self.grants, self.lease_expiry, self.released, self.lapsed | {token}, self.moved
-        )
+        return replace(self, lapsed=self.lapsed | {token})
 
     def move(self, token: int) -> FenceState:
         """Move the fence to ``token`` without granting it: every token below is
@@ -196,6 +222,4 @@ class FenceState:
         was signed, keeps its signature only while it is the fence (``_compact``)."""
         if token <= self.moved:
             return self
-        return FenceState(
-            self.grants, self.lease_expiry, self.released, self.lapsed, token
-        )._compact()
+        return replace(self, moved=token, moved_signature=b"")._compact()

@@ -1,8 +1,11 @@
 """Last-writer-wins registers and maps of them.
 
-A register is ``(stamp, value)``; merge keeps the larger pair. Stamps are unique
-per write, so the value only breaks a tie that real writes never produce; it is
-there so that merge stays commutative on any input.
+A register is ``(stamp, value, signature)``; merge keeps the larger triple. Stamps
+are unique per write, so the value only breaks a tie that real writes never
+produce; it is there so that merge stays commutative on any input. The signature
+is the writer's, on a write made under a claim (``b""``: none, the common case;
+docs/security.md, *Signed writes*): of two versions of one write, the signed one
+wins, as with births and grants.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ class LWW(NamedTuple, Generic[V]):
 
     stamp: Stamp
     value: V
+    signature: bytes = b""
 
 
 def merge(a: LWW[V], b: LWW[V]) -> LWW[V]:
-    """The register with the larger ``(stamp, value)``."""
-    return a if (a.stamp, a.value) >= (b.stamp, b.value) else b
+    """The register with the larger ``(stamp, value, signature)``."""
+    return a if (a.stamp, a.value, a.signature) >= (b.stamp, b.value, b.signature) else b
 
 
 def assign(register: LWW[V], value: V, stamp: Stamp) -> LWW[V]:

@@ -8,17 +8,20 @@ old state merged into the new one gives the new one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from fencemark.node.crdt import lww, tagset
 from fencemark.node.crdt.fence import FenceState
 from fencemark.node.crdt.hlc import Stamp
-from fencemark.node.crdt.lww import LWW
+from fencemark.node.crdt.lww import LWW, V
 from fencemark.node.crdt.tagset import TagSet
 
 HOME_TAG_PREFIX = "homeRegion:"
+# What a register is to (``Record.registers``, ``codec.write_message``).
+FIELD, TAG, DELETED = "field", "tag", "deleted"
+Register = LWW[str] | LWW[bool]
 
 
 class Birth(NamedTuple):
@@ -125,6 +128,13 @@ class Record:
         yield from (reg.stamp for reg in self.tags.values())
         yield self.deleted.stamp
 
+    def registers(self) -> Iterator[tuple[str, str, Register]]:
+        """Every register of the record's content, as ``(kind, name, register)``:
+        FIELD and TAG by name, and DELETED (named ``""``)."""
+        yield from ((FIELD, name, reg) for name, reg in self.fields.items())
+        yield from ((TAG, name, reg) for name, reg in self.tags.items())
+        yield DELETED, "", self.deleted
+
     def max_hlc(self) -> int:
         """The largest HLC timestamp anywhere in the state (0 for an empty one)."""
         grants = (grant.granted_hlc for grant in self.fence.grants.values())
@@ -168,6 +178,21 @@ class Record:
         """Empty every field and remove every tag (a delete erases the content)."""
         emptied = self.set_fields({name: "" for name in self.field_values()}, stamp)
         return emptied.remove_tags(tagset.value(self.tags), stamp)
+
+    def with_signed_writes(
+        self, stamp: Stamp, signature: Callable[[str, str, Register], bytes]
+    ) -> Record:
+        """Every register written at ``stamp`` without a signature, signed with
+        ``signature(kind, name, register)`` (docs/security.md, *Signed writes*)."""
+
+        def sign(kind: str, name: str, reg: LWW[V]) -> LWW[V]:
+            if reg.stamp != stamp or reg.signature:
+                return reg
+            return reg._replace(signature=signature(kind, name, reg))
+
+        fields = {name: sign(FIELD, name, reg) for name, reg in self.fields.items()}
+        tags = {name: sign(TAG, name, reg) for name, reg in self.tags.items()}
+        return replace(self, fields=fields, tags=tags, deleted=sign(DELETED, "", self.deleted))
 
     def with_fence(self, fence: FenceState) -> Record:
         return replace(self, fence=fence)
