@@ -84,8 +84,11 @@ class LapseWatcher:
             expiry, key = self._heap[0]
             pause = (expiry + SLACK_MS - clock.wall_ms()) / 1000
             if pause > 0:
+                # Not wait_for: on Python 3.11 it can swallow a cancellation that
+                # arrives with the wake-up, and the watcher would outlive its node.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), pause)
+                    async with asyncio.timeout(pause):
+                        await self._wake.wait()
                 continue
             heapq.heappop(self._heap)
             due = self._due.get(key)
