@@ -472,6 +472,53 @@ async def test_a_file_from_before_signed_grants_is_upgraded_and_its_fences_signe
             assert (await alice.renew_claim(key, token)).renewed
 
 
+@pytest.mark.slow
+async def test_writes_and_ends_made_without_tls_are_signed_at_the_homes_first_tls_start(
+    tmp_path: Path, certs: Path
+) -> None:
+    """A node that ran ``--insecure`` (or a file of format 3) holds writes under a live
+    claim and ends of claims that nobody signed; a TLS node that never merged them
+    would refuse them (``unsigned_write``, ``unsigned_end``). The home signs its own
+    at its first TLS start (``Replica.sign_own``), and they spread like writes."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start_isolated("us")
+        async with AsyncClient(us.address) as plain:
+            held = (await plain.remember("lattice", "backlog", "held")).record.key
+            token = (await plain.claim(held, "alice", lease_seconds=60)).fencing_token
+            await plain.update(held, fields={"body": "halfway"}, fencing_token=token)
+            done = (await plain.remember("lattice", "backlog", "done")).record.key
+            ended = (await plain.claim(done, "alice", lease_seconds=60)).fencing_token
+            await plain.update(done, fields={"body": "finished"}, fencing_token=ended)
+            assert (await plain.release_claim(done, ended)).released
+        unsigned = await state_of(us, held)
+        assert not unsigned.fields["body"].signature
+        assert not (await state_of(us, done)).fence.seals
+        await cluster.stop("us")
+
+        us = await cluster.start("us", tls=files(certs, "us"))
+        us_key = Signer.from_files(files(certs, "us")).key_id
+        assert (await state_of(us, held)).fields["body"].signature[:KEY_ID_SIZE] == us_key
+        assert (await state_of(us, done)).fence.seals[ended][:KEY_ID_SIZE] == us_key
+        eu = await cluster.start("eu", tls=files(certs, "eu"))
+        await wait_converged([us, eu])
+        assert eu.replicator.peer_stats("us").merges_refused == 0
+        assert (await state_of(eu, held)) == (await state_of(us, held))
+        async with client(us, certs) as alice:
+            await alice.update(held, fields={"body": "done"}, fencing_token=token)
+
+        # A TLS node of the version before (format 3, own_states_signed=1) signed its
+        # grants but sealed no end: the seal comes at the first start of this one.
+        await cluster.stop("us")
+        record = await state_of(eu, done)
+        unsealed = record.with_fence(dataclasses.replace(record.fence, seals={}))
+        with sqlite3.connect(us.config.db_path) as db:
+            db.execute("UPDATE records SET state = ? WHERE key = ?", (codec.encode(unsealed), done))
+            db.execute("UPDATE meta SET value = '1' WHERE name = 'own_states_signed'")
+        db.close()
+        us = await cluster.start("us", tls=files(certs, "us"))
+        assert (await state_of(us, done)).fence.seals[ended][:KEY_ID_SIZE] == us_key
+
+
 async def test_a_node_whose_key_cannot_sign_grants_refuses_to_start(
     tmp_path: Path, certs: Path, start_node: StartNode
 ) -> None:

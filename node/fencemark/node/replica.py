@@ -273,6 +273,7 @@ class Replica:
                     and not reg.signature
                 }:
                     signed = signer.sign_writes(signed, stamp)
+            signed = self._sealed(signed)  # an end or a move made unsigned
             return signed, signed is not current
 
         signed, after, page_size = 0, "", 500
