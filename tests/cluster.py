@@ -23,8 +23,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from fencemark.node.process import NodeProcess
-from fencemark.node.server import NodeConfig, NodeServer
+from fencemark.node.api.server import NodeConfig, NodeServer
+from fencemark.node.tools.process import NodeProcess
 
 LOOPBACK = "127.0.0.1"
 FAST_ANTI_ENTROPY = 0.2  # seconds between rounds (jittered): converge quickly in tests

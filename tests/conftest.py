@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from fencemark.client import AsyncClient
-from fencemark.node.server import NodeConfig, NodeServer
+from fencemark.node.api.server import NodeConfig, NodeServer
 from tests import dockerenv
 
 settings.register_profile(

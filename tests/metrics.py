@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
 
 
 def counters(node: NodeServer, name: str, *labels: str) -> dict[tuple[str, ...], float]:

@@ -39,8 +39,8 @@ from hypothesis import strategies as st
 
 from fencemark.node.crdt import HybridClock, Record, Stamp
 from fencemark.node.crdt.fence import HISTORY, Grant
-from fencemark.node.signing import Keyring, Signer
-from fencemark.node.tls import Identity, create_ca, issue
+from fencemark.node.security.signing import Keyring, Signer
+from fencemark.node.security.tls import Identity, create_ca, issue
 
 T = TypeVar("T")
 

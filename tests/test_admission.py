@@ -21,7 +21,10 @@ from hypothesis import strategies as st
 
 from fencemark.client import AsyncClient, ClaimConflict, NotFound, WrongRegion
 from fencemark.client.types import Record as ClientRecord
-from fencemark.node.admission import (
+from fencemark.node.api.server import NodeServer
+from fencemark.node.crdt import FenceState, Grant, Record, Stamp
+from fencemark.node.crdt.hlc import pack
+from fencemark.node.rules.admission import (
     ANYONE,
     RECOVERY_GAP,
     TOKENS_PER_MS_BITS,
@@ -34,12 +37,9 @@ from fencemark.node.admission import (
     token_ceiling,
     token_problem,
 )
-from fencemark.node.crdt import FenceState, Grant, Record, Stamp
-from fencemark.node.crdt.hlc import pack
-from fencemark.node.errors import ClaimConflict as NodeClaimConflict
-from fencemark.node.errors import Reason
-from fencemark.node.integrity import DEFAULT_MAX_TOKEN_JUMP
-from fencemark.node.server import NodeServer
+from fencemark.node.rules.errors import ClaimConflict as NodeClaimConflict
+from fencemark.node.rules.errors import Reason
+from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP
 from fencemark.v1 import records_pb2, records_pb2_grpc
 from tests.conftest import StartNode
 

@@ -1,4 +1,4 @@
-"""The authorization table and the access map file (fencemark.node.authz)."""
+"""The authorization table and the access map file (fencemark.node.api.authz)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.node.admission import Caller
-from fencemark.node.authz import METHOD_RIGHTS, AccessMap, Right, load_access, parse_access
-from fencemark.node.errors import Denial, PermissionDenied
-from fencemark.node.server import SERVICES
-from fencemark.node.tls import Identity
+from fencemark.node.api.authz import METHOD_RIGHTS, AccessMap, Right, load_access, parse_access
+from fencemark.node.api.server import SERVICES
+from fencemark.node.rules.admission import Caller
+from fencemark.node.rules.errors import Denial, PermissionDenied
+from fencemark.node.security.tls import Identity
 
 
 def test_every_method_of_every_service_needs_a_right() -> None:

@@ -33,7 +33,7 @@ from fencemark.client import (
     NotFound,
     Record,
 )
-from fencemark.node.server import NodeConfig, NodeServer
+from fencemark.node.api.server import NodeConfig, NodeServer
 
 REPO, TOPIC = "lattice", "backlog"
 HOLDER = "worker-a"

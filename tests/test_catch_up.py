@@ -20,8 +20,8 @@ import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.client.errors import NotFound, Unavailable
-from fencemark.node.admission import RECOVERY_GAP
-from fencemark.node.process import NodeProcess
+from fencemark.node.rules.admission import RECOVERY_GAP
+from fencemark.node.tools.process import NodeProcess
 from tests.cluster import Cluster, ProcessCluster, all_deciding, eventually, wait_converged
 
 pytestmark = pytest.mark.slow

@@ -24,10 +24,10 @@ import grpc
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict, PermissionDenied, tls_credentials
-from fencemark.node.authz import load_access
+from fencemark.node.api.authz import load_access
+from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import Record, codec
-from fencemark.node.server import NodeServer
-from fencemark.node.tls import init_dir
+from fencemark.node.security.tls import init_dir
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode

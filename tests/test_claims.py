@@ -20,15 +20,15 @@ from fencemark.client import (
     FencemarkError,
     InvalidArgument,
 )
-from fencemark.node.admission import ANYONE, Outcome
-from fencemark.node.claims import Claims
+from fencemark.node.api.server import NodeServer
+from fencemark.node.core.claims import Claims
+from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import HybridClock, Record, Stamp
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import wall_clock_ms
-from fencemark.node.errors import Reason
-from fencemark.node.replica import Replica
-from fencemark.node.server import NodeServer
-from fencemark.node.storage import DB_FILE, Storage
+from fencemark.node.rules.admission import ANYONE, Outcome
+from fencemark.node.rules.errors import Reason
+from fencemark.node.store.storage import DB_FILE, Storage
 from tests.conftest import StartNode
 
 REPO, TOPIC = "claims", "backlog"

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from fencemark.client import AsyncClient, RememberResult
-from fencemark.node.process import NodeProcess
+from fencemark.node.tools.process import NodeProcess
 
 pytestmark = pytest.mark.slow  # every test here spawns subprocesses
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient
-from fencemark.node.cli import build_parser, load_config
-from fencemark.node.cluster import free_port
 from fencemark.node.replication.peers import parse_peers
+from fencemark.node.tools.cli import build_parser, load_config
+from fencemark.node.tools.cluster import free_port
 from tests.cluster import eventually
 from tests.test_cli import clean_env
 
@@ -97,7 +97,7 @@ def test_peers_come_from_flags_env_or_config_in_that_order(
     ],
 )
 def test_a_bad_peer_is_refused_with_a_reason(spec: str, why: str) -> None:
-    from fencemark.node.errors import InvalidInput
+    from fencemark.node.rules.errors import InvalidInput
 
     with pytest.raises(InvalidInput) as refused:
         parse_peers([spec], own_region="us")

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, example, find, given, settings
 from hypothesis import strategies as st
 
-from fencemark.node.admission import token_problem
 from fencemark.node.crdt import (
     LWW,
     Birth,
@@ -31,7 +30,8 @@ from fencemark.node.crdt import (
 from fencemark.node.crdt.codec import FORMAT, upgrade
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import pack
-from fencemark.node.errors import Reason
+from fencemark.node.rules.admission import token_problem
+from fencemark.node.rules.errors import Reason
 from tests.strategies import (
     EPOCH_MS,
     FIELD_NAMES,

@@ -15,7 +15,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fencemark.node.digest_tree import (
+from fencemark.node.store.digest_tree import (
     CHECK_BYTES,
     DEPTH,
     FANOUT,

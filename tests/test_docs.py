@@ -44,8 +44,8 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.node.cluster import free_port
-from fencemark.node.server import NodeConfig, NodeServer
+from fencemark.node.api.server import NodeConfig, NodeServer
+from fencemark.node.tools.cluster import free_port
 from tests.conftest import StartNode
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict, FencemarkError, NotFound
+from fencemark.node.api.server import DB_FILE, NodeServer
 from fencemark.node.crdt import Record
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
-from fencemark.node.process import NodeProcess
-from fencemark.node.server import DB_FILE, NodeServer
-from fencemark.node.storage import Storage
+from fencemark.node.store.storage import Storage
+from fencemark.node.tools.process import NodeProcess
 from tests.conftest import StartNode
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The grant gate (fencemark.node.grant_gate) on a real data file, without peers.
+"""The grant gate (fencemark.node.core.grant_gate) on a real data file, without peers.
 
 The node-level sequences (kill -9, wiped directories, stopped peers) are in
 tests/test_catch_up.py, which spawns processes; these pin the gate's own rules
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.crdt import HybridClock
-from fencemark.node.errors import NotServing
-from fencemark.node.grant_gate import GrantGate
-from fencemark.node.storage import DB_FILE, Storage
+from fencemark.node.rules.errors import NotServing
+from fencemark.node.store.storage import DB_FILE, Storage
 
 
 async def reopened(db: Path) -> GrantGate:

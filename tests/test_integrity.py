@@ -1,4 +1,4 @@
-"""What a node refuses to merge (fencemark.node.integrity), and that it refuses nothing real.
+"""What a node refuses to merge (fencemark.node.rules.integrity), and that it refuses nothing real.
 
 Two halves. Hypothesis runs realistic scenarios — replicas of a key, written and
 gossiped the way nodes do it, with the home region the only one that creates and
@@ -20,11 +20,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fencemark.client import AsyncClient
-from fencemark.node.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.fence import Grant
 from fencemark.node.crdt.hlc import pack
-from fencemark.node.integrity import Bounds, MergeRefused, check
+from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
+from fencemark.node.rules.integrity import Bounds, MergeRefused, check
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster
 from tests.strategies import (

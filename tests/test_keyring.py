@@ -22,14 +22,14 @@ from typing import Any
 import grpc
 import pytest
 
-from fencemark.node.cli import main
+from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import codec
 from fencemark.node.crdt.fence import Grant
 from fencemark.node.replication import signers
-from fencemark.node.revocation import Revocations, read_revoked
-from fencemark.node.server import NodeServer
-from fencemark.node.signing import KEY_ID_SIZE, REVOKED_SIGNER, Keyring, Signer
-from fencemark.node.tls import Identity, init_dir, issue_into
+from fencemark.node.security.revocation import Revocations, read_revoked
+from fencemark.node.security.signing import KEY_ID_SIZE, REVOKED_SIGNER, Keyring, Signer
+from fencemark.node.security.tls import Identity, init_dir, issue_into
+from fencemark.node.tools.cli import main
 from fencemark.v1 import replication_pb2
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.metrics import counters

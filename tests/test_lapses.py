@@ -17,7 +17,7 @@ import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.client.errors import NotFound
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
 from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 
 A caller beyond a bound is refused at once with RESOURCE_EXHAUSTED (and an
 ErrorInfo naming the resource and its limit) instead of queueing without end. No
-class of call can take the slots of another (fencemark.node.budgets): waiting
+class of call can take the slots of another (fencemark.node.api.budgets): waiting
 claims hold none, so health checks, reads and the peers' replication keep answering.
 """
 
@@ -21,8 +21,8 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient, FencemarkError, tls_credentials
-from fencemark.node.server import NodeServer
-from fencemark.node.tls import TlsFiles, init_dir
+from fencemark.node.api.server import NodeServer
+from fencemark.node.security.tls import TlsFiles, init_dir
 from fencemark.v1 import (
     claims_pb2,
     claims_pb2_grpc,

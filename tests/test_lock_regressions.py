@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict, ClaimResult, FencemarkError
-from fencemark.node.process import NodeProcess
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
+from fencemark.node.tools.process import NodeProcess
 from fencemark.v1 import claims_pb2, claims_pb2_grpc
 from tests.cluster import eventually
 from tests.conftest import StartNode

@@ -31,7 +31,7 @@ from fencemark.mcp import (
     create_server,
     open_server,
 )
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
 from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode
 from tests.test_mcp_walkthrough import Outcome, expect_ok, outcome_of

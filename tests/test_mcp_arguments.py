@@ -16,7 +16,7 @@ import pytest
 from mcp import Client
 
 from fencemark.mcp import MUTATING_TOOL_NAMES, READ_TOOL_NAMES
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
 from tests.test_mcp import call, seed, tools_of
 from tests.test_mcp_walkthrough import Outcome, expect_ok
 

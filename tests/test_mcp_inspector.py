@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from fencemark.mcp import MUTATING_TOOL_NAMES, READ_TOOL_NAMES
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
 from tests.conftest import StartNode
 from tests.test_mcp import clean_env, http_server, mcp_command
 from tests.test_mcp_walkthrough import (

@@ -21,7 +21,7 @@ from mcp_types import CallToolResult, TextContent
 
 from fencemark.client import AsyncClient
 from fencemark.mcp import CONFLICT_EXCEPTION, create_server
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
 
 REPO, TOPIC, ID = "lattice", "backlog", "issue-2101"
 KEY = f"repo/{REPO}/mem/{TOPIC}/{ID}"

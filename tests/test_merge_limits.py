@@ -21,10 +21,10 @@ import grpc
 import pytest
 
 from fencemark.client import AsyncClient, tls_credentials
+from fencemark.node.api.server import MAX_RECEIVE_BYTES, NodeServer
 from fencemark.node.crdt import Record, Stamp, codec
-from fencemark.node.server import MAX_RECEIVE_BYTES, NodeServer
-from fencemark.node.tls import TlsFiles, init_dir
-from fencemark.node.validation import MAX_FIELDS, MAX_RECORD_BYTES, MAX_TAGS, MAX_VALUE_BYTES
+from fencemark.node.rules.validation import MAX_FIELDS, MAX_RECORD_BYTES, MAX_TAGS, MAX_VALUE_BYTES
+from fencemark.node.security.tls import TlsFiles, init_dir
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.metrics import counters
@@ -136,7 +136,7 @@ async def test_two_states_within_the_limits_whose_merge_is_not_are_refused(
         second = created.set_fields({f"b{i}": megabyte for i in range(3)}, stamp)
         many = created.set_fields({f"c{i}": "x" for i in range(MAX_FIELDS - 1)}, stamp)
         tagged = created.add_tags([f"t{i}" for i in range(MAX_TAGS)], stamp)
-        with caplog.at_level(logging.WARNING, logger="fencemark.node.replication.service"):
+        with caplog.at_level(logging.WARNING, logger="fencemark.node.replication.intake"):
             for _ in range(2):  # the second time is counted, not logged again
                 assert await push_as_eu(us, certs, second) == 0
             assert await push_as_eu(us, certs, many) == 0  # 3 + 255 fields

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, Record
-from fencemark.node.cluster import LocalCluster
+from fencemark.node.tools.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 REGIONS = ("us", "eu", "ap")

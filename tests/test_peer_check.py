@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, tls_credentials
-from fencemark.node.cli import main
+from fencemark.node.api.server import NodeServer
 from fencemark.node.replication.peer_check import PeerRefused, presented_certificate
-from fencemark.node.server import NodeServer
-from fencemark.node.tls import TlsFiles, init_dir
+from fencemark.node.security.tls import TlsFiles, init_dir
+from fencemark.node.tools.cli import main
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.metrics import counters, refusals
 from tests.test_tls_reload import FAST, install, installed

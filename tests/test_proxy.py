@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from fencemark.client import AsyncClient, Unavailable
-from fencemark.node.proxy import FaultProxy, ProxyMesh
+from fencemark.node.tools.proxy import FaultProxy, ProxyMesh
 from tests.conftest import StartNode
 
 # Generous bounds: they tell "fails fast" from "hangs", not fast from slow.

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, Unavailable
-from fencemark.node import proxy_command
-from fencemark.node.proxy_command import Faults, parse_control, parse_link
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
+from fencemark.node.tools import proxy_command
+from fencemark.node.tools.proxy_command import Faults, parse_control, parse_link
 from tests.dockerenv import free_port
 
 

@@ -21,15 +21,15 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient, ClaimConflict, NotFound, Unavailable, WrongRegion
-from fencemark.node.admission import RECOVERY_GAP
+from fencemark.node.api import replication as replication_service
+from fencemark.node.api.server import CLAIMS_SERVICE, NodeServer
 from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
-from fencemark.node.digest_tree import bucket_of
-from fencemark.node.errors import ClockSkewed
 from fencemark.node.replication import replicator as replicator_module
-from fencemark.node.replication import service as replication_service
 from fencemark.node.replication.replicator import Replicator, RoundResult
-from fencemark.node.server import CLAIMS_SERVICE, NodeServer
+from fencemark.node.rules.admission import RECOVERY_GAP
+from fencemark.node.rules.errors import ClockSkewed
+from fencemark.node.store.digest_tree import bucket_of
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, assert_identical, digests_of, eventually, wait_converged
 
@@ -762,7 +762,7 @@ async def test_a_node_with_a_fast_clock_is_refused_by_its_peers(
     the rounds us refused, a round us starts refuses ap's states, and us still
     replicates its own writes to ap.
     """
-    from fencemark.node import server
+    from fencemark.node.api import server
     from fencemark.node.crdt import HybridClock
 
     def fast_clock(**kwargs: Any) -> HybridClock:

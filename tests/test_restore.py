@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict
-from fencemark.node.admission import RECOVERY_GAP
-from fencemark.node.cli import main
-from fencemark.node.restore import RestoreError, mark_restored
-from fencemark.node.server import NodeServer
-from fencemark.node.storage import DB_FILE
+from fencemark.node.api.server import NodeServer
+from fencemark.node.core.restore import RestoreError, mark_restored
+from fencemark.node.rules.admission import RECOVERY_GAP
+from fencemark.node.store.storage import DB_FILE
+from fencemark.node.tools.cli import main
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.conftest import StartNode
 

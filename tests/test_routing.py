@@ -26,7 +26,7 @@ from fencemark.client import (
     Unavailable,
     WrongRegion,
 )
-from fencemark.node.server import NodeConfig, NodeServer
+from fencemark.node.api.server import NodeConfig, NodeServer
 
 REPO, TOPIC = "routing", "backlog"
 LEASE = 30.0

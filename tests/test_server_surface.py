@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fencemark.client import AsyncClient, ClaimResult, FencemarkError
-from fencemark.node.process import NodeProcess
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
+from fencemark.node.tools.process import NodeProcess
 from tests.conftest import StartNode
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

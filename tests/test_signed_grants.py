@@ -3,7 +3,7 @@
 The threat: a configured peer's node (or its stolen key) holds a valid node
 certificate of its own region and forges a grant naming a record's home, within
 every integrity bound. With TLS the home signs each grant with its node key and
-a merge refuses a fence grant its home did not sign (fencemark.node.signing,
+a merge refuses a fence grant its home did not sign (fencemark.node.security.signing,
 docs/security.md *Signed grants*). Certificates come from ``fencemark certs``
 (``init_dir``/``issue_into``), nodes are the in-process gRPC servers on loopback,
 the hostile peer speaks ``Replication.Push`` with its real certificate.
@@ -23,11 +23,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from fencemark.client import AsyncClient, tls_credentials
+from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import Birth, Record, Stamp, codec
 from fencemark.node.crdt.fence import Grant
-from fencemark.node.server import NodeServer
-from fencemark.node.signing import KEY_ID_SIZE, Keyring, Signer, key_id
-from fencemark.node.tls import Identity, TlsFiles, init_dir, issue_into
+from fencemark.node.security.signing import KEY_ID_SIZE, Keyring, Signer, key_id
+from fencemark.node.security.tls import Identity, TlsFiles, init_dir, issue_into
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.conftest import StartNode

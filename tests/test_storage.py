@@ -18,8 +18,8 @@ import pytest
 
 from fencemark.node.crdt import FenceState, Grant, Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack
-from fencemark.node.digest_tree import DigestTree, bucket_of
-from fencemark.node.storage import Storage
+from fencemark.node.store.digest_tree import DigestTree, bucket_of
+from fencemark.node.store.storage import Storage
 
 NODE = "storage-test"
 BASE_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z

@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fencemark.client import AsyncClient, ClaimConflict
-from fencemark.node.server import NodeServer
-from fencemark.node.telemetry import REQUEST_ID_METADATA
+from fencemark.node.api.server import NodeServer
+from fencemark.node.api.telemetry import REQUEST_ID_METADATA
 from fencemark.v1 import records_pb2, records_pb2_grpc
 from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode

@@ -22,13 +22,13 @@ from cryptography.hazmat.primitives import serialization
 from google.rpc import error_details_pb2, status_pb2
 
 from fencemark.client import AsyncClient, PermissionDenied, Unavailable, tls_credentials
-from fencemark.node.authz import load_access
-from fencemark.node.cli import main
+from fencemark.node.api.authz import load_access
+from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import codec
-from fencemark.node.process import NodeProcess
-from fencemark.node.server import NodeServer
-from fencemark.node.signing import Signer
-from fencemark.node.tls import Identity, TlsFiles, init_dir
+from fencemark.node.security.signing import Signer
+from fencemark.node.security.tls import Identity, TlsFiles, init_dir
+from fencemark.node.tools.cli import main
+from fencemark.node.tools.process import NodeProcess
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, wait_converged
 from tests.conftest import StartNode

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fencemark.client import AsyncClient, PermissionDenied
-from fencemark.node.tls import TlsFiles, init_dir
+from fencemark.node.security.tls import TlsFiles, init_dir
 from tests.conftest import StartNode
 from tests.test_tls import a_state, error_info, knowing_eu, push
 

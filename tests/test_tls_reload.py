@@ -18,10 +18,10 @@ import grpc
 import pytest
 
 from fencemark.client import AsyncClient, PermissionDenied, Unavailable, tls_credentials
-from fencemark.node.cli import main
-from fencemark.node.process import NodeProcess
-from fencemark.node.server import NodeServer
-from fencemark.node.tls import TlsFiles, init_dir
+from fencemark.node.api.server import NodeServer
+from fencemark.node.security.tls import TlsFiles, init_dir
+from fencemark.node.tools.cli import main
+from fencemark.node.tools.process import NodeProcess
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.conftest import StartNode
 from tests.metrics import refusals

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from fencemark.node.api.server import NodeServer
 from fencemark.node.replication.peer_check import presented_certificate
-from fencemark.node.server import NodeServer
-from fencemark.node.tls import TlsFiles, init_dir
+from fencemark.node.security.tls import TlsFiles, init_dir
 from tests.conftest import StartNode
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict
-from fencemark.node.admission import token_ceiling
+from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import Grant
-from fencemark.node.integrity import Bounds
-from fencemark.node.server import NodeServer
+from fencemark.node.rules.admission import token_ceiling
+from fencemark.node.rules.integrity import Bounds
 from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.client.walkthrough import run_walkthrough
-from fencemark.node.server import NodeServer
+from fencemark.node.api.server import NodeServer
 
 KEY = "repo/lattice/mem/backlog/issue-2101"
 TAGS = [

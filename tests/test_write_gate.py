@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from fencemark.client import AsyncClient, Unimplemented
-from fencemark.node.cli import build_parser
+from fencemark.node.tools.cli import build_parser
 from tests.conftest import StartNode
 
 REPO, TOPIC, ID = "gate", "backlog", "item-1"

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fencemark.client import Record
-from fencemark.node.workload import Event, History
+from fencemark.node.tools.workload import Event, History
 from tests.chaos.claim_invariants import (
     Verdict,
     fenced_writes_survive,

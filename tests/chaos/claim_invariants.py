@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fencemark.client import Record
-from fencemark.node.workload import Event, History
+from fencemark.node.tools.workload import Event, History
 from tests.chaos.claims import (
     CLOCK_SLACK_S,
     FENCED_WRITES,

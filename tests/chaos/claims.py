@@ -35,7 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fencemark.node.workload import Event, History
+from fencemark.node.tools.workload import Event, History
 from tests.chaos.nemesis import DISK_LOSSES, PARTITIONS, Played
 from tests.chaos.shapes import SPLIT_MEET_LIMIT_S, SPLIT_TOPIC
 

@@ -23,11 +23,11 @@ from collections.abc import Callable
 import grpc
 
 from fencemark.client import AsyncClient, FencemarkError
-from fencemark.node.admission import token_ceiling
 from fencemark.node.crdt import Grant, Record, Stamp, codec
 from fencemark.node.crdt.hlc import wall_clock_ms
-from fencemark.node.integrity import DEFAULT_MAX_TOKEN_JUMP
-from fencemark.node.workload import REPO, TOPIC
+from fencemark.node.rules.admission import token_ceiling
+from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP
+from fencemark.node.tools.workload import REPO, TOPIC
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 PER_FAULT = 3  # records forged against per fault

@@ -24,8 +24,8 @@ from typing import Protocol
 from docker.errors import DockerException
 
 from fencemark.client import AsyncClient, FencemarkError
-from fencemark.node.proxy import ProxyMesh
-from fencemark.node.workload import Agent
+from fencemark.node.tools.proxy import ProxyMesh
+from fencemark.node.tools.workload import Agent
 from tests.chaos.cluster import ChaosCluster
 from tests.chaos.forger import forge_against
 

@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # files only, no display
 
 from matplotlib import pyplot
 
-from fencemark.node.workload import History
+from fencemark.node.tools.workload import History
 from tests.chaos.checker import Verdict
 from tests.chaos.nemesis import Played
 from tests.chaos.workload import Sample

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from fencemark.client import AsyncClient, ClaimResult, FencemarkError, RenewResult
-from fencemark.node.workload import REPO, TOPIC, Event, grant_of, recorded
+from fencemark.node.tools.workload import REPO, TOPIC, Event, grant_of, recorded
 from tests.chaos.workload import (
     AGENT_STEPS,
     CALL_TIMEOUT_S,

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, FencemarkError, Record
-from fencemark.node.proxy import ProxyMesh
-from fencemark.node.workload import History
+from fencemark.node.tools.proxy import ProxyMesh
+from fencemark.node.tools.workload import History
 from tests.chaos import report
 from tests.chaos.checker import CONVERGE_ROUNDS, Convergence, check
 from tests.chaos.cluster import ChaosCluster

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from fencemark.client import Record
-from fencemark.node.workload import Event, History
+from fencemark.node.tools.workload import Event, History
 from tests.chaos.checker import (
     CONVERGE_ROUNDS,
     DISK_LOSS_GRACE_S,

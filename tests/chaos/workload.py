@@ -1,6 +1,6 @@
 """What runs against the chaos cluster while the nemesis breaks it, and what it records.
 
-- Agents (``fencemark.node.workload.Agent``), several per region: claim a todo
+- Agents (``fencemark.node.tools.workload.Agent``), several per region: claim a todo
   item (routed to its home region), write fenced progress (each write to a
   field of its own), renew, finish, release. A region's agents reach their own
   node directly and other regions through a host-side :class:`ProxyMesh`, which
@@ -39,8 +39,8 @@ from fencemark.client import (
     Record,
     Unavailable,
 )
-from fencemark.node.proxy import ProxyMesh
-from fencemark.node.workload import REPO, TAG, TOPIC, Agent, Event, History
+from fencemark.node.tools.proxy import ProxyMesh
+from fencemark.node.tools.workload import REPO, TAG, TOPIC, Agent, Event, History
 
 NOTES_TOPIC = "notes"
 CALL_TIMEOUT_S = 2.0  # an agent's deadline per call: no call of theirs hangs longer

@@ -34,10 +34,10 @@ from fencemark.bench.results import ScenarioResult, Settings, Table, at_least, a
 from fencemark.bench.seed import copy_replica, seed, seed_key
 from fencemark.bench.stats import median
 from fencemark.client import AsyncClient
-from fencemark.node.cluster import LocalCluster, free_port
-from fencemark.node.digest_tree import CHECK_BYTES
-from fencemark.node.proxy import FaultProxy, ProxyMesh
-from fencemark.node.server import NodeConfig, NodeServer
+from fencemark.node.api.server import NodeConfig, NodeServer
+from fencemark.node.store.digest_tree import CHECK_BYTES
+from fencemark.node.tools.cluster import LocalCluster, free_port
+from fencemark.node.tools.proxy import FaultProxy, ProxyMesh
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 REGIONS = ("us", "eu", "ap")

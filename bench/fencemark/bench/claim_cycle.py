@@ -19,7 +19,7 @@ from fencemark.bench.matrix import summary as summarise
 from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Table, at_least, at_most, fmt
 from fencemark.bench.servers import start_etcd, start_redis
-from fencemark.node.process import NodeProcess
+from fencemark.node.tools.process import NodeProcess
 
 CYCLE_CALLS = ("claim", "write", "release")
 

@@ -20,7 +20,7 @@ from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Table, at_most, fmt
 from fencemark.bench.seed import copy_replica, file_stats, seed_key
 from fencemark.client import AsyncClient
-from fencemark.node.process import NodeProcess
+from fencemark.node.tools.process import NodeProcess
 
 MIB = 1 << 20
 CLIENTS = 16

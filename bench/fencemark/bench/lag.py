@@ -27,7 +27,7 @@ from fencemark.bench.records import REPO, typical_tags
 from fencemark.bench.results import ScenarioResult, Settings, Table, at_most, fmt
 from fencemark.bench.stats import median, percentile
 from fencemark.client import AsyncClient, FencemarkError
-from fencemark.node.cluster import LocalCluster
+from fencemark.node.tools.cluster import LocalCluster
 
 REGIONS = ("us", "eu", "ap")
 BACKGROUND_RECORDS = 64

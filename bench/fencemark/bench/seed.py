@@ -16,11 +16,11 @@ import sqlite3
 from pathlib import Path
 
 from fencemark.bench.records import REPO, record_id, typical_fields, typical_tags
-from fencemark.node.admission import ANYONE
+from fencemark.node.api.server import DB_FILE
+from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import HybridClock
-from fencemark.node.replica import Replica
-from fencemark.node.server import DB_FILE
-from fencemark.node.storage import Storage
+from fencemark.node.rules.admission import ANYONE
+from fencemark.node.store.storage import Storage
 
 TOPIC = "seed"
 CHUNK = 1024  # concurrent remembers: they share group commits

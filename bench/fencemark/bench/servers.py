@@ -13,7 +13,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from fencemark.node.cluster import free_port
+from fencemark.node.tools.cluster import free_port
 
 STARTUP_TIMEOUT_S = 30.0
 ETCD_PACKAGE, REDIS_PACKAGE = "etcd-server", "redis-server"

@@ -1,5 +1,5 @@
 """``python -m fencemark.node`` is the ``fencemark`` command."""
 
-from fencemark.node.cli import main
+from fencemark.node.tools.cli import main
 
 raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Which certificate a peer's address presents, checked before replicating with it.
 
-The node serving a call refuses a revoked caller (``fencemark.node.authz``), but
+The node serving a call refuses a revoked caller (``fencemark.node.api.authz``), but
 gRPC's Python client does not show the caller the *server's* certificate, so
 without this module a node would keep pulling from, and pushing to, a peer whose
 certificate is on its CRL. :class:`PeerCheck` closes that gap from the calling
@@ -10,7 +10,7 @@ library's ``ssl`` module (this node's own certificate, the CA bundle, ALPN
 blocks), reads the certificate the peer presents and checks it:
 
 - against the node's revocation list in use (``LiveTls.revocations``, the CRL
-  ``fencemark.node.revocation`` reads): ``revoked_certificate``;
+  ``fencemark.node.security.revocation`` reads): ``revoked_certificate``;
 - for the identity of that peer's region, as the Replication servicer checks a
   caller's: another region's node certificate is ``region_mismatch``, one that is
   no node's ``unauthenticated_peer``.
@@ -48,11 +48,11 @@ from pathlib import Path
 import grpc
 from cryptography import x509
 
-from fencemark.node.errors import Denial
 from fencemark.node.replication.peers import PeerStats
-from fencemark.node.revocation import CRL_FILE, Revoked, certificate_refusal
-from fencemark.node.tls import Identity, identities_of
-from fencemark.node.tls_reload import LiveTls
+from fencemark.node.rules.errors import Denial
+from fencemark.node.security.revocation import CRL_FILE, Revoked, certificate_refusal
+from fencemark.node.security.tls import Identity, identities_of
+from fencemark.node.security.tls_reload import LiveTls
 
 __all__ = [
     "PROBE_TIMEOUT_S",

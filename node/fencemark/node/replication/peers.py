@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from fencemark.node import validation
-from fencemark.node.errors import InvalidInput
+from fencemark.node.rules import validation
+from fencemark.node.rules.errors import InvalidInput
 
 # Refused states remembered per peer, by key (the oldest is forgotten first).
 MAX_REFUSED_KEYS = 10_000
@@ -68,7 +68,7 @@ class PeerStats:
     # denial (revoked_certificate, region_mismatch, ...; replication.peer_check).
     certificate_refusals: dict[str, int] = field(default_factory=dict)
     # How this node reaches the peer: mutual TLS with its own certificate
-    # (fencemark.node.tls), or None for plaintext (--insecure).
+    # (fencemark.node.security.tls), or None for plaintext (--insecure).
     credentials: grpc.ChannelCredentials | None = None
 
     def __post_init__(self) -> None:

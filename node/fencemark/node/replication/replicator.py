@@ -36,13 +36,8 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from fencemark.node.digest_tree import CHECK_BYTES, DEPTH, FANOUT, children, leaf_range
-from fencemark.node.errors import ClockSkewed
-from fencemark.node.integrity import MergeRefused
-from fencemark.node.replica import Replica
-from fencemark.node.replication.peer_check import PeerCheck
-from fencemark.node.replication.peers import PeerStats
-from fencemark.node.replication.service import (
+from fencemark.node.core.replica import Replica
+from fencemark.node.replication.intake import (
     MAX_BATCH_BYTES,
     MAX_LIST_NODES,
     MAX_LIST_RECORDS,
@@ -52,9 +47,14 @@ from fencemark.node.replication.service import (
     merge_all,
     too_large,
 )
-from fencemark.node.tls import peer_channel, retire_channel
-from fencemark.node.tls_reload import LiveTls
-from fencemark.node.validation import MAX_RECORD_BYTES, OVER_LIMIT
+from fencemark.node.replication.peer_check import PeerCheck
+from fencemark.node.replication.peers import PeerStats
+from fencemark.node.rules.errors import ClockSkewed
+from fencemark.node.rules.integrity import MergeRefused
+from fencemark.node.rules.validation import MAX_RECORD_BYTES, OVER_LIMIT
+from fencemark.node.security.tls import peer_channel, retire_channel
+from fencemark.node.security.tls_reload import LiveTls
+from fencemark.node.store.digest_tree import CHECK_BYTES, DEPTH, FANOUT, children, leaf_range
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -418,7 +418,7 @@ class Replicator:
 
     async def _caught_up(self, synced: set[str]) -> None:
         """Every peer has given one complete round: this node has seen every grant its
-        peers hold (fencemark.node.grant_gate). A peer that stays unreachable keeps
+        peers hold (fencemark.node.core.grant_gate). A peer that stays unreachable keeps
         the node from deciding; removing it from ``--peer`` is the operator's way to
         say it is gone for good (docs/operations.md, *A node that lost its disk*)."""
         self.catching_up = False

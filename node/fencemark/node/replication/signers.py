@@ -29,11 +29,11 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import Record
-from fencemark.node.replica import Replica
 from fencemark.node.replication.peers import PeerStats
-from fencemark.node.signing import META_PREFIX, Keyring
-from fencemark.node.tls import peer_channel
+from fencemark.node.security.signing import META_PREFIX, Keyring
+from fencemark.node.security.tls import peer_channel
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -16,11 +16,15 @@ from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from fencemark.node import __version__, validation
-from fencemark.node.admission import ANYONE, Caller, Outcome
-from fencemark.node.claims import Claims
+from fencemark.node import __version__
+from fencemark.node.api.telemetry import note_refusal
+from fencemark.node.core.claims import Claims
+from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import hlc
-from fencemark.node.errors import (
+from fencemark.node.replication.peers import PeerStats
+from fencemark.node.rules import validation
+from fencemark.node.rules.admission import ANYONE, Caller, Outcome
+from fencemark.node.rules.errors import (
     ClaimConflict,
     ClockSkewed,
     Exhausted,
@@ -31,11 +35,8 @@ from fencemark.node.errors import (
     PermissionDenied,
     WrongRegion,
 )
-from fencemark.node.replica import Replica
-from fencemark.node.replication.peers import PeerStats
-from fencemark.node.storage import Stored
-from fencemark.node.telemetry import note_refusal
-from fencemark.node.tls import peer_identity
+from fencemark.node.security.tls import peer_identity
+from fencemark.node.store.storage import Stored
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
 if TYPE_CHECKING:
@@ -290,7 +291,7 @@ class ClaimsService:
         self.claims = claims
         self.caller_of = caller_of
         # Called as a claim joins the line: its call leaves the call budget
-        # (fencemark.node.budgets.give_back).
+        # (fencemark.node.api.budgets.give_back).
         self.on_wait = on_wait
 
     @refusals

@@ -114,7 +114,7 @@ class Exhausted(FencemarkError):
 
 
 class Denial(StrEnum):
-    """Why a caller was refused PERMISSION_DENIED (``fencemark.node.authz``, replication)."""
+    """Why a caller was refused PERMISSION_DENIED (``fencemark.node.api.authz``, replication)."""
 
     # The certificate (verified against the cluster CA) names no fencemark:// identity.
     NO_IDENTITY = "no_identity"

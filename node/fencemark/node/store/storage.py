@@ -31,7 +31,7 @@ from typing import NamedTuple, TypeVar
 import aiosqlite
 
 from fencemark.node.crdt import Record, codec
-from fencemark.node.digest_tree import DigestTree, bucket_of
+from fencemark.node.store.digest_tree import DigestTree, bucket_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -383,7 +383,7 @@ def _open_writer(writer: _Writer, path: Path) -> dict[str, str]:
         conn.execute("INSERT INTO meta VALUES ('node_id', ?)", (meta["node_id"],))
     if "catch_up" not in meta:
         # A new (or emptied) file owes a catch-up with the peers before its node
-        # decides anything (fencemark.node.grant_gate); a file of an earlier
+        # decides anything (fencemark.node.core.grant_gate); a file of an earlier
         # version that holds records has decided before.
         empty = conn.execute("SELECT NOT EXISTS (SELECT 1 FROM records)").fetchone()[0]
         meta["catch_up"] = "owed" if empty else "done"

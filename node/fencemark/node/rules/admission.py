@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from fencemark.node.crdt import FenceState, Grant, Record
 from fencemark.node.crdt.hlc import physical_ms
-from fencemark.node.errors import ACT_FOR_OTHERS, ClaimConflict, Denial, PermissionDenied, Reason
+from fencemark.node.rules.errors import (
+    ACT_FOR_OTHERS,
+    ClaimConflict,
+    Denial,
+    PermissionDenied,
+    Reason,
+)
 
 # A node that lost its disk grants its first token of each record this far above
 # the fence it caught up to (docs/replication.md, catch-up): a grant of its

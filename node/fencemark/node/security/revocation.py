@@ -4,7 +4,7 @@
 X.509 CRL signed by the CA in the same directory (the standard format, so
 ``openssl crl -in crl.pem -text`` reads it and other tools can write it). A node
 reads ``crl.pem`` from its ``--tls-dir`` at start and again whenever the file
-changes (``fencemark.node.tls_reload``); each CRL in it must be signed by a CA of
+changes (``fencemark.node.security.tls_reload``); each CRL in it must be signed by a CA of
 the node's ``ca.pem``, or the node refuses it (at start: refuses to start).
 
 Revocation names a *certificate* (issuer and serial), not an identity: a client
@@ -31,8 +31,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from fencemark.node.errors import Denial, PermissionDenied
-from fencemark.node.tls import CA_CERT, CA_DAYS, CA_KEY, identities_of
+from fencemark.node.rules.errors import Denial, PermissionDenied
+from fencemark.node.security.tls import CA_CERT, CA_DAYS, CA_KEY, identities_of
 
 __all__ = ["CRL_FILE", "Revocations", "certificate_refusal", "read_revoked", "revoke"]
 

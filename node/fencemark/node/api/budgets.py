@@ -29,10 +29,10 @@ from typing import Any
 
 import grpc
 
-from fencemark.node.errors import Exhausted
-from fencemark.node.interceptor import Continuation
-from fencemark.node.service import refuse
-from fencemark.node.telemetry import NodeMetrics
+from fencemark.node.api.interceptor import Continuation
+from fencemark.node.api.service import refuse
+from fencemark.node.api.telemetry import NodeMetrics
+from fencemark.node.rules.errors import Exhausted
 
 CLASSES = ("read", "write", "replication", "health")
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from fencemark.node.crdt import Record, tagset
-from fencemark.node.errors import InvalidInput
+from fencemark.node.rules.errors import InvalidInput
 
 SEGMENT = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 KEY = re.compile(
@@ -33,7 +33,7 @@ MAX_WAIT_S = 300.0
 MAX_RECORD_BYTES = 4 << 20
 MAX_PAGE_SIZE, DEFAULT_PAGE_SIZE = 1000, 100
 HOME_TAG_PREFIX = "homeRegion:"
-# The merge refusal of a state outside these limits (fencemark.node.integrity.MergeRefused).
+# The merge refusal of a state outside these limits (fencemark.node.rules.integrity.MergeRefused).
 OVER_LIMIT = "over_limit"
 
 

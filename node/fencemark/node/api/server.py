@@ -29,32 +29,34 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from fencemark.node.authz import DEFAULT_ACCESS, AccessMap, Authorize, caller_of
-from fencemark.node.budgets import CallBudgets, Limits, give_back
-from fencemark.node.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT, Claims
-from fencemark.node.crdt import HybridClock
-from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
-from fencemark.node.errors import InvalidInput
-from fencemark.node.integrity import DEFAULT_MAX_TOKEN_JUMP, Bounds
-from fencemark.node.lapses import LapseWatcher
-from fencemark.node.replica import Replica
-from fencemark.node.replication.peers import stats_for
-from fencemark.node.replication.replicator import Replicator
-from fencemark.node.replication.service import ReplicationService
-from fencemark.node.replication.signers import load_keyring, persist
-from fencemark.node.service import (
+from fencemark.node.api.authz import DEFAULT_ACCESS, AccessMap, Authorize, caller_of
+from fencemark.node.api.budgets import CallBudgets, Limits, give_back
+from fencemark.node.api.replication import ReplicationService
+from fencemark.node.api.service import (
     ClaimsService,
     NodeService,
     RecordsService,
     anyone,
     refuse,
 )
-from fencemark.node.signing import Keyring, Signer
-from fencemark.node.storage import DB_FILE as DB_FILE  # re-exported: where a node keeps its file
-from fencemark.node.storage import Storage
-from fencemark.node.telemetry import NodeMetrics, Telemetry
-from fencemark.node.tls import Identity, TlsFiles
-from fencemark.node.tls_reload import LiveTls
+from fencemark.node.api.telemetry import NodeMetrics, Telemetry
+from fencemark.node.core.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT, Claims
+from fencemark.node.core.lapses import LapseWatcher
+from fencemark.node.core.replica import Replica
+from fencemark.node.crdt import HybridClock
+from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
+from fencemark.node.replication.peers import stats_for
+from fencemark.node.replication.replicator import Replicator
+from fencemark.node.replication.signers import load_keyring, persist
+from fencemark.node.rules.errors import InvalidInput
+from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP, Bounds
+from fencemark.node.security.signing import Keyring, Signer
+from fencemark.node.security.tls import Identity, TlsFiles
+from fencemark.node.security.tls_reload import LiveTls
+from fencemark.node.store.storage import (
+    DB_FILE as DB_FILE,  # re-exported: where a node keeps its file
+)
+from fencemark.node.store.storage import Storage
 from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
@@ -98,8 +100,8 @@ class NodeConfig:
     anti_entropy_interval: float = 1.0
     metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" serves none
     # Floods: calls in flight beyond their class's budget are refused
-    # RESOURCE_EXHAUSTED (fencemark.node.budgets); claims waiting in line hold no
-    # call slot and are bounded in all and per client (fencemark.node.claims).
+    # RESOURCE_EXHAUSTED (fencemark.node.api.budgets); claims waiting in line hold no
+    # call slot and are bounded in all and per client (fencemark.node.core.claims).
     max_concurrent_reads: int = Limits.read
     max_concurrent_writes: int = Limits.write
     max_concurrent_replication: int = Limits.replication
@@ -115,7 +117,7 @@ class NodeConfig:
     # With tls: which client identity may do what (None: authz.DEFAULT_ACCESS).
     access: AccessMap | None = None
     # With tls: seconds between looks at the TLS files (renewed certificates, CA
-    # bundle, crl.pem; fencemark.node.tls_reload); 0 reloads on SIGHUP only.
+    # bundle, crl.pem; fencemark.node.security.tls_reload); 0 reloads on SIGHUP only.
     tls_reload_interval: float = 5.0
 
     @property
@@ -138,7 +140,7 @@ def is_read(method: descriptor.MethodDescriptor) -> bool:
 
 
 def call_classes() -> dict[str, str]:
-    """Each fencemark.v1 method's class of call budget (fencemark.node.budgets)."""
+    """Each fencemark.v1 method's class of call budget (fencemark.node.api.budgets)."""
     classes = {}
     for service in SERVICES:
         for method in service.methods:
@@ -278,7 +280,7 @@ class NodeServer:
             if keyring is not None:
                 tls.on_renewed(functools.partial(_renew_signer, replica, keyring))
         # A node on a new, emptied or restored data directory decides nothing
-        # before a complete pass with every peer (fencemark.node.grant_gate).
+        # before a complete pass with every peer (fencemark.node.core.grant_gate).
         if not peers:
             await replica.gate.caught_up()  # nobody to learn from
         catching_up = replica.gate.owed
@@ -307,7 +309,7 @@ class NodeServer:
         if tls is not None:
             interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
         # Per class, not gRPC's maximum_concurrent_rpcs: one pool let waiting claims
-        # starve health checks and the peers' replication (fencemark.node.budgets).
+        # starve health checks and the peers' replication (fencemark.node.api.budgets).
         interceptors.append(CallBudgets(config.call_limits, call_classes(), metrics))
         server = grpc.aio.server(
             interceptors=interceptors,

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from fencemark.client import AsyncClient, FencemarkError, Record
-from fencemark.node.cluster import LocalCluster
-from fencemark.node.workload import REPO, TOPIC, Agent, Check, History, check_history, seed
+from fencemark.node.tools.cluster import LocalCluster
+from fencemark.node.tools.workload import REPO, TOPIC, Agent, Check, History, check_history, seed
 
 Out = Callable[[str], None]
 

@@ -1,7 +1,7 @@
 """Authorization: which identity may call which method.
 
 Only on a node that serves TLS (``--tls-dir``): there every caller has
-presented a certificate of the cluster CA, and :func:`fencemark.node.tls.peer_identity`
+presented a certificate of the cluster CA, and :func:`fencemark.node.security.tls.peer_identity`
 says who it is. Each ``fencemark.v1`` method needs one :class:`Right`
 (:data:`METHOD_RIGHTS`, the one table); an identity holds a set of rights:
 
@@ -36,13 +36,13 @@ from typing import Any
 
 import grpc
 
-from fencemark.node.admission import Caller
-from fencemark.node.errors import ACT_FOR_OTHERS as ACTING_FOR_OTHERS
-from fencemark.node.errors import Denial, PermissionDenied
-from fencemark.node.interceptor import Handler, UnaryInterceptor
-from fencemark.node.revocation import Revocations
-from fencemark.node.service import refuse
-from fencemark.node.tls import Identity, check_name, peer_identity
+from fencemark.node.api.interceptor import Handler, UnaryInterceptor
+from fencemark.node.api.service import refuse
+from fencemark.node.rules.admission import Caller
+from fencemark.node.rules.errors import ACT_FOR_OTHERS as ACTING_FOR_OTHERS
+from fencemark.node.rules.errors import Denial, PermissionDenied
+from fencemark.node.security.revocation import Revocations
+from fencemark.node.security.tls import Identity, check_name, peer_identity
 
 __all__ = [
     "DEFAULT_ACCESS",
@@ -201,7 +201,7 @@ class Authorize(UnaryInterceptor):
 
     def __init__(self, access: AccessMap, revocations: Revocations | None = None) -> None:
         self.access = access
-        # The CRL (fencemark.node.revocation), reloaded in place when crl.pem changes.
+        # The CRL (fencemark.node.security.revocation), reloaded in place when crl.pem changes.
         self.revocations = revocations or Revocations()
 
     def wrap(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fencemark.node.crdt import codec
-from fencemark.node.storage import DB_FILE
+from fencemark.node.store.storage import DB_FILE
 
 COMPANIONS = ("-wal", "-shm", "-journal")
 

@@ -22,7 +22,7 @@ import contextlib
 import heapq
 import logging
 
-from fencemark.node.replica import Replica
+from fencemark.node.core.replica import Replica
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from fencemark.node import integrity, validation
-from fencemark.node.admission import Caller, admit_write, lapse_due, split_tokens
+from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
-from fencemark.node.errors import InvalidInput, NotFound, WrongRegion
-from fencemark.node.grant_gate import GrantGate
-from fencemark.node.signing import Keyring, Signer
-from fencemark.node.storage import Storage, Stored
+from fencemark.node.rules import integrity, validation
+from fencemark.node.rules.admission import Caller, admit_write, lapse_due, split_tokens
+from fencemark.node.rules.errors import InvalidInput, NotFound, WrongRegion
+from fencemark.node.security.signing import Keyring, Signer
+from fencemark.node.store.storage import Storage, Stored
 
 T = TypeVar("T")
 MAX_PAGE_BYTES = validation.MAX_RECORD_BYTES  # a page stops early rather than exceed this
@@ -65,10 +65,10 @@ class Replica:
         self._lease_listeners: list[Callable[[str, int], None]] = []
         # Whether this node may decide yet (catch-up after a new or lost disk).
         self.gate = GrantGate(storage, clock)
-        # What merges may bring (fencemark.node.integrity); the server sets the token bound.
+        # What merges may bring (fencemark.node.rules.integrity); the server sets the token bound.
         self.bounds = integrity.Bounds(max_offset_ms=clock.max_offset_ms)
         # With TLS (the server sets both): this node signs the grants it makes, and
-        # merges verify the home's signature on fence grants (fencemark.node.signing).
+        # merges verify the home's signature on fence grants (fencemark.node.security.signing).
         self.signer: Signer | None = None
         self.keyring: Keyring | None = None
 
@@ -108,7 +108,7 @@ class Replica:
         written) and whatever ``change`` returned beside the new record. ``local``
         is False for merges of remote states, which are not pushed on again and
         whose result must be within the limits of a client write
-        (:class:`~fencemark.node.integrity.MergeRefused`, ``over_limit``, if not).
+        (:class:`~fencemark.node.rules.integrity.MergeRefused`, ``over_limit``, if not).
         ``known`` is a record with its canonical encoding: should the new record
         equal it, that encoding is stored instead of encoding again.
         """
@@ -148,7 +148,7 @@ class Replica:
         ``state`` is the remote record's canonical encoding, when the caller has it.
 
         A state that fails :func:`integrity.check` is not merged at all: it raises
-        :class:`~fencemark.node.integrity.MergeRefused` and nothing is written.
+        :class:`~fencemark.node.rules.integrity.MergeRefused` and nothing is written.
         The caller has checked the remote stamps (``clock.check``); receiving
         them advances the local clock past every stamp in the state, so a later
         local write always wins over what was merged (SPEC §3).

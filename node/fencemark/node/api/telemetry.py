@@ -31,15 +31,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fencemark.node.interceptor import Handler, UnaryInterceptor
+from fencemark.node.api.interceptor import Handler, UnaryInterceptor
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from fencemark.node.claims import Claims
-    from fencemark.node.replica import Replica
+    from fencemark.node.core.claims import Claims
+    from fencemark.node.core.replica import Replica
     from fencemark.node.replication.peers import PeerStats
-    from fencemark.node.tls_reload import LiveTls
+    from fencemark.node.security.tls_reload import LiveTls
 
 REQUEST_ID_METADATA = "x-request-id"
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
@@ -93,7 +93,7 @@ class NodeMetrics:
         )  # fmt: skip
         self.build = Gauge("fencemark_node_info", "This node: region and version (always 1)",
                            ["region", "version"], registry=r)  # fmt: skip
-        # Call budgets per class (fencemark.node.budgets).
+        # Call budgets per class (fencemark.node.api.budgets).
         self.budget = Gauge(
             "fencemark_rpc_budget", "Calls in flight allowed per class of call", ["class"],
             registry=r,
@@ -121,7 +121,7 @@ class NodeMetrics:
         self.registry.register(_StateCollector(replica, claims, peers))
 
     def watch_tls(self, tls: LiveTls) -> None:
-        """Report the TLS reloads and the revocation list (fencemark.node.tls_reload)."""
+        """Report the TLS reloads and the revocation list (fencemark.node.security.tls_reload)."""
         self.registry.register(_TlsCollector(tls))
 
     def serve(self, listen: str) -> Callable[[], None]:

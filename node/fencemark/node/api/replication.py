@@ -8,16 +8,31 @@ once every merged state is durable. Exchanges from a clock beyond
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
-from fencemark.node import validation
-from fencemark.node.crdt import ClockSkew, Record, codec
-from fencemark.node.digest_tree import (
+from fencemark.node.api.service import refusals
+from fencemark.node.core.replica import Replica
+from fencemark.node.replication.intake import (
+    MAX_BATCH_BYTES,
+    MAX_LIST_NODES,
+    MAX_LIST_RECORDS,
+    MAX_STATES,
+    MAX_TREE_PARENTS,
+    check_clock,
+    decode_states,
+    merge_all,
+    too_large,
+)
+from fencemark.node.replication.peers import PeerStats
+from fencemark.node.replication.signers import MAX_KEY_IDS
+from fencemark.node.rules import validation
+from fencemark.node.rules.errors import ClockSkewed, Denial, InvalidInput, PermissionDenied
+from fencemark.node.security.tls import peer_identity
+from fencemark.node.store.digest_tree import (
     DEPTH,
     MAX_SALT_BYTES,
     MIN_SALT_BYTES,
@@ -25,131 +40,17 @@ from fencemark.node.digest_tree import (
     leaf_range,
     level_size,
 )
-from fencemark.node.errors import ClockSkewed, Denial, InvalidInput, PermissionDenied
-from fencemark.node.integrity import MergeRefused
-from fencemark.node.replica import Replica
-from fencemark.node.replication.peers import MAX_REFUSED_KEYS, PeerStats
-from fencemark.node.replication.signers import MAX_KEY_IDS, learn_signers
-from fencemark.node.service import refusals
-from fencemark.node.tls import peer_identity
 from fencemark.v1 import replication_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_STATES = 512
-MAX_BATCH_BYTES = 6 << 20
-MAX_TREE_PARENTS = 256  # a Tree reply covers 16 children of each: 4096 nodes
-MAX_LIST_NODES = 1024  # tree nodes per Buckets request ...
-MAX_LIST_RECORDS = 16384  # ... and records they may hold
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-def check_clock(replica: Replica, region: str, hlcs: list[int]) -> None:
-    """Refuse (``ClockSkewed``) if any timestamp is beyond max_clock_offset ahead."""
-    try:
-        for hlc in hlcs:
-            replica.clock.check(hlc)
-    except ClockSkew as skew:
-        raise ClockSkewed(region, skew.remote_ms - skew.local_ms, skew.max_offset_ms) from skew
 
 
 def _check_nodes(field: str, level: int, nodes: Sequence[int]) -> None:
     size = level_size(level)
     if any(node >= size for node in nodes):
         raise InvalidInput.field(field, f"level {level} has nodes 0-{size - 1}")
-
-
-def decode_states(states: list[bytes], field: str = "states") -> list[Record]:
-    records = []
-    for index, state in enumerate(states):
-        try:
-            records.append(codec.decode(state))
-        except codec.DecodeError as exc:
-            raise InvalidInput.field(f"{field}[{index}]", f"not a record state: {exc}") from exc
-    return records
-
-
-async def merge_all(
-    replica: Replica,
-    region: str,
-    records: list[Record],
-    peer: PeerStats | None = None,
-    *,
-    states: Sequence[bytes] | None = None,
-) -> int:
-    """Merge states (after the clock check); returns how many changed a record.
-
-    ``states`` are the records' canonical encodings, as received (a record that
-    the merge leaves equal to the received one is stored as is, not encoded
-    again). A state that breaks the limits of a client write, alone or merged
-    with this node's (``over_limit``, ``validation.state``), or the integrity
-    rules (``fencemark.node.integrity``), is not merged; the others are. Each
-    refusal is counted against the sending ``peer``, and logged once per key.
-    """
-    check_clock(replica, region, [r.max_hlc() for r in records])
-    encoded = list(states) if states is not None else [codec.encode(r) for r in records]
-    refused: dict[int, MergeRefused] = {}
-    for index, (record, state) in enumerate(zip(records, encoded, strict=True)):
-        problem = validation.state_problem(record, len(state))
-        if problem is not None:  # refused before it costs a lock, a read or a signer
-            key = record.key[:400]  # a valid key is shorter; an invalid one is only named
-            refused[index] = MergeRefused(key, validation.OVER_LIMIT, f"the state sent: {problem}")
-    merging = [i for i in range(len(records)) if i not in refused]
-    if peer is not None and replica.keyring is not None:
-        await learn_signers(replica, peer, [records[i] for i in merging])
-    await replica.storage.preload([records[i].key for i in merging])  # one read, not one each
-    # Concurrent merges of different records share group commits.
-    results = await asyncio.gather(
-        *(replica.merge(records[i], encoded[i]) for i in merging), return_exceptions=True
-    )
-    changed = 0
-    for index, result in zip(merging, results, strict=True):
-        if isinstance(result, MergeRefused):
-            refused[index] = result
-        elif isinstance(result, BaseException):
-            raise result
-        else:
-            changed += result
-    for index, refusal in sorted(refused.items()):
-        await _refused(replica, region, peer, refusal, encoded[index])
-    return changed
-
-
-async def _refused(
-    replica: Replica, region: str, peer: PeerStats | None, refusal: MergeRefused, state: bytes
-) -> None:
-    """Count and log a refused state; its key is logged once per peer and reason."""
-    news = True
-    if peer is not None:
-        stored = await replica.storage.get(refusal.key)
-        ours = stored.digest if stored is not None else b""
-        news = peer.refused_state(
-            refusal.key, refusal.reason, str(refusal), (codec.digest(state), ours)
-        )
-    log.log(
-        logging.WARNING if news else logging.DEBUG,
-        "refused a state from %s: %s",
-        region or "?",
-        refusal,
-    )
-
-
-def too_large(peer: PeerStats | None, region: str, key: str, size: int) -> None:
-    """Count (and log, once per key) a state of this node's not sent to ``region``:
-    over the record size limit, which only a record stored before merges were
-    limited can be. Deleting the record (or clearing fields) replicates again."""
-    if peer is not None:
-        peer.states_too_large += 1
-        if key in peer.too_large_keys:
-            return
-        peer.too_large_keys[key] = None
-        while len(peer.too_large_keys) > MAX_REFUSED_KEYS:
-            del peer.too_large_keys[next(iter(peer.too_large_keys))]
-    log.warning(
-        "not sending %s to %s: its state is %d bytes, over the record size limit (%d);"
-        " delete the record, or clear fields, to replicate it again",
-        key, region or "?", size, validation.MAX_RECORD_BYTES,
-    )  # fmt: skip
 
 
 class ReplicationService:

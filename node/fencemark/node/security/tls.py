@@ -11,7 +11,7 @@ other name type and not the common name is ever read as an identity):
 
 Nodes verify every caller's certificate (mutual TLS, ``require_client_auth``)
 and read the identity from the call's auth context (:func:`peer_identity`);
-what an identity may do is ``fencemark.node.authz``'s business. Clients verify
+what an identity may do is ``fencemark.node.api.authz``'s business. Clients verify
 the node's certificate against the same CA, so the node's SANs must name the
 host clients dial (``localhost``, ``127.0.0.1`` and the region's name by default,
 plus ``--host`` values).
@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fencemark.node import validation
+from fencemark.node.rules import validation
 
 __all__ = [
     "CA_CERT",

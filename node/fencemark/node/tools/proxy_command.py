@@ -2,7 +2,7 @@
 
 For drills against a real deployment (the chaos tier runs one as a container on a
 link between two regions): each ``--link NAME=LISTEN=UPSTREAM`` is a
-:class:`~fencemark.node.proxy.FaultProxy`. The control file is JSON, re-read
+:class:`~fencemark.node.tools.proxy.FaultProxy`. The control file is JSON, re-read
 whenever it changes; it names the faults each link has now::
 
     {"us-eu": {"latency_ms": 300, "bandwidth": 65536}, "eu-us": {"mode": "cut"}}
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fencemark.node.proxy import FaultProxy
+from fencemark.node.tools.proxy import FaultProxy
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 With TLS, the node of a record's home region signs every grant it makes with the
 private key of its node certificate, and a merge refuses a new fence grant whose
 signature is missing, wrong, or made by a key whose certificate is not the cluster
-CA's certificate of the record's home region (``fencemark.node.integrity``).
+CA's certificate of the record's home region (``fencemark.node.rules.integrity``).
 
 A signature is ``key_id || r || s`` (72 bytes): ``key_id`` is the first 8 bytes of
 SHA-256 over the signing certificate's SubjectPublicKeyInfo, and ``r || s`` an
@@ -40,8 +40,8 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 from fencemark.node.crdt import Birth, Record, Stamp, codec
 from fencemark.node.crdt.fence import FenceState, Grant
 from fencemark.node.crdt.record import Register
-from fencemark.node.revocation import Revocations
-from fencemark.node.tls import TlsFiles, identities_of
+from fencemark.node.security.revocation import Revocations
+from fencemark.node.security.tls import TlsFiles, identities_of
 
 KEY_ID_SIZE = 8
 SCALAR_SIZE = 32  # P-256
@@ -141,7 +141,7 @@ class _Signer:
     region: str
     public_key: ec.EllipticCurvePublicKey
     der: bytes
-    issuer: str  # with the serial: what a CRL names (fencemark.node.revocation)
+    issuer: str  # with the serial: what a CRL names (fencemark.node.security.revocation)
     serial: int
 
 

@@ -27,8 +27,8 @@ under an older epoch and never overrides work done under a claim
 from __future__ import annotations
 
 from fencemark.node.crdt import HybridClock
-from fencemark.node.errors import NotServing
-from fencemark.node.storage import Storage
+from fencemark.node.rules.errors import NotServing
+from fencemark.node.store.storage import Storage
 
 CATCH_UP = "catch_up"  # meta: "owed" until a complete pass with every peer, then "done"
 GAP_OWED = "gap_owed"  # meta: "1" once a peer held records while catch-up was owed

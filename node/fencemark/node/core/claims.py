@@ -15,8 +15,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fencemark.node import validation
-from fencemark.node.admission import (
+from fencemark.node.core.replica import Replica
+from fencemark.node.crdt import FenceState, Grant, Record
+from fencemark.node.rules import validation
+from fencemark.node.rules.admission import (
     Caller,
     Outcome,
     acts_for,
@@ -24,10 +26,8 @@ from fencemark.node.admission import (
     decide_release,
     decide_renew,
 )
-from fencemark.node.crdt import FenceState, Grant, Record
-from fencemark.node.errors import Exhausted, InvalidInput, Reason
-from fencemark.node.replica import Replica
-from fencemark.node.storage import Stored
+from fencemark.node.rules.errors import Exhausted, InvalidInput, Reason
+from fencemark.node.store.storage import Stored
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Claims:
         self._queues: dict[str, deque[_Waiter]] = {}
         self._waiting_by_client: Counter[str] = Counter()
         # Claim outcomes decided here ("granted" or the reason) and queue entries:
-        # read by the metrics collector (fencemark.node.telemetry).
+        # read by the metrics collector (fencemark.node.api.telemetry).
         self.outcomes: Counter[str] = Counter()
         self.waits = 0
 

@@ -23,7 +23,7 @@ legitimate state (and so never stops convergence):
 - ``lease_too_long``: a lease expiry (new to this node) further ahead than the
   longest lease plus ``max_clock_offset``;
 - ``orphan_token``: an expiry or a release for a token that no grant names;
-- with TLS (a ``verifier``, ``fencemark.node.signing.Keyring``): the fence grant of
+- with TLS (a ``verifier``, ``fencemark.node.security.signing.Keyring``): the fence grant of
   the join, when it is not the one this node held, carries the signature of its
   region's node: ``unsigned_grant``, ``bad_signature``, ``signer_not_home``, or
   ``unknown_signer`` while the signing certificate is not known here (the caller
@@ -55,12 +55,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from fencemark.node.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.crdt import Birth, Record
 from fencemark.node.crdt.fence import HISTORY, Grant
 from fencemark.node.crdt.record import DELETED, FIELD, Register
-from fencemark.node.errors import FencemarkError
-from fencemark.node.validation import MAX_LEASE_S
+from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
+from fencemark.node.rules.errors import FencemarkError
+from fencemark.node.rules.validation import MAX_LEASE_S
 
 DEFAULT_MAX_TOKEN_JUMP = 2 * RECOVERY_GAP
 

@@ -17,15 +17,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fencemark.node import __version__, validation
-from fencemark.node.authz import AccessMap, load_access
-from fencemark.node.cli_rpc import add_rpc_commands, client_credentials
-from fencemark.node.errors import InvalidInput
-from fencemark.node.proxy_command import add_proxy_command
+from fencemark.node import __version__
+from fencemark.node.api.authz import AccessMap, load_access
+from fencemark.node.api.server import NodeConfig, default_data_dir, serve
+from fencemark.node.api.telemetry import LOG_FORMATS, configure_logging
 from fencemark.node.replication.peers import parse_peers
-from fencemark.node.server import NodeConfig, default_data_dir, serve
-from fencemark.node.telemetry import LOG_FORMATS, configure_logging
-from fencemark.node.tls import TlsFiles
+from fencemark.node.rules import validation
+from fencemark.node.rules.errors import InvalidInput
+from fencemark.node.security.tls import TlsFiles
+from fencemark.node.tools.cli_rpc import add_rpc_commands, client_credentials
+from fencemark.node.tools.proxy_command import add_proxy_command
 
 DEFAULT_TARGET = "127.0.0.1:7400"
 TRUE_WORDS = {"1", "true", "yes", "on"}
@@ -203,7 +204,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fencemark.node.demo import run_demo
+    from fencemark.node.tools.demo import run_demo
 
     return asyncio.run(
         run_demo(
@@ -250,7 +251,7 @@ def _regions(spec: str) -> list[str]:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from fencemark.node.cluster import LocalCluster
+    from fencemark.node.tools.cluster import LocalCluster
 
     regions = _regions(args.regions)
     root = Path(args.data) if args.data else default_data_dir("cluster")
@@ -283,7 +284,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_certs_init(args: argparse.Namespace) -> int:
-    from fencemark.node.tls import init_dir
+    from fencemark.node.security.tls import init_dir
 
     directory = Path(args.dir)
     try:
@@ -308,7 +309,7 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
 
 
 def cmd_certs_issue(args: argparse.Namespace) -> int:
-    from fencemark.node.tls import Identity, issue_into
+    from fencemark.node.security.tls import Identity, issue_into
 
     try:
         if args.region:
@@ -325,8 +326,8 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     """Mark a stopped node's database as restored from a backup (docs/operations.md)."""
-    from fencemark.node.admission import RECOVERY_GAP
-    from fencemark.node.restore import RestoreError, mark_restored
+    from fencemark.node.core.restore import RestoreError, mark_restored
+    from fencemark.node.rules.admission import RECOVERY_GAP
 
     try:
         restored = mark_restored(Path(args.data), backup=Path(args.backup) if args.backup else None)
@@ -368,7 +369,7 @@ def add_restore_command(sub: Any) -> None:
 
 
 def cmd_certs_revoke(args: argparse.Namespace) -> int:
-    from fencemark.node.revocation import revoke, serial_of
+    from fencemark.node.security.revocation import revoke, serial_of
 
     directory = Path(args.dir)
     try:

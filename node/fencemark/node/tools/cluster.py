@@ -13,8 +13,8 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from fencemark.node.process import NodeProcess
-from fencemark.node.proxy import ProxyMesh
+from fencemark.node.tools.process import NodeProcess
+from fencemark.node.tools.proxy import ProxyMesh
 
 
 def free_port(host: str = "127.0.0.1") -> int:

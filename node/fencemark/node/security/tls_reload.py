@@ -13,7 +13,7 @@ them all, and only a complete, consistent set replaces what is in use:
 - outgoing peer channels: each peer's ``PeerStats.credentials`` is replaced, and
   the replicator opens a new channel with them (closing the old one once its
   calls finish);
-- the revocation list (``fencemark.node.revocation``), checked on every call,
+- the revocation list (``fencemark.node.security.revocation``), checked on every call,
   and before replicating with a peer against the certificate the peer presents
   (``fencemark.node.replication.peer_check``, which re-checks when it changes).
 
@@ -35,8 +35,8 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from fencemark.node.revocation import CRL_FILE, Revocations, Revoked, read_revoked
-from fencemark.node.tls import Identity, TlsFiles, identities_of
+from fencemark.node.security.revocation import CRL_FILE, Revocations, Revoked, read_revoked
+from fencemark.node.security.tls import Identity, TlsFiles, identities_of
 
 log = logging.getLogger(__name__)
 
