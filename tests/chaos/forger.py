@@ -1,7 +1,7 @@
 """The hostile peer: forged states pushed to a node during a run (issue 14).
 
-A ``forge`` fault speaks for one configured region (the chaos cluster runs
-``--insecure``, so any caller of the replication port can) and pushes, to another
+A ``forge`` fault holds the node certificate of one region (a configured peer's
+node gone bad, or its stolen key) and pushes, speaking for that region, to another
 region's node, forgeries of records that node is the home of — the shapes an
 attacker with a peer's access tried: a grant far above the fence, a grant by a
 region that did not create the record, a lease pushed hours out, a release or a
@@ -10,9 +10,8 @@ over the limits of a client write. Each is pushed on its own, so each answer say
 whether that one was merged. The invariant: none is, while the workload's claims
 and writes go on around them — and every other invariant still holds.
 
-Without TLS nothing is signed (docs/security.md): forged births, and grants naming
-the home within the token bound, are what signatures refuse, so they are left out
-of an ``--insecure`` run.
+These are what the integrity bounds refuse; forged births, and grants naming the
+home within the token bound, are what signatures refuse (docs/security.md).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from fencemark.node.admission import token_ceiling
 from fencemark.node.crdt import Grant, Record, Stamp, codec
 from fencemark.node.crdt.hlc import wall_clock_ms
 from fencemark.node.integrity import DEFAULT_MAX_TOKEN_JUMP
+from fencemark.node.tls import TlsFiles
 from fencemark.node.workload import REPO, TOPIC
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
@@ -66,11 +66,17 @@ def forgeries(record: Record, posing: str) -> dict[str, Record]:
 
 
 async def forge_against(
-    address: str, victim: str, posing: str, log: Callable[[str], None]
+    address: str,
+    victim: str,
+    posing: str,
+    files: TlsFiles,
+    credentials: grpc.ChannelCredentials,
+    log: Callable[[str], None],
 ) -> tuple[tuple[str, str, int], ...]:
     """Push forgeries of up to ``PER_FAULT`` claimed records homed at ``victim`` to its
-    node at ``address``, as ``posing``'s node: ``(rule, key, merged)`` per push."""
-    async with AsyncClient(address, timeout=3.0, retries=0) as client:
+    node at ``address``, as ``posing``'s node with its certificate ``files`` (a client's
+    ``credentials`` list the records): ``(rule, key, merged)`` per push."""
+    async with AsyncClient(address, timeout=3.0, retries=0, credentials=credentials) as client:
         keys = []
         try:
             async for listed in client.iter_records(REPO, topic=TOPIC):
@@ -83,7 +89,7 @@ async def forge_against(
             return ()
     pushed: list[tuple[str, str, int]] = []
     origin = replication_pb2.Origin(region=posing, node_id="forger", hlc=0)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc.aio.secure_channel(address, files.channel_credentials()) as channel:
         stub = replication_pb2_grpc.ReplicationStub(channel)
         fetched = await stub.Fetch(
             replication_pb2.FetchRequest(origin=origin, keys=keys), timeout=3.0

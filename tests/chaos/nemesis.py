@@ -28,6 +28,7 @@ from fencemark.node.proxy import ProxyMesh
 from fencemark.node.workload import Agent
 from tests.chaos.cluster import ChaosCluster
 from tests.chaos.forger import forge_against
+from tests.chaos.workload import TESTER
 
 PARTITIONS = ("isolate", "halves", "bridge")
 DISK_LOSSES = ("wipe", "wipe-restart")
@@ -286,7 +287,11 @@ class Nemesis:
         if fault.kind == "forge":
             posing = fault.targets[1]
             address = self.cluster.regions[region].address
-            self._forged = await forge_against(address, region, posing, self.log)
+            files = self.cluster.node_files(posing)
+            credentials = self.cluster.client_credentials(TESTER)
+            self._forged = await forge_against(
+                address, region, posing, files, credentials, self.log
+            )
             merged = sum(1 for push in self._forged if push[2])
             return (
                 f"{len(self._forged)} forged states pushed to {region} as {posing}, {merged} merged"
@@ -363,7 +368,7 @@ class Nemesis:
 
     async def _until_holding(self, region: str) -> int:
         """Wait until a restarted node holds some records (it is catching up); how many."""
-        client = AsyncClient(self.cluster.regions[region].address, timeout=1.0, retries=0)
+        client = self._client(region)
         held = 0
 
         async def holding() -> bool:
@@ -384,7 +389,7 @@ class Nemesis:
 
     async def _watch_not_deciding(self, region: str) -> None:
         """Poll a node that cannot have caught up; note when it says it decides claims."""
-        client = AsyncClient(self.cluster.regions[region].address, timeout=1.0, retries=0)
+        client = self._client(region)
         try:
             while not self._serving_early:
                 if await _serving(client):
@@ -393,6 +398,12 @@ class Nemesis:
                 await asyncio.sleep(0.2)
         finally:
             await client.close()
+
+    def _client(self, region: str) -> AsyncClient:
+        """The nemesis's own look at ``region``'s node (closed by the caller)."""
+        address = self.cluster.regions[region].address
+        credentials = self.cluster.client_credentials(TESTER)
+        return AsyncClient(address, timeout=1.0, retries=0, credentials=credentials)
 
     @staticmethod
     async def _retry(action: Callable[[str], None], region: str, attempts: int = 5) -> None:
@@ -409,7 +420,7 @@ class Nemesis:
 
     async def _until_deciding(self, region: str) -> float:
         """Seconds until a restarted node serves claims again (after catch-up), bounded."""
-        client = AsyncClient(self.cluster.regions[region].address, timeout=1.0, retries=0)
+        client = self._client(region)
         try:
             return await wait_for(
                 f"{region} serving claims", lambda: _serving(client), RECOVER_LIMIT_S

@@ -1,5 +1,8 @@
 """The replication chaos tier: three region containers, a seeded nemesis, ten invariants.
 
+The nodes run mutual TLS, as deployed (cluster.py); every client of the test has a
+certificate of the run's CA.
+
 Run by the README's test command whenever a Docker engine answers, and required
 under CI (``CI`` set: no engine is a failure, not a skip). The short run plays
 every fault kind once (about two minutes); a long run is chosen by environment:
@@ -118,6 +121,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
             mesh,
             history,
             rng,
+            cluster.client_credentials,
             lease_seconds=LEASE_SECONDS,
             agents_per_region=AGENTS_PER_REGION,
         )
