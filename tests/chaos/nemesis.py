@@ -27,7 +27,7 @@ from fencemark.client import AsyncClient, FencemarkError
 from fencemark.node.proxy import ProxyMesh
 from fencemark.node.workload import Agent
 from tests.chaos.cluster import ChaosCluster
-from tests.chaos.forger import forge_against
+from tests.chaos.forger import Forger, Pushed
 from tests.chaos.workload import TESTER
 
 PARTITIONS = ("isolate", "halves", "bridge")
@@ -82,8 +82,8 @@ class Played:
     # cannot have caught up), and when it said it served claims before that (0: never).
     cut_healed: float = 0.0
     serving_early: float = 0.0
-    # forge: (the rule each forged state breaks, its key, how many states merged)
-    forged: tuple[tuple[str, str, int], ...] = ()
+    # forge: each forged state pushed, and how the node answered (forger.Pushed)
+    forged: tuple[Pushed, ...] = ()
 
 
 class Shapes(Protocol):
@@ -180,6 +180,7 @@ class Nemesis:
         clock: Callable[[], float],
         log: Callable[[str], None],
         shapes: Shapes | None = None,
+        forger: Forger | None = None,
     ) -> None:
         self.cluster = cluster
         self.mesh = mesh
@@ -187,11 +188,12 @@ class Nemesis:
         self.clock = clock
         self.log = log
         self.shapes = shapes
+        self.forger = forger
         self.played: list[Played] = []
         self._down_at = 0.0
         self._cut_healed = 0.0
         self._serving_early = 0.0
-        self._forged: tuple[tuple[str, str, int], ...] = ()
+        self._forged: tuple[Pushed, ...] = ()
 
     async def play(
         self, faults: Sequence[Fault], stop: asyncio.Event, until: float | None = None
@@ -285,17 +287,10 @@ class Nemesis:
             await asyncio.to_thread(self.cluster.heal_network)
             return ""
         if fault.kind == "forge":
-            posing = fault.targets[1]
-            address = self.cluster.regions[region].address
-            files = self.cluster.node_files(posing)
-            credentials = self.cluster.client_credentials(TESTER)
-            self._forged = await forge_against(
-                address, region, posing, files, credentials, self.log
-            )
-            merged = sum(1 for push in self._forged if push[2])
-            return (
-                f"{len(self._forged)} forged states pushed to {region} as {posing}, {merged} merged"
-            )
+            if self.forger is None:
+                return "no forger: nothing pushed"
+            self._forged, note = await self.forger.forge(region, fault.targets[1], self.log)
+            return note
         if fault.kind == "slow":
             await asyncio.to_thread(self.cluster.slow_link, SLOW_LATENCY_MS, SLOW_BANDWIDTH)
             await asyncio.sleep(fault.seconds)
