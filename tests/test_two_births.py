@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.client import AsyncClient, ClaimConflict
+from fencemark.client import AsyncClient, ClaimConflict, tls_credentials
 from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import Grant
 from fencemark.node.rules.admission import token_ceiling
 from fencemark.node.rules.integrity import Bounds
+from fencemark.node.security.tls import TlsFiles, init_dir
 from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 
 pytestmark = pytest.mark.slow
@@ -160,3 +161,70 @@ async def test_a_merge_that_leaves_the_sender_behind_is_pushed_like_a_write(
         pushed.clear()
         await us.replica.merge(latest.record)  # ours already: nothing to share
         assert pushed == []
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "us",
+        pytest.param(
+            "eu",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open node bug: under TLS the home refuses the other birth's writes"
+                " at the shared token (signer_not_home), so the births never meet there",
+            ),
+        ),
+    ],
+    ids=["home-claims-first", "home-claims-last"],
+)
+async def test_an_id_born_on_both_sides_of_a_split_meets_under_tls(
+    tmp_path: Path, first: str
+) -> None:
+    """Found by the chaos tier once it ran mutual TLS (seed 424242, split-000-0): both
+    sides grant token 1 and write under it, each write signed by its own node. The
+    join keeps one grant of token 1, the later one; when that is the home's, the
+    home holds the other side's writes at epoch 1 to the signers allowed for that
+    epoch — the home and the region of the grant kept, both itself — and refuses
+    the whole state ``signer_not_home``. So the home never learns the other birth,
+    never moves its fence, and keeps admitting its split-time holder under token 1
+    until that claim ends (SPEC §2: the surviving home moves its fence past every
+    token either side issued)."""
+    certs = tmp_path / "certs"
+    regions = ["us", "eu", "ap"]
+    init_dir(certs, regions=regions, clients=["alice"])
+    tls = {region: TlsFiles.in_dir(certs, region) for region in regions}
+    alice = tls_credentials(certs, "alice")
+    async with Cluster(tmp_path / "cluster", regions) as cluster:
+        await all_deciding(*[await cluster.start(r, tls=tls[r]) for r in regions])
+        await cluster.stop("us")
+        await cluster.stop("eu")
+        us = await cluster.start_isolated("us", tls=tls["us"])  # the split, as above
+        eu = await cluster.start_isolated("eu", tls=tls["eu"])
+        async with (
+            AsyncClient(us.address, credentials=alice) as at_us,
+            AsyncClient(eu.address, credentials=alice) as at_eu,
+        ):
+            made = await at_us.remember("lattice", "backlog", "split-1", title="from us")
+            key = made.record.key
+            await at_eu.remember("lattice", "backlog", "split-1", title="from eu")
+            sides = [(at_us, "worker-us"), (at_eu, "worker-eu")]
+            for client, owner in sides if first == "us" else sides[::-1]:
+                held = await client.claim(key, owner, lease_seconds=60)
+                assert held.fencing_token == 1
+                await client.update(key, fields={owner: "work"}, fencing_token=1)
+
+        await cluster.stop("us")
+        await cluster.stop("eu")
+        us = await cluster.start("us", tls=tls["us"])  # the heal
+        eu = await cluster.start("eu", tls=tls["eu"])
+        nodes = [us, eu, cluster["ap"]]
+        await wait_converged(nodes, within=20)
+        for node in nodes:
+            stored = await node.storage.get(key)
+            assert stored is not None
+            assert stored.record.home_region == "us" and set(stored.record.births) == {"us", "eu"}
+            assert stored.record.fence.fence == 2 and stored.record.fence.holder() is None
+            for region in node.config.peers:
+                stats = node.replicator.peer_stats(region)
+                assert stats.merges_refused == 0, stats.last_refusal

@@ -1,4 +1,4 @@
-"""The chaos tier's checker: ten invariants over the history and the final states.
+"""The chaos tier's checker: eleven invariants over the history and the final states.
 
 Each invariant is judged on its own and reported separately (docs/chaos.md says
 what each means and what it does not promise); those about claims are in
@@ -29,11 +29,15 @@ what each means and what it does not promise); those about claims are in
 9. fenced writes survive;
 10. catching up before deciding — a node that lost its disk and was restarted
     before it had caught up, with a peer cut off, granted nothing and admitted no
-    write until that peer was back (SPEC §4).
+    write until that peer was back (SPEC §4);
+11. forgeries refused — no state the hostile peer of a ``forge`` fault pushed was
+    merged, each was refused by the rule named for it (``forger.RULES``), and every
+    kind was refused by its rule at least once.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +52,7 @@ from tests.chaos.claim_invariants import (
     token_order,
 )
 from tests.chaos.claims import DISK_LOSS_GRACE_S, Claim, Split, claims_of, lost_with_disk, splits_of
+from tests.chaos.forger import RULES
 from tests.chaos.nemesis import PARTITIONS, Played
 from tests.chaos.workload import CALL_TIMEOUT_S
 
@@ -352,21 +357,43 @@ def caught_up_first(
 
 
 def forgeries_refused(played: Sequence[Played]) -> Verdict:
-    """11. Forgeries refused: no forged state pushed during a ``forge`` fault merged."""
+    """11. Forgeries refused: no forged state pushed during a ``forge`` fault merged,
+    none refused by another rule than the one named for it (it would not have tested
+    that rule), and every kind of forgery refused by its rule at least once."""
     faults = [f for f in played if f.kind == "forge" and f.injected]
     pushed = [push for f in faults for push in f.forged]
-    merged = [(rule, key) for rule, key, count in pushed if count]
-    problems = [f"a {rule} forgery of {key} was merged" for rule, key in merged[:3]]
+    merged = [p for p in pushed if p.merged]
+    otherwise = [p for p in pushed if not p.merged and p.refused and p.refused != p.rule]
+    by_rule = [p for p in pushed if not p.merged and p.refused == p.rule]
+    unseen = len(pushed) - len(merged) - len(otherwise) - len(by_rule)
+    problems = [f"a {p.forgery} forgery of {p.key} was merged" for p in merged[:3]]
+    problems += [
+        f"a {p.forgery} forgery of {p.key} was refused {p.refused}, not {p.rule}"
+        for p in otherwise[:3]
+    ]
     if not pushed:
         problems.append("no forged state was pushed: nothing to judge")
-    rules = sorted({rule for rule, _, _ in pushed})
+    else:
+        never = sorted(set(RULES) - {p.forgery for p in by_rule})
+        if never:
+            problems.append(f"never refused by its rule: {', '.join(never)}")
+    reasons = Counter(p.rule for p in by_rule)
     detail = "; ".join(problems) or (
-        f"{len(pushed)} forged states pushed in {len(faults)} faults ({', '.join(rules)}):"
-        " none merged"
+        f"{len(pushed)} forged states pushed in {len(faults)} faults, none merged;"
+        f" {len(by_rule)} refused by their rule ("
+        + ", ".join(f"{rule} {n}" for rule, n in sorted(reasons.items()))
+        + ")"
+        + (f", {unseen} with no refusal seen" if unseen else "")
     )
     return Verdict(
         "11. forgeries refused",
         not problems,
         detail,
-        {"pushed": len(pushed), "merged": len(merged)},
+        {
+            "pushed": len(pushed),
+            "merged": len(merged),
+            "refused by their rule": len(by_rule),
+            "refused by another rule": len(otherwise),
+            "no refusal seen": unseen,
+        },
     )

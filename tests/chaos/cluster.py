@@ -5,6 +5,16 @@ Everything here is real: one container per region from the locally built image
 this run, each node's data in a host directory bind-mounted as its volume, and
 a ``fencemark proxy`` container on the link between the first two regions.
 
+Every connection is mutual TLS, as in a real deployment (deploy/docker-compose.yml):
+the run makes its own development CA (``fencemark.node.security.tls.init_dir``), with a node
+certificate per region that also names ``proxy`` (the us<->eu link reaches its peer
+through the proxy container's alias, so the peer's certificate must name it), and
+each node gets a read-only directory holding only the CA, its own certificate and
+its key (``FENCEMARK_TLS_DIR``). The test's own clients get client certificates of
+the same CA, one per identity, issued when first asked for
+(:meth:`ChaosCluster.client_credentials`); no access map, so each of them may read,
+write and claim (docs/security.md).
+
 Traffic stays where the chaos tier may send it. Nodes talk to each other on the
 run's own network (by their region name, a network alias). The test reaches
 each node through the port it publishes on 127.0.0.1, and node-to-node faults
@@ -42,9 +52,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.network import Network
 
+from fencemark.client import tls_credentials
+from fencemark.node.security.tls import Identity, TlsFiles, init_dir, issue_into
 from tests.dockerenv import IMAGE_UID, free_port
 
 # Read when the first container starts, not at import.
@@ -54,6 +67,8 @@ NODE_PORT = 7400
 PROXY_PORTS = (7501, 7502)
 DATA_IN_CONTAINER = "/var/lib/fencemark"
 CONTROL_IN_CONTAINER = "/control"
+TLS_IN_CONTAINER = "/etc/fencemark/tls"
+PROXY_ALIAS = "proxy"
 LABEL = "fencemark.chaos"
 STOP_LIMIT_S = 30.0
 
@@ -94,6 +109,8 @@ class ChaosCluster:
         self.regions: dict[str, Region] = {}
         self.proxy: DockerContainer | None = None
         self.control = root / "control"
+        self.certs = root / "certs"  # the run's CA, node and client certificates (host only)
+        self._credentials: dict[str, grpc.ChannelCredentials] = {}
         # Who the nodes run as: the image's user, unless the data directories
         # (made here) must stay writable by an unprivileged test runner.
         as_root = os.geteuid() == 0
@@ -104,12 +121,13 @@ class ChaosCluster:
     def up(self) -> None:
         """Create the network, the proxy and every region's node (not yet serving)."""
         self.network.create()
+        init_dir(self.certs, regions=self.names, hosts=[PROXY_ALIAS])
         self.control.mkdir(parents=True, exist_ok=True)
         self.control.chmod(0o755)
         self.set_link_faults({})
         a, b = self.proxied
         self.proxy = self._container(
-            "proxy",
+            PROXY_ALIAS,
             command=[
                 "proxy",
                 "--link", f"{a}-{b}=0.0.0.0:{PROXY_PORTS[0]}={b}:{NODE_PORT}",
@@ -130,9 +148,9 @@ class ChaosCluster:
                 command=["node"],
                 env={
                     "FENCEMARK_REGION": name,
-                    # Plaintext: the fault proxy relays TCP between regions and the
-                    # tier tests replication under faults, not the handshake.
-                    "FENCEMARK_INSECURE": "1",
+                    # Mutual TLS, signed grants, births and writes: the proxy relays
+                    # the TLS bytes as they are, and verifies nothing itself.
+                    "FENCEMARK_TLS_DIR": TLS_IN_CONTAINER,
                     "FENCEMARK_ENABLE_WRITES": "1",
                     "FENCEMARK_PEERS": ",".join(
                         f"{peer}={self.peer_address(name, peer)}"
@@ -142,11 +160,26 @@ class ChaosCluster:
                     "FENCEMARK_ANTI_ENTROPY_INTERVAL": str(self.anti_entropy_interval),
                     "FENCEMARK_LOG_LEVEL": "WARNING",
                 },
-                volumes=[(str(data), DATA_IN_CONTAINER, "rw")],
+                volumes=[
+                    (str(data), DATA_IN_CONTAINER, "rw"),
+                    (str(self._node_certs(name)), TLS_IN_CONTAINER, "ro"),
+                ],
                 port=port,
             )
             self.regions[name] = Region(name, container, port, data)
             container.start()
+
+    def _node_certs(self, name: str) -> Path:
+        """A directory with what ``name``'s node reads, and nothing else: the CA
+        certificate, its own certificate and its key (owned by the node's user)."""
+        mounted = self.root / "node-certs" / name
+        mounted.mkdir(parents=True)
+        files = self.node_files(name)
+        for path in (files.ca, files.cert, files.key):
+            shutil.copy2(path, mounted / path.name)  # the key keeps its mode, 0600
+            if os.geteuid() == 0:
+                os.chown(mounted / path.name, IMAGE_UID, IMAGE_UID)
+        return mounted
 
     def _container(
         self,
@@ -179,18 +212,37 @@ class ChaosCluster:
         )
 
     def peer_address(self, src: str, dst: str) -> str:
-        """How ``src``'s node reaches ``dst``'s: directly, or through the proxy."""
+        """How ``src``'s node reaches ``dst``'s: directly, or through the proxy (whose
+        alias ``dst``'s certificate names, so that the handshake verifies)."""
         if (src, dst) == self.proxied:
-            return f"proxy:{PROXY_PORTS[0]}"
+            return f"{PROXY_ALIAS}:{PROXY_PORTS[0]}"
         if (dst, src) == self.proxied:
-            return f"proxy:{PROXY_PORTS[1]}"
+            return f"{PROXY_ALIAS}:{PROXY_PORTS[1]}"
         return f"{dst}:{NODE_PORT}"
+
+    # -- certificates ----------------------------------------------------------------
+
+    def node_files(self, region: str) -> TlsFiles:
+        """``region``'s node certificate and key, as the run's CA issued them (the
+        forger of ``forger.py`` holds them too: a peer's node, or its stolen key)."""
+        return TlsFiles.in_dir(self.certs, region)
+
+    def client_credentials(self, name: str) -> grpc.ChannelCredentials:
+        """Mutual TLS credentials of the client identity ``name`` (``client/NAME``),
+        its certificate issued by the run's CA the first time it is asked for."""
+        if name in self.names:
+            raise ValueError(f"{name!r} is a region: a client identity needs another name")
+        if name not in self._credentials:
+            if not TlsFiles.in_dir(self.certs, name).cert.exists():
+                issue_into(self.certs, Identity("client", name))
+            self._credentials[name] = tls_credentials(self.certs, name)
+        return self._credentials[name]
 
     def close(self, logs_to: Path | None = None) -> None:
         """Save every container's log under ``logs_to``, then remove containers and network."""
         containers = [(r.name, r.container) for r in self.regions.values()]
         if self.proxy is not None:
-            containers.append(("proxy", self.proxy))
+            containers.append((PROXY_ALIAS, self.proxy))
         for name, container in containers:
             wrapped = container._container  # None when it never started
             if wrapped is None:
@@ -209,7 +261,7 @@ class ChaosCluster:
 
     def ip(self, name: str) -> str:
         """``name``'s address on the run's network (it may change across restarts)."""
-        container = self.proxy if name == "proxy" else self.regions[name].container
+        container = self.proxy if name == PROXY_ALIAS else self.regions[name].container
         assert container is not None
         wrapped = container.get_wrapped_container()
         wrapped.reload()
@@ -239,7 +291,7 @@ class ChaosCluster:
         for other in others:
             ips.append(self.ip(other))
             if {name, other} == set(self.proxied):
-                ips.append(self.ip("proxy"))
+                ips.append(self.ip(PROXY_ALIAS))
         return ips
 
     def partition(self, groups: Sequence[set[str]]) -> None:

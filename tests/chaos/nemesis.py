@@ -27,7 +27,8 @@ from fencemark.client import AsyncClient, FencemarkError
 from fencemark.node.tools.proxy import ProxyMesh
 from fencemark.node.tools.workload import Agent
 from tests.chaos.cluster import ChaosCluster
-from tests.chaos.forger import forge_against
+from tests.chaos.forger import Forger, Pushed
+from tests.chaos.workload import TESTER
 
 PARTITIONS = ("isolate", "halves", "bridge")
 DISK_LOSSES = ("wipe", "wipe-restart")
@@ -81,8 +82,8 @@ class Played:
     # cannot have caught up), and when it said it served claims before that (0: never).
     cut_healed: float = 0.0
     serving_early: float = 0.0
-    # forge: (the rule each forged state breaks, its key, how many states merged)
-    forged: tuple[tuple[str, str, int], ...] = ()
+    # forge: each forged state pushed, and how the node answered (forger.Pushed)
+    forged: tuple[Pushed, ...] = ()
 
 
 class Shapes(Protocol):
@@ -179,6 +180,7 @@ class Nemesis:
         clock: Callable[[], float],
         log: Callable[[str], None],
         shapes: Shapes | None = None,
+        forger: Forger | None = None,
     ) -> None:
         self.cluster = cluster
         self.mesh = mesh
@@ -186,11 +188,12 @@ class Nemesis:
         self.clock = clock
         self.log = log
         self.shapes = shapes
+        self.forger = forger
         self.played: list[Played] = []
         self._down_at = 0.0
         self._cut_healed = 0.0
         self._serving_early = 0.0
-        self._forged: tuple[tuple[str, str, int], ...] = ()
+        self._forged: tuple[Pushed, ...] = ()
 
     async def play(
         self, faults: Sequence[Fault], stop: asyncio.Event, until: float | None = None
@@ -284,13 +287,10 @@ class Nemesis:
             await asyncio.to_thread(self.cluster.heal_network)
             return ""
         if fault.kind == "forge":
-            posing = fault.targets[1]
-            address = self.cluster.regions[region].address
-            self._forged = await forge_against(address, region, posing, self.log)
-            merged = sum(1 for push in self._forged if push[2])
-            return (
-                f"{len(self._forged)} forged states pushed to {region} as {posing}, {merged} merged"
-            )
+            if self.forger is None:
+                return "no forger: nothing pushed"
+            self._forged, note = await self.forger.forge(region, fault.targets[1], self.log)
+            return note
         if fault.kind == "slow":
             await asyncio.to_thread(self.cluster.slow_link, SLOW_LATENCY_MS, SLOW_BANDWIDTH)
             await asyncio.sleep(fault.seconds)
@@ -363,7 +363,7 @@ class Nemesis:
 
     async def _until_holding(self, region: str) -> int:
         """Wait until a restarted node holds some records (it is catching up); how many."""
-        client = AsyncClient(self.cluster.regions[region].address, timeout=1.0, retries=0)
+        client = self._client(region)
         held = 0
 
         async def holding() -> bool:
@@ -384,7 +384,7 @@ class Nemesis:
 
     async def _watch_not_deciding(self, region: str) -> None:
         """Poll a node that cannot have caught up; note when it says it decides claims."""
-        client = AsyncClient(self.cluster.regions[region].address, timeout=1.0, retries=0)
+        client = self._client(region)
         try:
             while not self._serving_early:
                 if await _serving(client):
@@ -393,6 +393,12 @@ class Nemesis:
                 await asyncio.sleep(0.2)
         finally:
             await client.close()
+
+    def _client(self, region: str) -> AsyncClient:
+        """The nemesis's own look at ``region``'s node (closed by the caller)."""
+        address = self.cluster.regions[region].address
+        credentials = self.cluster.client_credentials(TESTER)
+        return AsyncClient(address, timeout=1.0, retries=0, credentials=credentials)
 
     @staticmethod
     async def _retry(action: Callable[[str], None], region: str, attempts: int = 5) -> None:
@@ -409,7 +415,7 @@ class Nemesis:
 
     async def _until_deciding(self, region: str) -> float:
         """Seconds until a restarted node serves claims again (after catch-up), bounded."""
-        client = AsyncClient(self.cluster.regions[region].address, timeout=1.0, retries=0)
+        client = self._client(region)
         try:
             return await wait_for(
                 f"{region} serving claims", lambda: _serving(client), RECOVER_LIMIT_S

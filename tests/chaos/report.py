@@ -36,6 +36,7 @@ COLOURS = {
     "wipe-restart": "indigo",
     "pause": "tab:gray",
     "agent-pause": "khaki",
+    "forge": "tab:green",
     "loss": "tab:orange",
     "slow": "tab:cyan",
 }
@@ -111,6 +112,7 @@ def markdown(report: Mapping[str, Any]) -> str:
             for p in report["nemesis"]
         ),
         "",
+        *forgeries(report["nemesis"]),
         "## Operations",
         "",
         "| operation:outcome | count |",
@@ -124,6 +126,40 @@ def markdown(report: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def forgeries(nemesis: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The ``forge`` faults' pushes, by forgery: how each was answered (invariant 11)."""
+    pushed = [push for fault in nemesis for push in fault.get("forged", ())]
+    if not pushed:
+        return []
+    rows: dict[tuple[str, str], Counter[str]] = {}
+    for push in pushed:
+        seen = rows.setdefault((push["forgery"], push["rule"]), Counter())
+        seen["pushed"] += 1
+        if push["merged"]:
+            seen["merged"] += 1
+        elif push["refused"] == push["rule"]:
+            seen["by its rule"] += 1
+        else:
+            seen[f"{push['refused'] or 'no refusal seen'}"] += 1
+    lines = [
+        "## Forgeries",
+        "",
+        "Pushed by the hostile peer of the `forge` faults, each to be refused by its rule.",
+        "",
+        "| forgery | rule | pushed | refused by its rule | merged | otherwise |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for (forgery, rule), seen in rows.items():
+        other = ", ".join(
+            f"{k} {n}" for k, n in seen.items() if k not in ("pushed", "merged", "by its rule")
+        )
+        lines.append(
+            f"| {forgery} | {rule} | {seen['pushed']} | {seen['by its rule']} |"
+            f" {seen['merged']} | {other} |"
+        )
+    return [*lines, ""]
 
 
 def timeline(

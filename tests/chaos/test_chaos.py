@@ -1,4 +1,7 @@
-"""The replication chaos tier: three region containers, a seeded nemesis, ten invariants.
+"""The replication chaos tier: three region containers, a seeded nemesis, eleven invariants.
+
+The nodes run mutual TLS, as deployed (cluster.py); every client of the test has a
+certificate of the run's CA.
 
 Run by the README's test command whenever a Docker engine answers, and required
 under CI (``CI`` set: no engine is a failure, not a skip). The short run plays
@@ -32,6 +35,7 @@ from fencemark.node.tools.workload import History
 from tests.chaos import report
 from tests.chaos.checker import CONVERGE_ROUNDS, Convergence, check
 from tests.chaos.cluster import ChaosCluster
+from tests.chaos.forger import Forger
 from tests.chaos.nemesis import KINDS, Nemesis, schedule, wait_for
 from tests.chaos.shapes import SPLIT_MEET_LIMIT_S, Shapes
 from tests.chaos.workload import SAMPLE_TIMEOUT_S, Workload, all_records, divergence
@@ -118,6 +122,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
             mesh,
             history,
             rng,
+            cluster.client_credentials,
             lease_seconds=LEASE_SECONDS,
             agents_per_region=AGENTS_PER_REGION,
         )
@@ -133,7 +138,8 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         log(f"{len(faults)} faults scheduled: " + ", ".join(f"{k} x{n}" for k, n in kinds.items()))
 
         shapes = Shapes(workload)
-        nemesis = Nemesis(cluster, mesh, workload.agents, workload.now, log, shapes)
+        forger = Forger(workload, cluster.node_files)
+        nemesis = Nemesis(cluster, mesh, workload.agents, workload.now, log, shapes, forger)
         stop = asyncio.Event()
         tasks = [*workload.tasks(stop), *shapes.tasks(stop)]
         await asyncio.sleep(WARM_UP_S)

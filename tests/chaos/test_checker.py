@@ -20,6 +20,7 @@ from tests.chaos.checker import (
     Verdict,
     check,
 )
+from tests.chaos.forger import RULES, Pushed
 from tests.chaos.nemesis import KINDS, Played, cut_pairs, schedule
 from tests.chaos.shapes import SPLIT_TOPIC
 
@@ -35,9 +36,10 @@ PARTITION = Played("isolate", ("ap",), 10.0, 20.0, cut=(("ap", "us"), ("ap", "eu
 # ap lost its disk and was restarted twice before catching up, cut off from us until 48 s.
 CATCH_UP = Played("wipe-restart", ("ap", "us"), 40.0, 50.0, cut=(("ap", "us"),), down_at=40.2,
                   cut_healed=48.0)  # fmt: skip
-# A hostile peer posing as eu pushed forgeries of a us record; us merged none.
-FORGE = Played("forge", ("us", "eu"), 55.0, 56.0,
-               forged=(("token_jump", KEY, 0), ("grant_outside_home", KEY, 0)))  # fmt: skip
+# A hostile peer posing as eu pushed every forgery of a us record; us merged none and
+# refused each by its rule.
+REFUSED = tuple(Pushed(forgery, rule, KEY, 0, rule) for forgery, rule in RULES.items())
+FORGE = Played("forge", ("us", "eu"), 55.0, 56.0, forged=REFUSED)
 
 
 def event(agent: str, op: str, at: float, *, token: int = 0, outcome: str = "ok",
@@ -496,15 +498,55 @@ def test_a_node_that_refuses_until_it_caught_up_passes() -> None:
 # -- 11. forgeries refused ------------------------------------------------------------------
 
 
+def forged(forgery: str, *, merged: int = 0, refused: str | None = None) -> Played:
+    """FORGE, with ``forgery``'s push answered otherwise."""
+    rule = RULES[forgery]
+    changed = Pushed(forgery, rule, KEY, merged, rule if refused is None else refused)
+    return replace(FORGE, forged=tuple(changed if p.forgery == forgery else p for p in REFUSED))
+
+
 def test_a_forged_state_a_node_merged_is_caught() -> None:
-    merged = replace(FORGE, forged=(("lease_too_long", KEY, 0), ("orphan_token", KEY, 1)))
+    merged = forged("tombstone-at-claim-epoch", merged=1, refused="")
     verdict = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP, merged])
     assert not verdict["forgeries refused"].ok
-    assert "orphan_token forgery" in verdict["forgeries refused"].detail
+    assert "tombstone-at-claim-epoch forgery" in verdict["forgeries refused"].detail
+    assert verdict["forgeries refused"].numbers["merged"] == 1
+
+
+def test_a_forgery_refused_by_another_rule_did_not_test_its_own() -> None:
+    # A forged grant naming the home refused as a token jump: its signature went unchecked.
+    other = forged("home-grant", refused="token_jump")
+    verdict = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP, other])["forgeries refused"]
+    assert not verdict.ok
+    assert "home-grant forgery of" in verdict.detail and "token_jump, not unsigned_grant" in (
+        verdict.detail
+    )
+
+
+def test_every_kind_of_forgery_must_be_refused_by_its_rule_once() -> None:
+    # No refusal seen for one kind (Info did not say), and another never pushed.
+    unseen = forged("release-then-write", refused="")
+    missing = replace(unseen, forged=tuple(p for p in unseen.forged if p.forgery != "over-limit"))
+    verdict = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP, missing])
+    judged = verdict["forgeries refused"]
+    assert not judged.ok
+    assert "never refused by its rule: over-limit, release-then-write" in judged.detail
+    assert judged.numbers["no refusal seen"] == 1
+    # Seen once is enough: a second fault that refused both makes the run pass.
+    again = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP, missing, FORGE])
+    assert again["forgeries refused"].ok, again["forgeries refused"]
 
 
 def test_forgeries_all_refused_pass_and_a_run_without_any_judges_nothing() -> None:
     verdict = verdicts(history(*SERVED))["forgeries refused"]
-    assert verdict.ok and verdict.numbers == {"pushed": 2, "merged": 0}
+    assert verdict.ok, verdict
+    assert verdict.numbers == {
+        "pushed": len(RULES),
+        "merged": 0,
+        "refused by their rule": len(RULES),
+        "refused by another rule": 0,
+        "no refusal seen": 0,
+    }
+    assert "unsigned_write 2" in verdict.detail and "signer_not_home 6" in verdict.detail
     unjudged = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP])["forgeries refused"]
     assert not unjudged.ok and "nothing to judge" in unjudged.detail

@@ -16,6 +16,10 @@
 - A sampler: once a second, how many records each region is behind on, for the
   convergence timeline.
 
+Every client speaks mutual TLS with a client certificate of the run's CA: each
+agent and holder its own identity (its name: a claim is bound to the identity it
+was granted to, docs/security.md), everything else the one identity ``chaos``.
+
 Every operation lands in one :class:`History` (invoke/ok/fail/unknown, with its
 start and end on the run's monotonic clock). ``shapes.py`` adds what the agents
 never do: ids born on both sides of a partition, unfenced writes around live
@@ -28,8 +32,10 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+import grpc
 
 from fencemark.client import (
     AsyncClient,
@@ -43,6 +49,7 @@ from fencemark.node.tools.proxy import ProxyMesh
 from fencemark.node.tools.workload import REPO, TAG, TOPIC, Agent, Event, History
 
 NOTES_TOPIC = "notes"
+TESTER = "chaos"  # the client identity of every test-side client that is not an agent
 CALL_TIMEOUT_S = 2.0  # an agent's deadline per call: no call of theirs hangs longer
 # A probe's deadline. Availability is about answering at all, not latency: on
 # this shared 2-core machine one fsync can stall every container for a second or two.
@@ -70,6 +77,8 @@ class Workload:
     mesh: ProxyMesh  # host-side links from each region to the others' nodes
     history: History
     rng: random.Random
+    # A client identity's mutual TLS credentials (ChaosCluster.client_credentials).
+    credentials: Callable[[str], grpc.ChannelCredentials]
     lease_seconds: float = 2.0
     agents_per_region: int = 2
     backlog: int = 12  # todo items the producer keeps available
@@ -95,10 +104,18 @@ class Workload:
         routed: bool = False,
         timeout: float = CALL_TIMEOUT_S,
         retries: int = 0,
+        identity: str = TESTER,
     ) -> AsyncClient:
-        """A client at ``region``'s node; ``routed`` reaches other homes through the mesh."""
+        """A client at ``region``'s node, with ``identity``'s certificate; ``routed``
+        reaches other homes through the mesh."""
         routes = {region: self.addresses[region], **self.mesh.peers(region)} if routed else None
-        made = AsyncClient(self.addresses[region], regions=routes, timeout=timeout, retries=retries)
+        made = AsyncClient(
+            self.addresses[region],
+            regions=routes,
+            timeout=timeout,
+            retries=retries,
+            credentials=self.credentials(identity),
+        )
         self._clients.append(made)
         return made
 
@@ -134,32 +151,27 @@ class Workload:
         for _ in range(self.backlog):
             await self._create(direct)
         self.agents = [
-            Agent(
-                f"{region}-agent-{i}",
-                region,
-                self.client(region, routed=True, retries=2),
-                self.history,
-                lease_seconds=self.lease_seconds,
-                steps=AGENT_STEPS,
-                work_seconds=0.1,
-                seed=self.rng.randrange(1 << 30),
-            )
+            self._agent(f"{region}-agent-{i}", region, AGENT_STEPS, 0.1)
             for region in self.regions
             for i in range(self.agents_per_region)
         ]
         self.holders = [
-            Agent(
-                f"{region}-holder-0",
-                region,
-                self.client(region, routed=True, retries=2),
-                self.history,
-                lease_seconds=self.lease_seconds,
-                steps=HOLDER_STEPS,
-                work_seconds=HOLDER_WORK_S,
-                seed=self.rng.randrange(1 << 30),
-            )
+            self._agent(f"{region}-holder-0", region, HOLDER_STEPS, HOLDER_WORK_S)
             for region in self.regions
         ]
+
+    def _agent(self, name: str, region: str, steps: int, work_seconds: float) -> Agent:
+        """An agent of ``region`` with a client certificate of its own (its name)."""
+        return Agent(
+            name,
+            region,
+            self.client(region, routed=True, retries=2, identity=name),
+            self.history,
+            lease_seconds=self.lease_seconds,
+            steps=steps,
+            work_seconds=work_seconds,
+            seed=self.rng.randrange(1 << 30),
+        )
 
     async def _new_notes(self, node: AsyncClient, region: str, index: int) -> str | None:
         """Create ``region``'s ``index``-th note record at its own node; its key, or None."""
