@@ -91,13 +91,19 @@ _HOME_CERTS = [issue(_CA_CERT, _CA_KEY, Identity("region", REGIONS[0])) for _ in
 SIGNERS = tuple(Signer.from_pem(key) for _, key in _HOME_CERTS)
 
 
+# A node certificate of the second region, for a birth region other than the home.
+_OTHER_CERT = issue(_CA_CERT, _CA_KEY, Identity("region", REGIONS[1]))
+OTHER_SIGNER = Signer.from_pem(_OTHER_CERT[1])
+
+
 def keyring() -> Keyring:
-    """A keyring of the test CA that knows both of the home's certificates."""
+    """A keyring of the test CA that knows both of the home's certificates, and the
+    second region's (``OTHER_SIGNER``)."""
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import Encoding
 
     ring = Keyring([x509.load_pem_x509_certificate(_CA_CERT)])
-    for cert, _ in _HOME_CERTS:
+    for cert, _ in (*_HOME_CERTS, _OTHER_CERT):
         ring.add(x509.load_pem_x509_certificate(cert).public_bytes(Encoding.DER))
     return ring
 

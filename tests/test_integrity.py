@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fencemark.client import AsyncClient
-from fencemark.node.crdt import Record, Stamp, codec
+from fencemark.node.crdt import Birth, Record, Stamp, codec
 from fencemark.node.crdt.fence import Grant
 from fencemark.node.crdt.hlc import pack
 from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
@@ -30,6 +30,7 @@ from tests.cluster import Cluster
 from tests.strategies import (
     EPOCH_MS,
     KEY,
+    OTHER_SIGNER,
     REGIONS,
     SIGNERS,
     Act,
@@ -296,6 +297,32 @@ def test_the_end_of_a_claim_and_a_move_of_the_fence_need_the_homes_signature() -
                   verifier=KEYRING)  # fmt: skip
     assert check(ended, held.with_fence(held.fence.release(1)), now_ms=NOW, bounds=BOUNDS,
                  verifier=KEYRING) == ended  # fmt: skip
+
+
+def test_another_birth_region_writes_under_a_claim_only_while_it_is_a_split_time_one() -> None:
+    """Two regions created the record apart and each granted token 1; the join keeps
+    one grant of it, so the other side's writes at epoch 1 are signed by a region
+    that is neither the home nor the kept grant's: while the fence is such a split-
+    time claim, every birth region decides it (the chaos tier under TLS, seed
+    424242). Once the home has moved past it, the other birth region signs nothing
+    under the home's later claims."""
+    other = REGIONS[1]
+    split = signed().with_birth(other, Birth(stamp(EPOCH_MS + 1, node="n-eu")))
+    at = stamp(EPOCH_MS + 20, epoch=1, node="n-eu")
+    theirs = OTHER_SIGNER.sign_writes(split.set_fields({"body": "eu's"}, at), at)
+    merged = check(split, theirs, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert merged.field_values()["body"] == "eu's"
+    end = OTHER_SIGNER.seal(KEY, split.fence.release(1), end=True, move=False)
+    assert check(split, split.with_fence(end), now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    # The home moved past the split (2) and granted again (3), signed: its claim now.
+    moved = SIGNERS[0].seal(KEY, split.fence.move(2), end=False, move=True)
+    grant = Grant(pack(EPOCH_MS + 30), "worker", HOME)
+    later = split.with_fence(SIGNERS[0].sign_fence(KEY, moved.grant(3, grant, NOW + 60_000)))
+    at = stamp(EPOCH_MS + 40, epoch=3, node="n-eu")
+    intrusion = OTHER_SIGNER.sign_writes(later.set_fields({"body": "eu's"}, at), at)
+    assert refused_signed(later, intrusion) == "signer_not_home"
+    end = OTHER_SIGNER.seal(KEY, later.fence.release(3), end=True, move=False)
+    assert refused_signed(later, later.with_fence(end)) == "signer_not_home"
 
 
 # -- a hostile peer, against a real node -----------------------------------------------------

@@ -167,29 +167,23 @@ async def test_a_merge_that_leaves_the_sender_behind_is_pushed_like_a_write(
     "first",
     [
         "us",
-        pytest.param(
-            "eu",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="open node bug: under TLS the home refuses the other birth's writes"
-                " at the shared token (signer_not_home), so the births never meet there",
-            ),
-        ),
+        "eu",
     ],
     ids=["home-claims-first", "home-claims-last"],
 )
 async def test_an_id_born_on_both_sides_of_a_split_meets_under_tls(
     tmp_path: Path, first: str
 ) -> None:
-    """Found by the chaos tier once it ran mutual TLS (seed 424242, split-000-0): both
-    sides grant token 1 and write under it, each write signed by its own node. The
-    join keeps one grant of token 1, the later one; when that is the home's, the
-    home holds the other side's writes at epoch 1 to the signers allowed for that
-    epoch — the home and the region of the grant kept, both itself — and refuses
-    the whole state ``signer_not_home``. So the home never learns the other birth,
-    never moves its fence, and keeps admitting its split-time holder under token 1
-    until that claim ends (SPEC §2: the surviving home moves its fence past every
-    token either side issued)."""
+    """Regression, found by the chaos tier once it ran mutual TLS (seed 424242,
+    split-000-0): both sides grant token 1 and write under it, each write signed by
+    its own node. The join keeps one grant of token 1, the later one; when that was
+    the home's, the home held the other side's writes at epoch 1 to the signers
+    allowed for that epoch — the home and the region of the grant kept, both itself
+    — and refused the whole state ``signer_not_home``. So the home never learnt the
+    other birth, never moved its fence, and kept admitting its split-time holder
+    under token 1 until that claim ended (SPEC §2: the surviving home moves its
+    fence past every token either side issued). While the fence is such a claim,
+    every birth region may have written under it (``integrity.check``)."""
     certs = tmp_path / "certs"
     regions = ["us", "eu", "ap"]
     init_dir(certs, regions=regions, clients=["alice"])

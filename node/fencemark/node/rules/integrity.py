@@ -58,7 +58,7 @@ from typing import Protocol
 from fencemark.node.crdt import Birth, Record
 from fencemark.node.crdt.fence import HISTORY, Grant
 from fencemark.node.crdt.record import DELETED, FIELD, Register
-from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
+from fencemark.node.rules.admission import RECOVERY_GAP, split_tokens, token_ceiling
 from fencemark.node.rules.errors import FencemarkError
 from fencemark.node.rules.validation import MAX_LEASE_S
 
@@ -174,12 +174,19 @@ def check(
             problem = verifier.problem(key, top, holder)
             if problem is not None:
                 raise refuse(*problem)
+        # Who decides the fence's claim, and so writes at its epoch and ends it: the
+        # home, and the region that made the grant. While the fence is a claim of a
+        # split that the home has not moved past yet, any birth region: each side
+        # may have granted this very token apart, and the join kept one grant of it
+        # (the chaos tier, under TLS, seed 424242) — the home moves past it at once.
+        deciders = set(births) if split_tokens(merged) else {home}
+        if holder is not None:
+            deciders.add(holder.region)
         ended = holder is not None and merged.fence.ended(top)
         if holder is not None and ended and not local.fence.ended(top):
-            # The end of the fence's claim: only the node that decides it (the home,
-            # or the region that granted) releases a claim or records its lapse, and
-            # either one readmits unfenced writes everywhere.
-            regions = (home, holder.region)
+            # The end of the fence's claim: only the node that decides it releases a
+            # claim or records its lapse, and either readmits unfenced writes everywhere.
+            regions = deciders
             seal = merged.fence.seals.get(top, b"")
             problem = verifier.end_problem(key, top, seal, regions)
             if problem is not None:
@@ -191,10 +198,10 @@ def check(
             if problem is not None:
                 raise refuse(*problem)
         if holder is not None and merged.fence.unreleased():
-            # Writes at the epoch of an unreleased grant: only the home (or the
-            # region that made the grant, a birth region apart from it) admits
-            # one, as a fenced write of the holder, and signs it (SPEC §4).
-            regions = (home, holder.region)
+            # Writes at the epoch of an unreleased grant: only a node that decides
+            # the claim admits one, as a fenced write of the holder, and signs it
+            # (SPEC §4).
+            regions = deciders
             for kind, name, register in merged.registers():
                 if register.stamp.epoch == top and register != _register(local, kind, name):
                     problem = verifier.write_problem(key, kind, name, register, regions)
