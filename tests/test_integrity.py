@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 
 from fencemark.client import AsyncClient
 from fencemark.node.crdt import Birth, Record, Stamp, codec
-from fencemark.node.crdt.fence import Grant
+from fencemark.node.crdt.fence import HISTORY, Grant
 from fencemark.node.crdt.hlc import pack
 from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.rules.integrity import Bounds, MergeRefused, check
+from fencemark.node.security.signing import Keyring
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster
 from tests.strategies import (
@@ -323,6 +324,112 @@ def test_another_birth_region_writes_under_a_claim_only_while_it_is_a_split_time
     assert refused_signed(later, intrusion) == "signer_not_home"
     end = OTHER_SIGNER.seal(KEY, later.fence.release(3), end=True, move=False)
     assert refused_signed(later, later.with_fence(end)) == "signer_not_home"
+
+
+# -- the bounds, at their boundaries -----------------------------------------------------------
+
+JUMP = BOUNDS.max_token_jump
+EARLY = 0  # a grant time whose ceiling (token_ceiling: 0) bounds nothing here
+
+
+def refusal(local: Record, remote: Record, verifier: Keyring | None = None) -> MergeRefused:
+    with pytest.raises(MergeRefused) as caught:
+        check(local, remote, now_ms=NOW, bounds=BOUNDS, verifier=verifier)
+    return caught.value
+
+
+def with_grants(record: Record, tokens: tuple[int, ...], hlc: int = EARLY) -> Record:
+    fence = record.fence
+    for token in tokens:
+        fence = fence.grant(token, Grant(hlc, "worker", HOME), NOW + 60_000)
+    return record.with_fence(fence)
+
+
+def test_the_protocol_bounds_are_the_documented_ones() -> None:
+    """Every node must agree on them, and docs/security.md quotes them: a token jump
+    of 2**21 (twice the recovery gap), a lease of at most an hour."""
+    assert JUMP == 2 * RECOVERY_GAP == 1 << 21
+    assert Bounds(max_offset_ms=0).max_lease_ms == 3_600_000
+
+
+def test_a_token_may_jump_exactly_the_bound_above_the_grant_below_it() -> None:
+    """``token_jump`` counts from the grant below the new one: ``JUMP`` above it is a
+    recovery floor at most, one more was never granted (with a grant time whose
+    ceiling bounds nothing)."""
+    held = with_grants(Record(KEY).create(HOME, stamp()), (5,))
+    assert check(held, with_grants(held, (5 + JUMP,)), now_ms=NOW, bounds=BOUNDS)
+    too_far = refusal(held, with_grants(held, (6 + JUMP,)))
+    assert too_far.reason == "token_jump"
+    ceiling = token_ceiling(EARLY)
+    assert too_far.detail == (
+        f"token {6 + JUMP} is {JUMP + 1} above token 5, {6 + JUMP - ceiling} above its"
+        f" time's (at most {JUMP})"
+    )
+
+
+def test_a_first_grant_is_measured_from_nothing() -> None:
+    """A node with no grant of a record measures a new one from 0 (or, for a history
+    folded to its last ``HISTORY`` grants, not the lowest of them: nothing to measure
+    it from), and goes on to measure every grant above it."""
+    bare = Record(KEY).create(HOME, stamp())
+    assert check(bare, with_grants(bare, (JUMP,)), now_ms=NOW, bounds=BOUNDS)
+    assert refusal(bare, with_grants(bare, (JUMP + 1,))).reason == "token_jump"
+    base = 10 * JUMP  # a folded history starting high: its lowest grant is not measured
+    folded = with_grants(bare, tuple(range(base, base + HISTORY)))
+    assert check(bare, folded, now_ms=NOW, bounds=BOUNDS).fence.fence == base + HISTORY - 1
+    forged = with_grants(bare, (*range(base, base + HISTORY - 1), base + 3 * JUMP))
+    assert refusal(bare, forged).reason == "token_jump"
+
+
+def test_a_fence_may_move_exactly_the_bound_above_the_grant_below_it() -> None:
+    held = with_grants(Record(KEY).create(HOME, stamp()), (5,))
+    assert check(held, held.with_fence(held.fence.move(5 + JUMP)), now_ms=NOW, bounds=BOUNDS)
+    too_far = refusal(held, held.with_fence(held.fence.move(6 + JUMP)))
+    assert (too_far.reason, too_far.detail) == (
+        "token_jump",
+        f"the fence moved to {6 + JUMP}, {JUMP + 1} above token 5 (at most {JUMP})",
+    )
+
+
+def test_a_lease_may_end_exactly_the_longest_lease_and_the_clock_offset_from_now() -> None:
+    held = granted()
+    latest = NOW + BOUNDS.max_lease_ms + BOUNDS.max_offset_ms
+    assert check(held, held.with_fence(held.fence.extend(1, latest)), now_ms=NOW, bounds=BOUNDS)
+    beyond = refusal(held, held.with_fence(held.fence.extend(1, latest + 1)))
+    assert (beyond.reason, beyond.detail) == (
+        "lease_too_long",
+        f"token 1's lease ends {latest + 1 - NOW} ms from now",
+    )
+    # An expiry this node already holds is not refused again, whatever the clock says.
+    far = held.with_fence(held.fence.extend(1, latest + 1))
+    assert check(far, far, now_ms=NOW, bounds=BOUNDS) == far
+
+
+def test_what_a_node_already_holds_is_not_checked_again() -> None:
+    """A grant, a write under a claim, a birth that this node holds as they are are
+    not verified again: an unsigned one from before signatures (or an ``--insecure``
+    run) stays mergeable with a peer that sends the same, until its home signs it."""
+    legacy = granted()  # the grant is unsigned
+    at = stamp(EPOCH_MS + 5, epoch=1)
+    legacy = legacy.set_fields({"body": "x"}, at).add_tags(["done"], at)
+    legacy = legacy.clear(at).set_deleted(True, at)
+    legacy = legacy.with_birth(REGIONS[1], Birth(stamp(EPOCH_MS + 1, node="n-eu")))
+    assert check(legacy, legacy, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING) == legacy
+
+
+def test_every_birth_a_node_did_not_hold_carries_its_regions_signature() -> None:
+    held = signed()
+    other = REGIONS[1]
+    birth = Birth(stamp(EPOCH_MS + 1, node="n-eu"))
+    unsigned = held.with_birth(other, birth)
+    assert refusal(held, unsigned, KEYRING).reason == "unsigned_birth"
+    by_them = OTHER_SIGNER.sign_birth(unsigned, other)
+    merged = check(held, by_them, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert set(merged.births) == {HOME, other} and merged.home_region == HOME
+    # The home's own birth, back-dated and signed by the other region: not theirs.
+    earlier = held.with_birth(HOME, Birth(stamp(EPOCH_MS - 1)))
+    forged = OTHER_SIGNER.sign_birth(earlier, HOME)
+    assert refusal(held, forged, KEYRING).reason == "signer_not_home"
 
 
 # -- a hostile peer, against a real node -----------------------------------------------------
