@@ -113,128 +113,182 @@ def check(
     bounds: Bounds,
     verifier: GrantVerifier | None = None,
 ) -> Record:
-    """The merge of ``remote`` into ``local``, or :class:`MergeRefused`."""
-    key = remote.key
+    """The merge of ``remote`` into ``local``, or :class:`MergeRefused`: each rule of
+    the module docstring in turn, the first one broken refusing the whole state."""
+    _check_epochs(remote)
+    join = _Join(local, remote, local.merge(remote))
+    join.check_grants(bounds)
+    if verifier is not None:
+        join.check_births(verifier)
+        join.check_fence_grant(verifier)
+        join.check_end(verifier)
+        join.check_move_signature(verifier)
+        join.check_writes(verifier)
+    join.check_move(bounds)
+    join.check_leases(bounds, now_ms)
+    return join.merged
 
-    def refuse(reason: str, detail: str) -> MergeRefused:
-        return MergeRefused(key, reason, detail)
 
+def _check_epochs(remote: Record) -> None:
+    """``epoch_beyond_fence``: a stamp's epoch is a fence its writer knew."""
     fence = remote.fence.fence
     for stamp in remote.stamps():
         if stamp.epoch > fence:
-            raise refuse("epoch_beyond_fence", f"a stamp of epoch {stamp.epoch} > fence {fence}")
-
-    merged = local.merge(remote)
-    home = merged.home_region
-    births = merged.births
-    # Grants the join keeps that were not here before (older ones it folds away
-    # below its floor can supersede nothing, forged or not).
-    new = {
-        t: g
-        for t, g in remote.fence.grants.items()
-        if t not in local.fence.grants and t in merged.fence.grants
-    }
-    # Most merges bring field writes, not grants: sort the tokens only when needed.
-    grants = sorted(merged.fence.grants) if new else []
-    for token, grant in new.items():
-        if grant.region not in births:
-            raise refuse("grant_outside_home", f"token {token} granted by {grant.region!r}, "
-                                               f"home is {home!r}")  # fmt: skip
-        if grants[0] < token:
-            below = grants[bisect.bisect_left(grants, token) - 1]
-        elif local.fence.fence or len(remote.fence.grants) < HISTORY:
-            below = local.fence.fence
-        else:
-            # The lowest grant of a folded history, for a record this node has
-            # no grant of: nothing to measure its jump from (docs/security.md).
-            continue
-        ceiling = token_ceiling(grant.granted_hlc)
-        if token - below > bounds.max_token_jump and token - ceiling > bounds.max_token_jump:
-            above = f"{token - below} above token {below}, {token - ceiling} above its time's"
-            raise refuse(
-                "token_jump", f"token {token} is {above} (at most {bounds.max_token_jump})"
+            raise MergeRefused(
+                remote.key, "epoch_beyond_fence", f"a stamp of epoch {stamp.epoch} > fence {fence}"
             )
 
-    if verifier is not None:
-        # Every birth this node did not hold as it is: the region that made it signed
-        # it, so no other node can claim an earlier birth for it (SPEC §4).
-        for region, birth in births.items():
-            if local.births.get(region) != birth:
-                problem = verifier.birth_problem(key, region, birth)
-                if problem is not None:
-                    raise refuse(*problem)
-        top = merged.fence.fence
-        holder = merged.fence.grants.get(top)
-        if holder is not None and holder != local.fence.grants.get(top):
-            # A fence grant this node did not hold (a new one, or another version of
-            # its own): only the home's signature lets it raise the fence.
-            if holder.region not in births:
-                where = f"token {top} granted by {holder.region!r}, home is {home!r}"
-                raise refuse("grant_outside_home", where)
-            problem = verifier.problem(key, top, holder)
-            if problem is not None:
-                raise refuse(*problem)
-        # Who decides the fence's claim, and so writes at its epoch and ends it: the
-        # home, and the region that made the grant. While the fence is a claim of a
-        # split that the home has not moved past yet, any birth region: each side
-        # may have granted this very token apart, and the join kept one grant of it
-        # (the chaos tier, under TLS, seed 424242) — the home moves past it at once.
-        deciders = set(births) if split_tokens(merged) else {home}
-        if holder is not None:
-            deciders.add(holder.region)
-        ended = holder is not None and merged.fence.ended(top)
-        if holder is not None and ended and not local.fence.ended(top):
-            # The end of the fence's claim: only the node that decides it releases a
-            # claim or records its lapse, and either readmits unfenced writes everywhere.
-            regions = deciders
-            seal = merged.fence.seals.get(top, b"")
-            problem = verifier.end_problem(key, top, seal, regions)
-            if problem is not None:
-                raise refuse(*problem)
-        moved = merged.fence.moved
-        if moved == top and moved > local.fence.moved:
-            # A move that is the fence: only the home moves it (``Replica.merge``).
-            problem = verifier.move_problem(key, moved, merged.fence.moved_signature, home)
-            if problem is not None:
-                raise refuse(*problem)
-        if holder is not None and merged.fence.unreleased():
-            # Writes at the epoch of an unreleased grant: only a node that decides
-            # the claim admits one, as a fenced write of the holder, and signs it
-            # (SPEC §4).
-            regions = deciders
-            for kind, name, register in merged.registers():
-                if register.stamp.epoch == top and register != _register(local, kind, name):
-                    problem = verifier.write_problem(key, kind, name, register, regions)
-                    if problem is not None:
-                        raise refuse(*problem)
 
-    moved = remote.fence.moved
-    if moved > local.fence.fence:
-        # The home moved the fence past the claims of two births (SPEC §2): by one
-        # token above them, so no further than a grant may jump.
-        below = max((t for t in merged.fence.grants if t < moved), default=local.fence.fence)
+@dataclass(frozen=True)
+class _Join:
+    """A remote state, this node's, and their join: what each rule looks at."""
+
+    local: Record
+    remote: Record
+    merged: Record
+
+    def refuse(self, reason: str, detail: str) -> MergeRefused:
+        return MergeRefused(self.remote.key, reason, detail)
+
+    @property
+    def top(self) -> int:
+        return self.merged.fence.fence
+
+    @property
+    def holder(self) -> Grant | None:
+        return self.merged.fence.grants.get(self.top)
+
+    def check_grants(self, bounds: Bounds) -> None:
+        """``grant_outside_home`` for every grant of the join this node did not hold
+        as it is; ``token_jump`` for every new one."""
+        local, merged = self.local.fence, self.merged.fence
+        births = self.merged.births
+        for token, grant in merged.grants.items():
+            if grant != local.grants.get(token) and grant.region not in births:
+                home = self.merged.home_region
+                raise self.refuse("grant_outside_home", f"token {token} granted by"
+                                  f" {grant.region!r}, home is {home!r}")  # fmt: skip
+        # Grants the join keeps that were not here before (older ones it folds away
+        # below its floor can supersede nothing, forged or not).
+        new = {t: g for t, g in self.remote.fence.grants.items() if t not in local.grants}
+        new = {t: g for t, g in new.items() if t in merged.grants}
+        # Most merges bring field writes, not grants: sort the tokens only when needed.
+        grants = sorted(merged.grants) if new else []
+        for token, grant in new.items():
+            if grants[0] < token:
+                below = grants[bisect.bisect_left(grants, token) - 1]
+            elif local.fence or len(self.remote.fence.grants) < HISTORY:
+                below = local.fence
+            else:
+                # The lowest grant of a folded history, for a record this node has
+                # no grant of: nothing to measure its jump from (docs/security.md).
+                continue
+            ceiling = token_ceiling(grant.granted_hlc)
+            jump = bounds.max_token_jump
+            if token - below > jump and token - ceiling > jump:
+                above = f"{token - below} above token {below}, {token - ceiling} above its time's"
+                raise self.refuse("token_jump", f"token {token} is {above} (at most {jump})")
+
+    def check_births(self, verifier: GrantVerifier) -> None:
+        """Every birth this node did not hold as it is: the region that made it
+        signed it, so no other node can claim an earlier birth for it (SPEC §4)."""
+        for region, birth in self.merged.births.items():
+            if self.local.births.get(region) != birth:
+                problem = verifier.birth_problem(self.remote.key, region, birth)
+                if problem is not None:
+                    raise self.refuse(*problem)
+
+    def check_fence_grant(self, verifier: GrantVerifier) -> None:
+        """A fence grant this node did not hold (a new one, or another version of
+        its own): only its region's signature lets it raise the fence."""
+        holder = self.holder
+        if holder is not None and holder != self.local.fence.grants.get(self.top):
+            problem = verifier.problem(self.remote.key, self.top, holder)
+            if problem is not None:
+                raise self.refuse(*problem)
+
+    def deciders(self) -> set[str]:
+        """Who decides the fence's claim, and so writes at its epoch and ends it: the
+        home, and the region that made the grant. While the fence is a claim of a
+        split that the home has not moved past yet, any birth region: each side may
+        have granted this very token apart, and the join kept one grant of it (the
+        chaos tier, under TLS, seed 424242); the home moves past it at once."""
+        merged = self.merged
+        deciders = set(merged.births) if split_tokens(merged) else {merged.home_region}
+        if self.holder is not None:
+            deciders.add(self.holder.region)
+        return deciders
+
+    def check_end(self, verifier: GrantVerifier) -> None:
+        """The end of the fence's claim (a release or a lapse, which readmits
+        unfenced writes everywhere) carries the seal of a node that decides it."""
+        fence, top = self.merged.fence, self.top
+        if self.holder is None or not fence.ended(top) or self.local.fence.ended(top):
+            return
+        seal = fence.seals.get(top, b"")
+        problem = verifier.end_problem(self.remote.key, top, seal, self.deciders())
+        if problem is not None:
+            raise self.refuse(*problem)
+
+    def check_move_signature(self, verifier: GrantVerifier) -> None:
+        """A move that is the fence: only the home moves it (``Replica.merge``)."""
+        fence = self.merged.fence
+        if fence.moved == self.top and fence.moved > self.local.fence.moved:
+            home = self.merged.home_region
+            problem = verifier.move_problem(
+                self.remote.key, fence.moved, fence.moved_signature, home
+            )
+            if problem is not None:
+                raise self.refuse(*problem)
+
+    def check_writes(self, verifier: GrantVerifier) -> None:
+        """Writes at the epoch of an unreleased grant: only a node that decides the
+        claim admits one, as a fenced write of the holder, and signs it (SPEC §4)."""
+        if self.holder is None or not self.merged.fence.unreleased():
+            return
+        top, deciders = self.top, self.deciders()
+        for kind, name, register in self.merged.registers():
+            if register.stamp.epoch == top and register != _register(self.local, kind, name):
+                problem = verifier.write_problem(self.remote.key, kind, name, register, deciders)
+                if problem is not None:
+                    raise self.refuse(*problem)
+
+    def check_move(self, bounds: Bounds) -> None:
+        """``token_jump`` for a move: the home moves the fence past the claims of two
+        births by one token above them, so no further than a grant may jump."""
+        moved, local = self.remote.fence.moved, self.local.fence
+        if moved <= local.fence:
+            return
+        below = max((t for t in self.merged.fence.grants if t < moved), default=local.fence)
         if moved - below > bounds.max_token_jump:
             jump = f"the fence moved to {moved}, {moved - below} above token {below}"
-            raise refuse("token_jump", f"{jump} (at most {bounds.max_token_jump})")
+            raise self.refuse("token_jump", f"{jump} (at most {bounds.max_token_jump})")
 
-    latest = now_ms + bounds.max_lease_ms + bounds.max_offset_ms
+    def check_leases(self, bounds: Bounds, now_ms: int) -> None:
+        """``orphan_token`` for an expiry, a release or a lapse no grant names;
+        ``lease_too_long`` for an expiry new here beyond the longest lease."""
+        remote, local = self.remote.fence, self.local.fence
+        latest = now_ms + bounds.max_lease_ms + bounds.max_offset_ms
 
-    def named(token: int) -> bool:
-        return token in remote.fence.grants or token in local.fence.grants
+        def named(token: int) -> bool:
+            return token in remote.grants or token in local.grants
 
-    for token, expiry in remote.fence.lease_expiry.items():
-        if not named(token):
-            raise refuse("orphan_token", f"a lease expiry for token {token}, which no grant names")
-        if expiry > local.fence.expiry(token) and expiry > latest:
-            raise refuse("lease_too_long", f"token {token}'s lease ends {expiry - now_ms} ms"
-                                           " from now")  # fmt: skip
-    for token in remote.fence.released - local.fence.released:
-        if not named(token):
-            raise refuse("orphan_token", f"a release of token {token}, which no grant names")
-    for token in remote.fence.lapsed - local.fence.lapsed:
-        if not named(token):
-            raise refuse("orphan_token", f"a lapse of token {token}, which no grant names")
-    return merged
+        for token, expiry in remote.lease_expiry.items():
+            if not named(token):
+                raise self.refuse(
+                    "orphan_token", f"a lease expiry for token {token}, which no grant names"
+                )
+            if expiry > local.expiry(token) and expiry > latest:
+                raise self.refuse(
+                    "lease_too_long", f"token {token}'s lease ends {expiry - now_ms} ms from now"
+                )
+        for what, tokens in (("release", remote.released - local.released),
+                             ("lapse", remote.lapsed - local.lapsed)):  # fmt: skip
+            for token in tokens:
+                if not named(token):
+                    raise self.refuse(
+                        "orphan_token", f"a {what} of token {token}, which no grant names"
+                    )
 
 
 def _register(record: Record, kind: str, name: str) -> Register | None:
