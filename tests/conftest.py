@@ -7,6 +7,9 @@ Nothing here mocks a Fencemark component: ``node`` is the gRPC server the
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -37,6 +40,33 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 StartNode = Callable[..., Awaitable[NodeServer]]
+
+LEFTOVER_GRACE_S = 10.0
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End the run even when a failed test left a node's threads behind.
+
+    A test stopped by its timeout never stops its nodes, and the interpreter then
+    waits at exit for their storage threads: the run would hang after reporting
+    its result. Those threads get a grace to finish; then the run ends with the
+    status it already has, naming them.
+    """
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+    left = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon]
+    left.remove(threading.main_thread().name)
+    if left:
+        print(f"\nthreads a test left running, not waited for: {left}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(int(getattr(config, "_fencemark_exit_status", 1)))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config._fencemark_exit_status = exitstatus  # type: ignore[attr-defined]
 
 
 @pytest.fixture

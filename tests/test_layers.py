@@ -75,3 +75,19 @@ def test_the_package_root_hands_on_only_the_version() -> None:
     """``fencemark.node`` itself imports no layer, so importing one layer never
     loads the others."""
     assert layer_imports(NODE / "__init__.py") == set()
+
+
+SHIPPED = [NODE, NODE.parent.parent.parent / "client", NODE.parent.parent.parent / "bench"]
+
+
+def test_no_shipped_loop_waits_with_wait_for() -> None:
+    """``asyncio.wait_for`` on Python 3.11 can lose a cancellation that arrives just as
+    the awaited thing completes; a loop waiting that way outlives ``stop()``, which then
+    waits for it forever (a node that never stops). ``asyncio.timeout`` does not."""
+    offenders = []
+    for root in SHIPPED:
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "wait_for":
+                    offenders.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert not offenders, f"use asyncio.timeout instead of asyncio.wait_for: {offenders}"

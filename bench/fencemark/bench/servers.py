@@ -86,7 +86,8 @@ class ServerProcess:
         if self.proc.returncode is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self.proc.wait(), grace)
+                async with asyncio.timeout(grace):
+                    await self.proc.wait()
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()

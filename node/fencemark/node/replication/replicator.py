@@ -352,8 +352,11 @@ class Replicator:
                 if pause > 0:
                     # Backed off; heard_from() (the peer called in) ends it early.
                     peer.wake.clear()
+                    # Not wait_for: on Python 3.11 it can swallow a cancellation that
+                    # arrives with the wake-up, and stop() would wait for this loop forever.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(peer.wake.wait(), pause)
+                        async with asyncio.timeout(pause):
+                            await peer.wake.wait()
                     continue
                 # Take the keys out before reading their states: a write landing
                 # while this batch is in flight puts its key back for the next one.

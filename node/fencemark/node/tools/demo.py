@@ -156,13 +156,15 @@ class Demo:
         assert self.cluster.mesh is not None
         victim = self.regions[-1]
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=1.0)
-            return
+            async with asyncio.timeout(1.0):
+                await stop.wait()
+                return
         self.cut = victim
         self.cluster.mesh.isolate(victim)
         self.log(f"nemesis: region {victim} cut off from the others for {cut_seconds:.0f} s")
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=cut_seconds)
+            async with asyncio.timeout(cut_seconds):
+                await stop.wait()
         self.cluster.mesh.heal()
         self.cut = None
         self.log(f"nemesis: region {victim} healed")

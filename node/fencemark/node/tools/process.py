@@ -93,7 +93,8 @@ class NodeProcess:
         if self.proc.returncode is None:
             self.proc.send_signal(sig)
             try:
-                await asyncio.wait_for(self.proc.wait(), grace)
+                async with asyncio.timeout(grace):
+                    await self.proc.wait()
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()

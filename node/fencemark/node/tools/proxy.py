@@ -232,10 +232,10 @@ class FaultProxy(_Closeable):
     async def _forward(self, connection: _Connection, reader: asyncio.StreamReader) -> bool:
         """Connect upstream and copy both ways; whether both sides ended cleanly."""
         try:
-            upstream_reader, upstream_writer = await asyncio.wait_for(
-                asyncio.open_connection(self._upstream_host, self._upstream_port),
-                _CONNECT_TIMEOUT_SECONDS,
-            )
+            async with asyncio.timeout(_CONNECT_TIMEOUT_SECONDS):
+                upstream_reader, upstream_writer = await asyncio.open_connection(
+                    self._upstream_host, self._upstream_port
+                )
         except (OSError, TimeoutError):
             self._stats.upstream_failures += 1
             return False
@@ -289,8 +289,9 @@ class FaultProxy(_Closeable):
             if delay <= 0:
                 return
             changed = self._latency_changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), delay)
+            with contextlib.suppress(TimeoutError):  # not wait_for (see the replicator)
+                async with asyncio.timeout(delay):
+                    await changed.wait()
 
     async def _send(self, writer: asyncio.StreamWriter, data: bytes, *, to_upstream: bool) -> None:
         view = memoryview(data)

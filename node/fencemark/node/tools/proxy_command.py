@@ -117,7 +117,8 @@ async def run(links: Sequence[Link], control: Path | None, stop: asyncio.Event) 
             if control is not None:
                 seen, current = _follow(control, proxies, seen, current)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), CONTROL_POLL_SECONDS)
+                async with asyncio.timeout(CONTROL_POLL_SECONDS):
+                    await stop.wait()
     finally:
         for proxy in proxies.values():
             await proxy.close()
