@@ -6,6 +6,8 @@ All over gRPC against a real node; leases that must lapse are 1 s long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -21,13 +23,13 @@ from fencemark.client import (
     InvalidArgument,
 )
 from fencemark.node.api.server import NodeServer
-from fencemark.node.core.claims import Claims
+from fencemark.node.core.claims import LOOK_AGAIN_S, Claims, until_lapse
 from fencemark.node.core.replica import Replica
-from fencemark.node.crdt import HybridClock, Record, Stamp
+from fencemark.node.crdt import Grant, HybridClock, Record, Stamp
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import wall_clock_ms
-from fencemark.node.rules.admission import ANYONE, Outcome
-from fencemark.node.rules.errors import Reason
+from fencemark.node.rules.admission import ANYONE, Caller, Outcome
+from fencemark.node.rules.errors import Exhausted, InvalidInput, Reason
 from fencemark.node.store.storage import DB_FILE, Storage
 from tests.conftest import StartNode
 
@@ -431,18 +433,27 @@ class CountingWall:
         return wall_clock_ms()
 
 
-@pytest.fixture
-async def counted(tmp_path: Path) -> AsyncIterator[tuple[Claims, CountingWall]]:
-    """The node's claims over its replica and a real SQLite file, on a wall clock that
-    counts its reads (nothing else of a node, so nothing else reads it)."""
-    storage = await Storage.open(tmp_path / DB_FILE)
-    wall = CountingWall()
+@contextlib.asynccontextmanager
+async def claims_on_file(
+    path: Path, wall: Callable[[], int] = wall_clock_ms, **limits: int
+) -> AsyncIterator[Claims]:
+    """The node's claims over its replica and a real SQLite file, on ``wall`` (nothing
+    else of a node, so nothing else reads that clock), with the waiter ``limits``."""
+    storage = await Storage.open(path / DB_FILE)
     replica = Replica(storage, HybridClock(wall_ms=wall), "local")
     await replica.gate.caught_up()  # one node on a new file: nobody to learn from
     try:
-        yield Claims(replica), wall
+        yield Claims(replica, **limits)
     finally:
         await storage.close()
+
+
+@pytest.fixture
+async def counted(tmp_path: Path) -> AsyncIterator[tuple[Claims, CountingWall]]:
+    """Claims on a wall clock that counts its reads."""
+    wall = CountingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        yield claims, wall
 
 
 async def made(claims: Claims, id_: str) -> str:
@@ -486,6 +497,213 @@ async def test_a_waiter_that_times_out_does_not_poll(
     result = await claims.claim(key, "waiter", wait_seconds=0.5, caller=ANYONE)
     assert (result.ok, result.reason) == (False, Reason.TIMEOUT)
     assert wall.reads <= LOOKS, f"{wall.reads} clock reads while waiting: it polled"
+
+
+# -- the rules of waiting, in-process (issue 15) ------------------------------------------
+
+NOW = 1_767_225_600_000  # a wall-clock moment, in ms
+
+
+def leased_until(expiry_ms: int) -> Record:
+    """A record born here, claimed by its home with a lease to ``expiry_ms``."""
+    record = Record(key_of("leased")).create("local", Stamp(0, NOW << 16, "local-node"))
+    grant = Grant(granted_hlc=NOW << 16, owner="holder", region="local")
+    return record.with_fence(record.fence.grant(1, grant, expiry_ms))
+
+
+def test_the_head_of_the_line_looks_again_a_millisecond_after_the_lapse() -> None:
+    """The head of the line sleeps until the holder's lease lapses, then a millisecond
+    (``LOOK_AGAIN_S``: timers fire at or after their time, never before), and looks
+    again; in seconds, from the node's clock in milliseconds."""
+    assert until_lapse(leased_until(NOW + 1_500), NOW) == pytest.approx(1.501, abs=1e-9)
+    assert until_lapse(leased_until(NOW + 1), NOW) == pytest.approx(0.002, abs=1e-9)
+    assert LOOK_AGAIN_S == 0.001
+
+
+def test_with_no_live_lease_the_head_of_the_line_looks_again_at_once() -> None:
+    """A lease that lapsed (or a record gone) since the claim was refused: look again
+    after ``LOOK_AGAIN_S``, never a negative or a long sleep."""
+    assert until_lapse(None, NOW) == LOOK_AGAIN_S
+    assert until_lapse(leased_until(NOW), NOW) == LOOK_AGAIN_S  # lapses at its expiry
+    assert until_lapse(leased_until(NOW - 5_000), NOW) == LOOK_AGAIN_S
+    released = leased_until(NOW + 60_000)
+    released = released.with_fence(released.fence.release(1))
+    assert until_lapse(released, NOW) == LOOK_AGAIN_S
+
+
+async def test_claims_and_renewals_without_a_lease_get_the_60_second_default(
+    tmp_path: Path,
+) -> None:
+    """claims.proto: lease_seconds 0 (the default) means 60 s, from the node's clock."""
+    async with claims_on_file(tmp_path) as claims:
+        key = await made(claims, "default-lease")
+        before = wall_clock_ms()
+        granted = await claims.claim(key, "holder", caller=ANYONE)
+        assert granted.ok and before + 60_000 <= granted.expiry_ms <= wall_clock_ms() + 60_000
+        await asyncio.sleep(0.05)
+        before = wall_clock_ms()
+        renewed = await claims.renew(key, granted.token, caller=ANYONE)
+        assert renewed.ok and before + 60_000 <= renewed.expiry_ms <= wall_clock_ms() + 60_000
+
+
+@pytest.mark.parametrize("token", [0, -1])
+async def test_a_token_below_one_is_invalid_input_naming_fencing_token(
+    tmp_path: Path, token: int
+) -> None:
+    """SPEC §4: fencing tokens start at 1; 0 or less is bad input, refused before any
+    decision (the claim is left as it was)."""
+    async with claims_on_file(tmp_path) as claims:
+        key = await made(claims, "token-zero")
+        granted = await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        for call in (claims.renew, claims.release):
+            with pytest.raises(InvalidInput) as refused:
+                await call(key, token, caller=ANYONE)
+            assert [name for name, _ in refused.value.violations] == ["fencing_token"]
+        status = await claims.status(key, caller=ANYONE)
+        assert (status.token, status.expiry_ms) == (granted.token, granted.expiry_ms)
+        assert (await claims.release(key, 1, caller=ANYONE)).ok  # 1 is a token
+
+
+async def test_every_claim_decided_is_counted_by_outcome_and_only_queued_ones_as_waits(
+    tmp_path: Path,
+) -> None:
+    """The metrics' ``fencemark_claims_total{outcome}`` and ``fencemark_claim_waits_total``:
+    each claim counts once under ``granted`` or its reason; only a claim that stood in
+    line counts as a wait (``missing`` answers at once even with a wait)."""
+    async with claims_on_file(tmp_path) as claims:
+        assert (claims.outcomes, claims.waits) == (Counter(), 0)
+        key = await made(claims, "counted")
+        await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        await claims.claim(key, "rival", caller=ANYONE)
+        await claims.claim(key_of("nowhere"), "rival", wait_seconds=WAIT, caller=ANYONE)
+        assert claims.waits == 0
+        await claims.claim(key, "patient", wait_seconds=0.1, caller=ANYONE)
+        assert claims.waits == 1
+        assert claims.outcomes == Counter(granted=1, contended=1, missing=1, timeout=1)
+
+
+async def wait_in_line(claims: Claims, key: str, owner: str, client: str) -> asyncio.Task[Outcome]:
+    """A claimer from ``client`` that waits in line for ``key`` (until cancelled)."""
+    depth = claims.queue_depth(key)
+    task = asyncio.create_task(
+        claims.claim(key, owner, wait_seconds=WAIT, caller=ANYONE, client=client)
+    )
+    await queued(claims, key, depth + 1)
+    return task
+
+
+async def leave(*tasks: asyncio.Task[Outcome]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_the_waiter_bound_over_all_clients_binds_at_its_limit(tmp_path: Path) -> None:
+    """``--max-waiters``: with the limit waiting, the next caller that would wait is
+    refused ``Exhausted`` (RESOURCE_EXHAUSTED) whichever client it comes from; one that
+    need not wait is still answered."""
+    async with claims_on_file(tmp_path, max_waiters=2) as claims:
+        key = await made(claims, "all-clients")
+        await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        line = [await wait_in_line(claims, key, f"w{i}", f"client-{i}") for i in range(2)]
+        with pytest.raises(Exhausted) as refused:
+            await claims.claim(key, "w2", wait_seconds=1.0, caller=ANYONE, client="client-2")
+        assert (refused.value.what, refused.value.limit) == ("claim waiters", 2)
+        assert (await claims.claim(key, "w2", caller=ANYONE)).reason is Reason.CONTENDED
+        await leave(*line)
+        assert claims.waiting == 0
+
+
+async def test_the_waiter_bound_per_client_binds_at_its_limit_and_only_that_client(
+    tmp_path: Path,
+) -> None:
+    """``--max-waiters-per-client``: a client with the limit waiting is refused another
+    wait; another client still waits; a wait that ends gives its place back, once."""
+    async with claims_on_file(tmp_path, max_waiters_per_client=2) as claims:
+        key = await made(claims, "per-client")
+        await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        first = await wait_in_line(claims, key, "a1", "alice")
+        second = await wait_in_line(claims, key, "a2", "alice")
+        with pytest.raises(Exhausted) as refused:
+            await claims.claim(key, "a3", wait_seconds=1.0, caller=ANYONE, client="alice")
+        assert (refused.value.what, refused.value.limit) == ("claim waiters from one client", 2)
+        bob = await wait_in_line(claims, key, "b1", "bob")
+        assert claims.clients_waiting == 2
+        await leave(first)  # alice has one waiting now: room for exactly one more
+        third = await wait_in_line(claims, key, "a3", "alice")
+        with pytest.raises(Exhausted):
+            await claims.claim(key, "a4", wait_seconds=1.0, caller=ANYONE, client="alice")
+        await leave(second, third, bob)
+        assert (claims.waiting, claims.clients_waiting) == (0, 0)  # nobody remembered
+
+
+async def test_claim_status_shows_the_token_only_to_callers_acting_for_its_holder(
+    tmp_path: Path,
+) -> None:
+    """docs/security.md, *Claims are bound to identities*: status names the holder to
+    anyone, its token only to its own identity (or one with ``act-for-others``); with no
+    live claim, no holder, token 0 and expiry 0 to everyone."""
+    alice, bob = Caller("client/alice"), Caller("client/bob")
+    async with claims_on_file(tmp_path) as claims:
+        key = await made(claims, "status-identities")
+        granted = await claims.claim(key, "worker", lease_seconds=LONG_LEASE, caller=alice)
+        for caller, token in ((alice, granted.token), (bob, 0), (ANYONE, granted.token)):
+            status = await claims.status(key, caller=caller)
+            assert status.holder is not None and status.holder.owner == "worker"
+            assert (status.token, status.expiry_ms, status.fence) == (
+                token,
+                granted.expiry_ms,
+                granted.token,
+            )
+        assert (await claims.release(key, granted.token, caller=alice)).ok
+        for caller in (alice, bob, ANYONE):
+            status = await claims.status(key, caller=caller)
+            assert (status.holder, status.token, status.expiry_ms) == (None, 0, 0)
+            assert status.fence == granted.token
+
+
+class CancellingWall:
+    """This machine's wall clock, which cancels ``victim`` at its next read once armed:
+    a caller leaving exactly while its claim is being decided."""
+
+    def __init__(self) -> None:
+        self.victim: asyncio.Task[Outcome] | None = None
+
+    def arm(self, victim: asyncio.Task[Outcome]) -> None:
+        self.victim = victim
+
+    @property
+    def armed(self) -> bool:
+        return self.victim is not None
+
+    def __call__(self) -> int:
+        if self.victim is not None:
+            self.victim.cancel()
+            self.victim = None
+        return wall_clock_ms()
+
+
+async def test_a_grant_made_for_a_waiter_that_left_meanwhile_is_released(
+    tmp_path: Path,
+) -> None:
+    """docs/consistency.md, *Claims*: the head of the line whose caller leaves while
+    its grant is being made durable never hears of the token; the attempt runs to its
+    end and the token it newly granted is released, so the next claimer gets the
+    record at once instead of after a whole lease held by nobody."""
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        key = await made(claims, "left-while-granted")
+        holder = await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        waiter = await wait_in_line(claims, key, "waiter", "")
+        wall.arm(waiter)  # cancelled by the clock read of its grant decision
+        assert (await claims.release(key, holder.token, caller=ANYONE)).ok
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not wall.armed, "premise: cancelled while its claim was decided"
+        status = await claims.status(key, caller=ANYONE)
+        assert (status.holder, status.fence) == (None, holder.token + 1)
+        after = await claims.claim(key, "next", lease_seconds=LONG_LEASE, caller=ANYONE)
+        assert (after.ok, after.token) == (True, holder.token + 2)
 
 
 async def test_queue_depth_counts_the_claimers_waiting(client: AsyncClient) -> None:

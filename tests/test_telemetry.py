@@ -76,6 +76,34 @@ async def test_requests_refusals_claims_and_commits_are_counted(start_node: Star
     assert value(samples, "fencemark_node_info", region="us", version=_version()) == 1
 
 
+@pytest.mark.slow
+async def test_waiting_claimers_and_their_clients_are_gauged(start_node: StartNode) -> None:
+    """``fencemark_claim_waiters`` counts callers in line, ``fencemark_claim_waiting_clients``
+    the clients they come from (one address here), back to 0 when they leave."""
+    node = await start_node(metrics_listen="127.0.0.1:0")
+    async with AsyncClient(node.address) as client:
+        made = await client.remember("m", "t", "waited", title="x")
+        key = made.record.key
+        assert (await client.claim(key, "holder", lease_seconds=60)).granted
+        line = [
+            asyncio.create_task(client.claim(key, owner, wait_seconds=60)) for owner in ("w1", "w2")
+        ]
+
+        async def waiting(n: int) -> bool:
+            return node.claims.waiting == n
+
+        await eventually(lambda: waiting(2), what="two claimers in line")
+        samples = await asyncio.to_thread(scrape, node)
+        assert value(samples, "fencemark_claim_waiters") == 2
+        assert value(samples, "fencemark_claim_waiting_clients") == 1
+        for task in line:
+            task.cancel()
+        await asyncio.gather(*line, return_exceptions=True)
+        await eventually(lambda: waiting(0), what="the line empty")
+        samples = await asyncio.to_thread(scrape, node)
+        assert value(samples, "fencemark_claim_waiting_clients") == 0
+
+
 def _version() -> str:
     from fencemark.node import __version__
 

@@ -178,6 +178,10 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "fencemark_claim_waiters", "Callers waiting in claim queues", value=self.claims.waiting
         )
+        yield GaugeMetricFamily(
+            "fencemark_claim_waiting_clients", "Clients with callers waiting in claim queues",
+            value=self.claims.clients_waiting,
+        )  # fmt: skip
         outcomes = CounterMetricFamily(
             "fencemark_claims",
             "Claims decided here: granted, or the reason not",

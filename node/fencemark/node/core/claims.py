@@ -27,7 +27,6 @@ from fencemark.node.rules.admission import (
     decide_renew,
 )
 from fencemark.node.rules.errors import Exhausted, InvalidInput, Reason
-from fencemark.node.store.storage import Stored
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +52,17 @@ class Status:
 
 MAX_WAITERS = 10_000  # callers waiting in claim queues, over every record and client
 MAX_WAITERS_PER_CLIENT = 100  # of them from one client (certificate identity, or address)
+LOOK_AGAIN_S = 0.001  # the head of the line looks again this long after a lease lapses
+
+
+def until_lapse(record: Record | None, now_ms: int) -> float:
+    """Seconds from ``now_ms`` until the live lease of ``record`` lapses, and
+    ``LOOK_AGAIN_S`` more: when the head of the line looks at the claim again. Only
+    ``LOOK_AGAIN_S`` when no lease is live (it lapsed since the claim was refused)."""
+    if record is None or not record.claim_live(now_ms):
+        return LOOK_AGAIN_S
+    fence = record.fence
+    return max(fence.expiry(fence.fence) - now_ms, 0) / 1000 + LOOK_AGAIN_S
 
 
 class Claims:
@@ -77,6 +87,11 @@ class Claims:
     def waiting(self) -> int:
         """Callers waiting in line, over every record."""
         return sum(len(line) for line in self._queues.values())
+
+    @property
+    def clients_waiting(self) -> int:
+        """Clients with at least one caller waiting in line."""
+        return len(self._waiting_by_client)
 
     @property
     def serving(self) -> bool:
@@ -153,7 +168,9 @@ class Claims:
                     home = outcome.home_region
                     # Held by someone else: look again when that lease lapses,
                     # or earlier if it is released.
-                    pause = self._until_lapse(await self.replica.storage.get(key))
+                    stored = await self.replica.storage.get(key)
+                    record = None if stored is None else stored.record
+                    pause = until_lapse(record, self.replica.clock.wall_ms())
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return Outcome(False, Reason.TIMEOUT, home_region=home)
@@ -168,15 +185,6 @@ class Claims:
                 line[0].wake.set()
             else:
                 del self._queues[key]
-
-    def _until_lapse(self, stored: Stored | None) -> float:
-        """Seconds until the current lease of ``stored`` lapses (a little more)."""
-        now = self.replica.clock.wall_ms()
-        if stored is None or not stored.record.claim_live(now):
-            return 0.001
-        fence = stored.record.fence
-        lapse_ms = fence.expiry(fence.fence) - now
-        return max(lapse_ms, 0) / 1000 + 0.001
 
     async def _try_at_head(self, key: str, owner: str, caller: Caller, lease_ms: int) -> Outcome:
         """``_try`` for the head of the line, whose caller may leave meanwhile.
