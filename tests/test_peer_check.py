@@ -121,7 +121,7 @@ async def test_a_revoked_peer_is_neither_pulled_from_nor_pushed_to_until_reissue
 
         await eventually(eu_has_it, "us's write reaching eu")
         # An admitted peer is checked again after RECHECK_S, not on every call.
-        check = us.replicator._peers["eu"].check
+        check = us.replicator.peer_check("eu")
         assert check is not None
         probes = check.probes
         await asyncio.sleep(QUIET)
@@ -132,7 +132,7 @@ async def test_without_tls_there_is_no_check(tmp_path: Path) -> None:
     async with Cluster(tmp_path / "cluster", ["us", "eu"]) as cluster:
         us, eu = await cluster.start_all()
         assert us.tls is None
-        assert all(peer.check is None for peer in us.replicator._peers.values())
+        assert us.replicator.peer_check("eu") is None
         async with AsyncClient(us.address) as plain:
             key = (await plain.remember("lattice", "backlog", "plain", title="t")).record.key
 

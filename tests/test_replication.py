@@ -21,12 +21,10 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient, ClaimConflict, NotFound, Unavailable, WrongRegion
-from fencemark.node.api import replication as replication_service
 from fencemark.node.api.server import CLAIMS_SERVICE, NodeServer
 from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
-from fencemark.node.replication import replicator as replicator_module
-from fencemark.node.replication.replicator import Replicator, RoundResult
+from fencemark.node.replication.replicator import Replicator, RoundResult, Tuning
 from fencemark.node.rules.admission import RECOVERY_GAP
 from fencemark.node.rules.errors import ClockSkewed
 from fencemark.node.store.digest_tree import bucket_of
@@ -91,18 +89,18 @@ async def one_round(node: NodeServer, region: str) -> tuple[RoundResult, int, in
     at its first call transfers nothing).
     """
     replicator: Replicator = node.replicator
-    peer = replicator._peers[region]
+    stats = replicator.peer_stats(region)
     deadline = time.monotonic() + 15
     while True:
-        sent, received = peer.stats.bytes_sent, peer.stats.bytes_received
+        sent, received = stats.bytes_sent, stats.bytes_received
         try:
-            result = await replicator.sync_round(peer)
+            result = await replicator.sync_with(region)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.1)
             continue
-        return result, peer.stats.bytes_sent - sent, peer.stats.bytes_received - received
+        return result, stats.bytes_sent - sent, stats.bytes_received - received
 
 
 async def update_unless_gone(client: AsyncClient, key: str, fields: dict[str, str]) -> None:
@@ -296,7 +294,7 @@ async def test_anti_entropy_alone_repairs_a_node_that_was_down(tmp_path: Path) -
 
         async def given_up() -> bool:
             replicator = cluster["us"].replicator
-            return replicator._peers["eu"].unreachable() and replicator.backlog("eu") == 0
+            return replicator.unreachable("eu") and replicator.backlog("eu") == 0
 
         await eventually(given_up, "us dropping its push queue for eu", within=30)
         async with AsyncClient(cluster["us"].address) as us:
@@ -344,13 +342,12 @@ async def test_a_peer_found_behind_is_left_to_pull_instead_of_compared_again(
 
 
 async def test_a_round_stops_listing_once_the_differences_are_all_the_peers_to_pull(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """A large difference is listed a chunk at a time (the first chunk lowered to
     50 records here). When the first chunk's differences are all older at the peer,
     the round lists no more: nothing there is for this node, and the peer that is
     behind pulls in its own rounds."""
-    monkeypatch.setattr(replicator_module, "FIRST_LISTING", 50)
     async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
         us, eu = await cluster.start_all()
         # Both done with their catch-up: a node stopped before it has caught up is
@@ -367,16 +364,24 @@ async def test_a_round_stops_listing_once_the_differences_are_all_the_peers_to_p
                 await client.update(key, fields={"body": "v2"})
         await cluster.stop("us")
         await cluster.start("eu", peers={})  # eu stays behind: it never pulls
-        us = await cluster.start("us")  # and us has no push queue for it
 
-        async def first_round_done() -> bool:  # the loop's own, at start; the next in an hour
-            return us.replicator.peer_stats("eu").last_sync is not None
+        async def restart_us(**tuning: int) -> NodeServer:
+            """us on its data with ``tuning`` (no push queue for eu), once the round
+            its loop runs at start (the next in an hour) is done."""
+            await cluster.stop("us")
+            us = await cluster.start("us", replication=Tuning(**tuning))
 
-        await eventually(first_round_done, "us's first round with eu")
+            async def first_round_done() -> bool:
+                return us.replicator.peer_stats("eu").last_sync is not None
+
+            await eventually(first_round_done, "us's first round with eu")
+            return us
+
+        us = await restart_us(first_listing=50)
         result, _, received = await one_round(us, "eu")
         assert (result.pulled, result.truncated) == (0, True), result
-        assert replicator_module.BEHIND_AFTER <= result.divergence < 200, result
-        monkeypatch.undo()
+        assert Tuning().behind_after <= result.divergence < 200, result
+        us = await restart_us()  # the first listing of 1024 records holds all 200
         everything, _, received_all = await one_round(us, "eu")
         assert (everything.pulled, everything.divergence) == (0, 200), everything
         # The records it did not list are bytes it did not receive (~60 each).
@@ -410,7 +415,7 @@ async def test_states_a_peer_fetched_are_not_pushed_to_it_again(tmp_path: Path) 
 
 
 async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_differences(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """SPEC §5: agreeing replicas exchange one root hash; differing ones only what differs.
 
@@ -457,12 +462,12 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
         k = 7
         states = await us.storage.states(list(await digests_of(us)))
         store_bytes = sum(len(state) for state in states.values())
-        received_before = eu.replicator._peers["us"].stats.records_received
+        received_before = eu.replicator.peer_stats("us").records_received
 
         repair, sent, received = await one_round(eu, "us")
         assert not repair.in_sync
         assert (repair.pulled, repair.divergence) == (k, k), repair
-        assert eu.replicator._peers["us"].stats.records_received - received_before == k
+        assert eu.replicator.peer_stats("us").records_received - received_before == k
         assert sent + received < store_bytes / 20, (
             f"repairing {k} records moved {sent + received} bytes of a {store_bytes}-byte store"
         )
@@ -472,7 +477,13 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
 
         # A large difference is repaired by several bounded rounds, not one huge one.
         big, bound = 600, 200
-        monkeypatch.setattr(replicator_module, "MAX_ROUND_RECORDS", bound)
+        await cluster.stop("eu")
+        eu = await cluster.start("eu", replication=Tuning(max_round_records=bound))
+
+        async def eu_compared() -> bool:  # its loop's round at start; the next in an hour
+            return eu.replicator.peer_stats("us").last_sync is not None
+
+        await eventually(eu_compared, "eu's first round with us")
         async with AsyncClient(us.address) as client:
             await fill(client, 2000, 2000 + big)
         pulled = []
@@ -485,7 +496,6 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
             assert len(pulled) < 50, f"no convergence after rounds pulling {pulled}"
         assert sum(pulled) == big and len(pulled) >= 3, pulled
         await assert_identical([us, eu])
-        monkeypatch.undo()
 
         # Rounds only pull, and not what is behind: us, ahead again, fetches none of
         # eu's older states; eu's round takes us's newer ones, each exactly once.
@@ -626,15 +636,12 @@ async def test_a_round_that_fails_unexpectedly_backs_off_and_rounds_go_on(tmp_pa
         await server.stop(None)
 
 
-async def test_a_listing_of_more_records_than_allowed_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_listing_of_more_records_than_allowed_is_refused(tmp_path: Path) -> None:
     """A Buckets request whose nodes hold more records than one reply may carry
     (16384; lowered to 10 here) is refused naming ``nodes``: a peer lists only
     small subtrees, and in requests its counts keep under half that."""
-    monkeypatch.setattr(replication_service, "MAX_LIST_RECORDS", 10)
     async with Cluster(tmp_path, ["us", "eu"]) as cluster:
-        us = await cluster.start("us", peers={})
+        us = await cluster.start("us", peers={}, max_list_records=10)
         async with AsyncClient(us.address) as client:
             for i in range(11):
                 await client.remember(REPO, "many", f"m{i:02d}", body="b")
@@ -1173,7 +1180,7 @@ async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Pa
 
             await eventually(down, "eu reported unreachable with a reason")
             await asyncio.sleep(1.0)  # let the back-off grow past its first steps
-            stats = us.replicator._peers["eu"].stats
+            stats = us.replicator.peer_stats("eu")
             failures, rounds = stats.failures, us.replicator.rounds
             await asyncio.sleep(2.0)
             attempts = stats.failures - failures

@@ -62,9 +62,12 @@ class ReplicationService:
         pulled_by: Callable[[str, list[str]], None] | None = None,
         *,
         authenticate: bool = False,
+        max_list_records: int = MAX_LIST_RECORDS,
     ) -> None:
         self.replica = replica
         self.peers = peers
+        # Records one Buckets request may list (every node's replicator asks for half).
+        self.max_list_records = max_list_records
         self.heard_from = heard_from  # Replicator.heard_from: a peer that calls is up
         # Replicator.pulled_by: a peer that fetched current states needs no push of them.
         self.pulled_by = pulled_by
@@ -191,10 +194,10 @@ class ReplicationService:
         _check_nodes("nodes", request.level, request.nodes)
         tree = self.replica.storage.tree
         records = sum(tree.counts(request.level, request.nodes))
-        if records > MAX_LIST_RECORDS:
+        if records > self.max_list_records:
             raise InvalidInput.field(
                 "nodes",
-                f"these nodes hold {records} records, at most {MAX_LIST_RECORDS} per request",
+                f"these nodes hold {records} records, at most {self.max_list_records} per request",
             )
         spans = [leaf_range(request.level, node) for node in request.nodes]
         entries = await self.replica.storage.bucket_entries(spans)

@@ -45,8 +45,9 @@ from fencemark.node.core.lapses import LapseWatcher
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
+from fencemark.node.replication.intake import MAX_LIST_RECORDS
 from fencemark.node.replication.peers import stats_for
-from fencemark.node.replication.replicator import Replicator
+from fencemark.node.replication.replicator import Replicator, Tuning
 from fencemark.node.replication.signers import load_keyring, persist
 from fencemark.node.rules.errors import InvalidInput
 from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP, Bounds
@@ -119,6 +120,10 @@ class NodeConfig:
     # With tls: seconds between looks at the TLS files (renewed certificates, CA
     # bundle, crl.pem; fencemark.node.security.tls_reload); 0 reloads on SIGHUP only.
     tls_reload_interval: float = 5.0
+    # Replication's bounds and pauses (fencemark.node.replication.replicator.Tuning),
+    # and the records one listing a peer asks this node for may hold.
+    replication: Tuning = field(default_factory=Tuning)
+    max_list_records: int = MAX_LIST_RECORDS
 
     @property
     def db_path(self) -> Path:
@@ -297,6 +302,7 @@ class NodeServer:
             catching_up=catching_up,
             on_caught_up=caught_up,
             tls=tls,  # checks the certificate each peer presents (replication.peer_check)
+            tuning=config.replication,
         )
         metrics = NodeMetrics(config.region)
         storage.on_commit = metrics.observe_commit
@@ -339,6 +345,7 @@ class NodeServer:
                 replicator.heard_from,
                 replicator.pulled_by,
                 authenticate=config.tls is not None,
+                max_list_records=config.max_list_records,
             ),
         }
         server.add_generic_rpc_handlers(

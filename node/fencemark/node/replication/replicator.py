@@ -14,9 +14,10 @@
   Rounds only pull: every node repairs itself, one round at a time, so no state
   is delivered twice by rounds of different nodes racing each other. A round is
   bounded; a round that pulled something is followed by another one soon.
-- Catch-up: a node that starts with an empty store while peers are configured
-  grants no claims until it has completed a full pass with its reachable peers
-  (docs/replication.md).
+- Catch-up: while this node owes a catch-up (a new or restored data directory,
+  recorded durably by ``fencemark.node.core.grant_gate``) its rounds go first to
+  the peers that have not yet given a complete one, and it decides claims only
+  once every peer has (docs/replication.md).
 """
 
 from __future__ import annotations
@@ -116,6 +117,23 @@ CHANNEL_OPTIONS = [
 ]
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """The replicator's tunables, each a constructor parameter (the defaults are the
+    constants above, with why each is what it is): a test lowers one to reach a
+    bound with a small store, a deployment could tune one without a patch."""
+
+    max_frontier: int = MAX_FRONTIER
+    max_round_records: int = MAX_ROUND_RECORDS
+    first_listing: int = FIRST_LISTING
+    behind_after: int = BEHIND_AFTER
+    behind_pause_s: float = BEHIND_PAUSE_S
+    push_queue_limit: int = PUSH_QUEUE_LIMIT
+    unreachable_after: int = UNREACHABLE_AFTER
+    unreachable_after_s: float = UNREACHABLE_AFTER_S
+    max_backoff_s: float = MAX_BACKOFF_S
+
+
 @dataclass
 class RoundResult:
     in_sync: bool
@@ -130,8 +148,9 @@ class RoundResult:
 
 
 class _Peer:
-    def __init__(self, stats: PeerStats, check: PeerCheck | None = None) -> None:
+    def __init__(self, stats: PeerStats, tuning: Tuning, check: PeerCheck | None = None) -> None:
         self.stats = stats
+        self.tuning = tuning
         self.check = check  # the peer's certificate, with TLS (peer_check)
         self.refused = False  # the check refused it, and its channel was replaced
         self._connect()
@@ -199,13 +218,13 @@ class _Peer:
         """Put back the keys of a batch that did not get through (unless the peer
         fetched them meanwhile)."""
         for key in keys:
-            if len(self.backlog) < PUSH_QUEUE_LIMIT and key not in self.fetched:
+            if len(self.backlog) < self.tuning.push_queue_limit and key not in self.fetched:
                 self.backlog.setdefault(key, None)
 
     def unreachable(self) -> bool:
         return (
-            self.unanswered >= UNREACHABLE_AFTER
-            and time.monotonic() - self.unanswered_since >= UNREACHABLE_AFTER_S
+            self.unanswered >= self.tuning.unreachable_after
+            and time.monotonic() - self.unanswered_since >= self.tuning.unreachable_after_s
         )
 
     def back_off(self, why: str, code: grpc.StatusCode | None = None) -> None:
@@ -216,7 +235,7 @@ class _Peer:
             self.unanswered += 1
             if self.unreachable():
                 self.backlog.clear()  # it pulls what it missed once it is back
-        delay = min(MAX_BACKOFF_S, 0.25 * 2 ** min(self.stats.failures, 8))
+        delay = min(self.tuning.max_backoff_s, 0.25 * 2 ** min(self.stats.failures, 8))
         self.retry_at = time.monotonic() + delay * random.uniform(0.5, 1.5)
 
     def answered(self) -> None:
@@ -235,15 +254,17 @@ class Replicator:
         catching_up: bool = False,
         on_caught_up: Callable[[], Awaitable[None]] | None = None,
         tls: LiveTls | None = None,
+        tuning: Tuning = Tuning(),
     ) -> None:
         self.replica = replica
+        self.tuning = tuning
         self.interval = interval
         self.timeout = timeout
         self.catching_up = catching_up
         self._on_caught_up = on_caught_up
         # With TLS, every call first checks the certificate the peer presents.
         self._peers = {
-            region: _Peer(stats, PeerCheck(stats, tls) if tls is not None else None)
+            region: _Peer(stats, tuning, PeerCheck(stats, tls) if tls is not None else None)
             for region, stats in peers.items()
         }
         self._tasks: list[asyncio.Task[None]] = []
@@ -272,6 +293,15 @@ class Replicator:
 
     def peer_stats(self, region: str) -> PeerStats:
         return self._peers[region].stats
+
+    def peer_check(self, region: str) -> PeerCheck | None:
+        """The check of the certificate ``region``'s address presents (None without TLS)."""
+        return self._peers[region].check
+
+    def unreachable(self, region: str) -> bool:
+        """Whether no call has reached ``region``'s node for a while: its push queue is
+        dropped and nothing is queued for it until it is reached again."""
+        return self._peers[region].unreachable()
 
     async def sync_with(self, region: str) -> RoundResult:
         """One anti-entropy round with ``region``'s node now, outside the schedule
@@ -315,7 +345,7 @@ class Replicator:
         for peer in self._peers.values():
             if not peer.pushes_allowed() or peer.unreachable():
                 continue
-            if key in peer.backlog or len(peer.backlog) < PUSH_QUEUE_LIMIT:
+            if key in peer.backlog or len(peer.backlog) < self.tuning.push_queue_limit:
                 peer.backlog[key] = None
                 peer.wake.set()
 
@@ -452,7 +482,7 @@ class Replicator:
         if not result.in_sync and result.pulled == 0:
             # Everything that differs is the peer's to pull: leave it to its own
             # rounds for a while instead of descending into it again and again.
-            peer.behind_until = time.monotonic() + BEHIND_PAUSE_S
+            peer.behind_until = time.monotonic() + self.tuning.behind_pause_s
         return result
 
     async def sync_round(self, peer: _Peer) -> RoundResult:
@@ -483,13 +513,14 @@ class Replicator:
                     only_mine += tree.count(level, node)
                 elif level < DEPTH and theirs * same * ENTRY_BYTES > FANOUT * CHILD_BYTES:
                     frontier.append(node)
-                elif records + theirs <= MAX_ROUND_RECORDS:
+                elif records + theirs <= self.tuning.max_round_records:
                     listed.setdefault(level, []).append((node, theirs))
                     records += theirs
                 else:
                     truncated = True
-            if len(frontier) > MAX_FRONTIER:
-                frontier, truncated = sorted(random.sample(frontier, MAX_FRONTIER)), True
+            if len(frontier) > self.tuning.max_frontier:
+                sample = random.sample(frontier, self.tuning.max_frontier)
+                frontier, truncated = sorted(sample), True
             if not frontier:
                 break
         result = await self._repair(peer, listed, truncated)
@@ -521,16 +552,16 @@ class Replicator:
         self, peer: _Peer, listed: dict[int, list[tuple[int, int]]], truncated: bool
     ) -> RoundResult:
         """List the records below ``listed`` nodes on both sides, a chunk at a time,
-        and pull what differs. Once ``BEHIND_AFTER`` differences have turned out to
+        and pull what differs. Once ``Tuning.behind_after`` differences have turned out to
         be all the peer's to pull, the rest is not listed: the peer is behind."""
         pulled = differing = 0
         chunks = [(level, chunk) for level, nodes in listed.items()
-                  for chunk in _listing_chunks(nodes)]  # fmt: skip
+                  for chunk in _listing_chunks(nodes, self.tuning.first_listing)]  # fmt: skip
         for n, (level, nodes) in enumerate(chunks):
             pull, found = await self._compare(peer, level, nodes)
             differing += found
             pulled += await self._pull(peer, pull)
-            behind = not pulled and differing >= BEHIND_AFTER and not self.catching_up
+            behind = not pulled and differing >= self.tuning.behind_after and not self.catching_up
             if behind and n + 1 < len(chunks):
                 truncated = True
                 break
@@ -614,13 +645,13 @@ class Replicator:
         )
 
 
-def _listing_chunks(nodes: list[tuple[int, int]]) -> list[list[int]]:
+def _listing_chunks(nodes: list[tuple[int, int]], first: int) -> list[list[int]]:
     """``(node, count)`` pairs split into Buckets requests the peer accepts: at
     most ``MAX_LIST_NODES`` nodes, and half ``MAX_LIST_RECORDS`` by the peer's
     counts (they may have grown since its Tree reply) — the first one smaller,
-    ``FIRST_LISTING``, as it may be the only one (``BEHIND_AFTER``)."""
+    ``first`` records, as it may be the only one (``Tuning.behind_after``)."""
     chunks: list[list[int]] = [[]]
-    records, limit = 0, FIRST_LISTING
+    records, limit = 0, first
     for node, count in nodes:
         if chunks[-1] and (len(chunks[-1]) == MAX_LIST_NODES or records + count > limit):
             chunks.append([])
