@@ -367,6 +367,24 @@ def test_a_token_may_jump_exactly_the_bound_above_the_grant_below_it() -> None:
     )
 
 
+def test_a_token_is_refused_only_when_it_jumps_from_both_the_grant_below_and_its_time() -> None:
+    """A recovery floor is far above the grant below it but within its grant time's
+    ceiling (``token_ceiling``: the time's millisecond times 2**10); a token beyond
+    both is refused, and the refusal says by how much above each."""
+    held = with_grants(Record(KEY).create(HOME, stamp()), (5,))
+    hlc = pack(3)  # a grant time of 3 ms: a ceiling of 3072
+    ceiling = token_ceiling(hlc)
+    assert ceiling == 3 << 10
+    within = ceiling + JUMP  # 3072 + JUMP - 5 above token 5, JUMP above its time's
+    assert check(held, with_grants(held, (within,), hlc), now_ms=NOW, bounds=BOUNDS)
+    beyond = refusal(held, with_grants(held, (within + 1,), hlc))
+    assert (beyond.reason, beyond.detail) == (
+        "token_jump",
+        f"token {within + 1} is {within - 4} above token 5, {JUMP + 1} above its time's"
+        f" (at most {JUMP})",
+    )
+
+
 def test_a_first_grant_is_measured_from_nothing() -> None:
     """A node with no grant of a record measures a new one from 0 (or, for a history
     folded to its last ``HISTORY`` grants, not the lowest of them: nothing to measure
