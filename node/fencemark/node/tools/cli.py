@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import signal
 import sys
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -505,6 +506,26 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_node_command(sub, config)
+    client_parser = functools.partial(_client_parser, sub)
+    _add_walkthrough_command(client_parser)
+    _add_mcp_command(client_parser)
+    _add_demo_command(sub)
+    _add_bench_command(sub)
+    _add_cluster_command(sub)
+    _add_status_command(sub)
+    _add_health_command(client_parser)
+    add_certs_command(sub)
+    add_restore_command(sub)
+    add_proxy_command(sub)
+    add_rpc_commands(client_parser)
+    return parser
+
+
+def _add_node_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], config: Mapping[str, Any]
+) -> None:
+    """``fencemark node``: every flag's default from the environment, else ``config``."""
     node = sub.add_parser(
         "node",
         help="run a region node until SIGTERM/SIGINT",
@@ -555,6 +576,21 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
     )
     defaults = NodeConfig()
+    _add_bound_flags(node, config, defaults)
+    _add_security_flags(node, config, defaults)
+    configured = os.environ.get("FENCEMARK_PEERS")
+    node.set_defaults(
+        func=cmd_node,
+        configured_peers=[configured]
+        if configured
+        else [f"{r}={a}" for r, a in dict(config.get("peers", {})).items()],
+    )
+
+
+def _add_bound_flags(
+    node: argparse.ArgumentParser, config: Mapping[str, Any], defaults: NodeConfig
+) -> None:
+    """The node's bounds on floods: calls in flight per class, waiters, token jumps."""
     budgets = (
         ("reads", "Get, List, ClaimStatus, Info, health Watch streams, reflection"),
         ("writes", "Remember, Update, Delete, renewals, releases, and claims until they"
@@ -597,6 +633,11 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         help="refuse to merge a grant further than this above the grant below it"
         " (default 2^21: twice the jump a home makes after a disk loss)",
     )
+
+
+def _add_security_flags(
+    node: argparse.ArgumentParser, config: Mapping[str, Any], defaults: NodeConfig
+) -> None:
     security = node.add_argument_group(
         "transport security (docs/security.md): one of --tls-dir or --insecure is required"
     )
@@ -634,25 +675,26 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
         help="TOML (or .json) map of client names to rights: read, write, claim"
         " (default with TLS: every client certificate of the CA may read, write and claim)",
     )
-    configured = os.environ.get("FENCEMARK_PEERS")
-    node.set_defaults(
-        func=cmd_node,
-        configured_peers=[configured]
-        if configured
-        else [f"{r}={a}" for r, a in dict(config.get("peers", {})).items()],
-    )
 
-    def client_parser(name: str, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
-        p.add_argument("--target", default=os.environ.get("FENCEMARK_TARGET", DEFAULT_TARGET))
-        p.add_argument("--timeout", type=float, default=10.0, help="deadline per call (s)")
-        add_client_tls_flags(p)
-        return p
 
+def _client_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str
+) -> argparse.ArgumentParser:
+    """A command that calls one node: --target, --timeout and the client's TLS flags."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--target", default=os.environ.get("FENCEMARK_TARGET", DEFAULT_TARGET))
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline per call (s)")
+    add_client_tls_flags(p)
+    return p
+
+
+def _add_walkthrough_command(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     walk = client_parser("walkthrough", "run the SPEC §1 walkthrough against a node")
     walk.add_argument("--lease-seconds", type=float, default=2.0)
     walk.set_defaults(func=cmd_walkthrough)
 
+
+def _add_mcp_command(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     mcp = client_parser(
         "mcp", "serve the repocontext_* MCP tools (stdio or streamable HTTP) for a node"
     )
@@ -670,6 +712,8 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     )
     mcp.set_defaults(func=cmd_mcp)
 
+
+def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
         "demo",
         help="the main job: agents in three regions drain a backlog under faults, then verify",
@@ -686,6 +730,8 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     demo.add_argument("--data", default=None, help="data directory (default: a temporary one)")
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
         help="benchmarks: claim cycle vs etcd and Redis, writes, lag, anti-entropy, footprint",
@@ -703,6 +749,8 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     bench.add_argument("--no-docs", action="store_true", help="never rewrite any docs")
     bench.set_defaults(func=cmd_bench)
 
+
+def _add_cluster_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster = sub.add_parser(
         "cluster", help="run a local multi-region cluster (one node process per region)"
     )
@@ -713,6 +761,8 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     cluster.add_argument("--data", default=None, help="data root (default: XDG data dir)")
     cluster.set_defaults(func=cmd_cluster)
 
+
+def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser(
         "status",
         help="cluster overview: each node's health, records and claims, and per peer:"
@@ -727,6 +777,8 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     add_client_tls_flags(status)
     status.set_defaults(func=cmd_status)
 
+
+def _add_health_command(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     health = client_parser("health", "grpc.health.v1 Check: exit 0 iff SERVING (a probe)")
     health.add_argument(
         "--service",
@@ -735,12 +787,6 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     )
     # A probe answers fast or not at all: shorter than docker's 5 s healthcheck timeout.
     health.set_defaults(func=cmd_health, timeout=3.0)
-
-    add_certs_command(sub)
-    add_restore_command(sub)
-    add_proxy_command(sub)
-    add_rpc_commands(client_parser)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -98,6 +98,19 @@ def _fields(pairs: Sequence[str]) -> dict[str, str]:
 
 def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """One subcommand per RPC, with the RPC's field names as flags."""
+    _add_remember(client_parser)
+    _add_get(client_parser)
+    _add_update(client_parser)
+    _add_delete(client_parser)
+    _add_list(client_parser)
+    _add_claim(client_parser)
+    _add_renew_claim(client_parser)
+    _add_release_claim(client_parser)
+    _add_claim_status(client_parser)
+    _add_info(client_parser)
+
+
+def _add_remember(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("remember", "Records.Remember: create or merge a record")
     for name in ("repo", "topic", "id"):
         p.add_argument(f"--{name}", required=True)
@@ -117,10 +130,14 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
         )
     )  # fmt: skip
 
+
+def _add_get(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("get", "Records.Get: one record")
     p.add_argument("key")
     p.set_defaults(func=lambda a: _client_call(a, lambda c: c.get(a.key)))
 
+
+def _add_update(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("update", "Records.Update: write fields and tags")
     p.add_argument("key")
     p.add_argument("--field", action="append", default=[], dest="fields", metavar="NAME=VALUE")
@@ -137,6 +154,8 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
         )
     )  # fmt: skip
 
+
+def _add_delete(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("delete", "Records.Delete: write a tombstone")
     p.add_argument("key")
     p.add_argument("--fencing-token", type=int, default=0)
@@ -144,6 +163,8 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
         func=lambda a: _client_call(a, lambda c: c.delete(a.key, fencing_token=a.fencing_token))
     )
 
+
+def _add_list(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("list", "Records.List: a page of records")
     p.add_argument("--repo", required=True)
     p.add_argument("--topic", default="")
@@ -161,6 +182,8 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
         )
     )  # fmt: skip
 
+
+def _add_claim(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("claim", "Claims.Claim: ask for a record's lease")
     p.add_argument("key")
     p.add_argument("--owner", required=True)
@@ -175,6 +198,8 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
         )
     )
 
+
+def _add_renew_claim(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("renew-claim", "Claims.RenewClaim: extend a live claim")
     p.add_argument("key")
     p.add_argument("--fencing-token", type=int, required=True)
@@ -186,6 +211,8 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
         )
     )
 
+
+def _add_release_claim(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("release-claim", "Claims.ReleaseClaim: end a claim")
     p.add_argument("key")
     p.add_argument("--fencing-token", type=int, required=True)
@@ -193,9 +220,13 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
         func=lambda a: _client_call(a, lambda c: c.release_claim(a.key, a.fencing_token))
     )
 
+
+def _add_claim_status(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("claim-status", "Claims.ClaimStatus: what the node knows of a claim")
     p.add_argument("key")
     p.set_defaults(func=lambda a: _client_call(a, lambda c: c.claim_status(a.key)))
 
+
+def _add_info(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = client_parser("info", "Node.Info: the node's identity and state")
     p.set_defaults(func=lambda a: _client_call(a, lambda c: c.info()))
