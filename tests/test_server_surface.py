@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -195,3 +196,42 @@ async def test_an_idle_node_exits_zero_on_sigterm_and_keeps_its_data(tmp_path: P
             assert (info.node_id, info.writes_enabled) == (node_id, False)
     finally:
         assert await again.stop() == 0
+
+
+DOWN_S = 6.0  # long enough for gRPC's default reconnect back-off to grow past 4 s
+
+
+@pytest.mark.slow
+async def test_a_client_is_served_again_within_about_a_second_of_its_nodes_return(
+    tmp_path: Path,
+) -> None:
+    """A client whose node was killed and comes back on the same address is served
+    again promptly (``retry.MAX_RECONNECT_BACKOFF_MS``), not after a back-off that
+    gRPC grows towards two minutes while the node is down: on the default, the next
+    connection attempt after a 6 s outage is due seconds after the node's return."""
+    data = tmp_path / "d"
+    proc = await NodeProcess.start(data)
+    address = proc.address
+    try:
+        async with AsyncClient(address, timeout=1, retries=0) as client:
+            await client.info()
+            await proc.kill()
+            loop = asyncio.get_running_loop()
+            down_until = loop.time() + DOWN_S
+            while loop.time() < down_until:  # calls while it is down: the channel retries
+                with contextlib.suppress(FencemarkError):
+                    await client.info()
+                await asyncio.sleep(0.2)
+            proc = await NodeProcess.start(data, listen=address)
+            back = loop.time()
+            for _ in range(100):  # at most 100 tries, 0.05 s apart
+                try:
+                    await client.info()
+                    break
+                except FencemarkError:
+                    await asyncio.sleep(0.05)
+            served_after = loop.time() - back
+            assert served_after < 2.5, f"served {served_after:.1f} s after the node was back"
+    finally:
+        if proc.proc.returncode is None:
+            await proc.kill()
