@@ -46,7 +46,7 @@ from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replication.intake import MAX_LIST_RECORDS
-from fencemark.node.replication.peers import stats_for
+from fencemark.node.replication.peers import PeerStats, stats_for
 from fencemark.node.replication.replicator import Replicator, Tuning
 from fencemark.node.replication.signers import load_keyring, persist
 from fencemark.node.rules.errors import InvalidInput
@@ -238,52 +238,18 @@ class NodeServer:
 
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeServer:
+        """Open the data file, then: signing (with TLS), the catch-up gate, replication,
+        the gRPC services, the port; health says SERVING once it listens."""
         tls = _live_tls(config)
-        # Signed grants (docs/security.md): this node signs what it grants with its
-        # node key and verifies the home's signature on merged fences. Read before
-        # anything opens: a key that cannot sign refuses the start (ValueError).
-        signer = Signer.from_files(config.tls) if config.tls is not None else None
-        keyring: Keyring | None = None
-        if config.tls is not None and tls is not None:
-            # Signatures by a revoked certificate are refused once its CRL is in use.
-            keyring = Keyring.for_files(config.tls, tls.revocations)
-        storage = await Storage.open(config.db_path, cache_size=config.cache_size)
-        clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
-        replica = Replica(storage, clock, config.region)
-        replica.bounds = Bounds(config.max_clock_offset_ms, max_token_jump=config.max_token_jump)
-        if signer is not None and keyring is not None:
-            replica.signer = signer
-            await load_keyring(replica, keyring)
-            if storage.meta.get(OWN_SIGNED) != OWN_SIGNED_ALL:
-                # Once per file: grants, births and writes under claims from before
-                # they were signed, or from an --insecure run.
-                signed = await replica.sign_own()
-                log.info("signed the grants, births and writes of %d records", signed)
-                await storage.put_meta(OWN_SIGNED, OWN_SIGNED_ALL)
-        elif storage.meta.get(OWN_SIGNED, "0") != "0":
-            await storage.put_meta(OWN_SIGNED, "0")  # what is made now goes unsigned
-        if storage.meta.get("restored_at"):
-            log.info(
-                "data restored from a backup at %s (fencemark restore): the first grant on each"
-                " record homed here jumps its fence",
-                storage.meta["restored_at"],
-            )
+        replica = await _open_replica(config, tls)
+        storage = replica.storage
         lapses = LapseWatcher(replica)  # the home records lapses (SPEC §4)
         claims = Claims(
             replica,
             max_waiters=config.max_waiters,
             max_waiters_per_client=config.max_waiters_per_client,
         )
-        peers = stats_for(config.peers, tls.channel_credentials if tls is not None else None)
-        if tls is not None:
-            # A renewed certificate: the replicator reconnects each peer with it.
-            def renew(credentials: grpc.ChannelCredentials) -> None:
-                for stats in peers.values():
-                    stats.credentials = credentials
-
-            tls.on_channel_credentials(renew)
-            if keyring is not None:
-                tls.on_renewed(functools.partial(_renew_signer, replica, keyring))
+        peers = _peers(config, tls, replica)
         # A node on a new, emptied or restored data directory decides nothing
         # before a complete pass with every peer (fencemark.node.core.grant_gate).
         if not peers:
@@ -309,28 +275,7 @@ class NodeServer:
         metrics.watch(replica, claims, peers)
         if tls is not None:
             metrics.watch_tls(tls)
-        # Telemetry first: it times and counts what Authorize and the budgets refuse,
-        # too. Authorize before the budgets: a call refused anyway takes no slot.
-        interceptors: list[grpc.aio.ServerInterceptor] = [Telemetry(metrics)]  # type: ignore[type-arg]
-        if tls is not None:
-            interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
-        # Per class, not gRPC's maximum_concurrent_rpcs: one pool let waiting claims
-        # starve health checks and the peers' replication (fencemark.node.api.budgets).
-        interceptors.append(CallBudgets(config.call_limits, call_classes(), metrics))
-        server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
-                ("grpc.max_send_message_length", MAX_SEND_BYTES),
-                # gRPC sets SO_REUSEPORT by default on Linux: a second node on the
-                # same port would start and share its connections. Refuse instead.
-                ("grpc.so_reuseport", 0),
-                # Peers ping idle replication connections (replicator.KEEPALIVE_MS):
-                # accept those pings instead of answering GOAWAY "too_many_pings".
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ],
-        )
+        server = _grpc_server(config, tls, metrics)
         # A grant records the identity it was made to; without TLS there is none.
         callers = caller_of(config.access or DEFAULT_ACCESS) if tls is not None else anyone
         servicers = {
@@ -348,30 +293,12 @@ class NodeServer:
                 max_list_records=config.max_list_records,
             ),
         }
-        server.add_generic_rpc_handlers(
-            tuple(
-                gated_handler(servicers[s.name], s, writes_enabled=config.enable_writes)
-                for s in SERVICES
-            )
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = [s.full_name for s in SERVICES]
-        reflection.enable_server_reflection(
-            [
-                *names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            server,
-        )
+        names = _add_services(server, servicers, health_servicer, config.enable_writes)
         try:
-            if tls is None:
-                port = server.add_insecure_port(config.listen)
-            else:
-                port = server.add_secure_port(config.listen, tls.server_credentials)
-        except RuntimeError as exc:
+            port = _listen(server, config, tls)
+        except OSError:
             await storage.close()
-            raise OSError(f"cannot listen on {config.listen}: {exc}") from exc
+            raise
         await server.start()
         serving = health_pb2.HealthCheckResponse.SERVING
         for name in ("", *names):
@@ -424,6 +351,118 @@ class NodeServer:
                 log.exception("looking at the TLS files failed")
 
 
+async def _open_replica(config: NodeConfig, tls: LiveTls | None) -> Replica:
+    """The node's data file as a ``Replica``, complete: its bounds, and with TLS its
+    signer and keyring (docs/security.md, *Signed grants*)."""
+    # Read before anything opens: a key that cannot sign refuses the start (ValueError).
+    signer = Signer.from_files(config.tls) if config.tls is not None else None
+    keyring: Keyring | None = None
+    if config.tls is not None and tls is not None:
+        # Signatures by a revoked certificate are refused once its CRL is in use.
+        keyring = Keyring.for_files(config.tls, tls.revocations)
+    storage = await Storage.open(config.db_path, cache_size=config.cache_size)
+    if keyring is not None:
+        await load_keyring(storage, keyring)
+    clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
+    replica = Replica(
+        storage,
+        clock,
+        config.region,
+        bounds=Bounds(config.max_clock_offset_ms, max_token_jump=config.max_token_jump),
+        signer=signer if keyring is not None else None,
+        keyring=keyring,
+    )
+    if replica.signer is not None:
+        if storage.meta.get(OWN_SIGNED) != OWN_SIGNED_ALL:
+            # Once per file: grants, births and writes under claims from before
+            # they were signed, or from an --insecure run.
+            signed = await replica.sign_own()
+            log.info("signed the grants, births and writes of %d records", signed)
+            await storage.put_meta(OWN_SIGNED, OWN_SIGNED_ALL)
+    elif storage.meta.get(OWN_SIGNED, "0") != "0":
+        await storage.put_meta(OWN_SIGNED, "0")  # what is made now goes unsigned
+    if storage.meta.get("restored_at"):
+        log.info(
+            "data restored from a backup at %s (fencemark restore): the first grant on each"
+            " record homed here jumps its fence",
+            storage.meta["restored_at"],
+        )
+    return replica
+
+
+def _peers(config: NodeConfig, tls: LiveTls | None, replica: Replica) -> dict[str, PeerStats]:
+    """The configured peers; with TLS, a renewed certificate reaches their channels
+    (the replicator reconnects each) and the replica's signer and keyring."""
+    peers = stats_for(config.peers, tls.channel_credentials if tls is not None else None)
+    if tls is not None:
+
+        def renew(credentials: grpc.ChannelCredentials) -> None:
+            for stats in peers.values():
+                stats.credentials = credentials
+
+        tls.on_channel_credentials(renew)
+        if replica.keyring is not None:
+            tls.on_renewed(functools.partial(_renew_signer, replica, replica.keyring))
+    return peers
+
+
+def _grpc_server(config: NodeConfig, tls: LiveTls | None, metrics: NodeMetrics) -> grpc.aio.Server:
+    """The gRPC server with its interceptors, in order: telemetry first (it times and
+    counts what Authorize and the budgets refuse, too), Authorize before the budgets
+    (a call refused anyway takes no slot)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [Telemetry(metrics)]  # type: ignore[type-arg]
+    if tls is not None:
+        interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
+    # Per class, not gRPC's maximum_concurrent_rpcs: one pool let waiting claims
+    # starve health checks and the peers' replication (fencemark.node.api.budgets).
+    interceptors.append(CallBudgets(config.call_limits, call_classes(), metrics))
+    return grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            # gRPC sets SO_REUSEPORT by default on Linux: a second node on the
+            # same port would start and share its connections. Refuse instead.
+            ("grpc.so_reuseport", 0),
+            # Peers ping idle replication connections (replicator.KEEPALIVE_MS):
+            # accept those pings instead of answering GOAWAY "too_many_pings".
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ],
+    )
+
+
+def _add_services(
+    server: grpc.aio.Server, servicers: Mapping[str, object], health: Any, writes_enabled: bool
+) -> list[str]:
+    """Fencemark's services (only their reads when writes are disabled), health and
+    reflection; returns the full names of fencemark's services."""
+    server.add_generic_rpc_handlers(
+        tuple(gated_handler(servicers[s.name], s, writes_enabled=writes_enabled) for s in SERVICES)
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = [s.full_name for s in SERVICES]
+    reflection.enable_server_reflection(
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    return names
+
+
+def _listen(server: grpc.aio.Server, config: NodeConfig, tls: LiveTls | None) -> int:
+    """Bind the node's port (plaintext, or mutual TLS); OSError if it cannot."""
+    try:
+        if tls is None:
+            return server.add_insecure_port(config.listen)
+        return server.add_secure_port(config.listen, tls.server_credentials)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {config.listen}: {exc}") from exc
+
+
 def transport(config: NodeConfig) -> str:
     """How the node's port is secured, in words for its start-up line."""
     if config.tls is None:
@@ -442,8 +481,8 @@ def _renew_signer(replica: Replica, keyring: Keyring, ca: bytes, cert: bytes, ke
     except ValueError as exc:
         log.error("reloaded TLS files cannot sign grants, keeping the old key: %s", exc)
         return
-    replica.signer = signer
-    task = asyncio.get_running_loop().create_task(persist(replica, kid, der))
+    replica.use_signer(signer)
+    task = asyncio.get_running_loop().create_task(persist(replica.storage, kid, der))
     _background.add(task)
     task.add_done_callback(_background.discard)
 

@@ -55,7 +55,16 @@ class Remembered:
 
 
 class Replica:
-    def __init__(self, storage: Storage, clock: HybridClock, region: str) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        clock: HybridClock,
+        region: str,
+        *,
+        bounds: integrity.Bounds | None = None,
+        signer: Signer | None = None,
+        keyring: Keyring | None = None,
+    ) -> None:
         self.storage = storage
         self.clock = clock
         self.region = region
@@ -65,12 +74,17 @@ class Replica:
         self._lease_listeners: list[Callable[[str, int], None]] = []
         # Whether this node may decide yet (catch-up after a new or lost disk).
         self.gate = GrantGate(storage, clock)
-        # What merges may bring (fencemark.node.rules.integrity); the server sets the token bound.
-        self.bounds = integrity.Bounds(max_offset_ms=clock.max_offset_ms)
-        # With TLS (the server sets both): this node signs the grants it makes, and
-        # merges verify the home's signature on fence grants (fencemark.node.security.signing).
-        self.signer: Signer | None = None
-        self.keyring: Keyring | None = None
+        # What merges may bring (fencemark.node.rules.integrity).
+        self.bounds = bounds or integrity.Bounds(max_offset_ms=clock.max_offset_ms)
+        # With TLS (both, or neither): this node signs what it grants and writes under
+        # claims, and merges verify signatures (fencemark.node.security.signing). A TLS
+        # reload replaces the signer (``use_signer``); the keyring learns in place.
+        self.signer = signer
+        self.keyring = keyring
+
+    def use_signer(self, signer: Signer) -> None:
+        """Sign with ``signer`` from now on (a renewed node certificate's key)."""
+        self.signer = signer
 
     @property
     def deciding(self) -> bool:

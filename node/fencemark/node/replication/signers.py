@@ -34,6 +34,7 @@ from fencemark.node.crdt import Record
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.security.signing import META_PREFIX, Keyring
 from fencemark.node.security.tls import peer_channel
+from fencemark.node.store.storage import Storage
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -131,20 +132,21 @@ async def _keep(replica: Replica, keyring: Keyring, region: str, certificates: l
         except ValueError as exc:
             log.warning("refused a signer certificate relayed by %s: %s", region, exc)
     for kid, der in added:
-        await persist(replica, kid, der)
+        await persist(replica.storage, kid, der)
     return len(added)
 
 
-async def persist(replica: Replica, kid: bytes, der: bytes) -> None:
+async def persist(storage: Storage, kid: bytes, der: bytes) -> None:
+    """Keep a signer's certificate in the data file (a restart need not ask again)."""
     name = META_PREFIX + kid.hex()
-    if name not in replica.storage.meta:
+    if name not in storage.meta:
         pem = x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM)
-        await replica.storage.put_meta(name, pem.decode())
+        await storage.put_meta(name, pem.decode())
 
 
-async def load_keyring(replica: Replica, keyring: Keyring) -> None:
-    """Give ``replica`` ``keyring`` plus every signer it kept; persist the ones it lacks."""
-    for name, pem in replica.storage.meta.items():
+async def load_keyring(storage: Storage, keyring: Keyring) -> None:
+    """Add to ``keyring`` every signer ``storage`` kept; persist the ones it lacks."""
+    for name, pem in storage.meta.items():
         if not name.startswith(META_PREFIX):
             continue
         try:
@@ -155,5 +157,4 @@ async def load_keyring(replica: Replica, keyring: Keyring) -> None:
         except ValueError as exc:  # e.g. the cluster moved to a new CA
             log.warning("a kept signer certificate %s is no longer trusted: %s", name, exc)
     for kid, der in keyring.known():
-        await persist(replica, kid, der)
-    replica.keyring = keyring
+        await persist(storage, kid, der)
