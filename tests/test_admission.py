@@ -23,22 +23,27 @@ from fencemark.client import AsyncClient, ClaimConflict, NotFound, WrongRegion
 from fencemark.client.types import Record as ClientRecord
 from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import FenceState, Grant, Record, Stamp
+from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import pack
 from fencemark.node.rules.admission import (
     ANYONE,
     RECOVERY_GAP,
     TOKENS_PER_MS_BITS,
+    Caller,
     Outcome,
+    acts_for,
     admit_write,
     decide_claim,
+    decide_release,
     decide_renew,
     lapse_due,
     next_token,
+    split_tokens,
     token_ceiling,
     token_problem,
 )
+from fencemark.node.rules.errors import ACT_FOR_OTHERS, Denial, PermissionDenied, Reason
 from fencemark.node.rules.errors import ClaimConflict as NodeClaimConflict
-from fencemark.node.rules.errors import Reason
 from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP
 from fencemark.v1 import records_pb2, records_pb2_grpc
 from tests.conftest import StartNode
@@ -517,3 +522,190 @@ def test_the_recovery_floor_is_the_gap_of_2_to_the_20_and_the_time_ceiling() -> 
     # The gap still rules when the fence is that high already.
     high = FenceState().grant(floor, Grant(pack(NOW_MS - 5), "w", "local"), NOW_MS + 60_000)
     assert next_token(high, recovered_hlc=after_it) == floor + 1 + 2**20
+
+
+# -- who may use a token, outcomes as values, the split, the boundaries (issue 15) ---------
+
+ALICE, BOB = Caller("client/alice"), Caller("client/bob")
+OPERATOR = Caller("client/ops", acts_for_others=True)
+
+
+def granted_to(
+    identity: str, *, owner: str = "worker-a", expiry_ms: int = NOW_MS + 60_000
+) -> Record:
+    """``claimed_at_home``, its token 1 granted to ``identity`` ("": none recorded)."""
+    record = Record(key_of("pure")).create("local", Stamp(0, pack(NOW_MS - 1), "n1"))
+    grant = Grant(pack(NOW_MS), owner, "local", identity=identity)
+    return record.with_fence(FenceState().grant(1, grant, expiry_ms))
+
+
+def test_a_token_binds_the_identity_it_was_granted_to() -> None:
+    """docs/security.md, *Claims are bound to identities*: the grant's own identity, or
+    one with ``act-for-others`` (every caller of a node without TLS: ``ANYONE``); a
+    grant that records no identity binds nobody. A caller is not ``act-for-others``
+    unless the access map says so."""
+    to_alice = Grant(pack(NOW_MS), "w", "local", identity="client/alice")
+    unbound = Grant(pack(NOW_MS), "w", "local")
+    assert Caller("client/bob").acts_for_others is False
+    assert (ANYONE.identity, ANYONE.acts_for_others) == ("", True)
+    assert [acts_for(c, to_alice) for c in (ALICE, BOB, OPERATOR, ANYONE)] == [
+        True, False, True, True,
+    ]  # fmt: skip
+    assert [acts_for(c, unbound) for c in (ALICE, BOB, OPERATOR, ANYONE)] == [True] * 4
+
+
+@pytest.mark.parametrize("rule", ["renew", "release", "write"])
+def test_only_the_holders_identity_renews_releases_or_writes_with_its_token(rule: str) -> None:
+    """Another identity is refused ``not_holder`` (PERMISSION_DENIED naming the right it
+    lacks), whatever the token's state; the holder's identity and an operator pass."""
+    record = granted_to("client/alice")
+
+    def use(caller: Caller) -> object:
+        if rule == "renew":
+            return decide_renew(
+                record, 1, caller=caller, lease_ms=60_000, now_ms=NOW_MS, region="local"
+            )[1].ok
+        if rule == "release":
+            return decide_release(record, 1, caller=caller, region="local")[1].ok
+        return admit_write(record, 1, caller=caller, home="local", region="local", now_ms=NOW_MS)
+
+    with pytest.raises(PermissionDenied) as refused:
+        use(BOB)
+    assert (refused.value.denial, refused.value.identity, refused.value.right) == (
+        Denial.NOT_HOLDER,
+        "client/bob",
+        ACT_FOR_OTHERS,
+    )
+    assert use(ALICE) in (True, 1)
+    assert use(OPERATOR) in (True, 1)
+
+
+def test_a_token_the_record_no_longer_remembers_is_not_checked_for_its_identity() -> None:
+    """Only grants kept in the record (its last ``HISTORY``) name an identity; an older
+    token is ``superseded`` for everyone, and its release changes nothing."""
+    record = granted_to("client/alice")
+    fence = record.fence.release(1)
+    for token in range(2, 2 + HISTORY + 1):
+        grant = Grant(pack(NOW_MS), "w", "local", identity="client/alice")
+        fence = fence.grant(token, grant, NOW_MS + 60_000).release(token)
+    record = record.with_fence(fence)
+    assert 1 not in record.fence.grants
+    _, released = decide_release(record, 1, caller=BOB, region="local")
+    assert (released.ok, released.fence) == (True, 1 + HISTORY + 1)
+    _, renewed = decide_renew(record, 1, caller=BOB, lease_ms=1_000, now_ms=NOW_MS, region="local")
+    assert renewed.reason is Reason.SUPERSEDED
+
+
+def test_a_claim_by_the_holders_owner_name_is_a_retry_only_from_its_identity() -> None:
+    """SPEC §4: a retry by the live claim's owner gets its token again (its lease
+    extended); the same owner name from another identity is another claimer."""
+    record = granted_to("client/alice", expiry_ms=NOW_MS + 10_000)
+
+    def claim(owner: str, caller: Caller) -> tuple[FenceState, Outcome]:
+        return decide_claim(record, owner, caller=caller, lease_ms=60_000, now_ms=NOW_MS,
+                            hlc=pack(NOW_MS, 1), region="local", queued_ahead=False)  # fmt: skip
+
+    fence, retry = claim("worker-a", ALICE)
+    assert retry == Outcome(True, None, 1, NOW_MS + 60_000, "local", 1)
+    assert fence.expiry(1) == NOW_MS + 60_000
+    for owner, caller in (("worker-a", BOB), ("worker-b", ALICE)):
+        fence, other = claim(owner, caller)
+        assert other == Outcome(False, Reason.CONTENDED, home_region="local", fence=1)
+        assert fence == record.fence
+
+
+def test_a_refusal_outcome_carries_no_token_and_no_expiry() -> None:
+    """claims.proto: a refused claim answers token 0 and no expiry; only ``home_region``
+    and ``fence`` say where to go and what was seen."""
+    refused = Outcome(False, Reason.MISSING)
+    assert (refused.token, refused.expiry_ms, refused.home_region, refused.fence) == (0, 0, "", 0)
+    _, missing = decide_claim(Record(key_of("none")), "w", caller=ANYONE, lease_ms=1_000,
+                              now_ms=NOW_MS, hlc=pack(NOW_MS), region="local",
+                              queued_ahead=False)  # fmt: skip
+    assert missing == Outcome(False, Reason.MISSING)
+
+
+def test_a_deleted_record_answers_missing_except_to_its_holders_release() -> None:
+    """A tombstone keeps its grants: its holder may still release (only release); a claim
+    or a renewal answers ``missing``."""
+    record = granted_to("")
+    stamp = Stamp(1, pack(NOW_MS, 2), "n1")
+    tombstone = record.set_deleted(True, stamp)
+    assert tombstone.is_deleted
+    _, claim = decide_claim(tombstone, "w", caller=ANYONE, lease_ms=1_000, now_ms=NOW_MS,
+                            hlc=pack(NOW_MS, 3), region="local", queued_ahead=False)  # fmt: skip
+    assert (claim.ok, claim.reason) == (False, Reason.MISSING)
+    _, renewal = decide_renew(tombstone, 1, caller=ANYONE, lease_ms=1_000, now_ms=NOW_MS,
+                              region="local")  # fmt: skip
+    assert (renewal.ok, renewal.reason) == (False, Reason.MISSING)
+    fence, release = decide_release(tombstone, 1, caller=ANYONE, region="local")
+    assert release == Outcome(True, None, 1, home_region="local", fence=1)
+    assert 1 in fence.released
+
+
+def test_a_renewal_extends_the_lease_to_now_plus_its_length() -> None:
+    record = granted_to("", expiry_ms=NOW_MS + 1_000)
+    fence, renewed = decide_renew(record, 1, caller=ANYONE, lease_ms=30_000, now_ms=NOW_MS + 500,
+                                  region="local")  # fmt: skip
+    assert renewed == Outcome(True, None, 1, NOW_MS + 30_500, "local", 1)
+    assert fence.expiry(1) == NOW_MS + 30_500
+
+
+def test_a_token_the_fence_was_moved_to_was_never_granted() -> None:
+    """A move raises the fence without a grant (SPEC §2): that token is nobody's,
+    ``unknown_token``, like one above the fence."""
+    fence = granted_to("").fence.move(5)
+    assert fence.fence == 5
+    assert token_problem(fence, 5, NOW_MS) is Reason.UNKNOWN_TOKEN
+    assert token_problem(fence, 6, NOW_MS) is Reason.UNKNOWN_TOKEN
+    assert token_problem(fence, 1, NOW_MS) is Reason.SUPERSEDED
+
+
+def born_in_two(*grants: tuple[int, str], moved: int = 0) -> Record:
+    """A record born in us and, apart, in eu (us's birth earlier: the home), with
+    ``grants`` (token, granting region) and the fence moved to ``moved``."""
+    us = Record(key_of("split")).create("us", Stamp(0, pack(NOW_MS - 10), "us-n"))
+    eu = Record(key_of("split")).create("eu", Stamp(0, pack(NOW_MS - 5), "eu-n"))
+    record = us.merge(eu)
+    assert (set(record.births), record.home_region) == ({"us", "eu"}, "us")
+    fence = record.fence
+    for token, region in grants:
+        fence = fence.grant(token, Grant(pack(NOW_MS), "w", region), NOW_MS + 60_000)
+    if moved:
+        fence = fence.move(moved)
+    return record.with_fence(fence)
+
+
+def test_split_time_claims_are_those_the_fence_has_not_moved_past() -> None:
+    """SPEC §2: with one birth there is no split; when two births first meet (never
+    moved) every grant may be from the split; after the home's move, only a grant by
+    another birth region at or above the move still is."""
+    single = Record(key_of("one")).create("us", Stamp(0, pack(NOW_MS), "us-n"))
+    assert not split_tokens(single.with_fence(single.fence.grant(
+        1, Grant(pack(NOW_MS), "w", "eu"), NOW_MS)))  # fmt: skip
+    assert split_tokens(born_in_two())
+    assert split_tokens(born_in_two((1, "us")))
+    assert not split_tokens(born_in_two((1, "eu"), moved=2))
+    assert not split_tokens(born_in_two((1, "eu"), (3, "us"), moved=2))
+    assert split_tokens(born_in_two((1, "us"), (3, "eu"), moved=2))
+    # eu granted token 2 apart, and the home moved its fence to 2: the same token.
+    moved, apart = born_in_two((1, "us"), moved=2), born_in_two((1, "us"), (2, "eu"))
+    met = moved.merge(apart)
+    assert (met.fence.moved, met.fence.grants[2].region) == (2, "eu")
+    assert split_tokens(met)
+
+
+def test_a_grant_made_at_the_recovery_moment_is_this_lifes() -> None:
+    """``next_token``: a holder granted at or after the recovery's HLC was granted by
+    this life, which knows its tokens: the next is ``fence + 1``; only one granted
+    before it gets the recovery floor. Without a recovery, never a floor."""
+    recovered = pack(NOW_MS)
+    at = FenceState().grant(7, Grant(recovered, "w", "local"), NOW_MS + 60_000)
+    assert next_token(at, recovered_hlc=recovered) == 8
+    before = FenceState().grant(7, Grant(recovered - 1, "w", "local"), NOW_MS + 60_000)
+    assert next_token(before, recovered_hlc=recovered) > 7 + RECOVERY_GAP
+    assert next_token(before) == 8
+    _, first = decide_claim(granted_to("", expiry_ms=NOW_MS), "w", caller=ANYONE,
+                            lease_ms=1_000, now_ms=NOW_MS, hlc=pack(NOW_MS, 1), region="local",
+                            queued_ahead=False)  # fmt: skip
+    assert first.token == 2
