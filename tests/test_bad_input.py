@@ -19,6 +19,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -34,6 +35,11 @@ from fencemark.client import (
     Record,
 )
 from fencemark.node.api.server import NodeConfig, NodeServer
+from fencemark.node.crdt import Grant, Stamp, codec
+from fencemark.node.crdt import Record as NodeRecord
+from fencemark.node.crdt.hlc import pack
+from fencemark.node.rules import validation
+from fencemark.node.rules.errors import InvalidInput
 
 REPO, TOPIC = "lattice", "backlog"
 HOLDER = "worker-a"
@@ -511,3 +517,150 @@ async def test_the_blocking_client_raises_the_same_type_error(
     with pytest.raises(TypeError, match=r"fields\['body'\]"):
         await asyncio.to_thread(blocking_update)
     assert await snapshot(client, target) == before
+
+
+# -- every limit at its boundary, as the node's own checks (issue 15) ----------------------
+
+
+def refused_field(check: Callable[[], object]) -> str:
+    """The one field ``check`` refuses, by name."""
+    with pytest.raises(InvalidInput) as refused:
+        check()
+    [(name, _)] = refused.value.violations
+    return name
+
+
+def test_the_limits_are_the_specs() -> None:
+    """SPEC §2 and §6: every node and client must agree on them."""
+    assert validation.MAX_VALUE_BYTES == 1 << 20
+    assert (validation.MAX_FIELDS, validation.MAX_TAGS, validation.MAX_TAG_CHARS) == (256,) * 3
+    assert validation.MAX_OWNER_CHARS == 128
+    assert (validation.MIN_LEASE_S, validation.MAX_LEASE_S, validation.DEFAULT_LEASE_S) == (
+        1.0, 3600.0, 60.0,
+    )  # fmt: skip
+    assert validation.MAX_WAIT_S == 300.0
+    assert validation.MAX_RECORD_BYTES == 4 << 20
+    assert (validation.MAX_PAGE_SIZE, validation.DEFAULT_PAGE_SIZE) == (1000, 100)
+
+
+def test_regions_are_1_to_64_safe_characters() -> None:
+    assert validation.region("r" * 64) == "r" * 64
+    for bad in ("", "r" * 65, "us east", "us/east"):
+        assert refused_field(partial(validation.region, bad, "home")) == "home"
+
+
+def test_a_request_holds_at_most_256_fields_of_at_most_one_mib_each() -> None:
+    many = {f"f{i}": "v" for i in range(256)}
+    assert validation.fields(many) is many
+    assert refused_field(lambda: validation.fields({**many, "one-more": "v"})) == "fields"
+    assert refused_field(lambda: validation.fields({"bad name": "v"})) == "fields['bad name']"
+    mib = "é" * (1 << 19)  # two bytes each: exactly one MiB
+    assert validation.value_field(mib, "body") == mib
+    assert refused_field(lambda: validation.value_field(mib + "x", "body")) == "body"
+    assert refused_field(lambda: validation.fields({"big": mib + "x"})) == "fields['big']"
+
+
+def test_a_request_holds_at_most_256_printable_tags_of_1_to_256_characters() -> None:
+    many = [f"t{i}" for i in range(256)]
+    assert validation.tags(many) == many
+    assert refused_field(lambda: validation.tags([*many, "one-more"])) == "tags"
+    assert validation.tags(["t" * 256]) == ["t" * 256]
+    for bad in ("", "t" * 257, "tab\there"):
+        assert refused_field(partial(validation.tags, ["ok", bad])) == "tags[1]"
+
+
+def test_one_home_tag_names_the_home() -> None:
+    assert validation.home_tag(["x", "homeRegion:eu", "homeRegion:eu"]) == "eu"
+    assert validation.home_tag(["x"]) is None
+    assert refused_field(lambda: validation.home_tag(["homeRegion:eu", "homeRegion:us"])) == "tags"
+    assert refused_field(lambda: validation.home_tag(["homeRegion:e u"])) == "tags"
+    assert refused_field(lambda: validation.no_home_tags(["homeRegion:eu"], "add_tags")) == (
+        "add_tags"
+    )
+    validation.no_home_tags(["home:eu"], "add_tags")
+
+
+def test_an_owner_is_1_to_128_printable_characters() -> None:
+    assert validation.owner("o" * 128) == "o" * 128
+    for bad in ("", "o" * 129, "new\nline"):
+        assert refused_field(partial(validation.owner, bad)) == "owner"
+
+
+def test_seconds_are_finite_and_within_their_bounds_and_0_means_the_default() -> None:
+    assert validation.lease(0) == 60.0
+    assert (validation.lease(1.0), validation.lease(3600.0)) == (1.0, 3600.0)
+    assert (validation.wait(0), validation.wait(300.0)) == (0.0, 300.0)
+    for bad in (0.999, 3600.001, -1.0, math.inf, math.nan):
+        assert refused_field(partial(validation.lease, bad)) == "lease_seconds"
+    assert refused_field(lambda: validation.wait(300.001)) == "wait_seconds"
+    with pytest.raises(InvalidInput, match="between 1 and 3600 seconds"):
+        validation.lease(0.5)
+
+
+def test_a_page_is_1_to_1000_records_and_0_means_100() -> None:
+    assert (validation.page_size(0), validation.page_size(1), validation.page_size(1000)) == (
+        100, 1, 1000,
+    )  # fmt: skip
+    for bad in (-1, 1001):
+        assert refused_field(partial(validation.page_size, bad)) == "page_size"
+
+
+STAMP = Stamp(0, pack(1_767_225_600_000), "n1")
+
+
+def state_of(record: NodeRecord) -> NodeRecord:
+    """``record``, checked as a replicated state would be; its size as encoded."""
+    validation.state(record, len(codec.encode(record)))
+    return record
+
+
+def test_a_replicated_state_obeys_the_limits_of_a_clients_write() -> None:
+    """docs/consistency.md, *Limits and merges*: every limit, on the whole state, with
+    what was cleared or removed checked by name as when it was written."""
+    made = NodeRecord("repo/r/mem/t/i").create("us", STAMP)
+    state_of(made)
+    assert validation.state_problem(made, 10) is None
+    assert refused_field(lambda: validation.state(made, validation.MAX_RECORD_BYTES + 1)) == "state"
+    validation.state(made, validation.MAX_RECORD_BYTES)
+    assert refused_field(lambda: state_of(NodeRecord("not a key").create("us", STAMP))) == "key"
+    assert refused_field(lambda: state_of(NodeRecord("repo/r/mem/t/i").create("u s", STAMP))) == (
+        "home_region"
+    )
+    cleared = made.set_fields({"bad name": ""}, STAMP)
+    assert cleared.field_values() == {}
+    assert refused_field(lambda: state_of(cleared)) == "fields"
+    too_many = made.set_fields({f"f{i}": "v" for i in range(257)}, STAMP)
+    assert refused_field(lambda: state_of(too_many)) == "fields"
+    removed = made.add_tags(["\x00"], STAMP).remove_tags(["\x00"], STAMP)
+    assert refused_field(lambda: state_of(removed)) == "tags[0]"
+    assert refused_field(lambda: state_of(made.add_tags(["homeRegion:eu"], STAMP))) == "tags"
+    for grant, name in (
+        (Grant(STAMP.hlc, "", "us"), "grants[1].owner"),
+        (Grant(STAMP.hlc, "w", "u s"), "grants[1].region"),
+        (Grant(STAMP.hlc, "w", "us", identity="alice"), "grants[1].identity"),
+    ):
+        bad = made.with_fence(made.fence.grant(1, grant, 0))
+        assert refused_field(partial(state_of, bad)) == name
+        assert validation.state_problem(bad, 10) == f"{name}: " + str(
+            refused_message(partial(state_of, bad))
+        )
+    good = Grant(STAMP.hlc, "w", "us", identity="client/alice")
+    state_of(made.with_fence(made.fence.grant(1, good, 0)))
+
+
+def refused_message(check: Callable[[], object]) -> str:
+    with pytest.raises(InvalidInput) as refused:
+        check()
+    [(_, why)] = refused.value.violations
+    return why
+
+
+def test_a_record_a_write_would_leave_holds_at_most_256_fields_and_256_tags() -> None:
+    made = NodeRecord("repo/r/mem/t/i").create("us", STAMP)
+    full = made.set_fields({f"f{i}": "v" for i in range(256)}, STAMP)
+    full = full.add_tags([f"t{i}" for i in range(256)], STAMP)
+    validation.record_size(full, "fields")
+    over = full.set_fields({"one-more": "v"}, STAMP)
+    assert refused_field(lambda: validation.record_size(over, "fields")) == "fields"
+    over = full.add_tags(["one-more"], STAMP)
+    assert refused_field(lambda: validation.record_size(over, "fields", "add_tags")) == "add_tags"
