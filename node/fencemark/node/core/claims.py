@@ -61,8 +61,8 @@ def until_lapse(record: Record | None, now_ms: int) -> float:
     ``LOOK_AGAIN_S`` when no lease is live (it lapsed since the claim was refused)."""
     if record is None or not record.claim_live(now_ms):
         return LOOK_AGAIN_S
-    fence = record.fence
-    return max(fence.expiry(fence.fence) - now_ms, 0) / 1000 + LOOK_AGAIN_S
+    fence = record.fence  # live: its expiry is after now_ms
+    return (fence.expiry(fence.fence) - now_ms) / 1000 + LOOK_AGAIN_S
 
 
 class Claims:
