@@ -409,6 +409,28 @@ def test_a_fence_may_move_exactly_the_bound_above_the_grant_below_it() -> None:
     )
 
 
+def test_a_move_to_the_fence_this_node_holds_moves_nothing_and_is_not_measured() -> None:
+    """A move at or below the local fence changes nothing, so it is not measured, even
+    where the fence is a grant far above the one below it (within its time's ceiling)."""
+    hlc = pack(3)
+    far = token_ceiling(hlc) + JUMP  # more than JUMP above token 5: allowed by its time
+    held = with_grants(with_grants(Record(KEY).create(HOME, stamp()), (5,)), (far,), hlc)
+    assert check(held, held.with_fence(held.fence.move(far)), now_ms=NOW, bounds=BOUNDS)
+
+
+def test_a_move_is_measured_from_the_grant_below_it_not_from_one_at_it() -> None:
+    """No node moves a fence onto a granted token (the home moves one past them all);
+    a state that does is measured from the grant below the move, like any move."""
+    hlc = pack(3)
+    far = token_ceiling(hlc) + JUMP
+    held = with_grants(Record(KEY).create(HOME, stamp()), (5,))
+    onto = with_grants(held, (far,), hlc)
+    assert check(held, onto, now_ms=NOW, bounds=BOUNDS)  # the grant alone is within bounds
+    refused_move = refusal(held, onto.with_fence(onto.fence.move(far)))
+    assert refused_move.reason == "token_jump"
+    assert refused_move.detail.startswith(f"the fence moved to {far}, {far - 5} above token 5")
+
+
 def test_a_lease_may_end_exactly_the_longest_lease_and_the_clock_offset_from_now() -> None:
     held = granted()
     latest = NOW + BOUNDS.max_lease_ms + BOUNDS.max_offset_ms
