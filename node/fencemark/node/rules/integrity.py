@@ -207,7 +207,7 @@ class _Join:
             if problem is not None:
                 raise self.refuse(*problem)
 
-    def deciders(self) -> set[str]:
+    def deciders(self, holder: Grant) -> set[str]:
         """Who decides the fence's claim, and so writes at its epoch and ends it: the
         home, and the region that made the grant. While the fence is a claim of a
         split that the home has not moved past yet, any birth region: each side may
@@ -215,18 +215,16 @@ class _Join:
         chaos tier, under TLS, seed 424242); the home moves past it at once."""
         merged = self.merged
         deciders = set(merged.births) if split_tokens(merged) else {merged.home_region}
-        if self.holder is not None:
-            deciders.add(self.holder.region)
-        return deciders
+        return deciders | {holder.region}
 
     def check_end(self, verifier: GrantVerifier) -> None:
         """The end of the fence's claim (a release or a lapse, which readmits
         unfenced writes everywhere) carries the seal of a node that decides it."""
-        fence, top = self.merged.fence, self.top
-        if self.holder is None or not fence.ended(top) or self.local.fence.ended(top):
+        fence, top, holder = self.merged.fence, self.top, self.holder
+        if holder is None or not fence.ended(top) or self.local.fence.ended(top):
             return
         seal = fence.seals.get(top, b"")
-        problem = verifier.end_problem(self.remote.key, top, seal, self.deciders())
+        problem = verifier.end_problem(self.remote.key, top, seal, self.deciders(holder))
         if problem is not None:
             raise self.refuse(*problem)
 
@@ -244,9 +242,10 @@ class _Join:
     def check_writes(self, verifier: GrantVerifier) -> None:
         """Writes at the epoch of an unreleased grant: only a node that decides the
         claim admits one, as a fenced write of the holder, and signs it (SPEC §4)."""
-        if self.holder is None or not self.merged.fence.unreleased():
+        holder = self.holder
+        if holder is None or not self.merged.fence.unreleased():
             return
-        top, deciders = self.top, self.deciders()
+        top, deciders = self.top, self.deciders(holder)
         for kind, name, register in self.merged.registers():
             if register.stamp.epoch == top and register != _register(self.local, kind, name):
                 problem = verifier.write_problem(self.remote.key, kind, name, register, deciders)
