@@ -40,6 +40,7 @@ from fencemark.node.store.digest_tree import (
     leaf_range,
     level_size,
 )
+from fencemark.node.store.storage import Storage
 from fencemark.v1 import replication_pb2
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class ReplicationService:
     def __init__(
         self,
         replica: Replica,
+        storage: Storage,
         peers: dict[str, PeerStats],
         heard_from: Callable[[str], None] | None = None,
         pulled_by: Callable[[str, list[str]], None] | None = None,
@@ -64,7 +66,8 @@ class ReplicationService:
         authenticate: bool = False,
         max_list_records: int = MAX_LIST_RECORDS,
     ) -> None:
-        self.replica = replica
+        self.replica = replica  # merges go through it (admission, integrity) ...
+        self.storage = storage  # ... the digest tree and states are read straight
         self.peers = peers
         # Records one Buckets request may list (every node's replicator asks for half).
         self.max_list_records = max_list_records
@@ -156,7 +159,7 @@ class ReplicationService:
         peer = self._admit(request.origin, request.ByteSize(), context)
         if request.level > DEPTH:
             raise InvalidInput.field("level", f"levels are 0-{DEPTH}")
-        tree = self.replica.storage.tree
+        tree = self.storage.tree
         if request.level == 0:
             if request.parents:
                 raise InvalidInput.field("parents", "the root (level 0) has no parents")
@@ -192,7 +195,7 @@ class ReplicationService:
         if len(request.nodes) > MAX_LIST_NODES:
             raise InvalidInput.field("nodes", f"at most {MAX_LIST_NODES} nodes per request")
         _check_nodes("nodes", request.level, request.nodes)
-        tree = self.replica.storage.tree
+        tree = self.storage.tree
         records = sum(tree.counts(request.level, request.nodes))
         if records > self.max_list_records:
             raise InvalidInput.field(
@@ -200,7 +203,7 @@ class ReplicationService:
                 f"these nodes hold {records} records, at most {self.max_list_records} per request",
             )
         spans = [leaf_range(request.level, node) for node in request.nodes]
-        entries = await self.replica.storage.bucket_entries(spans)
+        entries = await self.storage.bucket_entries(spans)
         response = replication_pb2.BucketsResponse(
             entries=[replication_pb2.BucketEntry(key=k, digest=d, max_hlc=h) for k, d, h in entries]
         )
@@ -214,7 +217,7 @@ class ReplicationService:
         peer = self._admit(request.origin, request.ByteSize(), context)
         if len(request.keys) > MAX_STATES:
             raise InvalidInput.field("keys", f"at most {MAX_STATES} keys per request")
-        storage = self.replica.storage
+        storage = self.storage
         commits = storage.commits
         found = await storage.states(list(request.keys))
         current = storage.commits == commits  # no commit raced the read

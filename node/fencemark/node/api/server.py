@@ -48,7 +48,7 @@ from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replication.intake import MAX_LIST_RECORDS
 from fencemark.node.replication.peers import PeerStats, stats_for
 from fencemark.node.replication.replicator import Replicator, Tuning
-from fencemark.node.replication.signers import load_keyring, persist
+from fencemark.node.replication.signers import load_keyring
 from fencemark.node.rules.errors import InvalidInput
 from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP, Bounds
 from fencemark.node.security.signing import Keyring, Signer
@@ -241,8 +241,7 @@ class NodeServer:
         """Open the data file, then: signing (with TLS), the catch-up gate, replication,
         the gRPC services, the port; health says SERVING once it listens."""
         tls = _live_tls(config)
-        replica = await _open_replica(config, tls)
-        storage = replica.storage
+        storage, replica = await _open_replica(config, tls)
         lapses = LapseWatcher(replica)  # the home records lapses (SPEC §4)
         claims = Claims(
             replica,
@@ -263,6 +262,7 @@ class NodeServer:
 
         replicator = Replicator(
             replica,
+            storage,
             peers,
             interval=config.anti_entropy_interval,
             catching_up=catching_up,
@@ -286,6 +286,7 @@ class NodeServer:
             ),
             "Replication": ReplicationService(
                 replica,
+                storage,
                 peers,
                 replicator.heard_from,
                 replicator.pulled_by,
@@ -351,7 +352,7 @@ class NodeServer:
                 log.exception("looking at the TLS files failed")
 
 
-async def _open_replica(config: NodeConfig, tls: LiveTls | None) -> Replica:
+async def _open_replica(config: NodeConfig, tls: LiveTls | None) -> tuple[Storage, Replica]:
     """The node's data file as a ``Replica``, complete: its bounds, and with TLS its
     signer and keyring (docs/security.md, *Signed grants*)."""
     # Read before anything opens: a key that cannot sign refuses the start (ValueError).
@@ -387,7 +388,7 @@ async def _open_replica(config: NodeConfig, tls: LiveTls | None) -> Replica:
             " record homed here jumps its fence",
             storage.meta["restored_at"],
         )
-    return replica
+    return storage, replica
 
 
 def _peers(config: NodeConfig, tls: LiveTls | None, replica: Replica) -> dict[str, PeerStats]:
@@ -482,7 +483,7 @@ def _renew_signer(replica: Replica, keyring: Keyring, ca: bytes, cert: bytes, ke
         log.error("reloaded TLS files cannot sign grants, keeping the old key: %s", exc)
         return
     replica.use_signer(signer)
-    task = asyncio.get_running_loop().create_task(persist(replica.storage, kid, der))
+    task = asyncio.get_running_loop().create_task(replica.keep_signer(kid, der))
     _background.add(task)
     task.add_done_callback(_background.discard)
 

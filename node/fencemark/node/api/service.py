@@ -412,9 +412,9 @@ class NodeService:
             node_id=self.replica.node_id,
             writes_enabled=self.writes_enabled,
             peers=[self._peer(stats) for _, stats in sorted(self.peers.items())],
-            record_count=await self.replica.storage.count(),
+            record_count=self.replica.record_count,
             claims_serving=self.claims.serving,
-            max_clock_offset_ms=self.replica.clock.max_offset_ms,
+            max_clock_offset_ms=self.replica.max_clock_offset_ms,
             version=__version__,
-            now=timestamp(self.replica.clock.wall_ms()),
+            now=timestamp(self.replica.wall_ms()),
         )

@@ -169,7 +169,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         yield GaugeMetricFamily(
             "fencemark_records", "Records held (tombstones included)",
-            value=self.replica.storage.record_count,
+            value=self.replica.record_count,
         )  # fmt: skip
         yield GaugeMetricFamily(
             "fencemark_claims_serving", "1 when this node decides claims (0 while catching up)",

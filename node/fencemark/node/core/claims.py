@@ -168,9 +168,9 @@ class Claims:
                     home = outcome.home_region
                     # Held by someone else: look again when that lease lapses,
                     # or earlier if it is released.
-                    stored = await self.replica.storage.get(key)
+                    stored = await self.replica.find(key)
                     record = None if stored is None else stored.record
-                    pause = until_lapse(record, self.replica.clock.wall_ms())
+                    pause = until_lapse(record, self.replica.wall_ms())
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return Outcome(False, Reason.TIMEOUT, home_region=home)
@@ -222,8 +222,8 @@ class Claims:
                 owner,
                 caller=caller,
                 lease_ms=lease_ms,
-                now_ms=replica.clock.wall_ms(),
-                hlc=replica.clock.now(),
+                now_ms=replica.wall_ms(),
+                hlc=replica.now_hlc(),
                 region=replica.region,
                 queued_ahead=queued_ahead,
                 recovered_hlc=replica.recovered_hlc,
@@ -252,7 +252,7 @@ class Claims:
                 token,
                 caller=caller,
                 lease_ms=lease_ms,
-                now_ms=replica.clock.wall_ms(),
+                now_ms=replica.wall_ms(),
                 region=replica.region,
             )
             return current.with_fence(fence), outcome
@@ -282,7 +282,7 @@ class Claims:
         acts for its holder (docs/security.md, *Claims are bound to identities*)."""
         stored = await self.replica.get(key)
         fence: FenceState = stored.record.fence
-        live = stored.record.claim_live(self.replica.clock.wall_ms())
+        live = stored.record.claim_live(self.replica.wall_ms())
         holder = fence.holder() if live else None
         return Status(
             holder=holder,

@@ -62,9 +62,7 @@ class LapseWatcher:
         """Every unreleased grant already in the file, once at start."""
         replica, after = self.replica, ""
         while True:
-            page = await replica.storage.scan(
-                "repo/", "repo0", after=after, limit=SCAN_PAGE, include_deleted=True
-            )
+            page = await replica.scan_all(after, SCAN_PAGE)
             for stored in page:
                 record = stored.record
                 if record.home_region == replica.region and record.fence.unreleased():
@@ -75,14 +73,14 @@ class LapseWatcher:
 
     async def _run(self) -> None:
         await self._scan()
-        clock = self.replica.clock
+        replica = self.replica
         while True:
             self._wake.clear()
             if not self._heap:
                 await self._wake.wait()
                 continue
             expiry, key = self._heap[0]
-            pause = (expiry + SLACK_MS - clock.wall_ms()) / 1000
+            pause = (expiry + SLACK_MS - replica.wall_ms()) / 1000
             if pause > 0:
                 # Not wait_for: on Python 3.11 it can swallow a cancellation that
                 # arrives with the wake-up, and the watcher would outlive its node.
@@ -99,10 +97,10 @@ class LapseWatcher:
             del self._due[key]
             if not self.replica.deciding:
                 # Catching up: only a deciding home records a lapse; look again later.
-                self.watch(key, clock.wall_ms() + 1000)
+                self.watch(key, replica.wall_ms() + 1000)
                 continue
             try:
                 self.recorded += await self.replica.record_lapse(key)
             except Exception:  # a storage fault: never let the watcher die
                 log.exception("recording the lapse of %s failed", key)
-                self.watch(key, clock.wall_ms() + 1000)
+                self.watch(key, replica.wall_ms() + 1000)

@@ -20,7 +20,7 @@ from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
 from fencemark.node.rules import integrity, validation
 from fencemark.node.rules.admission import Caller, admit_write, lapse_due, split_tokens
 from fencemark.node.rules.errors import InvalidInput, NotFound, WrongRegion
-from fencemark.node.security.signing import Keyring, Signer
+from fencemark.node.security.signing import META_PREFIX, Keyring, Signer, certificate_pem
 from fencemark.node.store.storage import Storage, Stored
 
 T = TypeVar("T")
@@ -85,6 +85,49 @@ class Replica:
     def use_signer(self, signer: Signer) -> None:
         """Sign with ``signer`` from now on (a renewed node certificate's key)."""
         self.signer = signer
+
+    # -- this node's clock and file, for the modules around it ---------------------
+
+    def wall_ms(self) -> int:
+        """This node's wall clock in ms: what leases are measured by."""
+        return self.clock.wall_ms()
+
+    def now_hlc(self) -> int:
+        """A new timestamp of this node's hybrid logical clock."""
+        return self.clock.now()
+
+    def check_clock(self, hlc: int) -> None:
+        """Raise ``ClockSkew`` when a peer's ``hlc`` is further ahead of this node's
+        clock than the clock offset allows."""
+        self.clock.check(hlc)
+
+    @property
+    def max_clock_offset_ms(self) -> int:
+        return self.clock.max_offset_ms
+
+    @property
+    def record_count(self) -> int:
+        """Records held, tombstones included (kept current by every commit)."""
+        return self.storage.record_count
+
+    async def find(self, key: str) -> Stored | None:
+        """``key``'s stored state as it is (a tombstone too); None if never seen here."""
+        return await self.storage.get(key)
+
+    async def preload(self, keys: Sequence[str]) -> None:
+        """Read ``keys`` into the cache in one query (before merging many of them)."""
+        await self.storage.preload(keys)
+
+    async def scan_all(self, after: str, limit: int) -> list[Stored]:
+        """A page of every record after the key ``after``, tombstones included."""
+        return await self.storage.scan("repo/", "repo0", after=after, limit=limit,
+                                       include_deleted=True)  # fmt: skip
+
+    async def keep_signer(self, kid: bytes, der: bytes) -> None:
+        """Keep a signer's certificate in the data file, so a restart knows it."""
+        name = META_PREFIX + kid.hex()
+        if name not in self.storage.meta:
+            await self.storage.put_meta(name, certificate_pem(der))
 
     @property
     def deciding(self) -> bool:

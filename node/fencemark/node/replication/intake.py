@@ -31,7 +31,7 @@ def check_clock(replica: Replica, region: str, hlcs: list[int]) -> None:
     """Refuse (``ClockSkewed``) if any timestamp is beyond max_clock_offset ahead."""
     try:
         for hlc in hlcs:
-            replica.clock.check(hlc)
+            replica.check_clock(hlc)
     except ClockSkew as skew:
         raise ClockSkewed(region, skew.remote_ms - skew.local_ms, skew.max_offset_ms) from skew
 
@@ -74,7 +74,7 @@ async def merge_all(
     merging = [i for i in range(len(records)) if i not in refused]
     if peer is not None and replica.keyring is not None:
         await learn_signers(replica, peer, [records[i] for i in merging])
-    await replica.storage.preload([records[i].key for i in merging])  # one read, not one each
+    await replica.preload([records[i].key for i in merging])  # one read, not one each
     # Concurrent merges of different records share group commits.
     results = await asyncio.gather(
         *(replica.merge(records[i], encoded[i]) for i in merging), return_exceptions=True
@@ -98,7 +98,7 @@ async def _refused(
     """Count and log a refused state; its key is logged once per peer and reason."""
     news = True
     if peer is not None:
-        stored = await replica.storage.get(refusal.key)
+        stored = await replica.find(refusal.key)
         ours = stored.digest if stored is not None else b""
         news = peer.refused_state(
             refusal.key, refusal.reason, str(refusal), (codec.digest(state), ours)

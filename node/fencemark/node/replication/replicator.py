@@ -56,6 +56,7 @@ from fencemark.node.rules.validation import MAX_RECORD_BYTES, OVER_LIMIT
 from fencemark.node.security.tls import peer_channel, retire_channel
 from fencemark.node.security.tls_reload import LiveTls
 from fencemark.node.store.digest_tree import CHECK_BYTES, DEPTH, FANOUT, children, leaf_range
+from fencemark.node.store.storage import Storage
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,7 @@ class Replicator:
     def __init__(
         self,
         replica: Replica,
+        storage: Storage,
         peers: dict[str, PeerStats],
         *,
         interval: float = 1.0,
@@ -256,7 +258,8 @@ class Replicator:
         tls: LiveTls | None = None,
         tuning: Tuning = Tuning(),
     ) -> None:
-        self.replica = replica
+        self.replica = replica  # what it pulls merges through it ...
+        self.storage = storage  # ... what it compares and pushes is read straight
         self.tuning = tuning
         self.interval = interval
         self.timeout = timeout
@@ -395,7 +398,7 @@ class Replicator:
                     del peer.backlog[key]
                 peer.pushing, peer.fetched = True, set()
                 try:
-                    states = await self.replica.storage.states(keys)
+                    states = await self.storage.states(keys)
                     fresh = [k for k in keys if k in states and k not in peer.fetched]
                     for key in fresh:
                         if len(states[key]) > MAX_RECORD_BYTES:
@@ -488,7 +491,7 @@ class Replicator:
     async def sync_round(self, peer: _Peer) -> RoundResult:
         """One bounded anti-entropy round with ``peer``: this node pulls what differs."""
         self.rounds += 1
-        tree = self.replica.storage.tree
+        tree = self.storage.tree
         listed: dict[int, list[tuple[int, int]]] = {}  # level -> [(node, peer's count)]
         records = only_mine = 0  # the peer's records below listed nodes; ours below
         truncated = False
@@ -576,10 +579,7 @@ class Replicator:
         entries = await self._call(peer, "Buckets", listing, replication_pb2.BucketsResponse)
         theirs = {e.key: (e.digest, e.max_hlc) for e in entries.entries}
         spans = [leaf_range(level, node) for node in nodes]
-        mine = {
-            key: (digest, hlc)
-            for key, digest, hlc in await self.replica.storage.bucket_entries(spans)
-        }
+        mine = {key: (digest, hlc) for key, digest, hlc in await self.storage.bucket_entries(spans)}
         changed = [k for k, (digest, _) in theirs.items() if mine.get(k, (b"",))[0] != digest]
         only_mine = len(mine.keys() - theirs.keys())
         # Skip states whose largest HLC is below ours: typically an older version

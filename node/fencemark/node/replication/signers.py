@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import serialization
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import Record
 from fencemark.node.replication.peers import PeerStats
-from fencemark.node.security.signing import META_PREFIX, Keyring
+from fencemark.node.security.signing import META_PREFIX, Keyring, certificate_pem
 from fencemark.node.security.tls import peer_channel
 from fencemark.node.store.storage import Storage
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
@@ -103,7 +103,7 @@ def _start_fetch(
 
 async def _fetch(replica: Replica, keyring: Keyring, peer: PeerStats, ask: list[bytes]) -> None:
     origin = replication_pb2.Origin(
-        region=replica.region, node_id=replica.node_id, hlc=replica.clock.now()
+        region=replica.region, node_id=replica.node_id, hlc=replica.now_hlc()
     )
     try:
         # The call's deadline tells the peer; the outer one also bounds connecting,
@@ -132,16 +132,8 @@ async def _keep(replica: Replica, keyring: Keyring, region: str, certificates: l
         except ValueError as exc:
             log.warning("refused a signer certificate relayed by %s: %s", region, exc)
     for kid, der in added:
-        await persist(replica.storage, kid, der)
+        await replica.keep_signer(kid, der)
     return len(added)
-
-
-async def persist(storage: Storage, kid: bytes, der: bytes) -> None:
-    """Keep a signer's certificate in the data file (a restart need not ask again)."""
-    name = META_PREFIX + kid.hex()
-    if name not in storage.meta:
-        pem = x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM)
-        await storage.put_meta(name, pem.decode())
 
 
 async def load_keyring(storage: Storage, keyring: Keyring) -> None:
@@ -157,4 +149,6 @@ async def load_keyring(storage: Storage, keyring: Keyring) -> None:
         except ValueError as exc:  # e.g. the cluster moved to a new CA
             log.warning("a kept signer certificate %s is no longer trusted: %s", name, exc)
     for kid, der in keyring.known():
-        await persist(storage, kid, der)
+        name = META_PREFIX + kid.hex()
+        if name not in storage.meta:
+            await storage.put_meta(name, certificate_pem(der))

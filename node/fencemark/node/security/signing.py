@@ -63,6 +63,11 @@ SIGNER_NOT_HOME = "signer_not_home"
 REVOKED_SIGNER = "revoked_signer"
 
 
+def certificate_pem(der: bytes) -> str:
+    """A DER certificate as PEM text (how a data file keeps a signer's certificate)."""
+    return x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM).decode()
+
+
 def key_id(public_key: ec.EllipticCurvePublicKey) -> bytes:
     spki = public_key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
