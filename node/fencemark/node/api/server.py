@@ -276,24 +276,7 @@ class NodeServer:
         if tls is not None:
             metrics.watch_tls(tls)
         server = _grpc_server(config, tls, metrics)
-        # A grant records the identity it was made to; without TLS there is none.
-        callers = caller_of(config.access or DEFAULT_ACCESS) if tls is not None else anyone
-        servicers = {
-            "Records": RecordsService(replica, caller_of=callers),
-            "Claims": ClaimsService(claims, caller_of=callers, on_wait=give_back),
-            "Node": NodeService(
-                replica, claims, replicator, peers, writes_enabled=config.enable_writes
-            ),
-            "Replication": ReplicationService(
-                replica,
-                storage,
-                peers,
-                replicator.heard_from,
-                replicator.pulled_by,
-                authenticate=config.tls is not None,
-                max_list_records=config.max_list_records,
-            ),
-        }
+        servicers = _servicers(config, tls, storage, replica, claims, replicator, peers)
         names = _add_services(server, servicers, health_servicer, config.enable_writes)
         try:
             port = _listen(server, config, tls)
@@ -301,12 +284,7 @@ class NodeServer:
             await storage.close()
             raise
         await server.start()
-        serving = health_pb2.HealthCheckResponse.SERVING
-        for name in ("", *names):
-            await health_servicer.set(name, serving)
-        if catching_up:
-            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-            await health_servicer.set(CLAIMS_SERVICE, not_serving)
+        await _serve_health(health_servicer, names, catching_up=catching_up)
         replicator.start()
         lapses.start()
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
@@ -433,6 +411,36 @@ def _grpc_server(config: NodeConfig, tls: LiveTls | None, metrics: NodeMetrics) 
     )
 
 
+def _servicers(
+    config: NodeConfig,
+    tls: LiveTls | None,
+    storage: Storage,
+    replica: Replica,
+    claims: Claims,
+    replicator: Replicator,
+    peers: dict[str, PeerStats],
+) -> dict[str, object]:
+    """The four fencemark servicers, by service name."""
+    # A grant records the identity it was made to; without TLS there is none.
+    callers = caller_of(config.access or DEFAULT_ACCESS) if tls is not None else anyone
+    return {
+        "Records": RecordsService(replica, caller_of=callers),
+        "Claims": ClaimsService(claims, caller_of=callers, on_wait=give_back),
+        "Node": NodeService(
+            replica, claims, replicator, peers, writes_enabled=config.enable_writes
+        ),
+        "Replication": ReplicationService(
+            replica,
+            storage,
+            peers,
+            replicator.heard_from,
+            replicator.pulled_by,
+            authenticate=config.tls is not None,
+            max_list_records=config.max_list_records,
+        ),
+    }
+
+
 def _add_services(
     server: grpc.aio.Server, servicers: Mapping[str, object], health: Any, writes_enabled: bool
 ) -> list[str]:
@@ -452,6 +460,14 @@ def _add_services(
         server,
     )
     return names
+
+
+async def _serve_health(health: Any, names: list[str], *, catching_up: bool) -> None:
+    """Every service SERVING, but Claims while the node catches up."""
+    for name in ("", *names):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if catching_up:
+        await health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def _listen(server: grpc.aio.Server, config: NodeConfig, tls: LiveTls | None) -> int:

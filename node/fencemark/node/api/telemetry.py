@@ -167,6 +167,12 @@ class _StateCollector(Collector):
         self.peers = peers
 
     def collect(self) -> Iterable[Metric]:
+        yield from self._node()
+        yield from self._per_peer()
+        yield from self._refusals_per_peer()
+
+    def _node(self) -> Iterable[Metric]:
+        """The records held and the claims decided and waiting here."""
         yield GaugeMetricFamily(
             "fencemark_records", "Records held (tombstones included)",
             value=self.replica.record_count,
@@ -194,6 +200,9 @@ class _StateCollector(Collector):
             "fencemark_claim_waits", "Claims that queued (wait_seconds) behind a holder",
             value=self.claims.waits,
         )  # fmt: skip
+
+    def _per_peer(self) -> Iterable[Metric]:
+        """One series per peer: traffic both ways, lag, divergence, reachability."""
         per_peer: dict[str, tuple[type, str, Callable[[PeerStats], float]]] = {
             "fencemark_replication_records_sent": (
                 CounterMetricFamily, "Record states sent to the peer", lambda p: p.records_sent),
@@ -226,6 +235,9 @@ class _StateCollector(Collector):
             for peer in self.peers.values():
                 metric.add_metric([peer.region], value(peer))
             yield metric
+
+    def _refusals_per_peer(self) -> Iterable[Metric]:
+        """What each peer sent that was refused, and refusals of its certificate."""
         merges = CounterMetricFamily(
             "fencemark_replication_merges_refused",
             "States from the peer refused, by reason: over_limit, or an integrity rule"

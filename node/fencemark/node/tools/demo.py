@@ -72,6 +72,14 @@ class Demo:
     async def run(
         self, *, items: int, agents_per_region: int, cut_seconds: float, work_seconds: float
     ) -> list[Check]:
+        keys = await self._seed(items)
+        agents = self._agents(agents_per_region, work_seconds)
+        await self._drain(keys, agents, cut_seconds)
+        return await self._verify(items, agents[0])
+
+    async def _seed(self, items: int) -> list[str]:
+        """Once every node decides claims: ``items`` backlog items, homed round-robin."""
+
         async def all_serving() -> bool:
             infos = [await c.info() for c in self.clients.values()]
             return all(info.claims_serving for info in infos)
@@ -82,9 +90,11 @@ class Demo:
         for index in range(len(keys)):
             self.totals[self.regions[index % len(self.regions)]] += 1
         self.log(f"seeded {items} items, homed round-robin in {', '.join(self.regions)}")
+        return keys
 
-        stop = asyncio.Event()
-        agents = [
+    def _agents(self, agents_per_region: int, work_seconds: float) -> list[Agent]:
+        """The workers; the first stalls past its lease once, after its first claim."""
+        return [
             Agent(
                 f"{region}-agent-{i}", region, self.clients[region], self.history,
                 lease_seconds=self.lease, pause_once=(region, i) == (self.regions[0], 0),
@@ -94,6 +104,11 @@ class Demo:
             for region in self.regions
             for i in range(agents_per_region)
         ]  # fmt: skip
+
+    async def _drain(self, keys: Sequence[str], agents: list[Agent], cut_seconds: float) -> None:
+        """Run the agents, the display, the nemesis and the lag probe until the backlog
+        is drained and every fault has played out."""
+        stop = asyncio.Event()
         tasks = [asyncio.create_task(agent.run(stop)) for agent in agents]
         paused = agents[0]
         watchers = [
@@ -116,6 +131,9 @@ class Demo:
         finally:
             stop.set()
             await asyncio.gather(*tasks, *watchers, return_exceptions=True)
+
+    async def _verify(self, items: int, paused: Agent) -> list[Check]:
+        """Heal, wait for byte-identical replicas, and check the history against them."""
         assert self.cluster.mesh is not None
         self.cluster.mesh.heal()
         converged = await _poll("byte-identical replicas", self._converged, 120)
