@@ -43,7 +43,7 @@ async def all_serving(cluster: Cluster) -> None:
     """Wait until every running node has finished its start-up pass and grants claims."""
 
     async def serving() -> bool:
-        return all(node.claims.serving for node in cluster.running())
+        return all(node.claims.deciding for node in cluster.running())
 
     await eventually(serving, "every node serving claims", within=20)
 

@@ -413,7 +413,7 @@ class NodeService:
             writes_enabled=self.writes_enabled,
             peers=[self._peer(stats) for _, stats in sorted(self.peers.items())],
             record_count=self.replica.record_count,
-            claims_serving=self.claims.serving,
+            claims_serving=self.claims.deciding,
             max_clock_offset_ms=self.replica.max_clock_offset_ms,
             version=__version__,
             now=timestamp(self.replica.wall_ms()),

@@ -179,7 +179,7 @@ class _StateCollector(Collector):
         )  # fmt: skip
         yield GaugeMetricFamily(
             "fencemark_claims_serving", "1 when this node decides claims (0 while catching up)",
-            value=1 if self.claims.serving else 0,
+            value=1 if self.claims.deciding else 0,
         )  # fmt: skip
         yield GaugeMetricFamily(
             "fencemark_claim_waiters", "Callers waiting in claim queues", value=self.claims.waiting

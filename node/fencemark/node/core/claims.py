@@ -94,8 +94,9 @@ class Claims:
         return len(self._waiting_by_client)
 
     @property
-    def serving(self) -> bool:
-        """Whether this node grants claims now (``Replica.deciding``)."""
+    def deciding(self) -> bool:
+        """Whether this node decides claims now (``Replica.deciding``; on the wire,
+        ``claims_serving`` and the Claims service's health)."""
         return self.replica.deciding
 
     def queue_depth(self, key: str) -> int:
@@ -124,7 +125,7 @@ class Claims:
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
         wait_s = validation.wait(wait_seconds)
-        self._check_serving()
+        self._check_deciding()
         ahead = self.queue_depth(key) > 0
         outcome, _ = await self._try(key, owner, caller, lease_ms, queued_ahead=ahead)
         if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
@@ -243,7 +244,7 @@ class Claims:
         validation.key(key)
         _token(token)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
-        self._check_serving()
+        self._check_deciding()
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, Outcome]:
@@ -263,7 +264,7 @@ class Claims:
     async def release(self, key: str, token: int, *, caller: Caller) -> Outcome:
         validation.key(key)
         _token(token)
-        self._check_serving()
+        self._check_deciding()
 
         def change(current: Record) -> tuple[Record, Outcome]:
             fence, outcome = decide_release(
@@ -293,7 +294,7 @@ class Claims:
             home_region=stored.record.home_region,
         )
 
-    def _check_serving(self) -> None:
+    def _check_deciding(self) -> None:
         self.replica.gate.check()
 
 
