@@ -1083,3 +1083,29 @@ async def test_renewals_outside_the_lease_limits_are_invalid(client: AsyncClient
     status = await client.claim_status(key)
     assert status.claim is not None
     assert status.claim.lease_expires_at == granted.lease_expires_at
+
+
+async def test_a_grant_for_a_waiter_that_left_stays_to_lapse_if_its_release_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When releasing the grant made for a waiter that left fails too (a storage fault),
+    the caller still only sees its own cancellation; the failure is logged, and the
+    lease lapses on its own."""
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        key = await made(claims, "release-fails")
+        holder = await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        waiter = await wait_in_line(claims, key, "waiter", "")
+        assert (await claims.release(key, holder.token, caller=ANYONE)).ok
+
+        async def failing_release(*args: object, **kwargs: object) -> Outcome:
+            raise OSError("the disk is gone")
+
+        monkeypatch.setattr(claims, "release", failing_release)  # the fault, on this node only
+        wall.arm(waiter)
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not wall.armed, "premise: cancelled while its claim was decided"
+        assert f"releasing {key}, granted to a caller that left, failed" in caplog.text
+        status = await claims.status(key, caller=ANYONE)
+        assert status.holder is not None and status.holder.owner == "waiter"
