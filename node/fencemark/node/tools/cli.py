@@ -13,89 +13,19 @@ import functools
 import os
 import signal
 import sys
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fencemark.node import __version__
-from fencemark.node.api.authz import AccessMap, load_access
-from fencemark.node.api.server import NodeConfig, default_data_dir, serve
+from fencemark.node.api.server import default_data_dir
 from fencemark.node.api.telemetry import LOG_FORMATS, configure_logging
-from fencemark.node.replication.peers import parse_peers
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
-from fencemark.node.security.tls import TlsFiles
+from fencemark.node.tools.cli_certs import add_certs_command, add_restore_command
+from fencemark.node.tools.cli_node import DEFAULT_TARGET, add_node_command, load_config
 from fencemark.node.tools.cli_rpc import add_rpc_commands, client_credentials
 from fencemark.node.tools.proxy_command import add_proxy_command
-
-DEFAULT_TARGET = "127.0.0.1:7400"
-TRUE_WORDS = {"1", "true", "yes", "on"}
-
-
-SECURITY_CHOICE = (
-    "choose the transport: --tls-dir DIR (mutual TLS with certificates from"
-    " `fencemark certs init`; env FENCEMARK_TLS_DIR) or --insecure (plaintext, for local"
-    " development only; env FENCEMARK_INSECURE=1)"
-)
-
-
-def node_security(args: argparse.Namespace) -> tuple[TlsFiles | None, AccessMap | None]:
-    """The node's TLS files and access map from its flags; ValueError if the choice is unclear."""
-    if args.insecure and args.tls_dir:
-        raise ValueError(f"--insecure and --tls-dir exclude each other: {SECURITY_CHOICE}")
-    if not args.insecure and not args.tls_dir:
-        raise ValueError(SECURITY_CHOICE)
-    if args.insecure:
-        if args.access:
-            raise ValueError("--access needs --tls-dir: identities come from certificates")
-        return None, None
-    files = TlsFiles.in_dir(args.tls_dir, args.tls_name or args.region)
-    return files, load_access(args.access) if args.access else None
-
-
-def cmd_node(args: argparse.Namespace) -> int:
-    try:
-        validation.region(args.region, "--region")
-        peers = parse_peers(args.peer or args.configured_peers, own_region=args.region)
-        tls_files, access = node_security(args)
-    except (InvalidInput, ValueError) as exc:
-        print(f"fencemark node: {exc}", file=sys.stderr)
-        return 2
-    if args.max_concurrent_rpcs:
-        print(
-            "fencemark node: --max-concurrent-rpcs is deprecated: it now sets"
-            " --max-concurrent-reads and --max-concurrent-writes; replication and health"
-            " checks have budgets of their own (docs/operations.md)",
-            file=sys.stderr,
-        )
-    config = NodeConfig(
-        region=args.region,
-        listen=args.listen,
-        data_dir=Path(args.data) if args.data else None,
-        enable_writes=args.enable_writes,
-        max_clock_offset_ms=args.max_clock_offset_ms,
-        peers=peers,
-        anti_entropy_interval=args.anti_entropy_interval,
-        metrics_listen=args.metrics_listen,
-        max_concurrent_reads=args.max_concurrent_rpcs or args.max_concurrent_reads,
-        max_concurrent_writes=args.max_concurrent_rpcs or args.max_concurrent_writes,
-        max_concurrent_replication=args.max_concurrent_replication,
-        max_concurrent_health=args.max_concurrent_health,
-        max_waiters=args.max_waiters,
-        max_waiters_per_client=args.max_waiters_per_client,
-        max_token_jump=args.max_token_jump,
-        tls=tls_files,
-        access=access,
-        tls_reload_interval=args.tls_reload_interval,
-    )
-    try:
-        asyncio.run(serve(config))
-    except (OSError, ValueError) as exc:
-        print(f"fencemark node: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
 
 # -- client commands ----------------------------------------------------------------
 
@@ -284,168 +214,6 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_certs_init(args: argparse.Namespace) -> int:
-    from fencemark.node.security.tls import init_dir
-
-    directory = Path(args.dir)
-    try:
-        if args.if_missing and (directory / "ca.pem").exists():
-            print(f"fencemark certs: {directory} already holds a CA; nothing to do")
-            return 0
-        written = init_dir(
-            directory,
-            regions=_names(args.regions),
-            clients=_names(args.clients),
-            hosts=_names(args.hosts),
-        )
-    except (InvalidInput, ValueError, OSError) as exc:
-        print(f"fencemark certs: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"fencemark certs: a development CA and {len(written) // 2 - 1} certificates in {directory}"
-    )
-    for path in written:
-        print(f"  {path}")
-    return 0
-
-
-def cmd_certs_issue(args: argparse.Namespace) -> int:
-    from fencemark.node.security.tls import Identity, issue_into
-
-    try:
-        if args.region:
-            identity = Identity("region", validation.region(args.region, "--region"))
-        else:
-            identity = Identity("client", validation.region(args.client, "--client"))
-        files = issue_into(Path(args.dir), identity, hosts=_names(args.hosts))
-    except (InvalidInput, ValueError, OSError) as exc:
-        print(f"fencemark certs: {exc}", file=sys.stderr)
-        return 2
-    print(f"fencemark certs: {identity.uri}: {files.cert}, {files.key}")
-    return 0
-
-
-def cmd_restore(args: argparse.Namespace) -> int:
-    """Mark a stopped node's database as restored from a backup (docs/operations.md)."""
-    from fencemark.node.core.restore import RestoreError, mark_restored
-    from fencemark.node.rules.admission import RECOVERY_GAP
-
-    try:
-        restored = mark_restored(Path(args.data), backup=Path(args.backup) if args.backup else None)
-    except (RestoreError, OSError) as exc:
-        print(f"fencemark restore: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"fencemark restore: {restored.path} ({restored.records} records) is marked restored,"
-        f" new node id {restored.node_id}: the first claim granted on each record homed in this"
-        f" node's region jumps its fencing token at least {RECOVERY_GAP} above the fence, past"
-        " every token granted after the backup. Restore every region this way before"
-        " starting any."
-    )
-    return 0
-
-
-def add_restore_command(sub: Any) -> None:
-    restore = sub.add_parser(
-        "restore",
-        help="restore a stopped node from a backup so no fencing token is granted twice",
-        description="Restore a whole cluster: stop every node, run this on each node's data"
-        " directory with the same backup, then start them. The node gets a new identity, and"
-        " the first grant on each record it is home of jumps 2^20 above the fence, so a token"
-        " granted after the backup (and forgotten by it) is never granted again: its holder is"
-        " refused as superseded (docs/operations.md, backups and restores).",
-    )
-    restore.add_argument(
-        "--data", required=True, metavar="DIR", help="the stopped node's data directory"
-    )
-    restore.add_argument(
-        "--from",
-        dest="backup",
-        default="",
-        metavar="BACKUP",
-        help="copy this backup file into DIR first (refused if DIR already holds a database);"
-        " without it, mark the database already copied into DIR",
-    )
-    restore.set_defaults(func=cmd_restore)
-
-
-def cmd_certs_revoke(args: argparse.Namespace) -> int:
-    from fencemark.node.security.revocation import revoke, serial_of
-
-    directory = Path(args.dir)
-    try:
-        if args.serial:
-            try:
-                serial = int(args.serial, 16)
-            except ValueError:
-                raise ValueError(f"--serial: not a hexadecimal number: {args.serial!r}") from None
-            what = f"serial {serial:x}"
-        else:
-            name = args.client or args.region
-            if name:
-                validation.region(name, "--client" if args.client else "--region")
-            cert = Path(args.cert) if args.cert else directory / f"{name}.pem"
-            serial = serial_of(cert)
-            what = f"{cert} (serial {serial:x})"
-        path, count = revoke(directory, [serial])
-    except (InvalidInput, ValueError, OSError) as exc:
-        print(f"fencemark certs: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"fencemark certs: revoked {what}; {path} lists {count} revoked certificates."
-        " Copy it into every node's --tls-dir: nodes read it within --tls-reload-interval"
-        " (or at once on SIGHUP)."
-    )
-    return 0
-
-
-def _names(spec: str) -> list[str]:
-    return [n.strip() for n in (spec or "").split(",") if n.strip()]
-
-
-def add_certs_command(sub: Any) -> None:
-    certs = sub.add_parser(
-        "certs",
-        help="make a development CA and node/client certificates for mutual TLS",
-        description="A development CA (EC P-256) and certificates whose identity is a"
-        " fencemark://region/NAME or fencemark://client/NAME URI (docs/operations.md).",
-    )
-    what = certs.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
-    init = what.add_parser("init", help="a new CA, one certificate per region and client")
-    init.add_argument("--dir", required=True, help="where to write the PEM files")
-    init.add_argument("--regions", required=True, help="comma-separated region names")
-    init.add_argument("--clients", default="", help="comma-separated client names")
-    init.add_argument(
-        "--hosts", default="", help="extra DNS names/IPs for every node certificate (comma-sep.)"
-    )
-    init.add_argument(
-        "--if-missing", action="store_true", help="do nothing if DIR already holds a CA"
-    )
-    init.set_defaults(func=cmd_certs_init)
-    issue = what.add_parser("issue", help="one more certificate from an existing CA in --dir")
-    issue.add_argument("--dir", required=True)
-    who = issue.add_mutually_exclusive_group(required=True)
-    who.add_argument("--region", help="a node certificate for this region")
-    who.add_argument("--client", help="a client certificate with this name")
-    issue.add_argument("--hosts", default="", help="extra DNS names/IPs (node certificates)")
-    issue.set_defaults(func=cmd_certs_issue)
-    revoke = what.add_parser(
-        "revoke",
-        help="add a certificate to the CA's revocation list (--dir/crl.pem)",
-        description="Revoke one certificate of the CA in --dir: its serial number goes into"
-        " crl.pem, a CRL signed by that CA. Nodes refuse it on every call"
-        " (PERMISSION_DENIED, revoked_certificate) once crl.pem is in their --tls-dir."
-        " A new certificate for the same name is not affected.",
-    )
-    revoke.add_argument("--dir", required=True, help="the CA's directory (ca.pem, ca-key.pem)")
-    which = revoke.add_mutually_exclusive_group(required=True)
-    which.add_argument("--client", help="revoke DIR/CLIENT.pem")
-    which.add_argument("--region", help="revoke DIR/REGION.pem (a node's certificate)")
-    which.add_argument("--cert", help="revoke the certificate in this PEM file")
-    which.add_argument("--serial", help="revoke by serial number (hexadecimal)")
-    revoke.set_defaults(func=cmd_certs_revoke)
-
-
 def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tls-dir",
@@ -463,25 +231,6 @@ def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
 
 
 # -- argument parsing -----------------------------------------------------------------
-
-
-def load_config(path: str) -> dict[str, Any]:
-    """A node's TOML configuration file (keys as the flags; docs/replication.md#peers)."""
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SystemExit(f"fencemark: cannot read config {path}: {exc}") from exc
-
-
-def _setting(config: Mapping[str, Any], name: str, default: Any) -> Any:
-    """A node setting's default: FENCEMARK_<NAME>, else the config file, else ``default``."""
-    env = os.environ.get("FENCEMARK_" + name.upper())
-    if env is not None and env != "":
-        if isinstance(default, bool):
-            return env.strip().lower() in TRUE_WORDS
-        return type(default)(env) if default is not None else env
-    return config.get(name, default)
 
 
 def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentParser:
@@ -506,7 +255,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    _add_node_command(sub, config)
+    add_node_command(sub, config)
     client_parser = functools.partial(_client_parser, sub)
     _add_walkthrough_command(client_parser)
     _add_mcp_command(client_parser)
@@ -520,161 +269,6 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     add_proxy_command(sub)
     add_rpc_commands(client_parser)
     return parser
-
-
-def _add_node_command(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], config: Mapping[str, Any]
-) -> None:
-    """``fencemark node``: every flag's default from the environment, else ``config``."""
-    node = sub.add_parser(
-        "node",
-        help="run a region node until SIGTERM/SIGINT",
-        description="Run a region node. Each flag's default comes from FENCEMARK_<FLAG>"
-        " (e.g. FENCEMARK_REGION), else from the --config file, else the built-in default.",
-    )
-    node.add_argument("--config", help="TOML file with the settings below (env FENCEMARK_CONFIG)")
-    node.add_argument("--region", default=_setting(config, "region", "local"))
-    node.add_argument(
-        "--listen",
-        default=_setting(config, "listen", DEFAULT_TARGET),
-        help="HOST:PORT to serve gRPC on (port 0 picks a free one)",
-    )
-    node.add_argument(
-        "--data",
-        default=os.environ.get("FENCEMARK_DATA_DIR") or config.get("data"),
-        help="data directory (default: $XDG_DATA_HOME/fencemark/REGION)",
-    )
-    node.add_argument(
-        "--enable-writes",
-        action="store_true",
-        default=_setting(config, "enable_writes", False),
-        help="serve mutating methods (env FENCEMARK_ENABLE_WRITES=1); off: reads only",
-    )
-    node.add_argument(
-        "--peer",
-        action="append",
-        metavar="REGION=HOST:PORT",
-        help="a peer region's node (repeat; env FENCEMARK_PEERS=eu=h:p,ap=h:p;"
-        " config table [peers])",
-    )
-    node.add_argument(
-        "--max-clock-offset-ms",
-        type=int,
-        default=_setting(config, "max_clock_offset_ms", 500),
-        help="refuse remote stamps further ahead of this node's clock",
-    )
-    node.add_argument(
-        "--anti-entropy-interval",
-        type=float,
-        default=_setting(config, "anti_entropy_interval", 1.0),
-        help="mean seconds between anti-entropy rounds (jittered ±50%%)",
-    )
-    node.add_argument(
-        "--metrics-listen",
-        default=_setting(config, "metrics_listen", ""),
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
-    )
-    defaults = NodeConfig()
-    _add_bound_flags(node, config, defaults)
-    _add_security_flags(node, config, defaults)
-    configured = os.environ.get("FENCEMARK_PEERS")
-    node.set_defaults(
-        func=cmd_node,
-        configured_peers=[configured]
-        if configured
-        else [f"{r}={a}" for r, a in dict(config.get("peers", {})).items()],
-    )
-
-
-def _add_bound_flags(
-    node: argparse.ArgumentParser, config: Mapping[str, Any], defaults: NodeConfig
-) -> None:
-    """The node's bounds on floods: calls in flight per class, waiters, token jumps."""
-    budgets = (
-        ("reads", "Get, List, ClaimStatus, Info, health Watch streams, reflection"),
-        ("writes", "Remember, Update, Delete, renewals, releases, and claims until they"
-                   " wait in line: a waiting claim holds no call slot, --max-waiters bounds it"),
-        ("replication", "the peers' Replication calls"),
-        ("health", "grpc.health.v1 Check"),
-    )  # fmt: skip
-    for kind, methods in budgets:
-        name = f"max_concurrent_{kind}"
-        node.add_argument(
-            f"--max-concurrent-{kind}",
-            type=int,
-            default=_setting(config, name, getattr(defaults, name)),
-            help=f"calls in flight of this class ({methods}); beyond it a call is refused"
-            f" RESOURCE_EXHAUSTED (env FENCEMARK_{name.upper()})",
-        )
-    node.add_argument(
-        "--max-concurrent-rpcs",
-        type=int,
-        default=_setting(config, "max_concurrent_rpcs", 0),
-        help="deprecated: sets both --max-concurrent-reads and --max-concurrent-writes",
-    )
-    node.add_argument(
-        "--max-waiters",
-        type=int,
-        default=_setting(config, "max_waiters", defaults.max_waiters),
-        help="claims waiting in queues (wait_seconds), over all records and clients",
-    )
-    node.add_argument(
-        "--max-waiters-per-client",
-        type=int,
-        default=_setting(config, "max_waiters_per_client", defaults.max_waiters_per_client),
-        help="claims waiting in queues from one client: one certificate identity"
-        " (with --tls-dir), or one address (--insecure)",
-    )
-    node.add_argument(
-        "--max-token-jump",
-        type=int,
-        default=_setting(config, "max_token_jump", defaults.max_token_jump),
-        help="refuse to merge a grant further than this above the grant below it"
-        " (default 2^21: twice the jump a home makes after a disk loss)",
-    )
-
-
-def _add_security_flags(
-    node: argparse.ArgumentParser, config: Mapping[str, Any], defaults: NodeConfig
-) -> None:
-    security = node.add_argument_group(
-        "transport security (docs/security.md): one of --tls-dir or --insecure is required"
-    )
-    security.add_argument(
-        "--tls-dir",
-        default=_setting(config, "tls_dir", ""),
-        metavar="DIR",
-        help="serve mutual TLS with DIR/ca.pem and this node's DIR/NAME.pem, DIR/NAME-key.pem"
-        " (as `fencemark certs init` writes them); peers are called with the same certificate",
-    )
-    security.add_argument(
-        "--tls-name",
-        default=_setting(config, "tls_name", ""),
-        metavar="NAME",
-        help="the certificate's file name in --tls-dir (default: the region)",
-    )
-    security.add_argument(
-        "--tls-reload-interval",
-        type=float,
-        default=_setting(config, "tls_reload_interval", defaults.tls_reload_interval),
-        metavar="SECONDS",
-        help="look at the --tls-dir files this often and take renewed certificates, a new"
-        " ca.pem and crl.pem into use without a restart (0: on SIGHUP only)",
-    )
-    security.add_argument(
-        "--insecure",
-        action="store_true",
-        default=_setting(config, "insecure", False),
-        help="plaintext gRPC, no authentication: local development only",
-    )
-    security.add_argument(
-        "--access",
-        default=_setting(config, "access", ""),
-        metavar="FILE",
-        help="TOML (or .json) map of client names to rights: read, write, claim"
-        " (default with TLS: every client certificate of the CA may read, write and claim)",
-    )
 
 
 def _client_parser(

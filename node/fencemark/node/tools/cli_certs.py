@@ -1,0 +1,174 @@
+"""``fencemark certs`` (a cluster CA, node and client certificates, revocation) and
+``fencemark restore`` (mark a data directory restored from a backup)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from fencemark.node.rules import validation
+from fencemark.node.rules.errors import InvalidInput
+
+
+def cmd_certs_init(args: argparse.Namespace) -> int:
+    from fencemark.node.security.tls import init_dir
+
+    directory = Path(args.dir)
+    try:
+        if args.if_missing and (directory / "ca.pem").exists():
+            print(f"fencemark certs: {directory} already holds a CA; nothing to do")
+            return 0
+        written = init_dir(
+            directory,
+            regions=_names(args.regions),
+            clients=_names(args.clients),
+            hosts=_names(args.hosts),
+        )
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fencemark certs: a development CA and {len(written) // 2 - 1} certificates in {directory}"
+    )
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+def cmd_certs_issue(args: argparse.Namespace) -> int:
+    from fencemark.node.security.tls import Identity, issue_into
+
+    try:
+        if args.region:
+            identity = Identity("region", validation.region(args.region, "--region"))
+        else:
+            identity = Identity("client", validation.region(args.client, "--client"))
+        files = issue_into(Path(args.dir), identity, hosts=_names(args.hosts))
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    print(f"fencemark certs: {identity.uri}: {files.cert}, {files.key}")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Mark a stopped node's database as restored from a backup (docs/operations.md)."""
+    from fencemark.node.core.restore import RestoreError, mark_restored
+    from fencemark.node.rules.admission import RECOVERY_GAP
+
+    try:
+        restored = mark_restored(Path(args.data), backup=Path(args.backup) if args.backup else None)
+    except (RestoreError, OSError) as exc:
+        print(f"fencemark restore: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fencemark restore: {restored.path} ({restored.records} records) is marked restored,"
+        f" new node id {restored.node_id}: the first claim granted on each record homed in this"
+        f" node's region jumps its fencing token at least {RECOVERY_GAP} above the fence, past"
+        " every token granted after the backup. Restore every region this way before"
+        " starting any."
+    )
+    return 0
+
+
+def add_restore_command(sub: Any) -> None:
+    restore = sub.add_parser(
+        "restore",
+        help="restore a stopped node from a backup so no fencing token is granted twice",
+        description="Restore a whole cluster: stop every node, run this on each node's data"
+        " directory with the same backup, then start them. The node gets a new identity, and"
+        " the first grant on each record it is home of jumps 2^20 above the fence, so a token"
+        " granted after the backup (and forgotten by it) is never granted again: its holder is"
+        " refused as superseded (docs/operations.md, backups and restores).",
+    )
+    restore.add_argument(
+        "--data", required=True, metavar="DIR", help="the stopped node's data directory"
+    )
+    restore.add_argument(
+        "--from",
+        dest="backup",
+        default="",
+        metavar="BACKUP",
+        help="copy this backup file into DIR first (refused if DIR already holds a database);"
+        " without it, mark the database already copied into DIR",
+    )
+    restore.set_defaults(func=cmd_restore)
+
+
+def cmd_certs_revoke(args: argparse.Namespace) -> int:
+    from fencemark.node.security.revocation import revoke, serial_of
+
+    directory = Path(args.dir)
+    try:
+        if args.serial:
+            try:
+                serial = int(args.serial, 16)
+            except ValueError:
+                raise ValueError(f"--serial: not a hexadecimal number: {args.serial!r}") from None
+            what = f"serial {serial:x}"
+        else:
+            name = args.client or args.region
+            if name:
+                validation.region(name, "--client" if args.client else "--region")
+            cert = Path(args.cert) if args.cert else directory / f"{name}.pem"
+            serial = serial_of(cert)
+            what = f"{cert} (serial {serial:x})"
+        path, count = revoke(directory, [serial])
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fencemark certs: revoked {what}; {path} lists {count} revoked certificates."
+        " Copy it into every node's --tls-dir: nodes read it within --tls-reload-interval"
+        " (or at once on SIGHUP)."
+    )
+    return 0
+
+
+def _names(spec: str) -> list[str]:
+    return [n.strip() for n in (spec or "").split(",") if n.strip()]
+
+
+def add_certs_command(sub: Any) -> None:
+    certs = sub.add_parser(
+        "certs",
+        help="make a development CA and node/client certificates for mutual TLS",
+        description="A development CA (EC P-256) and certificates whose identity is a"
+        " fencemark://region/NAME or fencemark://client/NAME URI (docs/operations.md).",
+    )
+    what = certs.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
+    init = what.add_parser("init", help="a new CA, one certificate per region and client")
+    init.add_argument("--dir", required=True, help="where to write the PEM files")
+    init.add_argument("--regions", required=True, help="comma-separated region names")
+    init.add_argument("--clients", default="", help="comma-separated client names")
+    init.add_argument(
+        "--hosts", default="", help="extra DNS names/IPs for every node certificate (comma-sep.)"
+    )
+    init.add_argument(
+        "--if-missing", action="store_true", help="do nothing if DIR already holds a CA"
+    )
+    init.set_defaults(func=cmd_certs_init)
+    issue = what.add_parser("issue", help="one more certificate from an existing CA in --dir")
+    issue.add_argument("--dir", required=True)
+    who = issue.add_mutually_exclusive_group(required=True)
+    who.add_argument("--region", help="a node certificate for this region")
+    who.add_argument("--client", help="a client certificate with this name")
+    issue.add_argument("--hosts", default="", help="extra DNS names/IPs (node certificates)")
+    issue.set_defaults(func=cmd_certs_issue)
+    revoke = what.add_parser(
+        "revoke",
+        help="add a certificate to the CA's revocation list (--dir/crl.pem)",
+        description="Revoke one certificate of the CA in --dir: its serial number goes into"
+        " crl.pem, a CRL signed by that CA. Nodes refuse it on every call"
+        " (PERMISSION_DENIED, revoked_certificate) once crl.pem is in their --tls-dir."
+        " A new certificate for the same name is not affected.",
+    )
+    revoke.add_argument("--dir", required=True, help="the CA's directory (ca.pem, ca-key.pem)")
+    which = revoke.add_mutually_exclusive_group(required=True)
+    which.add_argument("--client", help="revoke DIR/CLIENT.pem")
+    which.add_argument("--region", help="revoke DIR/REGION.pem (a node's certificate)")
+    which.add_argument("--cert", help="revoke the certificate in this PEM file")
+    which.add_argument("--serial", help="revoke by serial number (hexadecimal)")
+    revoke.set_defaults(func=cmd_certs_revoke)

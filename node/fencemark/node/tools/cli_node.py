@@ -1,0 +1,261 @@
+"""``fencemark node``: its flags (each also from a ``FENCEMARK_*`` variable or the
+``--config`` file) and running it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fencemark.node.api.authz import AccessMap, load_access
+from fencemark.node.api.server import NodeConfig, serve
+from fencemark.node.replication.peers import parse_peers
+from fencemark.node.rules import validation
+from fencemark.node.rules.errors import InvalidInput
+from fencemark.node.security.tls import TlsFiles
+
+DEFAULT_TARGET = "127.0.0.1:7400"
+TRUE_WORDS = {"1", "true", "yes", "on"}
+
+
+SECURITY_CHOICE = (
+    "choose the transport: --tls-dir DIR (mutual TLS with certificates from"
+    " `fencemark certs init`; env FENCEMARK_TLS_DIR) or --insecure (plaintext, for local"
+    " development only; env FENCEMARK_INSECURE=1)"
+)
+
+
+def node_security(args: argparse.Namespace) -> tuple[TlsFiles | None, AccessMap | None]:
+    """The node's TLS files and access map from its flags; ValueError if the choice is unclear."""
+    if args.insecure and args.tls_dir:
+        raise ValueError(f"--insecure and --tls-dir exclude each other: {SECURITY_CHOICE}")
+    if not args.insecure and not args.tls_dir:
+        raise ValueError(SECURITY_CHOICE)
+    if args.insecure:
+        if args.access:
+            raise ValueError("--access needs --tls-dir: identities come from certificates")
+        return None, None
+    files = TlsFiles.in_dir(args.tls_dir, args.tls_name or args.region)
+    return files, load_access(args.access) if args.access else None
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    try:
+        validation.region(args.region, "--region")
+        peers = parse_peers(args.peer or args.configured_peers, own_region=args.region)
+        tls_files, access = node_security(args)
+    except (InvalidInput, ValueError) as exc:
+        print(f"fencemark node: {exc}", file=sys.stderr)
+        return 2
+    if args.max_concurrent_rpcs:
+        print(
+            "fencemark node: --max-concurrent-rpcs is deprecated: it now sets"
+            " --max-concurrent-reads and --max-concurrent-writes; replication and health"
+            " checks have budgets of their own (docs/operations.md)",
+            file=sys.stderr,
+        )
+    config = NodeConfig(
+        region=args.region,
+        listen=args.listen,
+        data_dir=Path(args.data) if args.data else None,
+        enable_writes=args.enable_writes,
+        max_clock_offset_ms=args.max_clock_offset_ms,
+        peers=peers,
+        anti_entropy_interval=args.anti_entropy_interval,
+        metrics_listen=args.metrics_listen,
+        max_concurrent_reads=args.max_concurrent_rpcs or args.max_concurrent_reads,
+        max_concurrent_writes=args.max_concurrent_rpcs or args.max_concurrent_writes,
+        max_concurrent_replication=args.max_concurrent_replication,
+        max_concurrent_health=args.max_concurrent_health,
+        max_waiters=args.max_waiters,
+        max_waiters_per_client=args.max_waiters_per_client,
+        max_token_jump=args.max_token_jump,
+        tls=tls_files,
+        access=access,
+        tls_reload_interval=args.tls_reload_interval,
+    )
+    try:
+        asyncio.run(serve(config))
+    except (OSError, ValueError) as exc:
+        print(f"fencemark node: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """A node's TOML configuration file (keys as the flags; docs/replication.md#peers)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SystemExit(f"fencemark: cannot read config {path}: {exc}") from exc
+
+
+def _setting(config: Mapping[str, Any], name: str, default: Any) -> Any:
+    """A node setting's default: FENCEMARK_<NAME>, else the config file, else ``default``."""
+    env = os.environ.get("FENCEMARK_" + name.upper())
+    if env is not None and env != "":
+        if isinstance(default, bool):
+            return env.strip().lower() in TRUE_WORDS
+        return type(default)(env) if default is not None else env
+    return config.get(name, default)
+
+
+def add_node_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], config: Mapping[str, Any]
+) -> None:
+    """``fencemark node``: every flag's default from the environment, else ``config``."""
+    node = sub.add_parser(
+        "node",
+        help="run a region node until SIGTERM/SIGINT",
+        description="Run a region node. Each flag's default comes from FENCEMARK_<FLAG>"
+        " (e.g. FENCEMARK_REGION), else from the --config file, else the built-in default.",
+    )
+    node.add_argument("--config", help="TOML file with the settings below (env FENCEMARK_CONFIG)")
+    node.add_argument("--region", default=_setting(config, "region", "local"))
+    node.add_argument(
+        "--listen",
+        default=_setting(config, "listen", DEFAULT_TARGET),
+        help="HOST:PORT to serve gRPC on (port 0 picks a free one)",
+    )
+    node.add_argument(
+        "--data",
+        default=os.environ.get("FENCEMARK_DATA_DIR") or config.get("data"),
+        help="data directory (default: $XDG_DATA_HOME/fencemark/REGION)",
+    )
+    node.add_argument(
+        "--enable-writes",
+        action="store_true",
+        default=_setting(config, "enable_writes", False),
+        help="serve mutating methods (env FENCEMARK_ENABLE_WRITES=1); off: reads only",
+    )
+    node.add_argument(
+        "--peer",
+        action="append",
+        metavar="REGION=HOST:PORT",
+        help="a peer region's node (repeat; env FENCEMARK_PEERS=eu=h:p,ap=h:p;"
+        " config table [peers])",
+    )
+    node.add_argument(
+        "--max-clock-offset-ms",
+        type=int,
+        default=_setting(config, "max_clock_offset_ms", 500),
+        help="refuse remote stamps further ahead of this node's clock",
+    )
+    node.add_argument(
+        "--anti-entropy-interval",
+        type=float,
+        default=_setting(config, "anti_entropy_interval", 1.0),
+        help="mean seconds between anti-entropy rounds (jittered ±50%%)",
+    )
+    node.add_argument(
+        "--metrics-listen",
+        default=_setting(config, "metrics_listen", ""),
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
+    )
+    defaults = NodeConfig()
+    _add_bound_flags(node, config, defaults)
+    _add_security_flags(node, config, defaults)
+    configured = os.environ.get("FENCEMARK_PEERS")
+    node.set_defaults(
+        func=cmd_node,
+        configured_peers=[configured]
+        if configured
+        else [f"{r}={a}" for r, a in dict(config.get("peers", {})).items()],
+    )
+
+
+def _add_bound_flags(
+    node: argparse.ArgumentParser, config: Mapping[str, Any], defaults: NodeConfig
+) -> None:
+    """The node's bounds on floods: calls in flight per class, waiters, token jumps."""
+    budgets = (
+        ("reads", "Get, List, ClaimStatus, Info, health Watch streams, reflection"),
+        ("writes", "Remember, Update, Delete, renewals, releases, and claims until they"
+                   " wait in line: a waiting claim holds no call slot, --max-waiters bounds it"),
+        ("replication", "the peers' Replication calls"),
+        ("health", "grpc.health.v1 Check"),
+    )  # fmt: skip
+    for kind, methods in budgets:
+        name = f"max_concurrent_{kind}"
+        node.add_argument(
+            f"--max-concurrent-{kind}",
+            type=int,
+            default=_setting(config, name, getattr(defaults, name)),
+            help=f"calls in flight of this class ({methods}); beyond it a call is refused"
+            f" RESOURCE_EXHAUSTED (env FENCEMARK_{name.upper()})",
+        )
+    node.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=_setting(config, "max_concurrent_rpcs", 0),
+        help="deprecated: sets both --max-concurrent-reads and --max-concurrent-writes",
+    )
+    node.add_argument(
+        "--max-waiters",
+        type=int,
+        default=_setting(config, "max_waiters", defaults.max_waiters),
+        help="claims waiting in queues (wait_seconds), over all records and clients",
+    )
+    node.add_argument(
+        "--max-waiters-per-client",
+        type=int,
+        default=_setting(config, "max_waiters_per_client", defaults.max_waiters_per_client),
+        help="claims waiting in queues from one client: one certificate identity"
+        " (with --tls-dir), or one address (--insecure)",
+    )
+    node.add_argument(
+        "--max-token-jump",
+        type=int,
+        default=_setting(config, "max_token_jump", defaults.max_token_jump),
+        help="refuse to merge a grant further than this above the grant below it"
+        " (default 2^21: twice the jump a home makes after a disk loss)",
+    )
+
+
+def _add_security_flags(
+    node: argparse.ArgumentParser, config: Mapping[str, Any], defaults: NodeConfig
+) -> None:
+    security = node.add_argument_group(
+        "transport security (docs/security.md): one of --tls-dir or --insecure is required"
+    )
+    security.add_argument(
+        "--tls-dir",
+        default=_setting(config, "tls_dir", ""),
+        metavar="DIR",
+        help="serve mutual TLS with DIR/ca.pem and this node's DIR/NAME.pem, DIR/NAME-key.pem"
+        " (as `fencemark certs init` writes them); peers are called with the same certificate",
+    )
+    security.add_argument(
+        "--tls-name",
+        default=_setting(config, "tls_name", ""),
+        metavar="NAME",
+        help="the certificate's file name in --tls-dir (default: the region)",
+    )
+    security.add_argument(
+        "--tls-reload-interval",
+        type=float,
+        default=_setting(config, "tls_reload_interval", defaults.tls_reload_interval),
+        metavar="SECONDS",
+        help="look at the --tls-dir files this often and take renewed certificates, a new"
+        " ca.pem and crl.pem into use without a restart (0: on SIGHUP only)",
+    )
+    security.add_argument(
+        "--insecure",
+        action="store_true",
+        default=_setting(config, "insecure", False),
+        help="plaintext gRPC, no authentication: local development only",
+    )
+    security.add_argument(
+        "--access",
+        default=_setting(config, "access", ""),
+        metavar="FILE",
+        help="TOML (or .json) map of client names to rights: read, write, claim"
+        " (default with TLS: every client certificate of the CA may read, write and claim)",
+    )
