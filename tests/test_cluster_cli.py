@@ -13,7 +13,8 @@ import pytest
 
 from fencemark.client import AsyncClient
 from fencemark.node.replication.peers import parse_peers
-from fencemark.node.tools.cli import build_parser, load_config
+from fencemark.node.tools.cli import build_parser
+from fencemark.node.tools.cli_node import load_config
 from fencemark.node.tools.cluster import free_port
 from tests.cluster import eventually
 from tests.test_cli import clean_env

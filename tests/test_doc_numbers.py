@@ -18,7 +18,7 @@ from fencemark.client._routing import HOME_CACHE_SIZE
 from fencemark.node.api.budgets import Limits
 from fencemark.node.core import claims
 from fencemark.node.crdt.fence import HISTORY
-from fencemark.node.replication import intake, replicator, signers
+from fencemark.node.replication import intake, signers, tuning
 from fencemark.node.rules import validation
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -33,23 +33,23 @@ QUOTED: list[tuple[str, str, float, float]] = [
     ("security.md", r"`--max-concurrent-writes` \((\S+)\)", Limits.write, 1),
     ("security.md", r"`--max-concurrent-replication` \((\S+)\)", Limits.replication, 1),
     ("security.md", r"`--max-concurrent-health` \((\S+)\)", Limits.health, 1),
-    ("architecture.md", r"`MAX_BACKOFF_S` = (\S+) s", replicator.MAX_BACKOFF_S, 1),
+    ("architecture.md", r"`MAX_BACKOFF_S` = (\S+) s", tuning.MAX_BACKOFF_S, 1),
     ("architecture.md", r"`HISTORY` \((\S+)\)", HISTORY, 1),
-    ("architecture.md", r"descend \(≤ (\S+ ?\d*) per level", replicator.MAX_FRONTIER, 1),
+    ("architecture.md", r"descend \(≤ (\S+ ?\d*) per level", tuning.MAX_FRONTIER, 1),
     ("architecture.md", r"`home_regions`, at most (\S+ ?\d*) keys", HOME_CACHE_SIZE, 1),
     ("architecture.md", r"up to (\S+) queued keys", intake.MAX_STATES, 1),
-    ("replication.md", r"ordered set of at most (\S+ ?\d*) keys", replicator.PUSH_QUEUE_LIMIT, 1),
+    ("replication.md", r"ordered set of at most (\S+ ?\d*) keys", tuning.PUSH_QUEUE_LIMIT, 1),
     ("replication.md", r"takes up to (\S+) keys at a time", intake.MAX_STATES, 1),
     ("replication.md", r"batches of at most (\S+) states", intake.MAX_STATES, 1),
     ("replication.md", r"states and (\S+) MiB", intake.MAX_BATCH_BYTES, MIB),
     ("replication.md", r"a state over the (\S+) MiB", validation.MAX_RECORD_BYTES, MIB),
-    ("replication.md", r"0\.5 s doubling up to (\S+) s", replicator.MAX_BACKOFF_S, 1),
+    ("replication.md", r"0\.5 s doubling up to (\S+) s", tuning.MAX_BACKOFF_S, 1),
     ("replication.md", r"at most (\S+ ?\d*) nodes and", intake.MAX_LIST_NODES, 1),
     ("replication.md", r"nodes and (\S+ ?\d*)", intake.MAX_LIST_RECORDS, 1),
-    ("replication.md", r"up to (\S+ ?\d*) listed records", replicator.MAX_ROUND_RECORDS, 1),
+    ("replication.md", r"up to (\S+ ?\d*) listed records", tuning.MAX_ROUND_RECORDS, 1),
     ("replication.md", r"`Certificates\(key_ids\)` \(at most (\S+),", signers.MAX_KEY_IDS, 1),
-    ("replication.md", r"keepalive pings \(every (\S+) s", replicator.KEEPALIVE_MS, 1000),
-    ("replication.md", r"s, (\S+) s to answer\)", replicator.KEEPALIVE_TIMEOUT_MS, 1000),
+    ("replication.md", r"keepalive pings \(every (\S+) s", tuning.KEEPALIVE_MS, 1000),
+    ("replication.md", r"s, (\S+) s to answer\)", tuning.KEEPALIVE_TIMEOUT_MS, 1000),
     ("consistency.md", r"at most (\S+) fields,", validation.MAX_FIELDS, 1),
     ("consistency.md", r"(\S+) tags of at most", validation.MAX_TAGS, 1),
     ("consistency.md", r"tags of at most (\S+) characters", validation.MAX_TAG_CHARS, 1),

@@ -24,7 +24,9 @@ from fencemark.client import AsyncClient, ClaimConflict, NotFound, Unavailable, 
 from fencemark.node.api.server import CLAIMS_SERVICE, NodeServer
 from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
-from fencemark.node.replication.replicator import Replicator, RoundResult, Tuning
+from fencemark.node.replication.replicator import Replicator
+from fencemark.node.replication.rounds import RoundResult
+from fencemark.node.replication.tuning import Tuning
 from fencemark.node.rules.admission import RECOVERY_GAP
 from fencemark.node.rules.errors import ClockSkewed
 from fencemark.node.store.digest_tree import bucket_of

@@ -47,8 +47,9 @@ from fencemark.node.crdt import HybridClock
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replication.intake import MAX_LIST_RECORDS
 from fencemark.node.replication.peers import PeerStats, stats_for
-from fencemark.node.replication.replicator import Replicator, Tuning
+from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.signers import load_keyring
+from fencemark.node.replication.tuning import Tuning
 from fencemark.node.rules.errors import InvalidInput
 from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP, Bounds
 from fencemark.node.security.signing import Keyring, Signer

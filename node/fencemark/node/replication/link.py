@@ -1,0 +1,115 @@
+"""This node's link to one peer: its channel and stub, its push queue, its back-off
+and whether it answers (``PeerLink``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import grpc
+
+from fencemark.node.replication.peer_check import PeerCheck
+from fencemark.node.replication.peers import PeerStats
+from fencemark.node.replication.tuning import CHANNEL_OPTIONS, Tuning
+from fencemark.node.security.tls import peer_channel, retire_channel
+from fencemark.v1 import replication_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PeerLink:
+    def __init__(self, stats: PeerStats, tuning: Tuning, check: PeerCheck | None = None) -> None:
+        self.stats = stats
+        self.tuning = tuning
+        self.check = check  # the peer's certificate, with TLS (peer_check)
+        self.refused = False  # the check refused it, and its channel was replaced
+        self._connect()
+        self.backlog: dict[str, None] = {}  # an ordered set of keys to push
+        self.pushing = False  # a batch is in flight ...
+        self.fetched: set[str] = set()  # ... and the peer fetched these meanwhile
+        self.wake = asyncio.Event()
+        self.retry_at = 0.0
+        self.behind_until = 0.0  # no rounds with it before: it was behind, and pulls
+        self.accepts_push = True
+        self.push_probe_at = 0.0  # when to try pushing again to a peer that refused
+        self.unanswered = 0  # calls in a row that did not reach the peer
+        self.unanswered_since = 0.0  # ... since when
+
+    def _connect(self) -> None:
+        self.credentials = self.stats.credentials
+        self.channel = peer_channel(self.stats.address, self.credentials, CHANNEL_OPTIONS)
+        self._stub = replication_pb2_grpc.ReplicationStub(self.channel)
+
+    @property
+    def stub(self) -> replication_pb2_grpc.ReplicationStub:
+        """The peer's stub, on a new channel once the node's certificate was renewed
+        (``tls_reload``): an open connection would keep presenting the old one."""
+        if self.stats.credentials is not self.credentials:
+            self._reconnect()
+        return self._stub
+
+    def _reconnect(self) -> None:
+        """A new channel; calls still running on the old one may finish."""
+        old = self.channel
+        self._connect()
+        retire_channel(old)
+
+    async def allowed(self) -> None:
+        """Before every call: raise ``PeerRefused`` (nothing is sent) while the
+        certificate the peer's address presents is revoked or not its region's
+        (peer_check). A peer newly refused gets a new channel, so no connection made
+        with its refused certificate is used again, and its push queue is dropped:
+        it pulls what it missed once it is admitted again."""
+        if self.check is None:
+            return
+        try:
+            await self.check.admit()
+        finally:
+            if self.check.refused and not self.refused:
+                self.backlog.clear()
+                self._reconnect()
+            self.refused = self.check.refused
+
+    def pushes_allowed(self) -> bool:
+        """False while the peer refuses pushes (writes disabled; retried every minute)
+        or its certificate is refused (re-checked by anti-entropy rounds)."""
+        if self.check is not None and self.check.refused:
+            return False
+        if not self.accepts_push and time.monotonic() >= self.push_probe_at:
+            self.accepts_push = True
+        return self.accepts_push
+
+    def refuses_pushes(self) -> None:
+        self.accepts_push = False
+        self.push_probe_at = time.monotonic() + 60.0
+        self.backlog.clear()  # it pulls by itself; nothing queued would be sent
+
+    def requeue(self, keys: list[str]) -> None:
+        """Put back the keys of a batch that did not get through (unless the peer
+        fetched them meanwhile)."""
+        for key in keys:
+            if len(self.backlog) < self.tuning.push_queue_limit and key not in self.fetched:
+                self.backlog.setdefault(key, None)
+
+    def unreachable(self) -> bool:
+        return (
+            self.unanswered >= self.tuning.unreachable_after
+            and time.monotonic() - self.unanswered_since >= self.tuning.unreachable_after_s
+        )
+
+    def back_off(self, why: str, code: grpc.StatusCode | None = None) -> None:
+        self.stats.failed(why)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if not self.unanswered:
+                self.unanswered_since = time.monotonic()
+            self.unanswered += 1
+            if self.unreachable():
+                self.backlog.clear()  # it pulls what it missed once it is back
+        delay = min(self.tuning.max_backoff_s, 0.25 * 2 ** min(self.stats.failures, 8))
+        self.retry_at = time.monotonic() + delay * random.uniform(0.5, 1.5)
+
+    def answered(self) -> None:
+        self.stats.succeeded()
+        self.unanswered = 0

@@ -1,0 +1,78 @@
+"""Replication's bounds, pauses and channel options: each constant with why it is
+what it is, and ``Tuning``, the ones a node may be given (``NodeConfig.replication``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_FRONTIER = 1024  # tree nodes descended into per level and round
+# A differing node is listed rather than descended into when listing it costs
+# less than asking for its 16 children: a listed record costs about ENTRY_BYTES, a
+# child CHILD_BYTES, and only the records that differ are worth listing — their
+# share is estimated from how many nodes differ at that level (after a partition
+# most records do: listing wins; a few scattered changes: descending does).
+ENTRY_BYTES = 60  # key, digest, max_hlc and framing of one BucketEntry
+CHILD_BYTES = 6  # a 4-byte check value and a count
+SALT_BYTES = 8  # of each round's salt for check values (digest_tree.CHECK_BYTES)
+MAX_ROUND_RECORDS = 32768  # records listed per round; the rest waits for the next
+# A round that differs but pulls nothing found a peer that is behind: it pulls what it
+# lacks in its own rounds, and until then each round with it would list the same
+# differences again (docs/performance.md, *Repair bytes*). Such a peer gets no round
+# from this node for this long; should it hold something this node lacks after all
+# (an older write concurrent with a newer one), that waits this much longer.
+BEHIND_PAUSE_S = 5.0
+# A round lists a large difference a chunk at a time, the first of FIRST_LISTING
+# records; once BEHIND_AFTER differing records have turned out to be all the peer's
+# to pull, the rest is not listed (a peer that is behind after a partition would
+# otherwise cost its bystanders a listing of everything that differs).
+FIRST_LISTING = 1024
+BEHIND_AFTER = 32
+PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy repairs
+# A peer that no call has reached (UNAVAILABLE, DEADLINE_EXCEEDED) for this many
+# attempts in a row and this many seconds has its push queue dropped, and no keys
+# are queued for it until it is reached again: once back, it pulls what it missed
+# in its own rounds. Pushing the backlog as well would deliver every state twice
+# (docs/performance.md, *Repair bytes*). Short blips, and peers still starting,
+# keep their queue; a peer that answers but refuses (clock skew) keeps it too.
+UNREACHABLE_AFTER = 3
+UNREACHABLE_AFTER_S = 5.0
+# A failing peer is retried after 0.5 s doubling up to this, jittered by 0.5x-1.5x.
+# Kept short: after a symmetric partition neither side calls the other until a
+# back-off ends, so this bounds how long a healed link lies idle (docs/performance.md).
+# A call to a peer that is down costs one refused connection attempt.
+MAX_BACKOFF_S = 2.0
+# A partition that drops packets (rather than refusing connections) leaves a TCP
+# connection that looks open while its retransmission timer backs off towards
+# minutes; after the heal, calls on it would keep timing out. Keepalive pings
+# find such a connection dead within KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS and the
+# channel reconnects, with its reconnect backoff capped so a healed link is
+# used again within seconds (the chaos tier's partitions are such drops).
+KEEPALIVE_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+MAX_RECONNECT_BACKOFF_MS = 2_000  # the channel's own retries: same reason
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The replicator's tunables, each a constructor parameter (the defaults are the
+    constants above, with why each is what it is): a test lowers one to reach a
+    bound with a small store, a deployment could tune one without a patch."""
+
+    max_frontier: int = MAX_FRONTIER
+    max_round_records: int = MAX_ROUND_RECORDS
+    first_listing: int = FIRST_LISTING
+    behind_after: int = BEHIND_AFTER
+    behind_pause_s: float = BEHIND_PAUSE_S
+    push_queue_limit: int = PUSH_QUEUE_LIMIT
+    unreachable_after: int = UNREACHABLE_AFTER
+    unreachable_after_s: float = UNREACHABLE_AFTER_S
+    max_backoff_s: float = MAX_BACKOFF_S
