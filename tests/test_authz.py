@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fencemark.node.api.authz import METHOD_RIGHTS, AccessMap, Right, load_access, parse_access
-from fencemark.node.api.server import SERVICES
+from fencemark.node.api.handlers import SERVICES
 from fencemark.node.rules.admission import Caller
 from fencemark.node.rules.errors import Denial, PermissionDenied
 from fencemark.node.security.tls import Identity

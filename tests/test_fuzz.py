@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fencemark.node.api.server import MAX_RECEIVE_BYTES, SERVICES
+from fencemark.node.api.handlers import SERVICES
+from fencemark.node.api.server import MAX_RECEIVE_BYTES
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.dockerenv import free_port
 

@@ -11,55 +11,47 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import signal
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from google.protobuf import descriptor, descriptor_pb2, message_factory
-from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from fencemark.node.api.authz import DEFAULT_ACCESS, AccessMap, Authorize, caller_of
-from fencemark.node.api.budgets import CallBudgets, Limits, give_back
+from fencemark.node.api.authz import DEFAULT_ACCESS, Authorize, caller_of
+from fencemark.node.api.budgets import CallBudgets, give_back
+from fencemark.node.api.config import NodeConfig as NodeConfig  # re-exported: what start() takes
+from fencemark.node.api.config import default_data_dir as default_data_dir
+from fencemark.node.api.config import live_tls, transport
+from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
 from fencemark.node.api.replication import ReplicationService
 from fencemark.node.api.service import (
     ClaimsService,
     NodeService,
     RecordsService,
     anyone,
-    refuse,
 )
 from fencemark.node.api.telemetry import NodeMetrics, Telemetry
-from fencemark.node.core.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT, Claims
+from fencemark.node.core.claims import Claims
 from fencemark.node.core.lapses import LapseWatcher
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import HybridClock
-from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
-from fencemark.node.replication.intake import MAX_LIST_RECORDS
 from fencemark.node.replication.peers import PeerStats, stats_for
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.signers import load_keyring
-from fencemark.node.replication.tuning import Tuning
-from fencemark.node.rules.errors import InvalidInput
-from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP, Bounds
+from fencemark.node.rules.integrity import Bounds
 from fencemark.node.security.signing import Keyring, Signer
-from fencemark.node.security.tls import Identity, TlsFiles
 from fencemark.node.security.tls_reload import LiveTls
 from fencemark.node.store.storage import (
     DB_FILE as DB_FILE,  # re-exported: where a node keeps its file
 )
 from fencemark.node.store.storage import Storage
-from fencemark.v1 import claims_pb2, node_pb2, records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
 
@@ -67,134 +59,11 @@ log = logging.getLogger(__name__)
 # batches and merged states may be larger.
 MAX_RECEIVE_BYTES = 16 << 20
 MAX_SEND_BYTES = 64 << 20
-SERVICES: tuple[descriptor.ServiceDescriptor, ...] = (
-    records_pb2.DESCRIPTOR.services_by_name["Records"],
-    claims_pb2.DESCRIPTOR.services_by_name["Claims"],
-    node_pb2.DESCRIPTOR.services_by_name["Node"],
-    replication_pb2.DESCRIPTOR.services_by_name["Replication"],
-)
 CLAIMS_SERVICE = "fencemark.v1.Claims"
-REPLICATION_SERVICE = "fencemark.v1.Replication"
 # storage meta: "2" once every fence grant, birth and write under a claim made here
 # is signed ("1": grants and births, before writes were signed)
 OWN_SIGNED = "own_states_signed"
 OWN_SIGNED_ALL = "2"
-
-
-def default_data_dir(region: str) -> Path:
-    """``$FENCEMARK_DATA_DIR`` or ``$XDG_DATA_HOME/fencemark/<region>``."""
-    if explicit := os.environ.get("FENCEMARK_DATA_DIR"):
-        return Path(explicit)
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "fencemark" / region
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    region: str = "local"
-    listen: str = "127.0.0.1:7400"
-    data_dir: Path | None = None  # None: default_data_dir(region)
-    enable_writes: bool = False
-    max_clock_offset_ms: int = DEFAULT_MAX_CLOCK_OFFSET_MS
-    cache_size: int = 10_000
-    grace_seconds: float = 5.0
-    peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
-    anti_entropy_interval: float = 1.0
-    metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" serves none
-    # Floods: calls in flight beyond their class's budget are refused
-    # RESOURCE_EXHAUSTED (fencemark.node.api.budgets); claims waiting in line hold no
-    # call slot and are bounded in all and per client (fencemark.node.core.claims).
-    max_concurrent_reads: int = Limits.read
-    max_concurrent_writes: int = Limits.write
-    max_concurrent_replication: int = Limits.replication
-    max_concurrent_health: int = Limits.health
-    max_waiters: int = MAX_WAITERS
-    max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
-    # A merged grant more than this above the grant below it is refused (integrity.py).
-    max_token_jump: int = DEFAULT_MAX_TOKEN_JUMP
-    # Transport security (docs/security.md): this node's certificate, key and the
-    # cluster CA. None is plaintext: the in-process default (tests, benchmarks);
-    # the `fencemark node` command insists on --tls-dir or an explicit --insecure.
-    tls: TlsFiles | None = None
-    # With tls: which client identity may do what (None: authz.DEFAULT_ACCESS).
-    access: AccessMap | None = None
-    # With tls: seconds between looks at the TLS files (renewed certificates, CA
-    # bundle, crl.pem; fencemark.node.security.tls_reload); 0 reloads on SIGHUP only.
-    tls_reload_interval: float = 5.0
-    # Replication's bounds and pauses (fencemark.node.replication.replicator.Tuning),
-    # and the records one listing a peer asks this node for may hold.
-    replication: Tuning = field(default_factory=Tuning)
-    max_list_records: int = MAX_LIST_RECORDS
-
-    @property
-    def db_path(self) -> Path:
-        return (self.data_dir or default_data_dir(self.region)) / DB_FILE
-
-    @property
-    def call_limits(self) -> Limits:
-        return Limits(
-            read=self.max_concurrent_reads,
-            write=self.max_concurrent_writes,
-            replication=self.max_concurrent_replication,
-            health=self.max_concurrent_health,
-        )
-
-
-def is_read(method: descriptor.MethodDescriptor) -> bool:
-    level = method.GetOptions().idempotency_level
-    return bool(level == descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS)
-
-
-def call_classes() -> dict[str, str]:
-    """Each fencemark.v1 method's class of call budget (fencemark.node.api.budgets)."""
-    classes = {}
-    for service in SERVICES:
-        for method in service.methods:
-            kind = "read" if is_read(method) else "write"
-            if service.full_name == REPLICATION_SERVICE:
-                kind = "replication"
-            classes[f"/{service.full_name}/{method.name}"] = kind
-    return classes
-
-
-def gated_handler(
-    servicer: object, service: descriptor.ServiceDescriptor, *, writes_enabled: bool
-) -> grpc.GenericRpcHandler[Any, Any]:
-    """The service's method handlers; only its reads when writes are disabled."""
-    handlers = {}
-    for method in service.methods:
-        if not writes_enabled and not is_read(method):
-            continue
-        request = message_factory.GetMessageClass(method.input_type)
-        response = message_factory.GetMessageClass(method.output_type)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            decoding(getattr(servicer, method.name), request),
-            response_serializer=response.SerializeToString,
-        )
-    return grpc.method_handlers_generic_handler(service.full_name, handlers)
-
-
-def decoding(
-    method: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]],
-    request_type: type[Message],
-) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
-    """The servicer method, taking the request's raw bytes.
-
-    gRPC would answer bytes that do not parse with UNKNOWN (and log a traceback);
-    they are bad input like any other: INVALID_ARGUMENT naming ``request``.
-    """
-
-    async def handler(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        try:
-            request = request_type.FromString(raw)
-        except DecodeError as exc:
-            name = request_type.DESCRIPTOR.full_name
-            await refuse(
-                context, InvalidInput.field("request", f"not a valid {name} message ({exc})")
-            )
-        return await method(request, context)
-
-    return handler
 
 
 class NodeServer:
@@ -241,7 +110,7 @@ class NodeServer:
     async def start(cls, config: NodeConfig) -> NodeServer:
         """Open the data file, then: signing (with TLS), the catch-up gate, replication,
         the gRPC services, the port; health says SERVING once it listens."""
-        tls = _live_tls(config)
+        tls = live_tls(config)
         storage, replica = await _open_replica(config, tls)
         lapses = LapseWatcher(replica)  # the home records lapses (SPEC §4)
         claims = Claims(
@@ -481,13 +350,6 @@ def _listen(server: grpc.aio.Server, config: NodeConfig, tls: LiveTls | None) ->
         raise OSError(f"cannot listen on {config.listen}: {exc}") from exc
 
 
-def transport(config: NodeConfig) -> str:
-    """How the node's port is secured, in words for its start-up line."""
-    if config.tls is None:
-        return "plaintext, --insecure"
-    return f"mutual TLS, CA {config.tls.ca}" + (", access map" if config.access else "")
-
-
 def _renew_signer(replica: Replica, keyring: Keyring, ca: bytes, cert: bytes, key: bytes) -> None:
     """After a TLS reload: sign grants with the new key, trust the new CA bundle,
     and know (and keep) the new certificate, so peers can verify what it signs."""
@@ -506,27 +368,6 @@ def _renew_signer(replica: Replica, keyring: Keyring, ca: bytes, cert: bytes, ke
 
 
 _background: set[asyncio.Task[None]] = set()  # fire-and-forget tasks, kept referenced
-
-
-def _live_tls(config: NodeConfig) -> LiveTls | None:
-    """The port's and the peer channels' TLS material, checked before anything opens.
-
-    OSError for a file that cannot be read; ValueError for a certificate that is
-    not this region's node (its peers would refuse it), a CRL no CA of the bundle
-    signed, or an access map without TLS.
-    """
-    if config.tls is None:
-        if config.access is not None:
-            raise ValueError("an access map needs TLS: identities come from certificates")
-        return None
-    own = config.tls.identity()
-    if own != Identity("region", config.region):
-        raise ValueError(
-            f"{config.tls.cert} is the certificate of {own}, not of region/{config.region}:"
-            f" peers would refuse this node (make one: fencemark certs issue --region"
-            f" {config.region})"
-        )
-    return LiveTls(config.tls, config.region)
 
 
 async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:

@@ -1,0 +1,110 @@
+"""A node's configuration (``NodeConfig``), where its data lives by default, and the
+TLS material it names, checked before anything opens."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
+from fencemark.node.api.authz import AccessMap
+from fencemark.node.api.budgets import Limits
+from fencemark.node.core.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT
+from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
+from fencemark.node.replication.intake import MAX_LIST_RECORDS
+from fencemark.node.replication.tuning import Tuning
+from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP
+from fencemark.node.security.tls import Identity, TlsFiles
+from fencemark.node.security.tls_reload import LiveTls
+from fencemark.node.store.storage import (
+    DB_FILE as DB_FILE,  # re-exported: where a node keeps its file
+)
+
+
+def default_data_dir(region: str) -> Path:
+    """``$FENCEMARK_DATA_DIR`` or ``$XDG_DATA_HOME/fencemark/<region>``."""
+    if explicit := os.environ.get("FENCEMARK_DATA_DIR"):
+        return Path(explicit)
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "fencemark" / region
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    region: str = "local"
+    listen: str = "127.0.0.1:7400"
+    data_dir: Path | None = None  # None: default_data_dir(region)
+    enable_writes: bool = False
+    max_clock_offset_ms: int = DEFAULT_MAX_CLOCK_OFFSET_MS
+    cache_size: int = 10_000
+    grace_seconds: float = 5.0
+    peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
+    anti_entropy_interval: float = 1.0
+    metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" serves none
+    # Floods: calls in flight beyond their class's budget are refused
+    # RESOURCE_EXHAUSTED (fencemark.node.api.budgets); claims waiting in line hold no
+    # call slot and are bounded in all and per client (fencemark.node.core.claims).
+    max_concurrent_reads: int = Limits.read
+    max_concurrent_writes: int = Limits.write
+    max_concurrent_replication: int = Limits.replication
+    max_concurrent_health: int = Limits.health
+    max_waiters: int = MAX_WAITERS
+    max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
+    # A merged grant more than this above the grant below it is refused (integrity.py).
+    max_token_jump: int = DEFAULT_MAX_TOKEN_JUMP
+    # Transport security (docs/security.md): this node's certificate, key and the
+    # cluster CA. None is plaintext: the in-process default (tests, benchmarks);
+    # the `fencemark node` command insists on --tls-dir or an explicit --insecure.
+    tls: TlsFiles | None = None
+    # With tls: which client identity may do what (None: authz.DEFAULT_ACCESS).
+    access: AccessMap | None = None
+    # With tls: seconds between looks at the TLS files (renewed certificates, CA
+    # bundle, crl.pem; fencemark.node.security.tls_reload); 0 reloads on SIGHUP only.
+    tls_reload_interval: float = 5.0
+    # Replication's bounds and pauses (fencemark.node.replication.replicator.Tuning),
+    # and the records one listing a peer asks this node for may hold.
+    replication: Tuning = field(default_factory=Tuning)
+    max_list_records: int = MAX_LIST_RECORDS
+
+    @property
+    def db_path(self) -> Path:
+        return (self.data_dir or default_data_dir(self.region)) / DB_FILE
+
+    @property
+    def call_limits(self) -> Limits:
+        return Limits(
+            read=self.max_concurrent_reads,
+            write=self.max_concurrent_writes,
+            replication=self.max_concurrent_replication,
+            health=self.max_concurrent_health,
+        )
+
+
+def transport(config: NodeConfig) -> str:
+    """How the node's port is secured, in words for its start-up line."""
+    if config.tls is None:
+        return "plaintext, --insecure"
+    return f"mutual TLS, CA {config.tls.ca}" + (", access map" if config.access else "")
+
+
+def live_tls(config: NodeConfig) -> LiveTls | None:
+    """The port's and the peer channels' TLS material, checked before anything opens.
+
+    OSError for a file that cannot be read; ValueError for a certificate that is
+    not this region's node (its peers would refuse it), a CRL no CA of the bundle
+    signed, or an access map without TLS.
+    """
+    if config.tls is None:
+        if config.access is not None:
+            raise ValueError("an access map needs TLS: identities come from certificates")
+        return None
+    own = config.tls.identity()
+    if own != Identity("region", config.region):
+        raise ValueError(
+            f"{config.tls.cert} is the certificate of {own}, not of region/{config.region}:"
+            f" peers would refuse this node (make one: fencemark certs issue --region"
+            f" {config.region})"
+        )
+    return LiveTls(config.tls, config.region)
