@@ -145,9 +145,7 @@ class Claims:
                 self._waiting_by_client[client] -= 1
                 if not self._waiting_by_client[client]:
                     del self._waiting_by_client[client]
-        self.outcomes[
-            "granted" if outcome.ok or outcome.reason is None else outcome.reason.value
-        ] += 1
+        self.outcomes["granted" if outcome.reason is None else outcome.reason.value] += 1
         return outcome
 
     async def _wait_in_line(
