@@ -3,6 +3,8 @@
 Transport only: every decision is made by ``replica``, ``claims`` or
 ``admission``; this module converts messages and maps each refusal to exactly
 one gRPC status carrying ``google.rpc`` details (SPEC §7).
+
+About 420 lines: three servicers and the one mapping of refusals they share.
 """
 
 from __future__ import annotations

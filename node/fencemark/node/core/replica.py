@@ -5,6 +5,10 @@ reads the durable state, applies a pure change (which may refuse by raising),
 and persists the result before returning, so an acknowledged write is on disk
 and a refused one changed nothing. The rules themselves live in ``admission``
 and ``validation``.
+
+One module of about 520 lines, on purpose: every change to a record passes here,
+and the steps of one write — the gate, admission, the lapse due, the signature,
+``transact`` — read in one place, in the order they run.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ group, not one per statement (docs/performance.md, *Claim path*). Reads use a
 second connection through aiosqlite (WAL lets it read while the writer commits)
 and an LRU cache of decoded states that is updated only after a commit, so
 nothing not yet durable is ever served.
+
+One module of about 480 lines, on purpose: the schema, the writer's commit and the
+cache it updates are one protocol (what is cached is exactly what committed), and
+splitting them would put that invariant across files.
 """
 
 from __future__ import annotations
