@@ -705,7 +705,12 @@ def test_a_grant_made_at_the_recovery_moment_is_this_lifes() -> None:
     before = FenceState().grant(7, Grant(recovered - 1, "w", "local"), NOW_MS + 60_000)
     assert next_token(before, recovered_hlc=recovered) > 7 + RECOVERY_GAP
     assert next_token(before) == 8
+    assert next_token(FenceState()) == 1  # a node that never recovered: no floor, ever
     _, first = decide_claim(granted_to("", expiry_ms=NOW_MS), "w", caller=ANYONE,
                             lease_ms=1_000, now_ms=NOW_MS, hlc=pack(NOW_MS, 1), region="local",
                             queued_ahead=False)  # fmt: skip
     assert first.token == 2
+    fresh = Record(key_of("fresh")).create("local", Stamp(0, pack(NOW_MS - 1), "n1"))
+    _, very_first = decide_claim(fresh, "w", caller=ANYONE, lease_ms=1_000, now_ms=NOW_MS,
+                                 hlc=pack(NOW_MS), region="local", queued_ahead=False)  # fmt: skip
+    assert very_first.token == 1
