@@ -580,6 +580,37 @@ def test_one_home_tag_names_the_home() -> None:
     validation.no_home_tags(["home:eu"], "add_tags")
 
 
+def test_a_one_character_tag_and_a_half_second_wait_are_within_the_limits() -> None:
+    assert validation.tags(["t"]) == ["t"]
+    assert validation.wait(0.5) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("check", "limit"),
+    [
+        (validation.key, 300),
+        (partial(validation.segment, name="topic"), 300),
+        (validation.region, 100),
+    ],
+)
+def test_a_refusal_quotes_at_most_the_start_of_a_long_bad_value(
+    check: Callable[[str], object], limit: int
+) -> None:
+    """A refusal echoes what it refused, cut to its first characters: enough to find
+    it, never a megabyte back to the caller or into a log."""
+    why = refused_message(partial(check, "?" * 1000))
+    assert repr("?" * limit) in why and repr("?" * (limit + 1)) not in why
+
+
+def test_refusals_of_field_names_and_grant_identities_quote_100_characters() -> None:
+    name = "?" * 1000
+    assert refused_field(partial(validation.fields, {name: "v"})) == f"fields[{'?' * 100!r}]"
+    made = NodeRecord("repo/r/mem/t/i").create("us", STAMP)
+    grant = Grant(STAMP.hlc, "w", "us", identity="?" * 1000)
+    why = refused_message(partial(state_of, made.with_fence(made.fence.grant(1, grant, 0))))
+    assert repr("?" * 100) in why and repr("?" * 101) not in why
+
+
 def test_an_owner_is_1_to_128_printable_characters() -> None:
     assert validation.owner("o" * 128) == "o" * 128
     for bad in ("", "o" * 129, "new\nline"):
@@ -631,7 +662,9 @@ def test_a_replicated_state_obeys_the_limits_of_a_clients_write() -> None:
     assert refused_field(lambda: state_of(cleared)) == "fields"
     too_many = made.set_fields({f"f{i}": "v" for i in range(257)}, STAMP)
     assert refused_field(lambda: state_of(too_many)) == "fields"
-    removed = made.add_tags(["\x00"], STAMP).remove_tags(["\x00"], STAMP)
+    later = Stamp(0, STAMP.hlc + 1, "n1")
+    removed = made.add_tags(["\x00"], STAMP).remove_tags(["\x00"], later)
+    assert removed.tag_values() == ["homeRegion:us"]  # removed: only its name is left
     assert refused_field(lambda: state_of(removed)) == "tags[0]"
     assert refused_field(lambda: state_of(made.add_tags(["homeRegion:eu"], STAMP))) == "tags"
     for grant, name in (
