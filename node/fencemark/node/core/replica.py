@@ -124,6 +124,7 @@ class Replica:
 
     async def scan_all(self, after: str, limit: int) -> list[Stored]:
         """A page of every record after the key ``after``, tombstones included."""
+        # Every key starts with "repo/" (validation.KEY); "0" follows "/".
         return await self.storage.scan("repo/", "repo0", after=after, limit=limit,
                                        include_deleted=True)  # fmt: skip
 
@@ -339,10 +340,7 @@ class Replica:
 
         signed, after, page_size = 0, "", 500
         while True:
-            # Every key starts with "repo/" (validation.KEY); "0" follows "/".
-            page = await self.storage.scan(
-                "repo/", "repo0", after=after, limit=page_size, include_deleted=True
-            )
+            page = await self.scan_all(after, page_size)
             for stored in page:
                 if change(stored.record)[1]:
                     _, did = await self.transact(stored.record.key, change)
