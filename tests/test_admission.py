@@ -20,6 +20,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fencemark.client import AsyncClient, ClaimConflict, NotFound, WrongRegion
+from fencemark.client.errors import from_rpc_error
 from fencemark.client.types import Record as ClientRecord
 from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import FenceState, Grant, Record, Stamp
@@ -360,7 +361,77 @@ async def test_a_refusal_is_failed_precondition_with_claim_conflict_error_info_o
         stub = records_pb2_grpc.RecordsStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Update(records_pb2.UpdateRequest(key=key, fields={"body": "x"}), timeout=10)
-    error = refused.value
+    info = failed_precondition_info(refused.value)
+    assert info.reason == "CLAIM_CONFLICT"
+    assert info.domain == "fencemark"
+    assert dict(info.metadata) == {
+        "conflict": "claimed",
+        "fence": str(token),
+        "home_region": "local",
+    }
+
+
+async def test_wrong_region_has_one_wire_shape_for_a_birth_and_a_fenced_write(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """One refusal word, one shape: a new record sent away from home and a fenced
+    write away from home are both CLAIM_CONFLICT with conflict ``wrong_region``.
+
+    The fenced write needs a record homed elsewhere that this node holds: its state
+    is merged in as a peer's would be.
+    """
+    key = key_of("wire-abroad")
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        stub = records_pb2_grpc.RecordsStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as born:
+            await stub.Remember(
+                records_pb2.RememberRequest(
+                    repo=REPO, topic=TOPIC, id="wire-abroad", tags=["homeRegion:elsewhere"]
+                ),
+                timeout=10,
+            )
+        birth = failed_precondition_info(born.value)
+        assert (birth.reason, dict(birth.metadata)) == (
+            "CLAIM_CONFLICT",
+            {"conflict": "wrong_region", "fence": "0", "home_region": "elsewhere"},
+        )
+        abroad = Record(key).create("elsewhere", Stamp(0, node.replica.now_hlc(), "elsewhere-n"))
+        assert await node.replica.merge(abroad)
+        with pytest.raises(grpc.aio.AioRpcError) as fenced:
+            await stub.Update(
+                records_pb2.UpdateRequest(key=key, fields={"body": "x"}, fencing_token=1),
+                timeout=10,
+            )
+        write = failed_precondition_info(fenced.value)
+        assert (write.reason, dict(write.metadata)) == (
+            "CLAIM_CONFLICT",
+            {"conflict": "wrong_region", "fence": "0", "home_region": "elsewhere"},
+        )
+    with pytest.raises(ClaimConflict) as caught:
+        await client.remember(REPO, TOPIC, "wire-abroad-2", tags=["homeRegion:elsewhere"])
+    assert isinstance(caught.value, WrongRegion)
+    assert (caught.value.reason, caught.value.fence) == ("wrong_region", 0)
+
+
+def test_the_client_still_reads_the_wrong_region_shape_of_older_nodes() -> None:
+    """Older nodes refused a new record away from home with ErrorInfo WRONG_REGION:
+    a client talking to one still raises ``WrongRegion`` (a ``ClaimConflict``)."""
+    info = error_details_pb2.ErrorInfo(
+        reason="WRONG_REGION", domain="fencemark", metadata={"home_region": "eu"}
+    )
+    status = status_pb2.Status(code=grpc.StatusCode.FAILED_PRECONDITION.value[0], message="m")
+    status.details.add().Pack(info)
+    trailers = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    old = grpc.aio.AioRpcError(
+        grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), trailers, "m", None
+    )
+    decoded = from_rpc_error(old)
+    assert isinstance(decoded, WrongRegion)
+    assert (decoded.reason, decoded.home_region, decoded.fence) == ("wrong_region", "eu", 0)
+
+
+def failed_precondition_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    """The one ErrorInfo a FAILED_PRECONDITION refusal carries in its rich status."""
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     # At runtime trailing metadata is (key, value) pairs; grpc-stubs types it opaquely.
     trailers = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
@@ -372,13 +443,7 @@ async def test_a_refusal_is_failed_precondition_with_claim_conflict_error_info_o
     assert len(infos) == 1
     info = error_details_pb2.ErrorInfo()
     infos[0].Unpack(info)
-    assert info.reason == "CLAIM_CONFLICT"
-    assert info.domain == "fencemark"
-    assert dict(info.metadata) == {
-        "conflict": "claimed",
-        "fence": str(token),
-        "home_region": "local",
-    }
+    return info
 
 
 # -- Remember and Delete obey the same admission --------------------------------------------

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from fencemark.client import _convert as convert
 from fencemark.client._routing import Router, Stubs, home_named, home_tag
-from fencemark.client.errors import ClaimConflict, WrongRegion, from_rpc_error
+from fencemark.client.errors import ClaimConflict, from_rpc_error
 from fencemark.client.types import (
     ClaimResult,
     ClaimStatus,
@@ -136,7 +136,7 @@ class AsyncClient:
             response = await self._call(
                 method, request, seconds=max(deadline - time.monotonic(), 0.0)
             )
-        except (ClaimConflict, WrongRegion) as error:
+        except ClaimConflict as error:
             self._router.learn(key, error.home_region)
             raise
         result = result_of(response)
@@ -166,7 +166,7 @@ class AsyncClient:
         address = self._router.address_for(key, home)
         try:
             result = await self._send(key, address, method_of, request, result_of, deadline)
-        except (ClaimConflict, WrongRegion) as error:
+        except ClaimConflict as error:
             named, wrong = home_named(error)
             redirect = self._router.redirect(named, address) if wrong else None
             if redirect is None:

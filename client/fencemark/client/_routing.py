@@ -11,8 +11,8 @@ the home. So the client routes:
   home) go to the record's home when the client knows it (from the tag, or
   cached from an earlier answer) and ``regions`` maps it to an address;
   otherwise to ``target``;
-- a ``wrong_region`` answer (a claim/renew/release value, a ``ClaimConflict``
-  or a ``WrongRegion`` error) naming a home that ``regions`` maps is followed
+- a ``wrong_region`` answer (a claim/renew/release value, or a ``WrongRegion``
+  refusal, which is a ``ClaimConflict``) naming a home that ``regions`` maps is followed
   once: the same call is re-sent there, within the same deadline. Any other
   answer, or a home not in ``regions``, reaches the caller unchanged.
   Re-sending is safe even for ``update``: a ``wrong_region`` refusal changed
@@ -35,7 +35,7 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
-from fencemark.client.errors import ClaimConflict, WrongRegion
+from fencemark.client.errors import ClaimConflict
 from fencemark.client.retry import channel_options
 from fencemark.client.types import (
     ClaimResult,
@@ -61,8 +61,6 @@ def home_named(answer: object) -> tuple[str, bool]:
     match answer:
         case ClaimResult() | RenewResult() | ReleaseResult() | ClaimConflict():
             return answer.home_region, answer.reason == WRONG_REGION
-        case WrongRegion():
-            return answer.home_region, True
         case Record() | ClaimStatus():
             return answer.home_region, False
         case RememberResult():

@@ -33,6 +33,7 @@ __all__ = [
 
 ERROR_DOMAIN = "fencemark"
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+WRONG_REGION = "wrong_region"
 
 
 class FencemarkError(Exception):
@@ -67,12 +68,18 @@ class ClaimConflict(FencemarkError):
         self.home_region = home_region
 
 
-class WrongRegion(FencemarkError):
-    """A new record may only be created in its home region: send the call there."""
+class WrongRegion(ClaimConflict):
+    """Only the record's home region decides this call: send it to ``home_region``.
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, home_region: str) -> None:
-        super().__init__(code, message)
-        self.home_region = home_region
+    Raised for a *new* record sent outside its home region and for a fenced write
+    at a node that is not the record's home; ``reason`` is always
+    ``wrong_region``, so ``except ClaimConflict`` catches it too.
+    """
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, *, fence: int, home_region: str
+    ) -> None:
+        super().__init__(code, message, reason=WRONG_REGION, fence=fence, home_region=home_region)
 
 
 class InvalidArgument(FencemarkError):
@@ -129,16 +136,18 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
     error_info, bad_request = _rich_details(metadata_pairs)
     if error_info is not None and error_info.domain == ERROR_DOMAIN:
         metadata = error_info.metadata
+        conflict = str(metadata.get("conflict", ""))
+        fence = _to_int(metadata.get("fence", ""))
+        home_region = str(metadata.get("home_region", ""))
+        # Older nodes refused a new record away from home with reason WRONG_REGION.
+        if error_info.reason == "WRONG_REGION" or (
+            error_info.reason == "CLAIM_CONFLICT" and conflict == WRONG_REGION
+        ):
+            return WrongRegion(code, message, fence=fence, home_region=home_region)
         if error_info.reason == "CLAIM_CONFLICT":
             return ClaimConflict(
-                code,
-                message,
-                reason=str(metadata.get("conflict", "")),
-                fence=_to_int(metadata.get("fence", "")),
-                home_region=str(metadata.get("home_region", "")),
+                code, message, reason=conflict, fence=fence, home_region=home_region
             )
-        if error_info.reason == "WRONG_REGION":
-            return WrongRegion(code, message, home_region=str(metadata.get("home_region", "")))
         if error_info.reason == "PERMISSION_DENIED":
             return PermissionDenied(
                 code,

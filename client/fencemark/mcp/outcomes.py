@@ -63,8 +63,8 @@ _CONFLICT_ADVICE = {
     "released": "Your token was released. Claim the item again if you still want it.",
     "unknown_token": "That token was never granted for this record: pass the fencingToken "
     "repocontext_claim returned.",
-    "wrong_region": "Only the node of the record's home region decides fenced writes: run the "
-    "MCP server with --regions naming that region's node.",
+    "wrong_region": "Only the node of the record's home region creates it and decides its "
+    "fenced writes: run the MCP server with --regions naming that region's node.",
 }
 
 

@@ -35,7 +35,6 @@ from fencemark.node.rules.errors import (
     NotFound,
     NotServing,
     PermissionDenied,
-    WrongRegion,
 )
 from fencemark.node.security.tls import peer_identity
 from fencemark.node.store.storage import Stored
@@ -91,9 +90,6 @@ def to_status(error: FencemarkError) -> grpc.Status:
             "home_region": error.home_region,
         }
         return _status(code_pb2.FAILED_PRECONDITION, str(error), "CLAIM_CONFLICT", metadata)
-    if isinstance(error, WrongRegion):
-        metadata = {"home_region": error.home_region}
-        return _status(code_pb2.FAILED_PRECONDITION, str(error), "WRONG_REGION", metadata)
     if isinstance(error, NotFound):
         return _status(code_pb2.NOT_FOUND, str(error), "NOT_FOUND", {"key": error.key})
     if isinstance(error, ClockSkewed):
@@ -116,14 +112,14 @@ def to_status(error: FencemarkError) -> grpc.Status:
 
 def refusal_reason(error: FencemarkError) -> str:
     """A refusal's machine-readable reason, lower case: the claim conflict
-    (``superseded``, ...) or the ErrorInfo reason (``wrong_region``, ...)."""
+    (``superseded``, ``wrong_region``, ...) or the ErrorInfo reason (``not_found``, ...)."""
     if isinstance(error, ClaimConflict):
         return error.conflict.value
     if isinstance(error, PermissionDenied):
         return error.denial.value
     kinds: tuple[tuple[type[FencemarkError], str], ...] = (
-        (InvalidInput, "invalid_argument"), (WrongRegion, "wrong_region"),
-        (NotFound, "not_found"), (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),
+        (InvalidInput, "invalid_argument"), (NotFound, "not_found"),
+        (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),
         (Exhausted, "resource_exhausted"),
     )  # fmt: skip
     return next((reason for kind, reason in kinds if isinstance(error, kind)), "internal")

@@ -22,8 +22,14 @@ from typing import TypeVar
 from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
 from fencemark.node.rules import integrity, validation
-from fencemark.node.rules.admission import Caller, admit_write, lapse_due, split_tokens
-from fencemark.node.rules.errors import InvalidInput, NotFound, WrongRegion
+from fencemark.node.rules.admission import (
+    Caller,
+    admit_write,
+    lapse_due,
+    require_home,
+    split_tokens,
+)
+from fencemark.node.rules.errors import InvalidInput, NotFound
 from fencemark.node.security.signing import META_PREFIX, Keyring, Signer, certificate_pem
 from fencemark.node.store.storage import Storage, Stored
 
@@ -433,8 +439,8 @@ class Replica:
 
         def change(current: Record) -> tuple[Record, bool]:
             home = current.home_region or home_tag or self.region
-            if not current.exists and home != self.region:
-                raise WrongRegion(home, self.region)
+            if not current.exists:
+                require_home(home, self.region, fence=0, birth=True)
             if home_tag is not None and home_tag != home:
                 raise InvalidInput.field(
                     "tags", f"homeRegion is fixed when a record is created: it is {home!r}"

@@ -19,6 +19,7 @@ from fencemark.node.rules.errors import (
     Denial,
     PermissionDenied,
     Reason,
+    WrongRegion,
 )
 
 # A node that lost its disk grants its first token of each record this far above
@@ -101,6 +102,18 @@ def token_problem(fence: FenceState, token: int, now_ms: int) -> Reason | None:
     return None
 
 
+def require_home(home: str, region: str, *, fence: int, birth: bool) -> None:
+    """Refuse ``wrong_region`` unless ``region`` is the record's ``home``.
+
+    The one producer of the refusal: a new record's birth (``birth``, SPEC §2)
+    and a fenced write (SPEC §4) both come here, so both reach the client in the
+    same shape. Claims, renewals and releases answer the same word as a value
+    (``_not_here``): SPEC §4 makes their outcomes values, not errors.
+    """
+    if home != region:
+        raise WrongRegion(home, region, fence=fence, birth=birth)
+
+
 def admit_write(
     record: Record,
     token: int,
@@ -129,8 +142,7 @@ def admit_write(
         if held:
             raise ClaimConflict(Reason.CLAIMED, fence=fence.fence, home_region=home)
         return fence.fence
-    if home != region:
-        raise ClaimConflict(Reason.WRONG_REGION, fence=fence.fence, home_region=home)
+    require_home(home, region, fence=fence.fence, birth=False)
     _check_holder(fence, token, caller)
     problem = token_problem(fence, token, now_ms)
     if problem is None and not record.claim_live(now_ms):

@@ -51,23 +51,32 @@ class NotFound(FencemarkError):
 class ClaimConflict(FencemarkError):
     """A write refused by the record's fence."""
 
-    def __init__(self, conflict: Reason, *, fence: int, home_region: str) -> None:
+    def __init__(
+        self, conflict: Reason, *, fence: int, home_region: str, message: str = ""
+    ) -> None:
         self.conflict = conflict
         self.fence = fence
         self.home_region = home_region
         advice = _CONFLICT_HELP.get(conflict, conflict.value)
-        super().__init__(advice.format(fence=fence, home=home_region))
+        super().__init__(message or advice.format(fence=fence, home=home_region))
 
 
-class WrongRegion(FencemarkError):
-    """A new record may only be created in its home region."""
+class WrongRegion(ClaimConflict):
+    """Only the record's home region decides this call: a new record's birth or a fenced write.
 
-    def __init__(self, home_region: str, region: str) -> None:
-        self.home_region = home_region
-        super().__init__(
+    One refusal word, one shape: a ``ClaimConflict`` whose conflict is
+    ``wrong_region`` (``fence`` is 0 for a record not yet born). Raised only by
+    ``admission.require_home``.
+    """
+
+    def __init__(self, home_region: str, region: str, *, fence: int, birth: bool) -> None:
+        message = (
             f"a new record homed in {home_region!r} must be created there,"
             f" not in {region!r}: send the call to region {home_region!r}"
+            if birth
+            else ""
         )
+        super().__init__(Reason.WRONG_REGION, fence=fence, home_region=home_region, message=message)
 
 
 class ClockSkewed(FencemarkError):
