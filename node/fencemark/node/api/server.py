@@ -211,7 +211,7 @@ async def _open_replica(config: NodeConfig, tls: LiveTls | None) -> tuple[Storag
         keyring = Keyring.for_files(config.tls, tls.revocations)
     storage = await Storage.open(config.db_path, cache_size=config.cache_size)
     if keyring is not None:
-        await load_keyring(storage, keyring)
+        load_keyring(storage, keyring)
     clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
     replica = Replica(
         storage,
@@ -221,6 +221,8 @@ async def _open_replica(config: NodeConfig, tls: LiveTls | None) -> tuple[Storag
         signer=signer if keyring is not None else None,
         keyring=keyring,
     )
+    for kid, der in keyring.known() if keyring is not None else ():
+        await replica.keep_signer(kid, der)  # ours and any the files name: kept for restarts
     if replica.signer is not None:
         if storage.meta.get(OWN_SIGNED) != OWN_SIGNED_ALL:
             # Once per file: grants, births and writes under claims from before

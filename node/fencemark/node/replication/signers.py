@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import serialization
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import Record
 from fencemark.node.replication.peers import PeerStats
-from fencemark.node.security.signing import META_PREFIX, Keyring, certificate_pem
+from fencemark.node.security.signing import META_PREFIX, Keyring
 from fencemark.node.security.tls import peer_channel
 from fencemark.node.store.storage import Storage
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
@@ -136,8 +136,9 @@ async def _keep(replica: Replica, keyring: Keyring, region: str, certificates: l
     return len(added)
 
 
-async def load_keyring(storage: Storage, keyring: Keyring) -> None:
-    """Add to ``keyring`` every signer ``storage`` kept; persist the ones it lacks."""
+def load_keyring(storage: Storage, keyring: Keyring) -> None:
+    """Add to ``keyring`` every signer ``storage`` kept (``Replica.keep_signer``
+    writes them)."""
     for name, pem in storage.meta.items():
         if not name.startswith(META_PREFIX):
             continue
@@ -148,7 +149,3 @@ async def load_keyring(storage: Storage, keyring: Keyring) -> None:
             keyring.add(der)
         except ValueError as exc:  # e.g. the cluster moved to a new CA
             log.warning("a kept signer certificate %s is no longer trusted: %s", name, exc)
-    for kid, der in keyring.known():
-        name = META_PREFIX + kid.hex()
-        if name not in storage.meta:
-            await storage.put_meta(name, certificate_pem(der))
