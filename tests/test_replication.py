@@ -1108,22 +1108,23 @@ async def test_a_read_only_region_replicates_by_pulling(tmp_path: Path) -> None:
 async def test_a_peer_that_calls_in_is_retried_at_once_not_after_its_back_off(
     tmp_path: Path,
 ) -> None:
-    """A node backed off from a peer that was down (up to 5 s) takes the peer's own
-    call as proof it is up: its writes reach the peer within a round, not a back-off."""
-    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=0.05) as cluster:
+    """A node backed off from a peer that was down takes the peer's own call as proof
+    it is up: its writes reach the peer within a round, not a back-off. The back-off
+    here is 15-45 s from the first failure, longer than the test waits."""
+    long_back_off = Tuning(first_backoff_s=30.0, max_backoff_s=30.0)
+    async with Cluster(
+        tmp_path, ["us", "eu"], anti_entropy_interval=0.05, replication=long_back_off
+    ) as cluster:
         us, _ = await cluster.start_all()
         await all_serving(cluster)
         await cluster.stop("eu")
         async with AsyncClient(us.address) as at_us:
             await at_us.remember(REPO, "heard", "while-down", body="x")
-            peer = us.replicator._peers["eu"]
 
             async def backed_off() -> bool:
-                return peer.stats.failures >= 1
+                return (await peer_info(us, "eu")).last_error != ""
 
             await eventually(backed_off, "us failing to reach eu")
-            peer.stats.failures = 8  # as after minutes down; a back-off longer than any real one
-            peer.retry_at = time.monotonic() + 30.0
             eu = await cluster.start("eu")
 
             async def delivered() -> bool:

@@ -107,7 +107,8 @@ class PeerLink:
             self.unanswered += 1
             if self.unreachable():
                 self.backlog.clear()  # it pulls what it missed once it is back
-        delay = min(self.tuning.max_backoff_s, 0.25 * 2 ** min(self.stats.failures, 8))
+        doublings = min(self.stats.failures, 9) - 1  # failed() counted this one: >= 1
+        delay = min(self.tuning.max_backoff_s, self.tuning.first_backoff_s * 2**doublings)
         self.retry_at = time.monotonic() + delay * random.uniform(0.5, 1.5)
 
     def answered(self) -> None:

@@ -36,10 +36,12 @@ PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy re
 # keep their queue; a peer that answers but refuses (clock skew) keeps it too.
 UNREACHABLE_AFTER = 3
 UNREACHABLE_AFTER_S = 5.0
-# A failing peer is retried after 0.5 s doubling up to this, jittered by 0.5x-1.5x.
+# A failing peer is retried after FIRST_BACKOFF_S doubling up to MAX_BACKOFF_S,
+# jittered by 0.5x-1.5x.
 # Kept short: after a symmetric partition neither side calls the other until a
 # back-off ends, so this bounds how long a healed link lies idle (docs/performance.md).
 # A call to a peer that is down costs one refused connection attempt.
+FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 2.0
 # A partition that drops packets (rather than refusing connections) leaves a TCP
 # connection that looks open while its retransmission timer backs off towards
@@ -75,4 +77,5 @@ class Tuning:
     push_queue_limit: int = PUSH_QUEUE_LIMIT
     unreachable_after: int = UNREACHABLE_AFTER
     unreachable_after_s: float = UNREACHABLE_AFTER_S
+    first_backoff_s: float = FIRST_BACKOFF_S
     max_backoff_s: float = MAX_BACKOFF_S
