@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from fencemark.node.api.interceptor import Handler, UnaryInterceptor
+from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape
 from fencemark.node.api.service import refuse
 from fencemark.node.rules.admission import Caller
 from fencemark.node.rules.errors import ACT_FOR_OTHERS as ACTING_FOR_OTHERS
@@ -190,7 +190,7 @@ def load_access(path: Path | str) -> AccessMap:
 
 
 # Generic in grpc-stubs only: not subscriptable at runtime.
-class Authorize(UnaryInterceptor):
+class Authorize(Interceptor):
     """Refuse every fencemark.v1 call whose caller lacks the method's right.
 
     Installed after ``Telemetry`` so a denial is counted and logged like any
@@ -205,14 +205,14 @@ class Authorize(UnaryInterceptor):
         self.revocations = revocations or Revocations()
 
     def wrap(
-        self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler[Any, Any]
-    ) -> Handler | None:
+        self, details: grpc.HandlerCallDetails, behaviour: Behaviour, shape: Shape
+    ) -> Behaviour | None:
         method = details.method
         if not method.startswith(PACKAGE):
             return None  # health, reflection: any authenticated caller
-        if handler.unary_unary is None:  # fencemark.v1 has only unary methods
+        if shape is not Shape.UNARY:  # fencemark.v1 has only unary methods
             raise RuntimeError(f"{method}: authorization covers unary methods only")
-        inner: Handler = handler.unary_unary  # type: ignore[assignment]
+        inner: Handler = behaviour
         access, revocations = self.access, self.revocations
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:

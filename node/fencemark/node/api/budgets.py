@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from fencemark.node.api.interceptor import Continuation
+from fencemark.node.api.interceptor import Behaviour, Interceptor, Shape
 from fencemark.node.api.service import refuse
 from fencemark.node.api.telemetry import NodeMetrics
 from fencemark.node.rules.errors import Exhausted
@@ -74,7 +74,7 @@ def give_back() -> None:
         slot.release()
 
 
-class CallBudgets(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class CallBudgets(Interceptor):
     """The server interceptor that keeps each class of call within its budget.
 
     ``classes`` maps a method's full path to its class; a path not in it is a
@@ -110,30 +110,12 @@ class CallBudgets(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self.in_flight[kind] -= 1
         self._gauges[kind].dec()
 
-    async def intercept_service(
-        self, continuation: Continuation, details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        # None (despite the stubs) for a method no servicer has: gRPC answers UNIMPLEMENTED.
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(details)
-        if handler is None:
-            return handler  # type: ignore[return-value]
-        kind = self.kind_of(details.method)
-        wrap: Callable[..., grpc.RpcMethodHandler[Any, Any]]
-        for behaviour, wrap in (
-            (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
-            (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
-            (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
-            (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
-        ):
-            if behaviour is not None:
-                return wrap(
-                    self._within(kind, behaviour),
-                    request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer,
-                )
-        return handler
+    def wrap(
+        self, details: grpc.HandlerCallDetails, behaviour: Behaviour, shape: Shape
+    ) -> Behaviour:
+        return self._within(self.kind_of(details.method), behaviour)
 
-    def _within(self, kind: str, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    def _within(self, kind: str, behaviour: Behaviour) -> Behaviour:
         """``behaviour`` holding a slot of ``kind`` while it runs (or streams)."""
         if inspect.isasyncgenfunction(behaviour):
 

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fencemark.node.api.interceptor import Handler, UnaryInterceptor
+from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -267,20 +267,20 @@ access_log = logging.getLogger("fencemark.node.access")
 
 
 # Generic in grpc-stubs only: not subscriptable at runtime.
-class Telemetry(UnaryInterceptor):
+class Telemetry(Interceptor):
     """Request ids, timing and counts for every unary call."""
 
     def __init__(self, metrics: NodeMetrics) -> None:
         self.metrics = metrics
 
     def wrap(
-        self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler[Any, Any]
-    ) -> Handler | None:
-        if handler.unary_unary is None:
+        self, details: grpc.HandlerCallDetails, behaviour: Behaviour, shape: Shape
+    ) -> Behaviour | None:
+        if shape is not Shape.UNARY:
             return None
         method = details.method.rsplit("/", 1)[-1]
         given = dict(details.invocation_metadata or ()).get(REQUEST_ID_METADATA, "")
-        inner: Handler = handler.unary_unary  # type: ignore[assignment]
+        inner: Handler = behaviour
         metrics = self.metrics
 
         async def observed(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
