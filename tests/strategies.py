@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 
 from fencemark.node.crdt import HybridClock, Record, Stamp
 from fencemark.node.crdt.fence import HISTORY, Grant
+from fencemark.node.crdt.record import ATTEMPTS, NOT_BEFORE, STATUS, STATUSES
 from fencemark.node.security.signing import Keyring, Signer
 from fencemark.node.security.tls import Identity, create_ca, issue
 
@@ -309,7 +310,17 @@ class Sealed:
         node.record = node.record.with_fence(fence)
 
 
-WriteOp = Create | SetFields | AddTags | RemoveTags | SetDeleted | Clear | Tombstone
+@dataclass(frozen=True)
+class SetQueue:
+    """Write work-queue registers (SPEC §8: status, attempts, not_before)."""
+
+    values: Mapping[str, str]
+
+    def apply(self, node: SimNode) -> None:
+        node.record = node.record.set_queue(self.values, node.stamp())
+
+
+WriteOp = Create | SetFields | AddTags | RemoveTags | SetDeleted | Clear | Tombstone | SetQueue
 
 
 @dataclass(frozen=True)
@@ -365,6 +376,18 @@ lease_ms = st.integers(min_value=1_000, max_value=3_600_000)
 signers = st.sampled_from([0, 1, None])
 
 
+# What the home writes: a status (with the attempts of a grant, or alone), or a
+# not_before (a deferred release).
+_statuses = st.sampled_from(STATUSES)
+queue_values: st.SearchStrategy[dict[str, str]] = st.one_of(
+    st.fixed_dictionaries({STATUS: _statuses}),
+    st.fixed_dictionaries({STATUS: _statuses, ATTEMPTS: st.sampled_from(["1", "2", "5"])}),
+    st.fixed_dictionaries(
+        {STATUS: _statuses, NOT_BEFORE: st.sampled_from([str(EPOCH_MS), str(EPOCH_MS + 5_000)])}
+    ),
+)
+
+
 def write_ops(regions: Sequence[str] = REGIONS) -> st.SearchStrategy[WriteOp]:
     """Writes any replica may admit (``create`` names a home from ``regions``)."""
     return st.one_of(
@@ -380,6 +403,7 @@ def write_ops(regions: Sequence[str] = REGIONS) -> st.SearchStrategy[WriteOp]:
         st.builds(SetDeleted, st.booleans()),
         st.builds(Clear),
         st.builds(Tombstone, st.sampled_from(regions)),
+        st.builds(SetQueue, queue_values),
     )
 
 

@@ -437,8 +437,8 @@ def test_integers_in_a_state_are_uint64_on_both_sides_of_the_codec() -> None:
     at_limit = Record(KEY).with_fence(FenceState(released=frozenset({2**64 - 1})))
     assert decode(encode(at_limit)) == at_limit
     # released: one token, 2**64 - 1 in ten bytes; then no lapsed token, no seal,
-    # moved 0 and no signature of it
-    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00" * 4)
+    # moved 0, no signature of it and no queue register
+    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00" * 5)
     for beyond in (2**64, 2**77):
         with pytest.raises(ValueError, match="uint64"):
             encode(Record(KEY).with_fence(FenceState(released=frozenset({beyond}))))
@@ -487,6 +487,7 @@ def test_equal_states_encode_to_equal_bytes(states: tuple[Record, ...]) -> None:
                 dict(reversed(list(r.fence.seals.items()))),
                 r.fence.moved_signature,
             ),
+            dict(reversed(list(r.queue.items()))),
         )
 
     assert encode(reversed_maps(orders[0])) == encode(orders[0])
@@ -548,7 +549,7 @@ S1 = stamp(1, pack(EPOCH_MS, 1), "local")
 
 
 def field_entry(name: str, value: str = "v", signature: bytes | None = b"") -> bytes:
-    """A field in format 4 (with its signature), or in format 3 (``None``: no signature)."""
+    """A field (or queue register) with its signature, or in format 3 (``None``: none)."""
     head = text(name) + S1 + text(value)
     return head if signature is None else head + varint(len(signature)) + signature
 
@@ -582,7 +583,7 @@ def birth_entry(region: str, signature: bytes = b"") -> bytes:
 
 def layout(
     *,
-    fmt: bytes = b"\x04",
+    fmt: bytes = b"\x05",
     key: bytes = text("k"),
     births: bytes = section(),
     fields: bytes = section(),
@@ -595,12 +596,12 @@ def layout(
     seals: bytes = section(),
     moved: bytes = varint(0),
     moved_signature: bytes = b"",
+    queue: bytes = section(),
 ) -> bytes:
     ended = released + lapsed + seals
     signed_move = varint(len(moved_signature)) + moved_signature
-    return (
-        fmt + key + births + fields + tags + deleted + grants + leases + ended + moved + signed_move
-    )
+    content = fmt + key + births + fields + tags + deleted
+    return content + grants + leases + ended + moved + signed_move + queue
 
 
 def legacy_layout(*, fmt: bytes, home: bytes, grants: bytes, leases: bytes) -> bytes:
@@ -609,6 +610,7 @@ def legacy_layout(*, fmt: bytes, home: bytes, grants: bytes, leases: bytes) -> b
     return fmt + text("k") + home + rest
 
 
+FULL_QUEUE = section(field_entry("attempts", "2"), field_entry("status", "done", SIG))
 FULL = layout(
     key=text(KEY),
     births=section(birth_entry("eu", SIG), birth_entry("local")),
@@ -620,11 +622,12 @@ FULL = layout(
     released=section(varint(2)),
     lapsed=section(varint(1)),
     seals=section(varint(2) + varint(len(SIG)) + SIG),
+    queue=FULL_QUEUE,
 )
 
 
 def test_encoding_matches_documented_layout() -> None:
-    """Pins format 4 byte for byte: a change here breaks every stored digest."""
+    """Pins format 5 byte for byte: a change here breaks every stored digest."""
     s1 = Stamp(1, pack(EPOCH_MS, 1), "local")
     grant = Grant(pack(EPOCH_MS), "worker-a", "local")
     signed = grant._replace(signature=SIG, identity="client/alice")
@@ -641,6 +644,7 @@ def test_encoding_matches_documented_layout() -> None:
             lapsed=frozenset({1}),
             seals={2: SIG},
         ),
+        queue={"status": LWW(s1, "done", SIG), "attempts": LWW(s1, "2")},
     )
     assert encode(record) == FULL
     assert decode(FULL) == record
@@ -655,10 +659,15 @@ def test_encoding_matches_documented_layout() -> None:
 
 NON_CANONICAL = {
     "empty input": b"",
-    "unknown format": layout(fmt=b"\x05"),
+    "unknown format": layout(fmt=b"\x06"),
     "format 1 (before signatures)": layout(fmt=b"\x01"),
     "format 2 (before births)": layout(fmt=b"\x02"),
     "format 3 (before signed writes)": layout(fmt=b"\x03"),
+    "format 4 (before the work queue)": layout(fmt=b"\x04")[:-1],
+    "queue unsorted": layout(queue=section(field_entry("status"), field_entry("attempts"))),
+    "duplicate queue register": layout(
+        queue=section(field_entry("status", "open"), field_entry("status", "done"))
+    ),
     "truncated write signature": layout(fields=section(field_entry("body", signature=SIG)[:-1])),
     "a seal of a token below the fence": layout(
         grants=section(grant_entry(1), grant_entry(2)),
@@ -699,8 +708,9 @@ NON_CANONICAL = {
     "varint of 11 bytes": layout(released=b"\x01" + b"\x80" * 10 + b"\x01"),
     "trailing byte": layout() + b"\x00",
     "trailing bytes after full record": FULL + b"\x01\x02",
-    "missing move": layout()[:-2],
-    "missing move signature": layout()[:-1],
+    "missing move": layout()[:-3],
+    "missing move signature": layout()[:-2],
+    "missing queue": layout()[:-1],
     "tag flag 2": layout(tags=section(tag_entry("backlog", 2))),
     "deleted flag 0xff": layout(deleted=stamp() + b"\xff\x00"),
     "truncated string": layout(key=b"\x05k"),
@@ -767,6 +777,18 @@ def test_format_3_states_are_upgraded_with_unsigned_writes() -> None:
     assert all(not reg.signature for _, _, reg in upgraded.registers())
 
 
+def test_format_4_states_are_upgraded_with_no_queue_registers() -> None:
+    """Format 4 ended at the move's signature: storage re-encodes it with an empty
+    queue (every item ``open``, no attempts), and decode takes format 5 only."""
+    v4 = b"\x04" + FULL[1 : -len(FULL_QUEUE)]
+    v5 = b"\x05" + v4[1:] + section()
+    assert upgrade(v4) == v5
+    with pytest.raises(DecodeError):
+        decode(v4)
+    upgraded = decode(v5)
+    assert (upgraded.queue, upgraded.status, upgraded.attempts) == ({}, "open", 0)
+
+
 def test_layout_builder_is_canonical() -> None:
     """The rejection cases are rejected for their one defect, not the builder's."""
     for data in (layout(), FULL):
@@ -783,8 +805,8 @@ def test_decode_rejects_non_canonical_input(data: bytes) -> None:
 #
 # Every integer of a state (counts, lengths, tokens, stamps) is one varint, so the
 # varint is where "equal states have equal bytes" is decided. ``moved`` is the last
-# field of the layout but its signature: a state whose only content is an unsigned
-# move ends with its varint and an empty signature.
+# field of the layout but its signature and the queue: a state whose only content is
+# an unsigned move ends with its varint, an empty signature and no queue register.
 
 
 def minimal_length(n: int) -> int:
@@ -832,12 +854,12 @@ def test_decode_refuses_an_integer_in_more_bytes_than_it_needs(n: int, extra: in
         decode(layout(moved=longer_form(n, extra)))
 
 
-def test_the_encoding_is_format_4() -> None:
+def test_the_encoding_is_format_5() -> None:
     """Every node must write and read the same format: a state's first byte says which,
-    decode refuses any other, and storage upgrades files of formats 1 to 3 (codec
+    decode refuses any other, and storage upgrades files of formats 1 to 4 (codec
     docstring). A new format is a deliberate step with an upgrade path, never a drift."""
-    assert FORMAT == 4
-    assert encode(Record("k"))[0] == 4
+    assert FORMAT == 5
+    assert encode(Record("k"))[0] == 5
 
 
 @LAWS

@@ -92,6 +92,10 @@ async def test_states_over_the_limits_of_a_client_write_are_refused_and_change_n
             "long tag": new("long-tag").add_tags(["t" * 257], stamp),
             "field name": before.set_fields({"no spaces": "x"}, stamp),
             "home tag": before.add_tags(["homeRegion:eu"], stamp),
+            "queue name": before.set_queue({"priority": "1"}, stamp),
+            "status": before.set_queue({"status": "finished"}, stamp),
+            "attempts": before.set_queue({"attempts": "-1"}, stamp),
+            "not_before": before.set_queue({"not_before": "0" + "1" * 20}, stamp),
         }
         honest = await state_of(us, other)
         assert honest is not None

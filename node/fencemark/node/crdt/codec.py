@@ -6,9 +6,9 @@ booleans as one byte. ``decode`` accepts only canonical input (sorted, unique
 keys, minimal varints, nothing trailing), so ``encode(decode(b)) == b`` for every
 ``b`` it accepts and the digest of a state is well defined.
 
-Layout (format 4)::
+Layout (format 5)::
 
-    0x04 key births fields tags deleted grants lease_expiry released lapsed seals moved
+    0x05 key births fields tags deleted grants lease_expiry released lapsed seals moved queue
     births       = n (region stamp signature)*  sorted by region
     fields       = n (name stamp str signature)*  sorted by name
     tags         = n (tag stamp bool signature)*  sorted by tag
@@ -20,13 +20,15 @@ Layout (format 4)::
     lapsed       = n token*                     ascending
     seals        = n (token signature)*         sorted by token; the fence's only
     moved        = token signature
+    queue        = n (name stamp str signature)*  sorted by name (SPEC §8: status, ...)
     stamp        = epoch hlc node
     bytes        = varint length, then the bytes
 
-Format 3 had no signatures on registers, no seals and no signed move; format 2
-also had one optional home (``0x00 | 0x01 stamp str``) instead of births, grants
-without an identity, and neither ``lapsed`` nor ``moved``; format 1 also had no
-signatures at all. Storage re-encodes them when it opens an older file
+Format 4 had no queue registers; format 3 also had no signatures on registers,
+no seals and no signed move; format 2 also had one optional home
+(``0x00 | 0x01 stamp str``) instead of births, grants without an identity, and
+neither ``lapsed`` nor ``moved``; format 1 also had no signatures at all. Storage
+re-encodes them when it opens an older file
 (``upgrade``); the wire takes the current format only.
 
 What a home signs for a grant is ``grant_message`` (docs/security.md, *Signed
@@ -46,9 +48,10 @@ from fencemark.node.crdt.hlc import Stamp
 from fencemark.node.crdt.lww import LWW
 from fencemark.node.crdt.record import Birth, Record
 
-FORMAT = 4
-# Before signed grants (1), before births (2), before signed writes (3): ``upgrade``.
-LEGACY_FORMATS = (1, 2, 3)
+FORMAT = 5
+# Before signed grants (1), before births (2), before signed writes (3), before the
+# work queue (4): ``upgrade``.
+LEGACY_FORMATS = (1, 2, 3, 4)
 GRANT_MESSAGE = b"fencemark grant v1\x00"  # domain separation of grant signatures
 BIRTH_MESSAGE = b"fencemark birth v1\x00"  # ... of birth signatures
 WRITE_MESSAGE = b"fencemark write v1\x00"  # ... of signed writes
@@ -152,6 +155,13 @@ def encode(record: Record) -> bytes:
         _bytes(out, fence.seals[token])
     _varint(out, fence.moved)
     _bytes(out, fence.moved_signature)
+    _varint(out, len(record.queue))
+    for name in sorted(record.queue):
+        reg = record.queue[name]
+        _str(out, name)
+        _stamp(out, reg.stamp)
+        _str(out, reg.value)
+        _bytes(out, reg.signature)
     return bytes(out)
 
 
@@ -180,8 +190,8 @@ def birth_message(key: str, region: str, birth: Birth) -> bytes:
 
 def write_message(key: str, kind: str, name: str, register: LWW[str] | LWW[bool]) -> bytes:
     """The bytes the node admitting a write under a claim signs for one register it
-    wrote: the record key, which register (``kind``: FIELD, TAG or DELETED, and its
-    ``name``; ``""`` for DELETED), its stamp and its value."""
+    wrote: the record key, which register (``kind``: FIELD, TAG, QUEUE or DELETED,
+    and its ``name``; ``""`` for DELETED), its stamp and its value."""
     out = bytearray(WRITE_MESSAGE)
     _str(out, key)
     _str(out, kind)
@@ -303,7 +313,8 @@ def decode(data: bytes) -> Record:
 def upgrade(data: bytes) -> bytes:
     """A stored state in the current format: a state of a legacy format is
     re-encoded (grants unsigned if format 1; the home as the one birth before
-    format 3; registers unsigned before format 4); others are returned as they
+    format 3; registers unsigned before format 4; no queue registers before
+    format 5); others are returned as they
     are. Only storage calls this, when it opens an older file: the wire takes the
     current format only."""
     if data[:1] not in (bytes([fmt]) for fmt in LEGACY_FORMATS):
@@ -350,6 +361,9 @@ def _decode(data: bytes, fmt: int) -> Record:
         moved = r.varint()
         if signed:
             moved_signature = r.blob()
+    queue: dict[str, LWW[str]] = {}
+    if fmt >= 5:
+        queue = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str(), r.blob()))
     if r.pos != len(data):
         raise DecodeError("trailing bytes")
     fence = FenceState(
@@ -361,4 +375,4 @@ def _decode(data: bytes, fmt: int) -> Record:
         raise DecodeError("a seal of a token that is not the fence")
     if moved_signature and not moved:
         raise DecodeError("a signature of a move that was never made")
-    return Record(key, births, fields, tags, deleted, fence)
+    return Record(key, births, fields, tags, deleted, fence, queue)

@@ -20,7 +20,14 @@ from fencemark.node.crdt.tagset import TagSet
 
 HOME_TAG_PREFIX = "homeRegion:"
 # What a register is to (``Record.registers``, ``codec.write_message``).
-FIELD, TAG, DELETED = "field", "tag", "deleted"
+FIELD, TAG, DELETED, QUEUE = "field", "tag", "deleted", "queue"
+# The work-queue registers (SPEC §8), each an LWW register of a string like a field:
+# ``status`` (``open`` until written), ``attempts`` (grants so far, decimal; only the
+# home writes it) and ``not_before`` (UTC milliseconds, decimal).
+STATUS, ATTEMPTS, NOT_BEFORE = "status", "attempts", "not_before"
+QUEUE_REGISTERS = (ATTEMPTS, NOT_BEFORE, STATUS)
+OPEN, DONE, PARKED = "open", "done", "parked"
+STATUSES = (OPEN, DONE, PARKED)
 Register = LWW[str] | LWW[bool]
 
 
@@ -57,6 +64,7 @@ class Record:
     tags: TagSet = field(default_factory=dict)
     deleted: LWW[bool] = lww.FALSE
     fence: FenceState = field(default_factory=FenceState)
+    queue: Mapping[str, LWW[str]] = field(default_factory=dict)
 
     # -- lattice --------------------------------------------------------------
 
@@ -70,6 +78,7 @@ class Record:
             tags=tagset.merge(self.tags, other.tags),
             deleted=lww.merge(self.deleted, other.deleted),
             fence=self.fence.merge(other.fence),
+            queue=lww.merge_maps(self.queue, other.queue, lww.merge),
         )
 
     # -- value ----------------------------------------------------------------
@@ -122,18 +131,38 @@ class Record:
             present.add(HOME_TAG_PREFIX + self.home.value)
         return sorted(present)
 
+    @property
+    def status(self) -> str:
+        """``open``, ``done`` or ``parked`` (SPEC §8); ``open`` until written."""
+        reg = self.queue.get(STATUS)
+        return reg.value if reg is not None else OPEN
+
+    @property
+    def attempts(self) -> int:
+        """Claims granted on the item so far, as its home counted them."""
+        reg = self.queue.get(ATTEMPTS)
+        return int(reg.value) if reg is not None else 0
+
+    @property
+    def not_before_ms(self) -> int:
+        """UTC milliseconds before which the item is not handed out; 0: any time."""
+        reg = self.queue.get(NOT_BEFORE)
+        return int(reg.value) if reg is not None else 0
+
     def stamps(self) -> Iterator[Stamp]:
         yield from (birth.stamp for birth in self.births.values())
         yield from (reg.stamp for reg in self.fields.values())
         yield from (reg.stamp for reg in self.tags.values())
         yield self.deleted.stamp
+        yield from (reg.stamp for reg in self.queue.values())
 
     def registers(self) -> Iterator[tuple[str, str, Register]]:
         """Every register of the record's content, as ``(kind, name, register)``:
-        FIELD and TAG by name, and DELETED (named ``""``)."""
+        FIELD, TAG and QUEUE by name, and DELETED (named ``""``)."""
         yield from ((FIELD, name, reg) for name, reg in self.fields.items())
         yield from ((TAG, name, reg) for name, reg in self.tags.items())
         yield DELETED, "", self.deleted
+        yield from ((QUEUE, name, reg) for name, reg in self.queue.items())
 
     def max_hlc(self) -> int:
         """The largest HLC timestamp anywhere in the state (0 for an empty one)."""
@@ -158,12 +187,11 @@ class Record:
         )
 
     def set_fields(self, values: Mapping[str, str], stamp: Stamp) -> Record:
-        fields = dict(self.fields)
-        for name, value in values.items():
-            current = fields.get(name)
-            written = LWW(stamp, value)
-            fields[name] = written if current is None else lww.merge(current, written)
-        return replace(self, fields=fields)
+        return replace(self, fields=_assigned(self.fields, values, stamp))
+
+    def set_queue(self, values: Mapping[str, str], stamp: Stamp) -> Record:
+        """Write queue registers (``STATUS``, ``ATTEMPTS``, ``NOT_BEFORE``) at ``stamp``."""
+        return replace(self, queue=_assigned(self.queue, values, stamp))
 
     def add_tags(self, names: Iterable[str], stamp: Stamp) -> Record:
         return replace(self, tags=tagset.add(self.tags, names, stamp))
@@ -192,7 +220,9 @@ class Record:
 
         fields = {name: sign(FIELD, name, reg) for name, reg in self.fields.items()}
         tags = {name: sign(TAG, name, reg) for name, reg in self.tags.items()}
-        return replace(self, fields=fields, tags=tags, deleted=sign(DELETED, "", self.deleted))
+        queue = {name: sign(QUEUE, name, reg) for name, reg in self.queue.items()}
+        deleted = sign(DELETED, "", self.deleted)
+        return replace(self, fields=fields, tags=tags, deleted=deleted, queue=queue)
 
     def with_fence(self, fence: FenceState) -> Record:
         return replace(self, fence=fence)
@@ -201,3 +231,16 @@ class Record:
         """``region``'s birth replaced by ``birth`` — another version of the same one
         (its signature): the merge keeps whichever it prefers."""
         return replace(self, births={**self.births, region: birth})
+
+
+def _assigned(
+    registers: Mapping[str, LWW[str]], values: Mapping[str, str], stamp: Stamp
+) -> dict[str, LWW[str]]:
+    """``registers`` with each of ``values`` written at ``stamp`` (a merge: an older
+    stamp changes nothing)."""
+    out = dict(registers)
+    for name, value in values.items():
+        current = out.get(name)
+        written = LWW(stamp, value)
+        out[name] = written if current is None else lww.merge(current, written)
+    return out

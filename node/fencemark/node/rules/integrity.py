@@ -57,7 +57,7 @@ from typing import Protocol
 
 from fencemark.node.crdt import Birth, Record
 from fencemark.node.crdt.fence import HISTORY, Grant
-from fencemark.node.crdt.record import DELETED, FIELD, Register
+from fencemark.node.crdt.record import DELETED, FIELD, QUEUE, Register
 from fencemark.node.rules.admission import RECOVERY_GAP, split_tokens, token_ceiling
 from fencemark.node.rules.errors import FencemarkError
 from fencemark.node.rules.validation import MAX_LEASE_S
@@ -296,4 +296,6 @@ def _register(record: Record, kind: str, name: str) -> Register | None:
         return record.fields.get(name)
     if kind == DELETED:
         return record.deleted
+    if kind == QUEUE:
+        return record.queue.get(name)
     return record.tags.get(name)

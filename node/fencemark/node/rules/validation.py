@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from fencemark.node.crdt import Record, tagset
+from fencemark.node.crdt.record import QUEUE_REGISTERS, STATUS, STATUSES
 from fencemark.node.rules.errors import InvalidInput
 
 SEGMENT = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -20,6 +21,8 @@ KEY = re.compile(
 )
 FIELD_NAME = SEGMENT
 REGION = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# A queue register's count or UTC milliseconds: canonical decimal (no sign, no leading 0).
+DECIMAL = re.compile(r"0|[1-9][0-9]{0,19}")
 # The identity a grant was made to (``tls.Identity`` as text): empty, or KIND/NAME.
 GRANT_IDENTITY = re.compile(rf"((client|region)/{REGION.pattern})?")
 
@@ -155,6 +158,7 @@ def state(record: Record, size: int) -> None:
     no_home_tags(present_tags, "tags")  # the home is the record's own, not a tag
     for removed in record.tags.keys() - set(present_tags):
         tags([removed])
+    queue_registers(record)
     for token, grant in record.fence.grants.items():
         owner(grant.owner, f"grants[{token}].owner")
         region(grant.region, f"grants[{token}].region")
@@ -163,6 +167,20 @@ def state(record: Record, size: int) -> None:
                 f"grants[{token}].identity",
                 f"an identity is client/NAME or region/NAME, got {grant.identity[:100]!r}",
             )
+
+
+def queue_registers(record: Record) -> None:
+    """The work-queue registers are the three SPEC §8 names, a status word and
+    canonical decimal integers of at most 64 bits."""
+    for name, reg in record.queue.items():
+        where = f"queue.{name[:64]}"
+        if name not in QUEUE_REGISTERS:
+            raise InvalidInput.field(where, f"a queue register is one of {QUEUE_REGISTERS}")
+        if name == STATUS:
+            if reg.value not in STATUSES:
+                raise InvalidInput.field(where, f"a status is one of {STATUSES}")
+        elif DECIMAL.fullmatch(reg.value) is None or int(reg.value) >= 1 << 64:
+            raise InvalidInput.field(where, "a decimal integer below 2**64, without leading 0")
 
 
 def state_problem(record: Record, size: int) -> str | None:
