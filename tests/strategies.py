@@ -367,7 +367,27 @@ class SignOwnWrites:
             node.record = SIGNERS[self.signer].sign_writes(node.record, stamp)
 
 
-ClaimOp = GrantNext | Extend | Release | Lapse | MoveFence | BusyRun | SignOwnWrites | Sealed
+@dataclass(frozen=True)
+class HomeQueue:
+    """A work-queue write as a TLS home makes it (SPEC §8: a grant's attempts, a
+    claim's end, a reopen): only at the home, signed (``SIGNERS[signer]``;
+    ``Replica.signed_queue``)."""
+
+    values: Mapping[str, str]
+    signer: int = 0
+
+    def apply(self, node: SimNode) -> None:
+        if not node.home:
+            return
+        stamp = node.stamp()
+        node.record = SIGNERS[self.signer].sign_writes(
+            node.record.set_queue(self.values, stamp), stamp
+        )
+
+
+ClaimOp = (
+    GrantNext | Extend | Release | Lapse | MoveFence | BusyRun | SignOwnWrites | Sealed | HomeQueue
+)
 SplitOp = SplitCreate | SplitGrant
 Operation = WriteOp | Admitted | ClaimOp | SplitOp
 
@@ -425,6 +445,7 @@ def claim_ops() -> st.SearchStrategy[ClaimOp]:
         st.builds(BusyRun, st.integers(1, HISTORY + 2), st.sampled_from(OWNERS), signers),
         st.builds(SignOwnWrites, st.sampled_from([0, 1])),
         st.builds(Sealed, ends, st.sampled_from([0, 1])),
+        st.builds(HomeQueue, queue_values, st.sampled_from([0, 1])),
     )
 
 

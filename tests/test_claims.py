@@ -663,21 +663,25 @@ async def test_claim_status_shows_the_token_only_to_callers_acting_for_its_holde
 
 
 class CancellingWall:
-    """This machine's wall clock, which cancels ``victim`` at its next read once armed:
-    a caller leaving exactly while its claim is being decided."""
+    """This machine's wall clock, which cancels ``victim`` at the next read made by
+    another task than the one that armed it (the test's own calls, e.g. the release
+    that lets the waiter in, do not count): a caller leaving exactly while its claim
+    is being decided."""
 
     def __init__(self) -> None:
         self.victim: asyncio.Task[Outcome] | None = None
+        self.armer: asyncio.Task[object] | None = None
 
     def arm(self, victim: asyncio.Task[Outcome]) -> None:
         self.victim = victim
+        self.armer = asyncio.current_task()
 
     @property
     def armed(self) -> bool:
         return self.victim is not None
 
     def __call__(self) -> int:
-        if self.victim is not None:
+        if self.victim is not None and asyncio.current_task() is not self.armer:
             self.victim.cancel()
             self.victim = None
         return wall_clock_ms()

@@ -179,6 +179,47 @@ def test_claim_is_live_only_for_an_unreleased_unexpired_fence() -> None:
     assert newer.holder() == Grant(pack(EPOCH_MS + 1), "worker-b", "local")
 
 
+def test_a_token_has_ended_when_released_or_seen_to_lapse_and_only_then() -> None:
+    """``ended`` is what a seal needs (docs/security.md, *Signed writes*): a release or a
+    lapse alone ends a claim; a grant that is neither has not ended, nor has a token
+    never granted."""
+    fence = FenceState().grant(1, Grant(pack(EPOCH_MS), "worker-a", "local"), EPOCH_MS + 1)
+    assert not fence.ended(1) and not fence.ended(2)
+    assert fence.release(1).ended(1)
+    assert fence.lapse(1).ended(1)
+    with pytest.raises(ValueError, match="has not ended"):
+        fence.sealed(b"\x01")
+
+
+def test_a_token_without_a_lease_expires_at_zero() -> None:
+    """``expiry`` of a token that never had a lease is 0 ("none"), never a time."""
+    assert FenceState().expiry(1) == 0
+    fence = FenceState().grant(2, Grant(pack(EPOCH_MS), "worker-a", "local"), EPOCH_MS + 9)
+    assert (fence.expiry(1), fence.expiry(2)) == (0, EPOCH_MS + 9)
+
+
+def test_a_seal_or_a_move_signature_is_replaced_only_by_a_larger_one() -> None:
+    """Two nodes may sign one end (or move): the join keeps the larger signature, so
+    storing one is an inflation — the same or a smaller one changes nothing."""
+    ended = FenceState().grant(1, Grant(pack(EPOCH_MS), "w", "local"), EPOCH_MS + 9).release(1)
+    sealed = ended.sealed(b"\x05")
+    assert sealed.seals == {1: b"\x05"}
+    assert sealed.sealed(b"\x05") == sealed == sealed.sealed(b"\x04")
+    assert sealed.sealed(b"\x06").seals == {1: b"\x06"}
+    moved = FenceState().move(3)
+    signed = moved.move_signed(b"\x05")
+    assert signed.moved_signature == b"\x05"
+    assert signed.move_signed(b"\x05") == signed == signed.move_signed(b"\x04")
+    assert signed.move_signed(b"\x06").moved_signature == b"\x06"
+
+
+def test_moving_the_fence_to_where_it_already_is_keeps_the_moves_signature() -> None:
+    """Only a move further on starts unsigned: the home's signature of this move stays."""
+    signed = FenceState().move(3).move_signed(b"\x05")
+    assert signed.move(3) == signed == signed.move(2)
+    assert signed.move(4).moved_signature == b""
+
+
 def test_a_record_claimed_thousands_of_times_keeps_a_bounded_history() -> None:
     """Regression: every claim added a grant, an expiry and a release for good, so a
     busy item's state (and the cost of encoding it on every write) grew without

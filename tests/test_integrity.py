@@ -39,12 +39,14 @@ from tests.strategies import (
     BusyRun,
     Create,
     GrantNext,
+    HomeQueue,
     Lapse,
     MoveFence,
     Operation,
     Release,
     Scenario,
     Sealed,
+    SetQueue,
     Tombstone,
     WriteOp,
     keyring,
@@ -60,7 +62,8 @@ KEYRING = keyring()  # the test CA's certificates of the home (both keys)
 def realistic(scenario: Scenario) -> Scenario:
     """As nodes do it: the record exists before anyone claims it, only its home
     region creates it (a node creates a record only in its own region), and writes
-    are admitted (and signed) as a TLS node admits them (``Admitted``)."""
+    are admitted (and signed) as a TLS node admits them (``Admitted``; the queue's
+    ``HomeQueue``)."""
 
     def homed(op: Operation) -> Operation:
         if isinstance(op, Create | Tombstone):
@@ -70,7 +73,9 @@ def realistic(scenario: Scenario) -> Scenario:
         if isinstance(op, Release | Lapse | MoveFence):
             return Sealed(op, 0)  # a TLS home seals an end and signs a move
         if isinstance(op, Admitted):
-            return Admitted(homed(op.op), 0)  # type: ignore[arg-type]
+            return homed(op.op)
+        if isinstance(op, SetQueue):
+            return HomeQueue(op.values, 0)  # only a TLS home writes the queue, signed
         if isinstance(op, WriteOp):
             return Admitted(op, 0)
         return op

@@ -44,7 +44,12 @@ SEED_ARGUMENTS = {
     "repocontext_update": {"key", "fields", "fencingToken"},
     "repocontext_claim": {"key", "owner", "leaseSeconds", "waitSeconds"},
     "repocontext_renew_claim": {"key", "fencingToken", "leaseSeconds"},
-    "repocontext_release_claim": {"key", "fencingToken"},
+    "repocontext_release_claim": {
+        "key", "fencingToken", "outcome", "fields", "retryAfterSeconds"
+    },
+    "repocontext_claim_next": {
+        "repoId", "topic", "owner", "leaseSeconds", "waitSeconds", "tags"
+    },
     "repocontext_claim_status": {"key"},
     "repocontext_recall": {"key"},
     "repocontext_list": {"repoId", "topic", "tag", "pageToken"},

@@ -104,6 +104,9 @@ async def test_every_tool_refuses_an_argument_it_does_not_take(node: NodeServer,
             "key": "repo/docs/mem/mcp/never", "fencingToken": 1, "leaseSeconds": 5
         },
         "repocontext_release_claim": {"key": "repo/docs/mem/mcp/never", "fencingToken": 1},
+        "repocontext_claim_next": {
+            "repoId": "docs", "topic": "mcp", "owner": "w", "leaseSeconds": 5
+        },
         "repocontext_claim_status": {"key": "repo/docs/mem/mcp/never"},
         "repocontext_recall": {"key": "repo/docs/mem/mcp/never"},
         "repocontext_list": {"repoId": "docs"},

@@ -93,7 +93,9 @@ async def test_reflection_describes_the_claims_service_methods(node: NodeServer)
         for file in files
         for service in file.service
     }
-    assert services["fencemark.v1.Claims"] == {"Claim", "RenewClaim", "ReleaseClaim", "ClaimStatus"}
+    assert services["fencemark.v1.Claims"] == {
+        "Claim", "RenewClaim", "ReleaseClaim", "ClaimStatus", "ClaimNext", "Reopen", "ForceRelease"
+    }  # fmt: skip
 
 
 # -- Node.Info ---------------------------------------------------------------------------

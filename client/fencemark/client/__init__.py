@@ -21,8 +21,12 @@ from fencemark.client.errors import (
 from fencemark.client.retry import retry_safe_methods
 from fencemark.client.tls import tls_credentials
 from fencemark.client.types import (
+    ClaimEvent,
+    ClaimNextResult,
     ClaimResult,
     ClaimStatus,
+    ForceReleaseResult,
+    History,
     LiveClaim,
     NodeInfo,
     PeerInfo,
@@ -31,15 +35,20 @@ from fencemark.client.types import (
     ReleaseResult,
     RememberResult,
     RenewResult,
+    ReopenResult,
 )
 
 __all__ = [
     "AsyncClient",
     "ClaimConflict",
+    "ClaimEvent",
+    "ClaimNextResult",
     "ClaimResult",
     "ClaimStatus",
     "Client",
     "FencemarkError",
+    "ForceReleaseResult",
+    "History",
     "InvalidArgument",
     "LiveClaim",
     "NodeInfo",
@@ -51,6 +60,7 @@ __all__ = [
     "ReleaseResult",
     "RememberResult",
     "RenewResult",
+    "ReopenResult",
     "Unavailable",
     "Unimplemented",
     "WrongRegion",

@@ -7,7 +7,7 @@ guarantees is written down once, in docs/consistency.md.
 Routing to a record's home region (SPEC §4) is described, and its state
 kept, in ``fencemark.client._routing``; ``AsyncClient._route`` follows it.
 
-About 410 lines on purpose: one short method per RPC, so the whole surface a
+About 520 lines on purpose: one short method per RPC, so the whole surface a
 caller sees reads in one file; conversions and routing live in their modules.
 """
 
@@ -27,14 +27,18 @@ from fencemark.client import _convert as convert
 from fencemark.client._routing import Router, Stubs, home_named, home_tag
 from fencemark.client.errors import ClaimConflict, from_rpc_error
 from fencemark.client.types import (
+    ClaimNextResult,
     ClaimResult,
     ClaimStatus,
+    ForceReleaseResult,
+    History,
     NodeInfo,
     Record,
     RecordPage,
     ReleaseResult,
     RememberResult,
     RenewResult,
+    ReopenResult,
 )
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
@@ -45,6 +49,7 @@ _Response = TypeVar("_Response")
 _Result = TypeVar("_Result")
 
 MAX_WAIT_SECONDS = 300.0  # SPEC §2: a claim waits at most 300 s
+EMPTY = "empty"  # ClaimNext found no eligible item
 
 
 class _HasRecord(Protocol):
@@ -326,6 +331,18 @@ class AsyncClient:
                 return
             page_token = page.next_page_token
 
+    async def history(self, key: str) -> History:
+        """The record's recent claim events, oldest first, from its home (which
+        keeps them) when ``regions`` maps it, else from ``target``."""
+        request = records_pb2.HistoryRequest(key=convert.check_str("key", key))
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.records.History,
+            request,
+            convert.history_from_proto,
+            home_only=True,
+        )
+
     # --- claims -------------------------------------------------------------
 
     async def claim(
@@ -373,17 +390,115 @@ class AsyncClient:
             home_only=True,
         )
 
-    async def release_claim(self, key: str, fencing_token: int) -> ReleaseResult:
-        """End the claim of ``fencing_token``; idempotent, never lowers the fence."""
+    async def release_claim(
+        self,
+        key: str,
+        fencing_token: int,
+        *,
+        outcome: str = "",
+        fields: Mapping[str, str] | None = None,
+        retry_after_seconds: float = 0.0,
+    ) -> ReleaseResult:
+        """End the claim of ``fencing_token``; never lowers the fence.
+
+        A plain release is idempotent for every token up to the fence. With an
+        ``outcome`` (``done``, ``failed``, ``deferred`` with ``retry_after_seconds``)
+        or ``fields``, it is the holder's last fenced write: the fields, the outcome
+        and the release are one commit, made only for the live claim's token.
+        """
         request = claims_pb2.ReleaseClaimRequest(
             key=convert.check_str("key", key),
             fencing_token=convert.check_token("fencing_token", fencing_token),
+            outcome=convert.check_str("outcome", outcome),
+            fields=convert.check_fields(fields),
+            retry_after_seconds=convert.check_seconds("retry_after_seconds", retry_after_seconds),
         )
         return await self._route(
             request.key,
             lambda stubs: stubs.claims.ReleaseClaim,
             request,
             convert.release_result_from_proto,
+            home_only=True,
+        )
+
+    async def claim_next(
+        self,
+        repo: str,
+        topic: str,
+        owner: str,
+        *,
+        lease_seconds: float = 0.0,
+        wait_seconds: float = 0.0,
+        tags: Iterable[str] = (),
+    ) -> ClaimNextResult:
+        """Claim the next eligible item of ``repo``/``topic``: nothing eligible is a
+        value (reason ``empty``).
+
+        Each node hands out the items homed in its region. The client asks
+        ``target`` first, then every other region of ``regions`` in name order,
+        each without waiting; only if none has an item does it wait up to
+        ``wait_seconds`` at ``target``.
+        """
+        request = claims_pb2.ClaimNextRequest(
+            repo=convert.check_str("repo", repo),
+            topic=convert.check_str("topic", topic),
+            owner=convert.check_str("owner", owner),
+            lease_seconds=convert.check_seconds("lease_seconds", lease_seconds),
+            wait_seconds=0.0,
+            tags=convert.check_strings("tags", tags),
+        )
+        wait = convert.check_seconds("wait_seconds", wait_seconds)
+        addresses = [self.target, *sorted(set(self._router.regions.values()) - {self.target})]
+        result: ClaimNextResult | None = None
+        for address in addresses:
+            result = await self._next_at(address, request)
+            if result.granted or result.reason != EMPTY:
+                return result
+        if wait == 0:
+            assert result is not None  # addresses holds target at least
+            return result
+        request.wait_seconds = wait
+        extra = wait if math.isfinite(wait) and 0 < wait <= MAX_WAIT_SECONDS else 0.0
+        return await self._next_at(self.target, request, extra_seconds=extra)
+
+    async def _next_at(
+        self, address: str, request: claims_pb2.ClaimNextRequest, *, extra_seconds: float = 0.0
+    ) -> ClaimNextResult:
+        response = await self._call(
+            self._router.stubs(address).claims.ClaimNext,
+            request,
+            seconds=self.timeout + extra_seconds,
+        )
+        result = convert.claim_next_result_from_proto(response)
+        if result.record is not None:
+            self._router.learn(result.record.key, result.record.home_region)
+        return result
+
+    async def reopen(self, key: str, reason: str) -> ReopenResult:
+        """Make a parked (or done) item ``open`` again, its attempts counted from
+        zero (an operator's call; the ``operate`` right under TLS)."""
+        request = claims_pb2.ReopenRequest(
+            key=convert.check_str("key", key), reason=convert.check_str("reason", reason)
+        )
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.claims.Reopen,
+            request,
+            convert.reopen_result_from_proto,
+            home_only=True,
+        )
+
+    async def force_release(self, key: str, reason: str) -> ForceReleaseResult:
+        """Take the live claim back: its holder is refused ``superseded`` from now on
+        (an operator's call; the ``operate`` right under TLS)."""
+        request = claims_pb2.ForceReleaseRequest(
+            key=convert.check_str("key", key), reason=convert.check_str("reason", reason)
+        )
+        return await self._route(
+            request.key,
+            lambda stubs: stubs.claims.ForceRelease,
+            request,
+            convert.force_release_result_from_proto,
             home_only=True,
         )
 

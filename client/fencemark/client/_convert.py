@@ -13,8 +13,12 @@ from datetime import UTC, datetime
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from fencemark.client.types import (
+    ClaimEvent,
+    ClaimNextResult,
     ClaimResult,
     ClaimStatus,
+    ForceReleaseResult,
+    History,
     LiveClaim,
     NodeInfo,
     PeerInfo,
@@ -23,6 +27,7 @@ from fencemark.client.types import (
     ReleaseResult,
     RememberResult,
     RenewResult,
+    ReopenResult,
 )
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
@@ -101,6 +106,10 @@ def record_from_proto(message: record_pb2.Record) -> Record:
         deleted=message.deleted,
         digest=message.digest,
         updated_at=to_datetime(message.updated_at, message.HasField("updated_at")),
+        status=message.status or "open",
+        attempts=message.attempts,
+        not_before=to_datetime(message.not_before, message.HasField("not_before")),
+        last_outcome=message.last_outcome,
     )
 
 
@@ -145,6 +154,57 @@ def release_result_from_proto(message: claims_pb2.ReleaseClaimResponse) -> Relea
         reason=message.reason,
         home_region=message.home_region,
         fence=message.fence,
+    )
+
+
+def claim_next_result_from_proto(message: claims_pb2.ClaimNextResponse) -> ClaimNextResult:
+    return ClaimNextResult(
+        granted=message.granted,
+        fencing_token=message.fencing_token,
+        lease_expires_at=to_datetime(
+            message.lease_expires_at, message.HasField("lease_expires_at")
+        ),
+        reason=message.reason,
+        home_region=message.home_region,
+        record=record_from_proto(message.record) if message.HasField("record") else None,
+    )
+
+
+def reopen_result_from_proto(message: claims_pb2.ReopenResponse) -> ReopenResult:
+    return ReopenResult(
+        reopened=message.reopened,
+        reason=message.reason,
+        home_region=message.home_region,
+        record=record_from_proto(message.record) if message.HasField("record") else None,
+    )
+
+
+def force_release_result_from_proto(
+    message: claims_pb2.ForceReleaseResponse,
+) -> ForceReleaseResult:
+    return ForceReleaseResult(
+        released=message.released,
+        reason=message.reason,
+        home_region=message.home_region,
+        fence=message.fence,
+        superseded_token=message.superseded_token,
+    )
+
+
+def history_from_proto(message: records_pb2.HistoryResponse) -> History:
+    return History(
+        events=tuple(
+            ClaimEvent(
+                at=to_datetime(event.at, event.HasField("at")),
+                kind=event.kind,
+                fencing_token=event.fencing_token,
+                owner=event.owner,
+                identity=event.identity,
+                detail=event.detail,
+            )
+            for event in message.events
+        ),
+        home_region=message.home_region,
     )
 
 

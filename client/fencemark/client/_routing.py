@@ -40,10 +40,13 @@ from fencemark.client.retry import channel_options
 from fencemark.client.types import (
     ClaimResult,
     ClaimStatus,
+    ForceReleaseResult,
+    History,
     Record,
     ReleaseResult,
     RememberResult,
     RenewResult,
+    ReopenResult,
 )
 from fencemark.v1 import claims_pb2_grpc, node_pb2_grpc, records_pb2_grpc
 
@@ -59,8 +62,19 @@ _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 def home_named(answer: object) -> tuple[str, bool]:
     """The home region an answer (or refusal) names, and whether it says ``wrong_region``."""
     match answer:
-        case ClaimResult() | RenewResult() | ReleaseResult() | ClaimConflict():
+        case (
+            ClaimResult()
+            | RenewResult()
+            | ReleaseResult()
+            | ReopenResult()
+            | ForceReleaseResult()
+            | ClaimConflict()
+        ):
             return answer.home_region, answer.reason == WRONG_REGION
+        case History():
+            # Only the home keeps a record's history: an answer from any other
+            # node is followed to the home, if the regions map has it.
+            return answer.home_region, True
         case Record() | ClaimStatus():
             return answer.home_region, False
         case RememberResult():

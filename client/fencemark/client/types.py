@@ -26,6 +26,12 @@ class Record:
     deleted: bool = False
     digest: bytes = b""
     updated_at: datetime | None = None
+    # The work queue (docs/api.md, *Work queue*): open, done or parked; claims
+    # granted so far; a deferral's end; how the last claim ended.
+    status: str = "open"
+    attempts: int = 0
+    not_before: datetime | None = None
+    last_outcome: str = ""
 
     @property
     def kind(self) -> str:
@@ -90,6 +96,60 @@ class ReleaseResult:
     reason: str
     home_region: str
     fence: int
+
+
+@dataclass(frozen=True)
+class ClaimNextResult:
+    """The outcome of ``claim_next``: the claim and the item it is on, or
+    ``granted=False`` with reason ``empty`` when no item was eligible."""
+
+    granted: bool
+    fencing_token: int
+    lease_expires_at: datetime | None
+    reason: str
+    home_region: str
+    record: Record | None
+
+
+@dataclass(frozen=True)
+class ReopenResult:
+    """The outcome of ``reopen``: the item open again, with no attempts counted."""
+
+    reopened: bool
+    reason: str
+    home_region: str
+    record: Record | None
+
+
+@dataclass(frozen=True)
+class ForceReleaseResult:
+    """The outcome of ``force_release``: ``superseded_token`` is refused from now on."""
+
+    released: bool
+    reason: str
+    home_region: str
+    fence: int
+    superseded_token: int
+
+
+@dataclass(frozen=True)
+class ClaimEvent:
+    """One event of a record's claim history, as its home decided it."""
+
+    at: datetime | None
+    kind: str
+    fencing_token: int
+    owner: str
+    identity: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class History:
+    """A record's recent claim events, oldest first, and the home that keeps them."""
+
+    events: tuple[ClaimEvent, ...]
+    home_region: str
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from fencemark.client.types import (
+    ClaimNextResult,
     ClaimResult,
     ClaimStatus,
     Record,
@@ -26,6 +27,7 @@ from fencemark.client.types import (
 __all__ = [
     "CONFLICT_EXCEPTION",
     "ClaimConflictOut",
+    "ClaimNextOut",
     "ClaimOut",
     "ClaimStatusOut",
     "ListOut",
@@ -71,6 +73,19 @@ class RecordOut(_Out):
     home_region: str = Field(description="The region whose node decides claims and fenced writes.")
     fence: int = Field(description="The largest fencing token ever granted; 0 if none.")
     updated_at_utc: datetime | None = None
+    status: str = Field(
+        default="open",
+        description="The work-queue status: open (repocontext_claim_next may hand it out), "
+        "done, or parked (failed too often; an operator reopens it).",
+    )
+    attempts: int = Field(default=0, description="Claims granted on the item so far.")
+    not_before_utc: datetime | None = Field(
+        default=None, description="A deferred item is not handed out before this."
+    )
+    last_outcome: str | None = Field(
+        default=None,
+        description="How the last claim ended: done, failed, deferred, lapsed or forced.",
+    )
 
     @classmethod
     def of(cls, record: Record) -> RecordOut:
@@ -88,6 +103,10 @@ class RecordOut(_Out):
             home_region=record.home_region,
             fence=record.fence,
             updated_at_utc=record.updated_at,
+            status=record.status,
+            attempts=record.attempts,
+            not_before_utc=record.not_before,
+            last_outcome=record.last_outcome or None,
         )
 
 
@@ -156,6 +175,33 @@ class ClaimOut(_Out):
         )
 
 
+class ClaimNextOut(_Out):
+    """The outcome of repocontext_claim_next: the item claimed, or granted: false with
+    reason empty when nothing is eligible (an answer, not an error)."""
+
+    granted: bool
+    fencing_token: int | None = Field(
+        default=None, description="Present when granted: pass it to every write of this item."
+    )
+    lease_expires_at_utc: datetime | None = Field(
+        default=None, description="When the lease ends unless renewed (the home node's clock)."
+    )
+    reason: str | None = Field(default=None, description="Why not granted: empty.")
+    record: RecordOut | None = Field(
+        default=None, description="The item claimed (its key is what the other tools take)."
+    )
+
+    @classmethod
+    def of(cls, result: ClaimNextResult) -> ClaimNextOut:
+        return cls(
+            granted=result.granted,
+            fencing_token=result.fencing_token if result.granted else None,
+            lease_expires_at_utc=result.lease_expires_at if result.granted else None,
+            reason=result.reason or None,
+            record=RecordOut.of(result.record) if result.record is not None else None,
+        )
+
+
 class RenewOut(_Out):
     """The outcome of repocontext_renew_claim; renewed: false means stop working on the item."""
 
@@ -188,7 +234,10 @@ class ReleaseOut(_Out):
     key: str
     released: bool
     reason: str | None = Field(
-        default=None, description="Why not released: unknown_token, missing or wrong_region."
+        default=None,
+        description="Why not released: unknown_token, missing or wrong_region; with an "
+        "outcome or fields also superseded, expired or released (your claim was over: "
+        "nothing was recorded).",
     )
     fence: int
     home_region: str | None = None

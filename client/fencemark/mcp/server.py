@@ -45,11 +45,13 @@ DEFAULT_LISTEN = "127.0.0.1:7480"
 
 INSTRUCTIONS = """\
 Fencemark stores agent memory and backlog items as records that several agents can drain
-safely. To work on an item: repocontext_claim it (owner unique to you); pass the returned
-fencingToken to every repocontext_update of it; repocontext_renew_claim before
-leaseExpiresAtUtc (e.g. every leaseSeconds/3); repocontext_release_claim when done. A claim
-that is not granted is an answer (reason contended, timeout, missing, wrong_region): pick
-other work. If a renewal answers renewed: false with reason superseded, or a write fails with
+safely. To take work: repocontext_claim_next a topic (owner unique to you) to claim its next
+eligible item; pass the returned fencingToken to every repocontext_update of it;
+repocontext_renew_claim before leaseExpiresAtUtc (e.g. every leaseSeconds/3); finish with
+repocontext_release_claim and outcome done (the result in fields), failed or deferred.
+granted: false is an answer (reason empty: no work now; for repocontext_claim of one key:
+contended, timeout, missing, wrong_region): pick other work. If a renewal answers renewed:
+false with reason superseded, a release answers released: false, or a write fails with
 RepoContextClaimConflictException (superseded, expired, released), you lost the item: stop
 writing to it at once. repocontext_claim_status is never authoritative."""
 

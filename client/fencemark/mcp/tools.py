@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver.tools import Tool
 from mcp_types import CallToolResult, ToolAnnotations
@@ -20,6 +20,7 @@ from pydantic import Field
 from fencemark.client import AsyncClient, ClaimConflict, FencemarkError
 from fencemark.mcp.arguments import strict_tool
 from fencemark.mcp.models import (
+    ClaimNextOut,
     ClaimOut,
     ClaimStatusOut,
     ListOut,
@@ -57,6 +58,25 @@ LeaseSeconds = Annotated[
         description="How long the lease lasts unless renewed: 1 to 3600 seconds.",
     ),
 ]
+
+Owner = Annotated[
+    str,
+    Field(
+        description="Who you are, unique per worker (e.g. worker-a-7f3c): two workers "
+        "sharing an owner name are one worker to Fencemark."
+    ),
+]
+WaitSeconds = Annotated[
+    float,
+    Field(
+        ge=0,
+        le=MAX_WAIT_S,
+        allow_inf_nan=False,
+        description="Wait up to this long (0 to 300 s) in a FIFO line: for the claim when "
+        "someone else holds it, or for an item when none is eligible; 0 answers at once.",
+    ),
+]
+MAX_RETRY_AFTER_S = 30 * 24 * 3600  # a deferral of at most 30 days
 
 
 class RepoContextTools:
@@ -144,24 +164,9 @@ class RepoContextTools:
     async def claim(
         self,
         key: Key,
-        owner: Annotated[
-            str,
-            Field(
-                description="Who you are, unique per worker (e.g. worker-a-7f3c): two workers "
-                "sharing an owner name are one worker to Fencemark."
-            ),
-        ],
+        owner: Owner,
         leaseSeconds: LeaseSeconds,
-        waitSeconds: Annotated[
-            float,
-            Field(
-                ge=0,
-                le=MAX_WAIT_S,
-                allow_inf_nan=False,
-                description="Wait up to this long (0 to 300 s) in a FIFO line when someone "
-                "else holds the claim; 0 answers contended at once.",
-            ),
-        ] = 0.0,
+        waitSeconds: WaitSeconds = 0.0,
     ) -> Annotated[CallToolResult, ClaimOut]:
         async def call() -> CallToolResult:
             result = await self.client.claim(
@@ -181,13 +186,71 @@ class RepoContextTools:
         return await self._run("repocontext_renew_claim", key, call)
 
     async def release_claim(
-        self, key: Key, fencingToken: Token
+        self,
+        key: Key,
+        fencingToken: Token,
+        outcome: Annotated[
+            Literal["done", "failed", "deferred"] | None,
+            Field(
+                description="How your work ended: done (never handed out again), failed "
+                "(counts against the item's attempts; parked when they run out), deferred "
+                "(handed out again after retryAfterSeconds). Leave it out to hand the item "
+                "back as it was."
+            ),
+        ] = None,
+        fields: Annotated[
+            dict[str, str] | None,
+            Field(
+                description="Fields to write with the release, in the same commit under your "
+                'token, e.g. {"result": "merged in #2107"}.'
+            ),
+        ] = None,
+        retryAfterSeconds: Annotated[
+            float | None,
+            Field(
+                ge=0,
+                le=MAX_RETRY_AFTER_S,
+                allow_inf_nan=False,
+                description="With outcome deferred: how long to keep the item back (seconds).",
+            ),
+        ] = None,
     ) -> Annotated[CallToolResult, ReleaseOut]:
         async def call() -> CallToolResult:
-            result = await self.client.release_claim(key, fencingToken)
+            result = await self.client.release_claim(
+                key,
+                fencingToken,
+                outcome=outcome or "",
+                fields=fields,
+                retry_after_seconds=retryAfterSeconds or 0.0,
+            )
             return success(ReleaseOut.of(key, result))
 
         return await self._run("repocontext_release_claim", key, call)
+
+    async def claim_next(
+        self,
+        repoId: Annotated[str, Field(description="Repository name, e.g. lattice.")],
+        topic: Annotated[str, Field(description="Topic of the items, e.g. backlog.")],
+        owner: Owner,
+        leaseSeconds: LeaseSeconds,
+        waitSeconds: WaitSeconds = 0.0,
+        tags: Annotated[
+            list[str] | None,
+            Field(description='Only items carrying every one of these tags, e.g. ["lang:go"].'),
+        ] = None,
+    ) -> Annotated[CallToolResult, ClaimNextOut]:
+        async def call() -> CallToolResult:
+            result = await self.client.claim_next(
+                repoId,
+                topic,
+                owner,
+                lease_seconds=leaseSeconds,
+                wait_seconds=waitSeconds,
+                tags=tags or (),
+            )
+            return success(ClaimNextOut.of(result))
+
+        return await self._run("repocontext_claim_next", "", call)
 
     async def claim_status(self, key: Key) -> Annotated[CallToolResult, ClaimStatusOut]:
         async def call() -> CallToolResult:
@@ -310,10 +373,29 @@ MUTATING_TOOLS = (
     ToolSpec(
         "repocontext_release_claim",
         "release_claim",
-        "Release your claim when the work is done. Idempotent (safe to repeat); unfenced "
-        "writes are admitted again afterwards. It never lowers the fence: older tokens stay "
-        "refused forever.",
+        "Release your claim when you stop working on the item, saying how it went: outcome "
+        "done (finished: never handed out again), failed (it counts against the item's "
+        "attempts; at maxAttempts the item is parked for an operator), deferred with "
+        "retryAfterSeconds (try again later); fields are written in the same commit under "
+        "your token, so record the result here. Leave outcome out to hand the item back as "
+        "it was. With an outcome or fields only the live claim's token is accepted: "
+        "released: false with reason superseded, expired or released means your claim was "
+        "over and nothing was recorded. Safe to repeat. It never lowers the fence: older "
+        "tokens stay refused forever.",
         _hints("Release a claim", read_only=False, idempotent=True, destructive=False),
+    ),
+    ToolSpec(
+        "repocontext_claim_next",
+        "claim_next",
+        "Claim the next item to work on in a topic, in one step: the most urgent eligible "
+        "item (priority:P0 first, then the oldest) that is open, not claimed, not deferred, "
+        "whose after:<id> items are done and that carries every tag you ask for. granted: "
+        "true gives fencingToken, leaseExpiresAtUtc and the record: work on it, pass the "
+        "token to repocontext_update, renew with repocontext_renew_claim, and finish with "
+        "repocontext_release_claim and an outcome. granted: false with reason empty means "
+        "no work now (waitSeconds waits for some). Items of every region the server knows "
+        "(--regions) are offered, its own region's first.",
+        _hints("Claim the next item", read_only=False, idempotent=False, destructive=False),
     ),
 )
 

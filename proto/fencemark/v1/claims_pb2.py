@@ -22,16 +22,19 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from fencemark.v1 import record_pb2 as fencemark_dot_v1_dot_record__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65ncemark/v1/claims.proto\x12\x0c\x66\x65ncemark.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"W\n\x0c\x43laimRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\"\x92\x01\n\rClaimResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bhome_region\x18\x05 \x01(\t\"N\n\x11RenewClaimRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"\x97\x01\n\x12RenewClaimResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bhome_region\x18\x05 \x01(\t\"9\n\x13ReleaseClaimRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\"\\\n\x14ReleaseClaimResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\x12\r\n\x05\x66\x65nce\x18\x04 \x01(\x04\"!\n\x12\x43laimStatusRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x8a\x02\n\x13\x43laimStatusResponse\x12:\n\x05\x63laim\x18\x01 \x01(\x0b\x32+.fencemark.v1.ClaimStatusResponse.LiveClaim\x12\r\n\x05\x66\x65nce\x18\x02 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x15\n\rauthoritative\x18\x04 \x01(\x08\x12\x13\n\x0bhome_region\x18\x05 \x01(\t\x1ag\n\tLiveClaim\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\xda\x02\n\x06\x43laims\x12\x45\n\x05\x43laim\x12\x1a.fencemark.v1.ClaimRequest\x1a\x1b.fencemark.v1.ClaimResponse\"\x03\x90\x02\x02\x12T\n\nRenewClaim\x12\x1f.fencemark.v1.RenewClaimRequest\x1a .fencemark.v1.RenewClaimResponse\"\x03\x90\x02\x02\x12Z\n\x0cReleaseClaim\x12!.fencemark.v1.ReleaseClaimRequest\x1a\".fencemark.v1.ReleaseClaimResponse\"\x03\x90\x02\x02\x12W\n\x0b\x43laimStatus\x12 .fencemark.v1.ClaimStatusRequest\x1a!.fencemark.v1.ClaimStatusResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65ncemark/v1/claims.proto\x12\x0c\x66\x65ncemark.v1\x1a\x19\x66\x65ncemark/v1/record.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"W\n\x0c\x43laimRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\"\x92\x01\n\rClaimResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bhome_region\x18\x05 \x01(\t\"N\n\x11RenewClaimRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"\x97\x01\n\x12RenewClaimResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bhome_region\x18\x05 \x01(\t\"\xd5\x01\n\x13ReleaseClaimRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x0f\n\x07outcome\x18\x03 \x01(\t\x12=\n\x06\x66ields\x18\x04 \x03(\x0b\x32-.fencemark.v1.ReleaseClaimRequest.FieldsEntry\x12\x1b\n\x13retry_after_seconds\x18\x05 \x01(\x01\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x14ReleaseClaimResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\x12\r\n\x05\x66\x65nce\x18\x04 \x01(\x04\"!\n\x12\x43laimStatusRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x8a\x02\n\x13\x43laimStatusResponse\x12:\n\x05\x63laim\x18\x01 \x01(\x0b\x32+.fencemark.v1.ClaimStatusResponse.LiveClaim\x12\r\n\x05\x66\x65nce\x18\x02 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x15\n\rauthoritative\x18\x04 \x01(\x08\x12\x13\n\x0bhome_region\x18\x05 \x01(\t\x1ag\n\tLiveClaim\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"y\n\x10\x43laimNextRequest\x12\x0c\n\x04repo\x18\x01 \x01(\t\x12\r\n\x05topic\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04tags\x18\x06 \x03(\t\"\xbc\x01\n\x11\x43laimNextResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bhome_region\x18\x05 \x01(\t\x12$\n\x06record\x18\x06 \x01(\x0b\x32\x14.fencemark.v1.Record\",\n\rReopenRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"m\n\x0eReopenResponse\x12\x10\n\x08reopened\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\x12$\n\x06record\x18\x04 \x01(\x0b\x32\x14.fencemark.v1.Record\"2\n\x13\x46orceReleaseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"v\n\x14\x46orceReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\x12\r\n\x05\x66\x65nce\x18\x04 \x01(\x04\x12\x18\n\x10superseded_token\x18\x05 \x01(\x04\x32\xca\x04\n\x06\x43laims\x12\x45\n\x05\x43laim\x12\x1a.fencemark.v1.ClaimRequest\x1a\x1b.fencemark.v1.ClaimResponse\"\x03\x90\x02\x02\x12T\n\nRenewClaim\x12\x1f.fencemark.v1.RenewClaimRequest\x1a .fencemark.v1.RenewClaimResponse\"\x03\x90\x02\x02\x12Z\n\x0cReleaseClaim\x12!.fencemark.v1.ReleaseClaimRequest\x1a\".fencemark.v1.ReleaseClaimResponse\"\x03\x90\x02\x02\x12N\n\tClaimNext\x12\x1e.fencemark.v1.ClaimNextRequest\x1a\x1f.fencemark.v1.ClaimNextResponse\"\x00\x12\x45\n\x06Reopen\x12\x1b.fencemark.v1.ReopenRequest\x1a\x1c.fencemark.v1.ReopenResponse\"\x00\x12W\n\x0c\x46orceRelease\x12!.fencemark.v1.ForceReleaseRequest\x1a\".fencemark.v1.ForceReleaseResponse\"\x00\x12W\n\x0b\x43laimStatus\x12 .fencemark.v1.ClaimStatusRequest\x1a!.fencemark.v1.ClaimStatusResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fencemark.v1.claims_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RELEASECLAIMREQUEST_FIELDSENTRY']._loaded_options = None
+  _globals['_RELEASECLAIMREQUEST_FIELDSENTRY']._serialized_options = b'8\001'
   _globals['_CLAIMS'].methods_by_name['Claim']._loaded_options = None
   _globals['_CLAIMS'].methods_by_name['Claim']._serialized_options = b'\220\002\002'
   _globals['_CLAIMS'].methods_by_name['RenewClaim']._loaded_options = None
@@ -40,24 +43,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLAIMS'].methods_by_name['ReleaseClaim']._serialized_options = b'\220\002\002'
   _globals['_CLAIMS'].methods_by_name['ClaimStatus']._loaded_options = None
   _globals['_CLAIMS'].methods_by_name['ClaimStatus']._serialized_options = b'\220\002\001'
-  _globals['_CLAIMREQUEST']._serialized_start=76
-  _globals['_CLAIMREQUEST']._serialized_end=163
-  _globals['_CLAIMRESPONSE']._serialized_start=166
-  _globals['_CLAIMRESPONSE']._serialized_end=312
-  _globals['_RENEWCLAIMREQUEST']._serialized_start=314
-  _globals['_RENEWCLAIMREQUEST']._serialized_end=392
-  _globals['_RENEWCLAIMRESPONSE']._serialized_start=395
-  _globals['_RENEWCLAIMRESPONSE']._serialized_end=546
-  _globals['_RELEASECLAIMREQUEST']._serialized_start=548
-  _globals['_RELEASECLAIMREQUEST']._serialized_end=605
-  _globals['_RELEASECLAIMRESPONSE']._serialized_start=607
-  _globals['_RELEASECLAIMRESPONSE']._serialized_end=699
-  _globals['_CLAIMSTATUSREQUEST']._serialized_start=701
-  _globals['_CLAIMSTATUSREQUEST']._serialized_end=734
-  _globals['_CLAIMSTATUSRESPONSE']._serialized_start=737
-  _globals['_CLAIMSTATUSRESPONSE']._serialized_end=1003
-  _globals['_CLAIMSTATUSRESPONSE_LIVECLAIM']._serialized_start=900
-  _globals['_CLAIMSTATUSRESPONSE_LIVECLAIM']._serialized_end=1003
-  _globals['_CLAIMS']._serialized_start=1006
-  _globals['_CLAIMS']._serialized_end=1352
+  _globals['_CLAIMREQUEST']._serialized_start=103
+  _globals['_CLAIMREQUEST']._serialized_end=190
+  _globals['_CLAIMRESPONSE']._serialized_start=193
+  _globals['_CLAIMRESPONSE']._serialized_end=339
+  _globals['_RENEWCLAIMREQUEST']._serialized_start=341
+  _globals['_RENEWCLAIMREQUEST']._serialized_end=419
+  _globals['_RENEWCLAIMRESPONSE']._serialized_start=422
+  _globals['_RENEWCLAIMRESPONSE']._serialized_end=573
+  _globals['_RELEASECLAIMREQUEST']._serialized_start=576
+  _globals['_RELEASECLAIMREQUEST']._serialized_end=789
+  _globals['_RELEASECLAIMREQUEST_FIELDSENTRY']._serialized_start=744
+  _globals['_RELEASECLAIMREQUEST_FIELDSENTRY']._serialized_end=789
+  _globals['_RELEASECLAIMRESPONSE']._serialized_start=791
+  _globals['_RELEASECLAIMRESPONSE']._serialized_end=883
+  _globals['_CLAIMSTATUSREQUEST']._serialized_start=885
+  _globals['_CLAIMSTATUSREQUEST']._serialized_end=918
+  _globals['_CLAIMSTATUSRESPONSE']._serialized_start=921
+  _globals['_CLAIMSTATUSRESPONSE']._serialized_end=1187
+  _globals['_CLAIMSTATUSRESPONSE_LIVECLAIM']._serialized_start=1084
+  _globals['_CLAIMSTATUSRESPONSE_LIVECLAIM']._serialized_end=1187
+  _globals['_CLAIMNEXTREQUEST']._serialized_start=1189
+  _globals['_CLAIMNEXTREQUEST']._serialized_end=1310
+  _globals['_CLAIMNEXTRESPONSE']._serialized_start=1313
+  _globals['_CLAIMNEXTRESPONSE']._serialized_end=1501
+  _globals['_REOPENREQUEST']._serialized_start=1503
+  _globals['_REOPENREQUEST']._serialized_end=1547
+  _globals['_REOPENRESPONSE']._serialized_start=1549
+  _globals['_REOPENRESPONSE']._serialized_end=1658
+  _globals['_FORCERELEASEREQUEST']._serialized_start=1660
+  _globals['_FORCERELEASEREQUEST']._serialized_end=1710
+  _globals['_FORCERELEASERESPONSE']._serialized_start=1712
+  _globals['_FORCERELEASERESPONSE']._serialized_end=1830
+  _globals['_CLAIMS']._serialized_start=1833
+  _globals['_CLAIMS']._serialized_end=2419
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,8 @@ Outcomes are values, not errors: a claim that is not granted answers
 - `superseded`: a higher token has been granted since;
 - `expired`: the lease lapsed without renewal;
 - `released`: the token was released;
-- `unknown_token`: the token is higher than any granted.
+- `unknown_token`: the token is higher than any granted;
+- `empty`: `ClaimNext` found no eligible item (after waiting `wait_seconds`).
 Only bad input (INVALID_ARGUMENT with a `google.rpc.BadRequest`), an
 unavailable node and a refused caller (PERMISSION_DENIED) are errors.
 
@@ -32,13 +33,21 @@ identity is another claimer (`contended`). Without TLS (`--insecure`) there
 are no identities and a token is a bearer credential. docs/security.md,
 *Claims are bound to identities*.
 
-`Claim`, `RenewClaim` and `ReleaseClaim` exist only on a node started with
-writes enabled. docs/consistency.md states what each call guarantees.
+The work queue (docs/api.md, *Work queue*): `ClaimNext` picks and claims the
+next eligible item of a topic in one step; `ReleaseClaim` with an `outcome`
+records how the work ended; a failed or lapsed item is parked after its
+attempts run out, until an operator's `Reopen`.
+
+Every method but `ClaimStatus` exists only on a node started with writes
+enabled. docs/consistency.md states what each call guarantees.
 """
 
+from collections import abc as _abc
+from fencemark.v1 import record_pb2 as _record_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -188,21 +197,61 @@ Global___RenewClaimResponse: _TypeAlias = RenewClaimResponse  # noqa: Y015
 class ReleaseClaimRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class FieldsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     KEY_FIELD_NUMBER: _builtins.int
     FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    FIELDS_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The record's key."""
     fencing_token: _builtins.int
     """The token of the claim to release."""
+    outcome: _builtins.str
+    """How the work ended: empty (a plain release: the item stays as it is),
+    `done` (never handed out again), `failed` (counts against the item's
+    attempts: parked at `maxAttempts`), `deferred` (not handed out before
+    `retry_after_seconds` from now).
+    """
+    retry_after_seconds: _builtins.float
+    """With `deferred` only: 0 to 2592000 seconds (30 days)."""
+    @_builtins.property
+    def fields(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Fields written with the release, in the same commit, under the token (a
+        fenced write's rules and limits; an empty value clears a field).
+        """
+
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
         fencing_token: _builtins.int = ...,
+        outcome: _builtins.str = ...,
+        fields: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        retry_after_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "key", b"key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "fields", b"fields", "key", b"key", "outcome", b"outcome", "retry_after_seconds", b"retry_after_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -217,9 +266,13 @@ class ReleaseClaimResponse(_message.Message):
     HOME_REGION_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
     released: _builtins.bool
-    """True for every token up to the fence (release is idempotent)."""
+    """True for every token up to the fence (release is idempotent); with an
+    outcome or fields, only for the live claim's token (or a retry of it).
+    """
     reason: _builtins.str
-    """Why not released (`unknown_token`, `missing`, `wrong_region`)."""
+    """Why not released (`unknown_token`, `missing`, `wrong_region`; with an
+    outcome or fields also `superseded`, `expired`, `released`).
+    """
     home_region: _builtins.str
     fence: _builtins.int
     """The record's fence after the call; a release never lowers it."""
@@ -329,3 +382,199 @@ class ClaimStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimStatusResponse: _TypeAlias = ClaimStatusResponse  # noqa: Y015
+
+@_typing.final
+class ClaimNextRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPO_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    TAGS_FIELD_NUMBER: _builtins.int
+    repo: _builtins.str
+    """The repo and topic of the items to pick from."""
+    topic: _builtins.str
+    owner: _builtins.str
+    """Who claims: 1-128 printable characters."""
+    lease_seconds: _builtins.float
+    """Lease length, 1-3600 seconds; 0 means 60."""
+    wait_seconds: _builtins.float
+    """How long to wait for an eligible item, 0-300 seconds."""
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only items carrying every one of these tags."""
+
+    def __init__(
+        self,
+        *,
+        repo: _builtins.str = ...,
+        topic: _builtins.str = ...,
+        owner: _builtins.str = ...,
+        lease_seconds: _builtins.float = ...,
+        wait_seconds: _builtins.float = ...,
+        tags: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_seconds", b"lease_seconds", "owner", b"owner", "repo", b"repo", "tags", b"tags", "topic", b"topic", "wait_seconds", b"wait_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimNextRequest: _TypeAlias = ClaimNextRequest  # noqa: Y015
+
+@_typing.final
+class ClaimNextResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANTED_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    HOME_REGION_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    granted: _builtins.bool
+    fencing_token: _builtins.int
+    reason: _builtins.str
+    """Why nothing was granted (`empty`); empty when granted."""
+    home_region: _builtins.str
+    """The region of the node that answered (whose items it picks from)."""
+    @_builtins.property
+    def lease_expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def record(self) -> _record_pb2.Record:
+        """The item claimed, as it is with the grant; unset when not granted."""
+
+    def __init__(
+        self,
+        *,
+        granted: _builtins.bool = ...,
+        fencing_token: _builtins.int = ...,
+        lease_expires_at: _timestamp_pb2.Timestamp | None = ...,
+        reason: _builtins.str = ...,
+        home_region: _builtins.str = ...,
+        record: _record_pb2.Record | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expires_at", b"lease_expires_at", "record", b"record"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "granted", b"granted", "home_region", b"home_region", "lease_expires_at", b"lease_expires_at", "reason", b"reason", "record", b"record"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimNextResponse: _TypeAlias = ClaimNextResponse  # noqa: Y015
+
+@_typing.final
+class ReopenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The record's key."""
+    reason: _builtins.str
+    """Why, for the record's history: 1-256 printable characters."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReopenRequest: _TypeAlias = ReopenRequest  # noqa: Y015
+
+@_typing.final
+class ReopenResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REOPENED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    HOME_REGION_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    reopened: _builtins.bool
+    reason: _builtins.str
+    """Why not (`missing`, `wrong_region`); empty when reopened."""
+    home_region: _builtins.str
+    @_builtins.property
+    def record(self) -> _record_pb2.Record:
+        """The record after the call; unset when not reopened."""
+
+    def __init__(
+        self,
+        *,
+        reopened: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        home_region: _builtins.str = ...,
+        record: _record_pb2.Record | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["home_region", b"home_region", "reason", b"reason", "record", b"record", "reopened", b"reopened"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReopenResponse: _TypeAlias = ReopenResponse  # noqa: Y015
+
+@_typing.final
+class ForceReleaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The record's key."""
+    reason: _builtins.str
+    """Why, for the record's history: 1-256 printable characters."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForceReleaseRequest: _TypeAlias = ForceReleaseRequest  # noqa: Y015
+
+@_typing.final
+class ForceReleaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    HOME_REGION_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_TOKEN_FIELD_NUMBER: _builtins.int
+    released: _builtins.bool
+    """True when a live claim was taken back."""
+    reason: _builtins.str
+    """Why not (`no_claim`, `missing`, `wrong_region`); empty when released."""
+    home_region: _builtins.str
+    fence: _builtins.int
+    """The fence after the call: past the token taken back."""
+    superseded_token: _builtins.int
+    """The token taken back (0 when none)."""
+    def __init__(
+        self,
+        *,
+        released: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        home_region: _builtins.str = ...,
+        fence: _builtins.int = ...,
+        superseded_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "home_region", b"home_region", "reason", b"reason", "released", b"released", "superseded_token", b"superseded_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForceReleaseResponse: _TypeAlias = ForceReleaseResponse  # noqa: Y015

@@ -50,6 +50,21 @@ class ClaimsStub:
                 request_serializer=fencemark_dot_v1_dot_claims__pb2.ReleaseClaimRequest.SerializeToString,
                 response_deserializer=fencemark_dot_v1_dot_claims__pb2.ReleaseClaimResponse.FromString,
                 _registered_method=True)
+        self.ClaimNext = channel.unary_unary(
+                '/fencemark.v1.Claims/ClaimNext',
+                request_serializer=fencemark_dot_v1_dot_claims__pb2.ClaimNextRequest.SerializeToString,
+                response_deserializer=fencemark_dot_v1_dot_claims__pb2.ClaimNextResponse.FromString,
+                _registered_method=True)
+        self.Reopen = channel.unary_unary(
+                '/fencemark.v1.Claims/Reopen',
+                request_serializer=fencemark_dot_v1_dot_claims__pb2.ReopenRequest.SerializeToString,
+                response_deserializer=fencemark_dot_v1_dot_claims__pb2.ReopenResponse.FromString,
+                _registered_method=True)
+        self.ForceRelease = channel.unary_unary(
+                '/fencemark.v1.Claims/ForceRelease',
+                request_serializer=fencemark_dot_v1_dot_claims__pb2.ForceReleaseRequest.SerializeToString,
+                response_deserializer=fencemark_dot_v1_dot_claims__pb2.ForceReleaseResponse.FromString,
+                _registered_method=True)
         self.ClaimStatus = channel.unary_unary(
                 '/fencemark.v1.Claims/ClaimStatus',
                 request_serializer=fencemark_dot_v1_dot_claims__pb2.ClaimStatusRequest.SerializeToString,
@@ -87,10 +102,47 @@ class ClaimsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseClaim(self, request, context):
-        """ReleaseClaim ends the claim of `fencing_token`. Idempotent for every
-        token up to the fence; it never lowers the fence, so a superseded token
-        stays refused forever. PERMISSION_DENIED (`not_holder`) for a token
-        granted to another identity.
+        """ReleaseClaim ends the claim of `fencing_token`. A plain release (no
+        `outcome`, no `fields`) is idempotent for every token up to the fence; it
+        never lowers the fence, so a superseded token stays refused forever. A
+        release with an `outcome` or `fields` is the holder's last fenced write:
+        only the live claim's token makes it (else `superseded`, `expired`,
+        `released`), and a retry of one that took effect answers `released=true`
+        again. PERMISSION_DENIED (`not_holder`) for a token granted to another
+        identity.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimNext(self, request, context):
+        """ClaimNext picks and claims, in one step at the answering node, the first
+        eligible item of `repo`/`topic` homed in its region: status `open`, no
+        live claim, `not_before` passed, every `after:<id>` item done, every tag of
+        `tags` present; ordered by `priority:P0`..`P9` (untagged last), then
+        oldest creation, then key. Nothing eligible is a value: `granted=false`,
+        reason `empty`, after waiting up to `wait_seconds` (first waiter first).
+        A client that knows other regions asks its own first, then the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reopen(self, request, context):
+        """Reopen makes a parked (or done) item `open` again, its attempts counted
+        from zero. Needs the `operate` right under TLS. Not retried by clients: a
+        retry after a lost reply could reopen an item done in between.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForceRelease(self, request, context):
+        """ForceRelease takes a live claim back: the fence moves past it, so its
+        holder is refused `superseded` from now on, never silently released.
+        Needs the `operate` right under TLS. Without a live claim it changes
+        nothing (`released=false`, reason `no_claim`). Not retried by clients: a
+        retry after a lost reply could take back a claim granted in between.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +173,21 @@ def add_ClaimsServicer_to_server(servicer, server):
                     servicer.ReleaseClaim,
                     request_deserializer=fencemark_dot_v1_dot_claims__pb2.ReleaseClaimRequest.FromString,
                     response_serializer=fencemark_dot_v1_dot_claims__pb2.ReleaseClaimResponse.SerializeToString,
+            ),
+            'ClaimNext': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimNext,
+                    request_deserializer=fencemark_dot_v1_dot_claims__pb2.ClaimNextRequest.FromString,
+                    response_serializer=fencemark_dot_v1_dot_claims__pb2.ClaimNextResponse.SerializeToString,
+            ),
+            'Reopen': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reopen,
+                    request_deserializer=fencemark_dot_v1_dot_claims__pb2.ReopenRequest.FromString,
+                    response_serializer=fencemark_dot_v1_dot_claims__pb2.ReopenResponse.SerializeToString,
+            ),
+            'ForceRelease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForceRelease,
+                    request_deserializer=fencemark_dot_v1_dot_claims__pb2.ForceReleaseRequest.FromString,
+                    response_serializer=fencemark_dot_v1_dot_claims__pb2.ForceReleaseResponse.SerializeToString,
             ),
             'ClaimStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClaimStatus,
@@ -210,6 +277,87 @@ class Claims:
             '/fencemark.v1.Claims/ReleaseClaim',
             fencemark_dot_v1_dot_claims__pb2.ReleaseClaimRequest.SerializeToString,
             fencemark_dot_v1_dot_claims__pb2.ReleaseClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimNext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencemark.v1.Claims/ClaimNext',
+            fencemark_dot_v1_dot_claims__pb2.ClaimNextRequest.SerializeToString,
+            fencemark_dot_v1_dot_claims__pb2.ClaimNextResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reopen(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencemark.v1.Claims/Reopen',
+            fencemark_dot_v1_dot_claims__pb2.ReopenRequest.SerializeToString,
+            fencemark_dot_v1_dot_claims__pb2.ReopenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForceRelease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencemark.v1.Claims/ForceRelease',
+            fencemark_dot_v1_dot_claims__pb2.ForceReleaseRequest.SerializeToString,
+            fencemark_dot_v1_dot_claims__pb2.ForceReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

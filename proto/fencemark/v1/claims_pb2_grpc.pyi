@@ -18,7 +18,8 @@ Outcomes are values, not errors: a claim that is not granted answers
 - `superseded`: a higher token has been granted since;
 - `expired`: the lease lapsed without renewal;
 - `released`: the token was released;
-- `unknown_token`: the token is higher than any granted.
+- `unknown_token`: the token is higher than any granted;
+- `empty`: `ClaimNext` found no eligible item (after waiting `wait_seconds`).
 Only bad input (INVALID_ARGUMENT with a `google.rpc.BadRequest`), an
 unavailable node and a refused caller (PERMISSION_DENIED) are errors.
 
@@ -32,8 +33,13 @@ identity is another claimer (`contended`). Without TLS (`--insecure`) there
 are no identities and a token is a bearer credential. docs/security.md,
 *Claims are bound to identities*.
 
-`Claim`, `RenewClaim` and `ReleaseClaim` exist only on a node started with
-writes enabled. docs/consistency.md states what each call guarantees.
+The work queue (docs/api.md, *Work queue*): `ClaimNext` picks and claims the
+next eligible item of a topic in one step; `ReleaseClaim` with an `outcome`
+records how the work ended; a failed or lapsed item is parked after its
+attempts run out, until an operator's `Reopen`.
+
+Every method but `ClaimStatus` exists only on a node started with writes
+enabled. docs/consistency.md states what each call guarantees.
 """
 
 from collections import abc as _abc
@@ -84,10 +90,35 @@ class ClaimsStub:
     PERMISSION_DENIED (`not_holder`) for a token granted to another identity.
     """
     ReleaseClaim: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ReleaseClaimRequest, _claims_pb2.ReleaseClaimResponse]
-    """ReleaseClaim ends the claim of `fencing_token`. Idempotent for every
-    token up to the fence; it never lowers the fence, so a superseded token
-    stays refused forever. PERMISSION_DENIED (`not_holder`) for a token
-    granted to another identity.
+    """ReleaseClaim ends the claim of `fencing_token`. A plain release (no
+    `outcome`, no `fields`) is idempotent for every token up to the fence; it
+    never lowers the fence, so a superseded token stays refused forever. A
+    release with an `outcome` or `fields` is the holder's last fenced write:
+    only the live claim's token makes it (else `superseded`, `expired`,
+    `released`), and a retry of one that took effect answers `released=true`
+    again. PERMISSION_DENIED (`not_holder`) for a token granted to another
+    identity.
+    """
+    ClaimNext: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ClaimNextRequest, _claims_pb2.ClaimNextResponse]
+    """ClaimNext picks and claims, in one step at the answering node, the first
+    eligible item of `repo`/`topic` homed in its region: status `open`, no
+    live claim, `not_before` passed, every `after:<id>` item done, every tag of
+    `tags` present; ordered by `priority:P0`..`P9` (untagged last), then
+    oldest creation, then key. Nothing eligible is a value: `granted=false`,
+    reason `empty`, after waiting up to `wait_seconds` (first waiter first).
+    A client that knows other regions asks its own first, then the others.
+    """
+    Reopen: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ReopenRequest, _claims_pb2.ReopenResponse]
+    """Reopen makes a parked (or done) item `open` again, its attempts counted
+    from zero. Needs the `operate` right under TLS. Not retried by clients: a
+    retry after a lost reply could reopen an item done in between.
+    """
+    ForceRelease: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ForceReleaseRequest, _claims_pb2.ForceReleaseResponse]
+    """ForceRelease takes a live claim back: the fence moves past it, so its
+    holder is refused `superseded` from now on, never silently released.
+    Needs the `operate` right under TLS. Without a live claim it changes
+    nothing (`released=false`, reason `no_claim`). Not retried by clients: a
+    retry after a lost reply could take back a claim granted in between.
     """
     ClaimStatus: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ClaimStatusRequest, _claims_pb2.ClaimStatusResponse]
     """ClaimStatus reports what the answering node knows of the record's claim.
@@ -117,10 +148,35 @@ class ClaimsAsyncStub(ClaimsStub):
     PERMISSION_DENIED (`not_holder`) for a token granted to another identity.
     """
     ReleaseClaim: _aio.UnaryUnaryMultiCallable[_claims_pb2.ReleaseClaimRequest, _claims_pb2.ReleaseClaimResponse]  # type: ignore[assignment]
-    """ReleaseClaim ends the claim of `fencing_token`. Idempotent for every
-    token up to the fence; it never lowers the fence, so a superseded token
-    stays refused forever. PERMISSION_DENIED (`not_holder`) for a token
-    granted to another identity.
+    """ReleaseClaim ends the claim of `fencing_token`. A plain release (no
+    `outcome`, no `fields`) is idempotent for every token up to the fence; it
+    never lowers the fence, so a superseded token stays refused forever. A
+    release with an `outcome` or `fields` is the holder's last fenced write:
+    only the live claim's token makes it (else `superseded`, `expired`,
+    `released`), and a retry of one that took effect answers `released=true`
+    again. PERMISSION_DENIED (`not_holder`) for a token granted to another
+    identity.
+    """
+    ClaimNext: _aio.UnaryUnaryMultiCallable[_claims_pb2.ClaimNextRequest, _claims_pb2.ClaimNextResponse]  # type: ignore[assignment]
+    """ClaimNext picks and claims, in one step at the answering node, the first
+    eligible item of `repo`/`topic` homed in its region: status `open`, no
+    live claim, `not_before` passed, every `after:<id>` item done, every tag of
+    `tags` present; ordered by `priority:P0`..`P9` (untagged last), then
+    oldest creation, then key. Nothing eligible is a value: `granted=false`,
+    reason `empty`, after waiting up to `wait_seconds` (first waiter first).
+    A client that knows other regions asks its own first, then the others.
+    """
+    Reopen: _aio.UnaryUnaryMultiCallable[_claims_pb2.ReopenRequest, _claims_pb2.ReopenResponse]  # type: ignore[assignment]
+    """Reopen makes a parked (or done) item `open` again, its attempts counted
+    from zero. Needs the `operate` right under TLS. Not retried by clients: a
+    retry after a lost reply could reopen an item done in between.
+    """
+    ForceRelease: _aio.UnaryUnaryMultiCallable[_claims_pb2.ForceReleaseRequest, _claims_pb2.ForceReleaseResponse]  # type: ignore[assignment]
+    """ForceRelease takes a live claim back: the fence moves past it, so its
+    holder is refused `superseded` from now on, never silently released.
+    Needs the `operate` right under TLS. Without a live claim it changes
+    nothing (`released=false`, reason `no_claim`). Not retried by clients: a
+    retry after a lost reply could take back a claim granted in between.
     """
     ClaimStatus: _aio.UnaryUnaryMultiCallable[_claims_pb2.ClaimStatusRequest, _claims_pb2.ClaimStatusResponse]  # type: ignore[assignment]
     """ClaimStatus reports what the answering node knows of the record's claim.
@@ -165,10 +221,53 @@ class ClaimsServicer(metaclass=_abc_1.ABCMeta):
         request: _claims_pb2.ReleaseClaimRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_claims_pb2.ReleaseClaimResponse, _abc.Awaitable[_claims_pb2.ReleaseClaimResponse]]:
-        """ReleaseClaim ends the claim of `fencing_token`. Idempotent for every
-        token up to the fence; it never lowers the fence, so a superseded token
-        stays refused forever. PERMISSION_DENIED (`not_holder`) for a token
-        granted to another identity.
+        """ReleaseClaim ends the claim of `fencing_token`. A plain release (no
+        `outcome`, no `fields`) is idempotent for every token up to the fence; it
+        never lowers the fence, so a superseded token stays refused forever. A
+        release with an `outcome` or `fields` is the holder's last fenced write:
+        only the live claim's token makes it (else `superseded`, `expired`,
+        `released`), and a retry of one that took effect answers `released=true`
+        again. PERMISSION_DENIED (`not_holder`) for a token granted to another
+        identity.
+        """
+
+    @_abc_1.abstractmethod
+    def ClaimNext(
+        self,
+        request: _claims_pb2.ClaimNextRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_claims_pb2.ClaimNextResponse, _abc.Awaitable[_claims_pb2.ClaimNextResponse]]:
+        """ClaimNext picks and claims, in one step at the answering node, the first
+        eligible item of `repo`/`topic` homed in its region: status `open`, no
+        live claim, `not_before` passed, every `after:<id>` item done, every tag of
+        `tags` present; ordered by `priority:P0`..`P9` (untagged last), then
+        oldest creation, then key. Nothing eligible is a value: `granted=false`,
+        reason `empty`, after waiting up to `wait_seconds` (first waiter first).
+        A client that knows other regions asks its own first, then the others.
+        """
+
+    @_abc_1.abstractmethod
+    def Reopen(
+        self,
+        request: _claims_pb2.ReopenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_claims_pb2.ReopenResponse, _abc.Awaitable[_claims_pb2.ReopenResponse]]:
+        """Reopen makes a parked (or done) item `open` again, its attempts counted
+        from zero. Needs the `operate` right under TLS. Not retried by clients: a
+        retry after a lost reply could reopen an item done in between.
+        """
+
+    @_abc_1.abstractmethod
+    def ForceRelease(
+        self,
+        request: _claims_pb2.ForceReleaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_claims_pb2.ForceReleaseResponse, _abc.Awaitable[_claims_pb2.ForceReleaseResponse]]:
+        """ForceRelease takes a live claim back: the fence moves past it, so its
+        holder is refused `superseded` from now on, never silently released.
+        Needs the `operate` right under TLS. Without a live claim it changes
+        nothing (`released=false`, reason `no_claim`). Not retried by clients: a
+        retry after a lost reply could take back a claim granted in between.
         """
 
     @_abc_1.abstractmethod

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65ncemark/v1/record.proto\x12\x0c\x66\x65ncemark.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa2\x02\n\x06Record\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04repo\x18\x02 \x01(\t\x12\r\n\x05topic\x18\x03 \x01(\t\x12\n\n\x02id\x18\x04 \x01(\t\x12\x30\n\x06\x66ields\x18\x05 \x03(\x0b\x32 .fencemark.v1.Record.FieldsEntry\x12\x0c\n\x04tags\x18\x06 \x03(\t\x12\x13\n\x0bhome_region\x18\x07 \x01(\t\x12\r\n\x05\x66\x65nce\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\t \x01(\x08\x12\x0e\n\x06\x64igest\x18\n \x01(\x0c\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65ncemark/v1/record.proto\x12\x0c\x66\x65ncemark.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8a\x03\n\x06Record\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04repo\x18\x02 \x01(\t\x12\r\n\x05topic\x18\x03 \x01(\t\x12\n\n\x02id\x18\x04 \x01(\t\x12\x30\n\x06\x66ields\x18\x05 \x03(\x0b\x32 .fencemark.v1.Record.FieldsEntry\x12\x0c\n\x04tags\x18\x06 \x03(\t\x12\x13\n\x0bhome_region\x18\x07 \x01(\t\x12\r\n\x05\x66\x65nce\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\t \x01(\x08\x12\x0e\n\x06\x64igest\x18\n \x01(\x0c\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06status\x18\x0c \x01(\t\x12\x10\n\x08\x61ttempts\x18\r \x01(\r\x12.\n\nnot_before\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0clast_outcome\x18\x0f \x01(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RECORD_FIELDSENTRY']._loaded_options = None
   _globals['_RECORD_FIELDSENTRY']._serialized_options = b'8\001'
   _globals['_RECORD']._serialized_start=77
-  _globals['_RECORD']._serialized_end=367
-  _globals['_RECORD_FIELDSENTRY']._serialized_start=322
-  _globals['_RECORD_FIELDSENTRY']._serialized_end=367
+  _globals['_RECORD']._serialized_end=471
+  _globals['_RECORD_FIELDSENTRY']._serialized_start=426
+  _globals['_RECORD_FIELDSENTRY']._serialized_end=471
 # @@protoc_insertion_point(module_scope)

@@ -63,6 +63,10 @@ class Record(_message.Message):
     DELETED_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    NOT_BEFORE_FIELD_NUMBER: _builtins.int
+    LAST_OUTCOME_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The record's key: `repo/{repo}/mem/{topic}/{id}`. Each segment matches
     `[A-Za-z0-9._:-]{1,128}`.
@@ -89,6 +93,20 @@ class Record(_message.Message):
     answering node. Two nodes that return the same digest hold byte-identical
     states for this record.
     """
+    status: _builtins.str
+    """The work-queue state (docs/api.md, *Work queue*). `open` (the default),
+    `done` or `parked`: `ClaimNext` hands out open items only, and a parked
+    one not until `Claims.Reopen`.
+    """
+    attempts: _builtins.int
+    """Claims granted on the record so far, as its home counted them. A failed
+    release or a lapsed lease at `maxAttempts:N` (or the node's default) parks it.
+    """
+    last_outcome: _builtins.str
+    """How the last claim ended: `done`, `failed`, `deferred`, `lapsed` (its lease
+    ran out), `forced` (`Claims.ForceRelease`); empty before any such end (a
+    plain release leaves it as it was).
+    """
     @_builtins.property
     def fields(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Every field with a non-empty value, including the well-known `kind`,
@@ -109,6 +127,12 @@ class Record(_message.Message):
         and releases do not move it.
         """
 
+    @_builtins.property
+    def not_before(self) -> _timestamp_pb2.Timestamp:
+        """A deferred release keeps the item from `ClaimNext` until then; unset when
+        it is not deferred.
+        """
+
     def __init__(
         self,
         *,
@@ -123,10 +147,14 @@ class Record(_message.Message):
         deleted: _builtins.bool = ...,
         digest: _builtins.bytes = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
+        status: _builtins.str = ...,
+        attempts: _builtins.int = ...,
+        not_before: _timestamp_pb2.Timestamp | None = ...,
+        last_outcome: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["not_before", b"not_before", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "digest", b"digest", "fence", b"fence", "fields", b"fields", "home_region", b"home_region", "id", b"id", "key", b"key", "repo", b"repo", "tags", b"tags", "topic", b"topic", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "deleted", b"deleted", "digest", b"digest", "fence", b"fence", "fields", b"fields", "home_region", b"home_region", "id", b"id", "key", b"key", "last_outcome", b"last_outcome", "not_before", b"not_before", "repo", b"repo", "status", b"status", "tags", b"tags", "topic", b"topic", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

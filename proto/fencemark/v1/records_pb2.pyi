@@ -31,6 +31,7 @@ from collections import abc as _abc
 from fencemark.v1 import record_pb2 as _record_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -391,3 +392,94 @@ class ListResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListResponse: _TypeAlias = ListResponse  # noqa: Y015
+
+@_typing.final
+class HistoryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The record's key."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HistoryRequest: _TypeAlias = HistoryRequest  # noqa: Y015
+
+@_typing.final
+class ClaimEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """`granted`, `renewed`, `released`, `lapsed`, `forced` (taken back by
+    `ForceRelease`) or `reopened`.
+    """
+    fencing_token: _builtins.int
+    """The claim's fencing token."""
+    owner: _builtins.str
+    """The claim's owner and the client identity it was granted to (empty
+    without TLS).
+    """
+    identity: _builtins.str
+    detail: _builtins.str
+    """More: a release's outcome (`done`, `failed`, `deferred`), `parked` when the
+    end parked the item, an operator's reason for `forced` and `reopened`.
+    """
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp:
+        """When the home decided it (its wall clock, UTC)."""
+
+    def __init__(
+        self,
+        *,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        kind: _builtins.str = ...,
+        fencing_token: _builtins.int = ...,
+        owner: _builtins.str = ...,
+        identity: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "detail", b"detail", "fencing_token", b"fencing_token", "identity", b"identity", "kind", b"kind", "owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimEvent: _TypeAlias = ClaimEvent  # noqa: Y015
+
+@_typing.final
+class HistoryResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    HOME_REGION_FIELD_NUMBER: _builtins.int
+    home_region: _builtins.str
+    """The record's home region, which keeps its history."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimEvent]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___ClaimEvent] | None = ...,
+        home_region: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "home_region", b"home_region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HistoryResponse: _TypeAlias = HistoryResponse  # noqa: Y015

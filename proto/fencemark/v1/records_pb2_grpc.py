@@ -60,6 +60,11 @@ class RecordsStub:
                 request_serializer=fencemark_dot_v1_dot_records__pb2.ListRequest.SerializeToString,
                 response_deserializer=fencemark_dot_v1_dot_records__pb2.ListResponse.FromString,
                 _registered_method=True)
+        self.History = channel.unary_unary(
+                '/fencemark.v1.Records/History',
+                request_serializer=fencemark_dot_v1_dot_records__pb2.HistoryRequest.SerializeToString,
+                response_deserializer=fencemark_dot_v1_dot_records__pb2.HistoryResponse.FromString,
+                _registered_method=True)
 
 
 class RecordsServicer:
@@ -113,6 +118,18 @@ class RecordsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def History(self, request, context):
+        """History lists the record's recent claim events, oldest first: grants,
+        renewals, releases with their outcome, lapses, force-releases and reopens,
+        each with when, which token and whom (the newest 64). They are kept by the
+        node that decided them, the record's home: ask it (a client given
+        `regions` does); any other node answers with what it decided itself
+        (normally nothing) and names the home.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RecordsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +157,11 @@ def add_RecordsServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=fencemark_dot_v1_dot_records__pb2.ListRequest.FromString,
                     response_serializer=fencemark_dot_v1_dot_records__pb2.ListResponse.SerializeToString,
+            ),
+            'History': grpc.unary_unary_rpc_method_handler(
+                    servicer.History,
+                    request_deserializer=fencemark_dot_v1_dot_records__pb2.HistoryRequest.FromString,
+                    response_serializer=fencemark_dot_v1_dot_records__pb2.HistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -278,6 +300,33 @@ class Records:
             '/fencemark.v1.Records/List',
             fencemark_dot_v1_dot_records__pb2.ListRequest.SerializeToString,
             fencemark_dot_v1_dot_records__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def History(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencemark.v1.Records/History',
+            fencemark_dot_v1_dot_records__pb2.HistoryRequest.SerializeToString,
+            fencemark_dot_v1_dot_records__pb2.HistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

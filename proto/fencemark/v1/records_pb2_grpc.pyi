@@ -83,6 +83,14 @@ class RecordsStub:
     """List returns records in key order, filtered by repo, topic and tag, a page
     at a time.
     """
+    History: _grpc.UnaryUnaryMultiCallable[_records_pb2.HistoryRequest, _records_pb2.HistoryResponse]
+    """History lists the record's recent claim events, oldest first: grants,
+    renewals, releases with their outcome, lapses, force-releases and reopens,
+    each with when, which token and whom (the newest 64). They are kept by the
+    node that decided them, the record's home: ask it (a client given
+    `regions` does); any other node answers with what it decided itself
+    (normally nothing) and names the home.
+    """
 
 @_typing.type_check_only
 class RecordsAsyncStub(RecordsStub):
@@ -114,6 +122,14 @@ class RecordsAsyncStub(RecordsStub):
     List: _aio.UnaryUnaryMultiCallable[_records_pb2.ListRequest, _records_pb2.ListResponse]  # type: ignore[assignment]
     """List returns records in key order, filtered by repo, topic and tag, a page
     at a time.
+    """
+    History: _aio.UnaryUnaryMultiCallable[_records_pb2.HistoryRequest, _records_pb2.HistoryResponse]  # type: ignore[assignment]
+    """History lists the record's recent claim events, oldest first: grants,
+    renewals, releases with their outcome, lapses, force-releases and reopens,
+    each with when, which token and whom (the newest 64). They are kept by the
+    node that decided them, the record's home: ask it (a client given
+    `regions` does); any other node answers with what it decided itself
+    (normally nothing) and names the home.
     """
 
 class RecordsServicer(metaclass=_abc_1.ABCMeta):
@@ -173,6 +189,20 @@ class RecordsServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_records_pb2.ListResponse, _abc.Awaitable[_records_pb2.ListResponse]]:
         """List returns records in key order, filtered by repo, topic and tag, a page
         at a time.
+        """
+
+    @_abc_1.abstractmethod
+    def History(
+        self,
+        request: _records_pb2.HistoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_records_pb2.HistoryResponse, _abc.Awaitable[_records_pb2.HistoryResponse]]:
+        """History lists the record's recent claim events, oldest first: grants,
+        renewals, releases with their outcome, lapses, force-releases and reopens,
+        each with when, which token and whom (the newest 64). They are kept by the
+        node that decided them, the record's home: ask it (a client given
+        `regions` does); any other node answers with what it decided itself
+        (normally nothing) and names the home.
         """
 
 def add_RecordsServicer_to_server(servicer: RecordsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -63,6 +63,8 @@ class Right(StrEnum):
     WRITE = "write"
     CLAIM = "claim"
     REPLICATE = "replicate"
+    # Take claims back and reopen parked items (Claims.ForceRelease, Reopen).
+    OPERATE = "operate"
     # Use claims granted to other identities (docs/security.md, *Claims are bound to
     # identities*). Needed by no method: the claim rules ask for it.
     ACT_FOR_OTHERS = ACTING_FOR_OTHERS
@@ -76,10 +78,14 @@ METHOD_RIGHTS: Mapping[str, Right] = {
     "/fencemark.v1.Records/Remember": Right.WRITE,
     "/fencemark.v1.Records/Update": Right.WRITE,
     "/fencemark.v1.Records/Delete": Right.WRITE,
+    "/fencemark.v1.Records/History": Right.READ,
     "/fencemark.v1.Claims/ClaimStatus": Right.READ,
     "/fencemark.v1.Claims/Claim": Right.CLAIM,
     "/fencemark.v1.Claims/RenewClaim": Right.CLAIM,
     "/fencemark.v1.Claims/ReleaseClaim": Right.CLAIM,
+    "/fencemark.v1.Claims/ClaimNext": Right.CLAIM,
+    "/fencemark.v1.Claims/Reopen": Right.OPERATE,
+    "/fencemark.v1.Claims/ForceRelease": Right.OPERATE,
     "/fencemark.v1.Node/Info": Right.READ,
     "/fencemark.v1.Replication/Tree": Right.REPLICATE,
     "/fencemark.v1.Replication/Buckets": Right.REPLICATE,

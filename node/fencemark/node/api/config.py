@@ -16,6 +16,7 @@ from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replication.intake import MAX_LIST_RECORDS
 from fencemark.node.replication.tuning import Tuning
 from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP
+from fencemark.node.rules.queue import DEFAULT_MAX_ATTEMPTS
 from fencemark.node.security.tls import Identity, TlsFiles
 from fencemark.node.security.tls_reload import LiveTls
 from fencemark.node.store.storage import (
@@ -52,6 +53,9 @@ class NodeConfig:
     max_concurrent_health: int = Limits.health
     max_waiters: int = MAX_WAITERS
     max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
+    # Attempts after which a failed or lapsed claim parks an item (SPEC §8), for
+    # items without a maxAttempts:N tag.
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
     # A merged grant more than this above the grant below it is refused (integrity.py).
     max_token_jump: int = DEFAULT_MAX_TOKEN_JUMP
     # Transport security (docs/security.md): this node's certificate, key and the

@@ -26,21 +26,18 @@ from grpc_reflection.v1alpha import reflection
 
 from fencemark.node.api.authz import DEFAULT_ACCESS, Authorize, caller_of
 from fencemark.node.api.budgets import CallBudgets, give_back
+from fencemark.node.api.claims_service import ClaimsService
 from fencemark.node.api.config import NodeConfig as NodeConfig  # re-exported: what start() takes
 from fencemark.node.api.config import default_data_dir as default_data_dir
 from fencemark.node.api.config import live_tls, transport
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
 from fencemark.node.api.replication import ReplicationService
-from fencemark.node.api.service import (
-    ClaimsService,
-    NodeService,
-    RecordsService,
-    anyone,
-)
+from fencemark.node.api.service import NodeService, RecordsService, anyone
 from fencemark.node.api.telemetry import NodeMetrics, Telemetry
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.lapses import LapseWatcher
 from fencemark.node.core.replica import Replica
+from fencemark.node.core.work_queue import WorkQueue
 from fencemark.node.crdt import HybridClock
 from fencemark.node.replication.peers import PeerStats, stats_for
 from fencemark.node.replication.replicator import Replicator
@@ -75,6 +72,7 @@ class NodeServer:
         storage: Storage,
         replica: Replica,
         claims: Claims,
+        work: WorkQueue,
         server: grpc.aio.Server,
         health_servicer: Any,
         port: int,
@@ -88,6 +86,7 @@ class NodeServer:
         self.storage = storage
         self.replica = replica
         self.claims = claims
+        self.work = work
         self.server = server
         self.health = health_servicer
         self.port = port
@@ -122,6 +121,7 @@ class NodeServer:
             max_waiters=config.max_waiters,
             max_waiters_per_client=config.max_waiters_per_client,
         )
+        work = WorkQueue(claims)  # ClaimNext, Reopen, ForceRelease (SPEC §8)
         peers = _peers(config, tls, replica)
         # A node on a new, emptied or restored data directory decides nothing
         # before a complete pass with every peer (fencemark.node.core.grant_gate).
@@ -150,7 +150,7 @@ class NodeServer:
         if tls is not None:
             metrics.watch_tls(tls)
         server = _grpc_server(config, tls, metrics)
-        servicers = _servicers(config, tls, storage, replica, claims, replicator, peers)
+        servicers = _servicers(config, tls, storage, replica, claims, work, replicator, peers)
         names = _add_services(server, servicers, health_servicer, config.enable_writes)
         try:
             port = _listen(server, config, tls)
@@ -162,8 +162,8 @@ class NodeServer:
         replicator.start()
         lapses.start()
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
-        node = cls(config, storage, replica, claims, server, health_servicer, port, replicator,
-                   metrics, stop_metrics, lapses, tls)  # fmt: skip
+        node = cls(config, storage, replica, claims, work, server, health_servicer, port,
+                   replicator, metrics, stop_metrics, lapses, tls)  # fmt: skip
         log.info(
             "region %s node %s listening on %s (%s, writes %s, data %s)",
             config.region,
@@ -224,6 +224,7 @@ async def _open_replica(config: NodeConfig, tls: LiveTls | None) -> tuple[Storag
         bounds=Bounds(config.max_clock_offset_ms, max_token_jump=config.max_token_jump),
         signer=signer if keyring is not None else None,
         keyring=keyring,
+        max_attempts=config.max_attempts,
     )
     for kid, der in keyring.known() if keyring is not None else ():
         await replica.keep_signer(kid, der)  # ours and any the files name: kept for restarts
@@ -293,6 +294,7 @@ def _servicers(
     storage: Storage,
     replica: Replica,
     claims: Claims,
+    work: WorkQueue,
     replicator: Replicator,
     peers: dict[str, PeerStats],
 ) -> dict[str, object]:
@@ -301,7 +303,7 @@ def _servicers(
     callers = caller_of(config.access or DEFAULT_ACCESS) if tls is not None else anyone
     return {
         "Records": RecordsService(replica, caller_of=callers),
-        "Claims": ClaimsService(claims, caller_of=callers, on_wait=give_back),
+        "Claims": ClaimsService(claims, work, caller_of=callers, on_wait=give_back),
         "Node": NodeService(
             replica, claims, replicator, peers, writes_enabled=config.enable_writes
         ),

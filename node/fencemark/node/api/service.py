@@ -4,7 +4,8 @@ Transport only: every decision is made by ``replica``, ``claims`` or
 ``admission``; this module converts messages and maps each refusal to exactly
 one gRPC status carrying ``google.rpc`` details (SPEC §7).
 
-About 420 lines: three servicers and the one mapping of refusals they share.
+The Records and Node servicers, and the one mapping of refusals that every
+servicer shares; the Claims servicer is ``claims_service``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import hlc
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.rules import validation
-from fencemark.node.rules.admission import ANYONE, Caller, Outcome
+from fencemark.node.rules.admission import ANYONE, Caller
 from fencemark.node.rules.errors import (
     ClaimConflict,
     ClockSkewed,
@@ -36,9 +37,8 @@ from fencemark.node.rules.errors import (
     NotServing,
     PermissionDenied,
 )
-from fencemark.node.security.tls import peer_identity
 from fencemark.node.store.storage import Stored
-from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
+from fencemark.v1 import node_pb2, record_pb2, records_pb2
 
 if TYPE_CHECKING:
     from fencemark.node.replication.replicator import Replicator
@@ -159,6 +159,7 @@ def timestamp(ms: int) -> timestamp_pb2.Timestamp | None:
 def record_message(stored: Stored) -> record_pb2.Record:
     record = stored.record
     repo, topic, id_ = validation.key(record.key)
+    outcome = record.outcome
     return record_pb2.Record(
         key=record.key,
         repo=repo,
@@ -171,6 +172,10 @@ def record_message(stored: Stored) -> record_pb2.Record:
         deleted=record.is_deleted,
         digest=stored.digest,
         updated_at=timestamp(hlc.physical_ms(record.max_hlc())),
+        status=record.status,
+        attempts=record.attempts,
+        not_before=timestamp(record.not_before_ms),
+        last_outcome=outcome.value if outcome is not None else "",
     )
 
 
@@ -254,115 +259,27 @@ class RecordsService:
             records=[record_message(s) for s in page], next_page_token=next_token
         )
 
-
-def _reason(outcome: Outcome) -> str:
-    """An outcome's reason, noted as the call's refusal when it was not granted."""
-    reason = outcome.reason.value if outcome.reason is not None else ""
-    if not outcome.ok:
-        note_refusal(reason)
-    return reason
-
-
-def client_of(context: grpc.aio.ServicerContext[Any, Any]) -> str:
-    """Who is calling, for per-client limits (``--max-waiters-per-client``).
-
-    Over TLS, the identity of the caller's verified certificate
-    (``identity:client/alice``): every connection and every address of that
-    certificate's holder counts as one client. Without TLS (``--insecure``), the
-    peer's address without its port ("ipv4:10.0.0.7:53211" -> "ipv4:10.0.0.7"),
-    so more connections are no way around the limit either.
-    """
-    identity = peer_identity(context)
-    if identity is not None:
-        return f"identity:{identity}"
-    peer = context.peer() or ""
-    scheme, _, rest = peer.partition(":")
-    if scheme in ("ipv4", "ipv6"):
-        return f"{scheme}:{rest.rsplit(':', 1)[0]}"
-    return peer
-
-
-class ClaimsService:
-    def __init__(
-        self, claims: Claims, *, caller_of: CallerOf, on_wait: Callable[[], None] | None = None
-    ) -> None:
-        self.claims = claims
-        self.caller_of = caller_of
-        # Called as a claim joins the line: its call leaves the call budget
-        # (fencemark.node.api.budgets.give_back).
-        self.on_wait = on_wait
-
     @refusals
-    async def Claim(
-        self, request: claims_pb2.ClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> claims_pb2.ClaimResponse:
-        outcome = await self.claims.claim(
-            request.key,
-            request.owner,
-            caller=self.caller_of(context),
-            lease_seconds=request.lease_seconds,
-            wait_seconds=request.wait_seconds,
-            client=client_of(context),
-            on_wait=self.on_wait,
-        )
-        return claims_pb2.ClaimResponse(
-            granted=outcome.ok,
-            fencing_token=outcome.token,
-            lease_expires_at=timestamp(outcome.expiry_ms),
-            reason=_reason(outcome),
-            home_region=outcome.home_region,
-        )
-
-    @refusals
-    async def RenewClaim(
-        self, request: claims_pb2.RenewClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> claims_pb2.RenewClaimResponse:
-        outcome = await self.claims.renew(
-            request.key,
-            request.fencing_token,
-            caller=self.caller_of(context),
-            lease_seconds=request.lease_seconds,
-        )
-        return claims_pb2.RenewClaimResponse(
-            renewed=outcome.ok,
-            fencing_token=outcome.token,
-            lease_expires_at=timestamp(outcome.expiry_ms),
-            reason=_reason(outcome),
-            home_region=outcome.home_region,
-        )
-
-    @refusals
-    async def ReleaseClaim(
-        self, request: claims_pb2.ReleaseClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> claims_pb2.ReleaseClaimResponse:
-        outcome = await self.claims.release(
-            request.key, request.fencing_token, caller=self.caller_of(context)
-        )
-        return claims_pb2.ReleaseClaimResponse(
-            released=outcome.ok,
-            reason=_reason(outcome),
-            home_region=outcome.home_region,
-            fence=outcome.fence,
-        )
-
-    @refusals
-    async def ClaimStatus(
-        self, request: claims_pb2.ClaimStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> claims_pb2.ClaimStatusResponse:
-        status = await self.claims.status(request.key, caller=self.caller_of(context))
-        live = None
-        if status.holder is not None:
-            live = claims_pb2.ClaimStatusResponse.LiveClaim(
-                owner=status.holder.owner,
-                fencing_token=status.token,
-                lease_expires_at=timestamp(status.expiry_ms),
-            )
-        return claims_pb2.ClaimStatusResponse(
-            claim=live,
-            fence=status.fence,
-            queue_depth=status.queue_depth,
-            authoritative=False,
-            home_region=status.home_region,
+    async def History(
+        self, request: records_pb2.HistoryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> records_pb2.HistoryResponse:
+        events = await self.replica.history(request.key)
+        found = await self.replica.find(request.key)
+        if found is None or not found.record.exists:
+            raise NotFound(request.key)
+        return records_pb2.HistoryResponse(
+            events=[
+                records_pb2.ClaimEvent(
+                    at=timestamp(event.at_ms),
+                    kind=event.kind,
+                    fencing_token=event.token,
+                    owner=event.owner,
+                    identity=event.identity,
+                    detail=event.detail,
+                )
+                for event in events
+            ],
+            home_region=found.record.home_region,
         )
 
 

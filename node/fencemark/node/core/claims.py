@@ -11,20 +11,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import FenceState, Grant, Record
-from fencemark.node.rules import validation
+from fencemark.node.crdt.record import DEFERRED
+from fencemark.node.rules import queue, validation
 from fencemark.node.rules.admission import (
     Caller,
     Outcome,
     acts_for,
     decide_claim,
+    decide_fenced_release,
     decide_release,
     decide_renew,
+    settled,
 )
 from fencemark.node.rules.errors import Exhausted, InvalidInput, Reason
 
@@ -32,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Waiter:
+class Waiter:
     owner: str
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -76,17 +80,18 @@ class Claims:
         self.replica = replica
         self.max_waiters = max_waiters
         self.max_waiters_per_client = max_waiters_per_client
-        self._queues: dict[str, deque[_Waiter]] = {}
+        self._queues: dict[str, deque[Waiter]] = {}
         self._waiting_by_client: Counter[str] = Counter()
         # Claim outcomes decided here ("granted" or the reason) and queue entries:
         # read by the metrics collector (fencemark.node.api.telemetry).
         self.outcomes: Counter[str] = Counter()
         self.waits = 0
+        self.waiting_total = 0  # callers in ``waiter``: for a record or a topic's items
 
     @property
     def waiting(self) -> int:
-        """Callers waiting in line, over every record."""
-        return sum(len(line) for line in self._queues.values())
+        """Callers waiting in line, over every record and topic (``ClaimNext``)."""
+        return self.waiting_total
 
     @property
     def clients_waiting(self) -> int:
@@ -125,28 +130,38 @@ class Claims:
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
         wait_s = validation.wait(wait_seconds)
-        self._check_deciding()
+        self.check_deciding()
         ahead = self.queue_depth(key) > 0
         outcome, _ = await self._try(key, owner, caller, lease_ms, queued_ahead=ahead)
         if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
-            if self.waiting >= self.max_waiters:
-                raise Exhausted("claim waiters", self.max_waiters)
-            if self._waiting_by_client[client] >= self.max_waiters_per_client:
-                raise Exhausted("claim waiters from one client", self.max_waiters_per_client)
-            self.waits += 1
-            self._waiting_by_client[client] += 1
-            if on_wait is not None:
-                on_wait()
-            try:
+            with self.waiter(client, on_wait):
                 outcome = await self._wait_in_line(
                     key, owner, caller, lease_ms, wait_s, outcome.home_region
                 )
-            finally:
-                self._waiting_by_client[client] -= 1
-                if not self._waiting_by_client[client]:
-                    del self._waiting_by_client[client]
         self.outcomes["granted" if outcome.reason is None else outcome.reason.value] += 1
         return outcome
+
+    @contextlib.contextmanager
+    def waiter(self, client: str, on_wait: Callable[[], None] | None) -> Iterator[None]:
+        """One more caller waiting (for a record, or for an item of a topic), within
+        ``max_waiters`` in all and ``max_waiters_per_client`` from ``client``, or
+        :class:`Exhausted`; its place is given back when it stops waiting."""
+        if self.waiting_total >= self.max_waiters:
+            raise Exhausted("claim waiters", self.max_waiters)
+        if self._waiting_by_client[client] >= self.max_waiters_per_client:
+            raise Exhausted("claim waiters from one client", self.max_waiters_per_client)
+        self.waits += 1
+        self.waiting_total += 1
+        self._waiting_by_client[client] += 1
+        if on_wait is not None:
+            on_wait()
+        try:
+            yield
+        finally:
+            self.waiting_total -= 1
+            self._waiting_by_client[client] -= 1
+            if not self._waiting_by_client[client]:
+                del self._waiting_by_client[client]
 
     async def _wait_in_line(
         self, key: str, owner: str, caller: Caller, lease_ms: int, wait_s: float, home: str
@@ -154,7 +169,7 @@ class Claims:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         line = self._queues.setdefault(key, deque())
-        me = _Waiter(owner)
+        me = Waiter(owner)
         line.append(me)
         try:
             while True:
@@ -216,6 +231,7 @@ class Claims:
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, tuple[Outcome, bool]]:
+            current = replica.lapse_if_due(current)  # the lapse counts as an attempt's end
             fence, outcome = decide_claim(
                 current,
                 owner,
@@ -228,13 +244,21 @@ class Claims:
                 recovered_hlc=replica.recovered_hlc,
             )
             granted = fence.fence != current.fence.fence
-            if replica.signer is not None and granted:
-                # A new grant: signed by this (home) node before it is durable.
-                fence = replica.signer.sign_fence(key, fence)
-            return current.with_fence(fence), (outcome, granted)
+            if not granted:
+                return current.with_fence(fence), (outcome, False)
+            return self.with_grant(current, fence), (outcome, True)
 
         _, result = await replica.transact(key, change)
         return result
+
+    def with_grant(self, record: Record, fence: FenceState) -> Record:
+        """``record`` with the new grant that ``fence`` holds: signed by this (home)
+        node before it is durable, and counted as one attempt (SPEC §8)."""
+        replica = self.replica
+        if replica.signer is not None:
+            fence = replica.signer.sign_fence(record.key, fence)
+        stamp = replica.stamp(fence.fence)
+        return replica.signed_queue(queue.granted(record.with_fence(fence), stamp), stamp)
 
     async def renew(
         self, key: str, token: int, *, caller: Caller, lease_seconds: float = 0.0
@@ -242,7 +266,7 @@ class Claims:
         validation.key(key)
         _token(token)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
-        self._check_deciding()
+        self.check_deciding()
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, Outcome]:
@@ -259,22 +283,59 @@ class Claims:
         _, outcome = await replica.transact(key, change)
         return outcome
 
-    async def release(self, key: str, token: int, *, caller: Caller) -> Outcome:
+    async def release(
+        self,
+        key: str,
+        token: int,
+        *,
+        caller: Caller,
+        outcome: str = "",
+        fields: Mapping[str, str] | None = None,
+        retry_after_seconds: float = 0.0,
+    ) -> Outcome:
+        """Release ``token``'s claim. With an ``outcome`` (``done``, ``failed``,
+        ``deferred``) or ``fields``, the release is the holder's last fenced write:
+        the fields, the queue state and the release are one commit under the token,
+        refused (as a value) unless the token is the live claim (SPEC §8)."""
         validation.key(key)
         _token(token)
-        self._check_deciding()
+        ending = _outcome(outcome)
+        written = validation.fields(fields or {})
+        retry_after_ms = _retry_after(ending, retry_after_seconds)
+        self.check_deciding()
+        replica = self.replica
 
         def change(current: Record) -> tuple[Record, Outcome]:
-            fence, outcome = decide_release(
-                current, token, caller=caller, region=self.replica.region
-            )
-            return current.with_fence(fence), outcome
+            if not ending and not written:
+                fence, plain = decide_release(current, token, caller=caller, region=replica.region)
+                return current.with_fence(fence), plain
+            current = replica.lapse_if_due(current)
+            now_ms = replica.wall_ms()
+            if queue.already_ended(current, token, ending, written):
+                return current, settled(current, token)  # a retry whose answer was lost
+            problem = decide_fenced_release(current, token, caller=caller,
+                                            region=replica.region, now_ms=now_ms)  # fmt: skip
+            if problem is not None:
+                return current, problem
+            stamp = replica.stamp(token)
+            changed = current.set_fields(written, stamp)
+            validation.record_size(changed, "fields")
+            if ending:
+                changed = replica.end_claim(changed, stamp, ending,
+                                            not_before_ms=now_ms + retry_after_ms)  # fmt: skip
+            changed = replica.signed_queue(changed, stamp)
+            return changed.with_fence(changed.fence.release(token)), settled(changed, token)
 
-        _, outcome = await self.replica.transact(key, change)
+        _, outcome_ = await self.replica.transact(key, change)
+        if outcome_.ok:
+            self.wake(key)
+        return outcome_
+
+    def wake(self, key: str) -> None:
+        """The claim of ``key`` ended: the head of its line may take it now."""
         line = self._queues.get(key)
-        if outcome.ok and line:
-            line[0].wake.set()  # the head of the line may take it now
-        return outcome
+        if line:
+            line[0].wake.set()
 
     async def status(self, key: str, *, caller: Caller) -> Status:
         """The claim as this node sees it; the live token only for a caller that
@@ -292,8 +353,31 @@ class Claims:
             home_region=stored.record.home_region,
         )
 
-    def _check_deciding(self) -> None:
+    def check_deciding(self) -> None:
         self.replica.gate.check()
+
+
+def _outcome(outcome: str) -> str:
+    if outcome not in queue.RELEASE_OUTCOMES:
+        words = ", ".join(repr(word) for word in queue.RELEASE_OUTCOMES)
+        raise InvalidInput.field("outcome", f"an outcome is one of {words}, got {outcome!r}")
+    return outcome
+
+
+def _retry_after(ending: str, seconds: float) -> int:
+    """Milliseconds a ``deferred`` release keeps the item back; 0 for the others."""
+    if ending != DEFERRED:
+        if seconds:
+            raise InvalidInput.field(
+                "retry_after_seconds", "only a deferred release takes retry_after_seconds"
+            )
+        return 0
+    if not (math.isfinite(seconds) and 0 <= seconds <= queue.MAX_RETRY_AFTER_S):
+        raise InvalidInput.field(
+            "retry_after_seconds",
+            f"between 0 and {queue.MAX_RETRY_AFTER_S} seconds, got {seconds}",
+        )
+    return round(seconds * 1000)
 
 
 def _token(token: int) -> None:

@@ -19,9 +19,11 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from fencemark.node.core import history
 from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
-from fencemark.node.rules import integrity, validation
+from fencemark.node.crdt.record import LAPSED
+from fencemark.node.rules import integrity, queue, validation
 from fencemark.node.rules.admission import (
     Caller,
     admit_write,
@@ -31,6 +33,8 @@ from fencemark.node.rules.admission import (
 )
 from fencemark.node.rules.errors import InvalidInput, NotFound
 from fencemark.node.security.signing import META_PREFIX, Keyring, Signer, certificate_pem
+from fencemark.node.store.events import Event
+from fencemark.node.store.picks import Pickable
 from fencemark.node.store.storage import Storage, Stored
 
 T = TypeVar("T")
@@ -74,6 +78,7 @@ class Replica:
         bounds: integrity.Bounds | None = None,
         signer: Signer | None = None,
         keyring: Keyring | None = None,
+        max_attempts: int = queue.DEFAULT_MAX_ATTEMPTS,
     ) -> None:
         self.storage = storage
         self.clock = clock
@@ -82,6 +87,7 @@ class Replica:
         self._locks = KeyLocks()
         self._write_listeners: list[Callable[[str], None]] = []
         self._lease_listeners: list[Callable[[str, int], None]] = []
+        self._change_listeners: list[Callable[[str], None]] = []
         # Whether this node may decide yet (catch-up after a new or lost disk).
         self.gate = GrantGate(storage, clock)
         # What merges may bring (fencemark.node.rules.integrity).
@@ -91,6 +97,9 @@ class Replica:
         # reload replaces the signer (``use_signer``); the keyring learns in place.
         self.signer = signer
         self.keyring = keyring
+        # Attempts after which a failed or lapsed claim parks an item without a
+        # maxAttempts:N tag (SPEC §8).
+        self.max_attempts = max_attempts
 
     def use_signer(self, signer: Signer) -> None:
         """Sign with ``signer`` from now on (a renewed node certificate's key)."""
@@ -134,6 +143,21 @@ class Replica:
         return await self.storage.scan("repo/", "repo0", after=after, limit=limit,
                                        include_deleted=True)  # fmt: skip
 
+    async def picks(
+        self, scope: str, now_ms: int, *, after: Pickable | None, limit: int
+    ) -> list[Pickable]:
+        """Items of ``scope`` homed here the pick index offers now, in pick order."""
+        return await self.storage.picks(scope, self.region, now_ms, after=after, limit=limit)
+
+    async def next_pickable_ms(self, scope: str, now_ms: int) -> int | None:
+        """When a deferral or lease of ``scope``'s items homed here next ends."""
+        return await self.storage.next_pickable_ms(scope, self.region, now_ms)
+
+    async def history(self, key: str) -> list[Event]:
+        """``key``'s claim events kept here (its home keeps them), oldest first."""
+        validation.key(key)
+        return await self.storage.events(key)
+
     async def keep_signer(self, kid: bytes, der: bytes) -> None:
         """Keep a signer's certificate in the data file, so a restart knows it."""
         name = META_PREFIX + kid.hex()
@@ -154,6 +178,11 @@ class Replica:
         homed here with an unreleased grant (``lapses.LapseWatcher``)."""
         self._lease_listeners.append(listener)
 
+    def on_change(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(key)`` after each change of a record is durable, local or
+        merged (``ClaimNext``'s waiters look again)."""
+        self._change_listeners.append(listener)
+
     def on_local_write(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(key)`` after each local write is durable (eager push)."""
         self._write_listeners.append(listener)
@@ -169,6 +198,7 @@ class Replica:
         *,
         local: bool = True,
         known: tuple[Record, bytes] | None = None,
+        note: str = "",
     ) -> tuple[Stored | None, T]:
         """Apply ``change`` to the durable state of ``key`` and persist the result.
 
@@ -178,7 +208,9 @@ class Replica:
         whose result must be within the limits of a client write
         (:class:`~fencemark.node.rules.integrity.MergeRefused`, ``over_limit``, if not).
         ``known`` is a record with its canonical encoding: should the new record
-        equal it, that encoding is stored instead of encoding again.
+        equal it, that encoding is stored instead of encoding again. A local change
+        at the record's home keeps its claim events (``history``) in the same
+        commit, ``note`` (an operator's reason) with them.
         """
         async with self._locks.hold(key):
             stored = await self.storage.get(key)
@@ -202,11 +234,20 @@ class Replica:
                 raise integrity.MergeRefused(
                     key, validation.OVER_LIMIT, f"merged with this node's state: {problem}"
                 )
-            stored = await self.storage.put(changed, hlc=self.clock.last, state=state)
+            events = (
+                history.events_of(current, changed, at_ms=self.clock.wall_ms(), note=note)
+                if local and changed.home_region == self.region
+                else []
+            )
+            stored = await self.storage.put(
+                changed, hlc=self.clock.last, state=state, events=events
+            )
         fence = changed.fence
         if self._lease_listeners and changed.home_region == self.region and fence.unreleased():
             for lease_listener in self._lease_listeners:
                 lease_listener(key, fence.expiry(fence.fence))
+        for change_listener in self._change_listeners:
+            change_listener(key)
         if local:
             self._written(key)
         return stored, result
@@ -291,11 +332,29 @@ class Replica:
             return record
         return self.signer.sign_writes(record, stamp)
 
-    def _lapse_if_due(self, record: Record) -> Record:
-        """At the home: record a lapse that is due (SPEC §4) before deciding on it."""
-        if self.gate.deciding and lapse_due(record, self.region, self.clock.wall_ms()):
-            return record.with_fence(record.fence.lapse(record.fence.fence))
-        return record
+    def lapse_if_due(self, record: Record) -> Record:
+        """At the home: record a lapse that is due (SPEC §4) before deciding on it,
+        with what it means for the work queue (an attempt that may park the item)."""
+        if not (self.gate.deciding and lapse_due(record, self.region, self.clock.wall_ms())):
+            return record
+        token = record.fence.fence
+        lapsed = record.with_fence(record.fence.lapse(token))
+        return self.end_claim(lapsed, self.stamp(token), LAPSED)
+
+    def end_claim(
+        self, record: Record, stamp: Stamp, ending: str, *, not_before_ms: int = 0
+    ) -> Record:
+        """``record`` with the queue state of the claim of ``stamp.epoch`` ending with
+        ``ending`` (``queue.ended``), written at ``stamp`` and signed by this node."""
+        changed = queue.ended(record, ending, stamp, default_max_attempts=self.max_attempts,
+                              not_before_ms=not_before_ms)  # fmt: skip
+        return self.signed_queue(changed, stamp)
+
+    def signed_queue(self, record: Record, stamp: Stamp) -> Record:
+        """``record`` with what this node wrote at ``stamp`` signed, with TLS: queue
+        registers are written by the home only, and every other node refuses one
+        that its home did not sign (``integrity``, ``unsigned_write``)."""
+        return record if self.signer is None else self.signer.sign_writes(record, stamp)
 
     async def record_lapse(self, key: str) -> bool:
         """Record, at the home, that the lease of ``key``'s fence has run out; True if
@@ -303,16 +362,16 @@ class Replica:
         writes on every node."""
 
         def change(current: Record) -> tuple[Record, bool]:
-            lapsed = self._lapse_if_due(current)
+            lapsed = self.lapse_if_due(current)
             return lapsed, lapsed is not current
 
         _, changed = await self.transact(key, change)
         return changed
 
     async def sign_own(self) -> int:
-        """Sign every unsigned fence grant and birth of this region, and every write
-        this node made at the epoch of an unreleased grant; returns how many
-        records that changed.
+        """Sign every unsigned fence grant and birth of this region, every write
+        this node made at the epoch of an unreleased grant, and every queue
+        register it wrote; returns how many records that changed.
 
         Grants, births and writes made before they were signed (a file upgraded
         from an older format), or while this node ran ``--insecure``, carry no
@@ -341,6 +400,12 @@ class Replica:
                     and not reg.signature
                 }:
                     signed = signer.sign_writes(signed, stamp)
+            for stamp in {
+                reg.stamp
+                for reg in signed.queue.values()
+                if reg.stamp.node == self.node_id and not reg.signature
+            }:
+                signed = signer.sign_writes(signed, stamp)  # queue registers: signed always
             signed = self._sealed(signed)  # an end or a move made unsigned
             return signed, signed is not current
 
@@ -433,6 +498,7 @@ class Replica:
         )
         validation.fields(fields)
         validation.tags(tags)
+        validation.queue_tags(tags)
         home_tag = validation.home_tag(tags)
         self._check_gate(fencing_token)
         plain_tags = [t for t in tags if not t.startswith(validation.HOME_TAG_PREFIX)]
@@ -445,7 +511,7 @@ class Replica:
                 raise InvalidInput.field(
                     "tags", f"homeRegion is fixed when a record is created: it is {home!r}"
                 )
-            current = self._lapse_if_due(current)
+            current = self.lapse_if_due(current)
             stamp = self.stamp(self._admit(current, fencing_token, home, caller))
             created = not current.visible
             changed = current.create(home, stamp)
@@ -481,6 +547,7 @@ class Replica:
         validation.key(key)
         validation.fields(fields)
         validation.tags(add_tags, "add_tags")
+        validation.queue_tags(add_tags, "add_tags")
         validation.tags(remove_tags, "remove_tags")
         validation.no_home_tags(add_tags, "add_tags")
         validation.no_home_tags(remove_tags, "remove_tags")
@@ -492,7 +559,7 @@ class Replica:
         def change(current: Record) -> tuple[Record, None]:
             if not current.visible:
                 raise NotFound(key)
-            current = self._lapse_if_due(current)
+            current = self.lapse_if_due(current)
             epoch = self._admit(current, fencing_token, current.home_region, caller)
             if not fields and not add_tags and not remove_tags:
                 return current, None  # admitted, nothing to write (but a lapse it recorded)
@@ -513,7 +580,7 @@ class Replica:
 
         def change(current: Record) -> tuple[Record, None]:
             home = current.home_region or self.region
-            current = self._lapse_if_due(current)
+            current = self.lapse_if_due(current)
             stamp = self.stamp(self._admit(current, fencing_token, home, caller))
             # A delete erases the content; the tombstone keeps home and fence. A
             # key never seen here gets a tombstone without a home: homing it here

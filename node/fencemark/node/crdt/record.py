@@ -8,6 +8,7 @@ old state merged into the new one gives the new one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -21,13 +22,26 @@ from fencemark.node.crdt.tagset import TagSet
 HOME_TAG_PREFIX = "homeRegion:"
 # What a register is to (``Record.registers``, ``codec.write_message``).
 FIELD, TAG, DELETED, QUEUE = "field", "tag", "deleted", "queue"
-# The work-queue registers (SPEC §8), each an LWW register of a string like a field:
-# ``status`` (``open`` until written), ``attempts`` (grants so far, decimal; only the
-# home writes it) and ``not_before`` (UTC milliseconds, decimal).
-STATUS, ATTEMPTS, NOT_BEFORE = "status", "attempts", "not_before"
-QUEUE_REGISTERS = (ATTEMPTS, NOT_BEFORE, STATUS)
+# The work-queue registers (SPEC §8), each an LWW register of a string like a field,
+# written only by a region that created the record (its home): ``status`` (``open``
+# until written), ``attempts`` (grants so far, decimal), ``not_before`` (UTC
+# milliseconds, decimal) and ``outcome``, how the last claim ended (at its token's
+# epoch: what answers a retried release from the durable state).
+STATUS, ATTEMPTS, NOT_BEFORE, OUTCOME = "status", "attempts", "not_before", "outcome"
+QUEUE_REGISTERS = (ATTEMPTS, NOT_BEFORE, OUTCOME, STATUS)
 OPEN, DONE, PARKED = "open", "done", "parked"
 STATUSES = (OPEN, DONE, PARKED)
+# How a claim ended, beside a plain release: an outcome the holder gave, the home
+# seeing its lease lapse, or an operator taking it back.
+FAILED, DEFERRED, LAPSED, FORCED = "failed", "deferred", "lapsed", "forced"
+ENDINGS = (DONE, FAILED, DEFERRED, LAPSED, FORCED)
+# Tags the work queue reads (SPEC §8): priority:P0 (first) ... priority:P9; an item
+# without one (or with another spelling) comes last. after:<id> waits on item <id>
+# of the same repo and topic; maxAttempts:N overrides the node's default.
+PRIORITY_TAG = re.compile(r"priority:P([0-9])")
+UNPRIORITIZED = 10
+AFTER_TAG = "after:"
+MAX_ATTEMPTS_TAG = "maxAttempts:"
 Register = LWW[str] | LWW[bool]
 
 
@@ -144,10 +158,32 @@ class Record:
         return int(reg.value) if reg is not None else 0
 
     @property
+    def outcome(self) -> LWW[str] | None:
+        """How the last claim ended (``ENDINGS``), at its token's epoch; None before."""
+        return self.queue.get(OUTCOME)
+
+    @property
     def not_before_ms(self) -> int:
         """UTC milliseconds before which the item is not handed out; 0: any time."""
         reg = self.queue.get(NOT_BEFORE)
         return int(reg.value) if reg is not None else 0
+
+    @property
+    def priority(self) -> int:
+        """0 for ``priority:P0`` ... 9; ``UNPRIORITIZED`` without such a tag. Of
+        several, the most urgent counts."""
+        levels = [
+            int(match[1])
+            for tag in tagset.value(self.tags)
+            if (match := PRIORITY_TAG.fullmatch(tag))
+        ]
+        return min(levels, default=UNPRIORITIZED)
+
+    @property
+    def waits_on(self) -> list[str]:
+        """The ids of the items (same repo and topic) this one waits on, sorted."""
+        tags = tagset.value(self.tags)
+        return sorted(tag.removeprefix(AFTER_TAG) for tag in tags if tag.startswith(AFTER_TAG))
 
     def stamps(self) -> Iterator[Stamp]:
         yield from (birth.stamp for birth in self.births.values())

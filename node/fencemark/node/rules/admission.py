@@ -108,7 +108,7 @@ def require_home(home: str, region: str, *, fence: int, birth: bool) -> None:
     The one producer of the refusal: a new record's birth (``birth``, SPEC §2)
     and a fenced write (SPEC §4) both come here, so both reach the client in the
     same shape. Claims, renewals and releases answer the same word as a value
-    (``_not_here``): SPEC §4 makes their outcomes values, not errors.
+    (``not_here``): SPEC §4 makes their outcomes values, not errors.
     """
     if home != region:
         raise WrongRegion(home, region, fence=fence, birth=birth)
@@ -214,7 +214,7 @@ def next_token(fence: FenceState, recovered_hlc: int = 0) -> int:
     return fence.fence + 1
 
 
-def _not_here(record: Record, region: str, *, tombstone_ok: bool = False) -> Outcome | None:
+def not_here(record: Record, region: str, *, tombstone_ok: bool = False) -> Outcome | None:
     """The outcome when ``region``'s node cannot decide claims on ``record``.
 
     A tombstone keeps its grants, so its holder may still release (and only
@@ -251,7 +251,7 @@ def decide_claim(
     grant records the caller's identity.
     """
     fence = record.fence
-    refusal = _not_here(record, region)
+    refusal = not_here(record, region)
     if refusal is not None:
         return fence, refusal
     home = record.home_region
@@ -277,7 +277,7 @@ def decide_renew(
     """Extend the live claim of ``token``; a renewal never shortens a lease.
     Refused ``not_holder`` (raised) for a token granted to another identity."""
     fence = record.fence
-    refusal = _not_here(record, region)
+    refusal = not_here(record, region)
     if refusal is not None:
         return fence, refusal
     home = record.home_region
@@ -299,7 +299,7 @@ def decide_release(
     drops, so every older token stays refused (``superseded``) forever.
     """
     fence = record.fence
-    refusal = _not_here(record, region, tombstone_ok=True)
+    refusal = not_here(record, region, tombstone_ok=True)
     if refusal is not None:
         return fence, refusal
     home = record.home_region
@@ -308,3 +308,36 @@ def decide_release(
     _check_holder(fence, token, caller)
     released = fence.release(token) if token == fence.fence else fence
     return released, Outcome(True, None, token, home_region=home, fence=fence.fence)
+
+
+def decide_fenced_release(
+    record: Record, token: int, *, caller: Caller, region: str, now_ms: int
+) -> Outcome | None:
+    """Why a release that writes (an outcome, or fields) may not go ahead, as a
+    value; None when ``token`` is the live claim and ``caller`` may act for it.
+
+    Such a release is the holder's last fenced write (SPEC §8), so it obeys a fenced
+    write's rules, not a plain release's: a token that is no longer the live claim
+    (``superseded``, ``expired``, ``released``) records no outcome, so a superseded
+    worker can never mark an item done. Refused ``not_holder`` (raised) for a token
+    granted to another identity.
+    """
+    fence = record.fence
+    refusal = not_here(record, region)
+    if refusal is not None:
+        return refusal
+    home = record.home_region
+    if token > fence.fence:
+        return Outcome(False, Reason.UNKNOWN_TOKEN, home_region=home, fence=fence.fence)
+    _check_holder(fence, token, caller)
+    problem = token_problem(fence, token, now_ms)
+    if problem is None and not record.claim_live(now_ms):
+        problem = Reason.SUPERSEDED  # granted by another birth region: superseded at the meet
+    if problem is not None:
+        return Outcome(False, problem, home_region=home, fence=fence.fence)
+    return None
+
+
+def settled(record: Record, token: int) -> Outcome:
+    """The answer to a release of ``token`` that took effect (now or before)."""
+    return Outcome(True, None, token, home_region=record.home_region, fence=record.fence.fence)

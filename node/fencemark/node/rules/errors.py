@@ -24,6 +24,10 @@ class Reason(StrEnum):
     CONTENDED = "contended"
     TIMEOUT = "timeout"
     MISSING = "missing"
+    # Work-queue outcomes (SPEC §8): nothing eligible for ClaimNext; no live claim
+    # for ForceRelease to take back.
+    EMPTY = "empty"
+    NO_CLAIM = "no_claim"
 
 
 class FencemarkError(Exception):

@@ -40,7 +40,9 @@ legitimate state (and so never stops convergence):
   record with a stamp at its epoch; likewise the end of the fence's claim (a
   release or a lapse, which readmits unfenced writes) carries the seal of the node
   that decided it (``unsigned_end``), and a move that is the fence the home's
-  signature (``unsigned_move``) (docs/security.md, *Signed writes*).
+  signature (``unsigned_move``); and every work-queue register new to this node
+  carries the signature of a region that created the record (``unsigned_write``)
+  (docs/security.md, *Signed writes*).
 
 Stamps further ahead than ``max_clock_offset`` are refused before this (the clock
 check), and malformed states when they are decoded. What this does *not* stop is a
@@ -124,6 +126,7 @@ def check(
         join.check_end(verifier)
         join.check_move_signature(verifier)
         join.check_writes(verifier)
+        join.check_queue(verifier)
     join.check_move(bounds)
     join.check_leases(bounds, now_ms)
     return join.merged
@@ -249,6 +252,17 @@ class _Join:
         for kind, name, register in self.merged.registers():
             if register.stamp.epoch == top and register != _register(self.local, kind, name):
                 problem = verifier.write_problem(self.remote.key, kind, name, register, deciders)
+                if problem is not None:
+                    raise self.refuse(*problem)
+
+    def check_queue(self, verifier: GrantVerifier) -> None:
+        """Work-queue registers (status, attempts, ...) new to this node: only a
+        region that created the record writes them, and signs them (SPEC §8), so no
+        peer can mark an item done, reopen it or park it."""
+        births = set(self.merged.births)
+        for name, register in self.merged.queue.items():
+            if register != self.local.queue.get(name):
+                problem = verifier.write_problem(self.remote.key, QUEUE, name, register, births)
                 if problem is not None:
                     raise self.refuse(*problem)
 

@@ -12,7 +12,16 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from fencemark.node.crdt import Record, tagset
-from fencemark.node.crdt.record import QUEUE_REGISTERS, STATUS, STATUSES
+from fencemark.node.crdt.record import (
+    AFTER_TAG,
+    ENDINGS,
+    MAX_ATTEMPTS_TAG,
+    OUTCOME,
+    QUEUE_REGISTERS,
+    STATUS,
+    STATUSES,
+)
+from fencemark.node.rules import queue
 from fencemark.node.rules.errors import InvalidInput
 
 SEGMENT = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -106,6 +115,26 @@ def tags(values: Iterable[str], name: str = "tags") -> list[str]:
     return checked
 
 
+def queue_tags(values: Iterable[str], name: str = "tags") -> None:
+    """Tags the work queue reads (SPEC §8), on a client's write: ``maxAttempts:N``
+    with N in 1..MAX_ATTEMPTS_LIMIT, ``after:<id>`` naming a valid id, at most
+    MAX_AFTER_TAGS of those. ``priority:`` tags other than P0-P9 are plain tags."""
+    waits = 0
+    for index, tag in enumerate(values):
+        if tag.startswith(MAX_ATTEMPTS_TAG):
+            count = tag.removeprefix(MAX_ATTEMPTS_TAG)
+            if not (count.isdigit() and 1 <= int(count) <= queue.MAX_ATTEMPTS_LIMIT):
+                raise InvalidInput.field(
+                    f"{name}[{index}]",
+                    f"maxAttempts:N takes N from 1 to {queue.MAX_ATTEMPTS_LIMIT}, got {count!r}",
+                )
+        elif tag.startswith(AFTER_TAG):
+            segment(tag.removeprefix(AFTER_TAG), f"{name}[{index}]")
+            waits += 1
+    if waits > queue.MAX_AFTER_TAGS:
+        raise InvalidInput.field(name, f"at most {queue.MAX_AFTER_TAGS} after: tags, got {waits}")
+
+
 def home_tag(values: Iterable[str], name: str = "tags") -> str | None:
     """The region named by the one ``homeRegion:`` tag, if any."""
     homes = [t[len(HOME_TAG_PREFIX) :] for t in values if t.startswith(HOME_TAG_PREFIX)]
@@ -170,8 +199,8 @@ def state(record: Record, size: int) -> None:
 
 
 def queue_registers(record: Record) -> None:
-    """The work-queue registers are the three SPEC §8 names, a status word and
-    canonical decimal integers of at most 64 bits."""
+    """The work-queue registers are the four ``QUEUE_REGISTERS``: a status word, an
+    ending word and canonical decimal integers of at most 64 bits."""
     for name, reg in record.queue.items():
         where = f"queue.{name[:64]}"
         if name not in QUEUE_REGISTERS:
@@ -179,6 +208,9 @@ def queue_registers(record: Record) -> None:
         if name == STATUS:
             if reg.value not in STATUSES:
                 raise InvalidInput.field(where, f"a status is one of {STATUSES}")
+        elif name == OUTCOME:
+            if reg.value not in ENDINGS:
+                raise InvalidInput.field(where, f"an outcome is one of {ENDINGS}")
         elif DECIMAL.fullmatch(reg.value) is None or int(reg.value) >= 1 << 64:
             raise InvalidInput.field(where, "a decimal integer below 2**64, without leading 0")
 

@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 
 from fencemark.node.crdt import Birth, Record, Stamp, codec
 from fencemark.node.crdt.fence import FenceState, Grant
-from fencemark.node.crdt.record import Register
+from fencemark.node.crdt.record import QUEUE, Register
 from fencemark.node.security.revocation import Revocations
 from fencemark.node.security.tls import TlsFiles, identities_of
 
@@ -259,9 +259,10 @@ class Keyring:
     def write_problem(
         self, record_key: str, kind: str, name: str, register: Register, regions: Iterable[str]
     ) -> tuple[str, str] | None:
-        """Why ``register``, written at the epoch of an unreleased grant, is not
-        signed by the node of one of ``regions`` (the home, and the region that
-        made the grant): (reason, detail), or None when it is."""
+        """Why ``register``, written at the epoch of an unreleased grant (or a
+        work-queue register), is not signed by the node of one of ``regions`` (the
+        home, and the region that made the grant; for the queue, the regions that
+        created the record): (reason, detail), or None when it is."""
         what = (
             f"the write of {kind} {name!r} at {tuple(register.stamp)}"
             if name
@@ -269,8 +270,9 @@ class Keyring:
         )
         allowed = sorted(set(regions))
         if not register.signature:
+            which = "a work-queue register" if kind == QUEUE else "at the epoch of a claim"
             return UNSIGNED_WRITE, (
-                f"{what} is at the epoch of a claim and carries no signature: only"
+                f"{what} is {which} and carries no signature: only"
                 f" {' or '.join(map(repr, allowed))} admits such a write"
             )
         message = codec.write_message(record_key, kind, name, register)

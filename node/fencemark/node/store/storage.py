@@ -35,7 +35,11 @@ from typing import NamedTuple, TypeVar
 import aiosqlite
 
 from fencemark.node.crdt import Record, codec
+from fencemark.node.store import events as events_table
+from fencemark.node.store import picks as picks_index
 from fencemark.node.store.digest_tree import DigestTree, bucket_of
+from fencemark.node.store.events import Event
+from fencemark.node.store.picks import Pickable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,6 +80,7 @@ class _Pending:
     stored: Stored | None  # None: only meta changes ride on this commit
     state: bytes
     done: asyncio.Future[None]
+    events: Sequence[Event] = ()  # claim events of this change (store.events)
 
 
 @dataclass
@@ -208,6 +213,43 @@ class Storage:
         rows = await self._reader.execute_fetchall(sql, (lower, upper, after, limit))
         return [Stored(codec.decode(s), bytes(d), len(s)) for s, d in rows]
 
+    async def picks(
+        self, scope: str, home: str, now_ms: int, *, after: Pickable | None, limit: int
+    ) -> list[Pickable]:
+        """Items of ``scope`` homed at ``home`` that the pick index says may be handed
+        out at ``now_ms``, in pick order, after ``after`` (``picks`` module)."""
+        sql = (
+            "SELECT * FROM picks WHERE scope = ? AND home = ?"
+            " AND not_before <= ? AND busy_until <= ?"
+        )
+        args: list[object] = [scope, home, now_ms, now_ms]
+        if after is not None:
+            sql += " AND (priority, born, key) > (?, ?, ?)"
+            args += [after.priority, after.born, after.key]
+        sql += " ORDER BY priority, born, key LIMIT ?"
+        rows = await self._reader.execute_fetchall(sql, [*args, limit])
+        return [Pickable(*row) for row in rows]
+
+    async def events(self, key: str) -> list[Event]:
+        """``key``'s claim events kept here, oldest first."""
+        rows = await self._reader.execute_fetchall(
+            "SELECT at_ms, kind, token, owner, identity, detail FROM events"
+            " WHERE key = ? ORDER BY seq",
+            (key,),
+        )
+        return [Event(*row) for row in rows]
+
+    async def next_pickable_ms(self, scope: str, home: str, now_ms: int) -> int | None:
+        """The earliest moment after ``now_ms`` a deferral or a lease of ``scope``'s
+        items at ``home`` ends: when an item may become pickable without a write."""
+        rows = await self._reader.execute_fetchall(
+            "SELECT min(max(not_before, busy_until)) FROM picks"
+            " WHERE scope = ? AND home = ? AND max(not_before, busy_until) > ?",
+            (scope, home, now_ms),
+        )
+        first = next(iter(rows), (None,))[0]
+        return None if first is None else int(first)
+
     async def count(self) -> int:
         return self.record_count
 
@@ -245,19 +287,27 @@ class Storage:
 
     # -- writes ---------------------------------------------------------------
 
-    async def put(self, record: Record, *, hlc: int, state: bytes | None = None) -> Stored:
+    async def put(
+        self,
+        record: Record,
+        *,
+        hlc: int,
+        state: bytes | None = None,
+        events: Sequence[Event] = (),
+    ) -> Stored:
         """Persist ``record``; returns once it is on disk.
 
         ``hlc`` is the node clock's high-water mark, persisted with the batch so a
         restarted clock never issues a timestamp it issued before. ``state`` is the
-        record's canonical encoding when the caller already has it.
+        record's canonical encoding when the caller already has it; ``events`` are
+        the claim events of the change, kept in the same commit.
         """
         if state is None:
             state = codec.encode(record)
         stored = Stored(record, codec.digest(state), len(state))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._hlc_pending = max(self._hlc_pending, hlc)
-        await self._queue.put(_Pending(stored, state, done))
+        await self._queue.put(_Pending(stored, state, done, events))
         await done
         return stored
 
@@ -286,6 +336,12 @@ class Storage:
                 return
 
     async def _commit(self, batch: list[_Pending]) -> None:
+        picks = [
+            (p.stored.record.key, picks_index.pickable(p.stored.record))
+            for p in batch
+            if p.stored is not None
+        ]
+        events = [(p.stored.record.key, e) for p in batch if p.stored is not None for e in p.events]
         rows = [
             (
                 p.stored.record.key,
@@ -302,7 +358,9 @@ class Storage:
         meta, self._meta_pending = {**self._meta_pending, "hlc_high": str(hlc_high)}, {}
         started = time.perf_counter()
         try:
-            before = await self._writer.run(_commit_rows, self._writer.conn, rows, meta)
+            before = await self._writer.run(
+                _commit_rows, self._writer.conn, rows, picks, events, meta
+            )
         except Exception as exc:
             log.exception("commit of %d writes failed", len(batch))
             for p in batch:
@@ -375,7 +433,7 @@ def _open_writer(writer: _Writer, path: Path) -> dict[str, str]:
     # FULL: in WAL mode NORMAL does not fsync at commit; an ack means on disk.
     conn.execute("PRAGMA synchronous=FULL")
     _migrate(conn)
-    conn.executescript(SCHEMA)
+    conn.executescript(SCHEMA + picks_index.SCHEMA + events_table.SCHEMA)
     meta = {str(name): str(value) for name, value in conn.execute("SELECT name, value FROM meta")}
     if "state_format" not in meta:  # a new file: its states are all written in FORMAT
         meta["state_format"] = str(codec.FORMAT)
@@ -405,6 +463,8 @@ _UPSERT_TAIL = (
 def _commit_rows(
     conn: sqlite3.Connection,
     rows: list[tuple[str, bytes, bytes, int, int, int]],
+    picks: list[tuple[str, Pickable | None]],
+    events: list[tuple[str, Event]],
     meta: dict[str, str],
 ) -> dict[str, bytes]:
     """One group commit, on the writer's thread; returns the digests it replaced.
@@ -432,6 +492,8 @@ def _commit_rows(
                 f" VALUES {values}{_UPSERT_TAIL}",
                 [v for row in chunk for v in row],
             )
+        _index_picks(conn, picks)
+        _keep_events(conn, events)
         pairs = ",".join(["(?, ?)"] * len(meta))
         conn.execute(
             f"INSERT INTO meta VALUES {pairs}"
@@ -444,6 +506,37 @@ def _commit_rows(
             conn.execute("ROLLBACK")
         raise
     return before
+
+
+def _index_picks(conn: sqlite3.Connection, picks: list[tuple[str, Pickable | None]]) -> None:
+    """The pick index of the records of one commit: a row for each that ``ClaimNext``
+    may hand out, none for the others (``picks.pickable``)."""
+    gone = [key for key, pick in picks if pick is None]
+    for start in range(0, len(gone), ROWS_PER_STATEMENT):
+        keys = gone[start : start + ROWS_PER_STATEMENT]
+        conn.execute(f"DELETE FROM picks WHERE key IN ({','.join('?' * len(keys))})", keys)
+    kept = [pick for _, pick in picks if pick is not None]
+    for start in range(0, len(kept), ROWS_PER_STATEMENT):
+        rows = kept[start : start + ROWS_PER_STATEMENT]
+        values = ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(rows))
+        conn.execute(
+            f"INSERT OR REPLACE INTO picks VALUES {values}", [v for row in rows for v in row]
+        )
+
+
+def _keep_events(conn: sqlite3.Connection, events: list[tuple[str, Event]]) -> None:
+    """Append each record's new claim events and drop all but its newest KEPT."""
+    last: dict[str, int] = {}
+    for key, event in events:
+        if key not in last:
+            row = conn.execute("SELECT max(seq) FROM events WHERE key = ?", (key,)).fetchone()
+            last[key] = int(row[0] or 0)
+        last[key] += 1
+        conn.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (key, last[key], *event))
+    for key, seq in last.items():
+        conn.execute(
+            "DELETE FROM events WHERE key = ? AND seq <= ?", (key, seq - events_table.KEPT)
+        )
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -470,6 +563,15 @@ def _migrate(conn: sqlite3.Connection) -> None:
         conn.executemany(
             "UPDATE records SET bucket = ? WHERE key = ?", [(bucket_of(k), k) for k in keys]
         )
+    has_picks = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'picks'"
+    ).fetchone()
+    if not has_picks:  # before the work queue: index every record ClaimNext may pick
+        log.info("indexing the work queue of an existing data file")
+        for statement in filter(str.strip, picks_index.SCHEMA.split(";")):
+            conn.execute(statement)  # not executescript: it would commit the migration
+        states = conn.execute("SELECT key, state FROM records").fetchall()
+        _index_picks(conn, [(k, picks_index.pickable(codec.decode(v))) for k, v in states])
     if "max_hlc" not in columns:  # before pull-only anti-entropy compared it
         log.info("adding each record's largest HLC to an existing data file")
         conn.execute("ALTER TABLE records ADD COLUMN max_hlc INTEGER NOT NULL DEFAULT 0")

@@ -74,6 +74,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_concurrent_health=args.max_concurrent_health,
         max_waiters=args.max_waiters,
         max_waiters_per_client=args.max_waiters_per_client,
+        max_attempts=args.max_attempts,
         max_token_jump=args.max_token_jump,
         tls=tls_files,
         access=access,
@@ -211,6 +212,13 @@ def _add_bound_flags(
         default=_setting(config, "max_waiters_per_client", defaults.max_waiters_per_client),
         help="claims waiting in queues from one client: one certificate identity"
         " (with --tls-dir), or one address (--insecure)",
+    )
+    node.add_argument(
+        "--max-attempts",
+        type=int,
+        default=_setting(config, "max_attempts", defaults.max_attempts),
+        help="claims of a work item after which a failed release or a lapsed lease parks"
+        " it, for items without a maxAttempts:N tag",
     )
     node.add_argument(
         "--max-token-jump",

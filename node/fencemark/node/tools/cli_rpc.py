@@ -107,6 +107,10 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
     _add_renew_claim(client_parser)
     _add_release_claim(client_parser)
     _add_claim_status(client_parser)
+    _add_claim_next(client_parser)
+    _add_reopen(client_parser)
+    _add_force_release(client_parser)
+    _add_history(client_parser)
     _add_info(client_parser)
 
 
@@ -213,12 +217,63 @@ def _add_renew_claim(client_parser: Callable[[str, str], argparse.ArgumentParser
 
 
 def _add_release_claim(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    p = client_parser("release-claim", "Claims.ReleaseClaim: end a claim")
+    p = client_parser("release-claim", "Claims.ReleaseClaim: end a claim, with its outcome")
     p.add_argument("key")
     p.add_argument("--fencing-token", type=int, required=True)
+    p.add_argument(
+        "--outcome", default="", choices=["", "done", "failed", "deferred"],
+        help="how the work ended (default: a plain release)",
+    )  # fmt: skip
+    p.add_argument("--field", action="append", default=[], dest="fields", metavar="NAME=VALUE")
+    p.add_argument("--retry-after-seconds", type=float, default=0.0)
     p.set_defaults(
-        func=lambda a: _client_call(a, lambda c: c.release_claim(a.key, a.fencing_token))
-    )
+        func=lambda a: _client_call(
+            a,
+            lambda c: c.release_claim(
+                a.key, a.fencing_token, outcome=a.outcome, fields=_fields(a.fields),
+                retry_after_seconds=a.retry_after_seconds,
+            ),
+        )
+    )  # fmt: skip
+
+
+def _add_claim_next(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    p = client_parser("claim-next", "Claims.ClaimNext: claim the next eligible item of a topic")
+    p.add_argument("--repo", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--owner", required=True)
+    p.add_argument("--lease-seconds", type=float, default=0.0)
+    p.add_argument("--wait-seconds", type=float, default=0.0)
+    p.add_argument("--tag", action="append", default=[], dest="tags")
+    p.set_defaults(
+        func=lambda a: _client_call(
+            a,
+            lambda c: c.claim_next(
+                a.repo, a.topic, a.owner, lease_seconds=a.lease_seconds,
+                wait_seconds=a.wait_seconds, tags=a.tags,
+            ),
+        )
+    )  # fmt: skip
+
+
+def _add_reopen(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    p = client_parser("reopen", "Claims.Reopen: open a parked or done item again")
+    p.add_argument("key")
+    p.add_argument("--reason", required=True)
+    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.reopen(a.key, a.reason)))
+
+
+def _add_force_release(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    p = client_parser("force-release", "Claims.ForceRelease: take a live claim back")
+    p.add_argument("key")
+    p.add_argument("--reason", required=True)
+    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.force_release(a.key, a.reason)))
+
+
+def _add_history(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    p = client_parser("history", "Records.History: a record's recent claim events")
+    p.add_argument("key")
+    p.set_defaults(func=lambda a: _client_call(a, lambda c: c.history(a.key)))
 
 
 def _add_claim_status(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:

@@ -1,0 +1,260 @@
+"""The work queue (SPEC §8): claim the next eligible item of a topic, reopen a
+parked one, take a claim back.
+
+``ClaimNext`` reads the pick index (``store.picks``) in pick order and tries each
+candidate under its record's lock with the full rule (``queue.eligible``), so the
+index saves reading every record and is never trusted for a grant. Callers that
+wait for an item stand in one FIFO line per topic: only the head picks, and it
+looks again whenever a record of the topic changes (a release, a new item, a
+merge) or a deferral or lease of the topic ends. Grants are ``Claims``' grants:
+the same tokens, attempts, signatures and waiter bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fencemark.node.core.claims import LOOK_AGAIN_S, Claims, Waiter
+from fencemark.node.crdt import Record
+from fencemark.node.crdt.record import DONE, FORCED
+from fencemark.node.rules import queue, validation
+from fencemark.node.rules.admission import Caller, Outcome, decide_claim, not_here
+from fencemark.node.rules.errors import InvalidInput, Reason
+from fencemark.node.store.picks import Pickable, scope_of
+from fencemark.node.store.storage import Stored
+
+log = logging.getLogger(__name__)
+
+PICK_PAGE = 32  # candidates read from the pick index at a time
+MAX_REASON_CHARS = 256  # of an operator's reason for a reopen or a force-release
+
+
+@dataclass(frozen=True)
+class Picked:
+    """The answer to ``claim_next``, ``reopen`` or ``force_release``: the outcome,
+    and the record as the call left it (None when nothing was changed)."""
+
+    outcome: Outcome
+    stored: Stored | None = None
+    superseded: int = 0  # force_release: the token taken back
+
+
+class WorkQueue:
+    def __init__(self, claims: Claims) -> None:
+        self.claims = claims
+        self.replica = claims.replica
+        self._lines: dict[str, deque[Waiter]] = {}
+        self.replica.on_change(self._changed)
+
+    def _changed(self, key: str) -> None:
+        line = self._lines.get(key.rsplit("/", 1)[0] + "/")
+        if line:
+            line[0].wake.set()  # the head looks again
+
+    async def claim_next(
+        self,
+        repo: str,
+        topic: str,
+        owner: str,
+        *,
+        caller: Caller,
+        lease_seconds: float = 0.0,
+        wait_seconds: float = 0.0,
+        tags: Sequence[str] = (),
+        client: str = "",
+        on_wait: Callable[[], None] | None = None,
+    ) -> Picked:
+        """Claim the first eligible item of ``repo``/``topic`` homed here, or answer
+        ``empty``; with ``wait_seconds``, wait in the topic's line that long first
+        (within the same waiter bounds as ``Claims.claim``)."""
+        scope = scope_of(validation.segment(repo, "repo"), validation.segment(topic, "topic"))
+        validation.owner(owner)
+        lease_ms = round(validation.lease(lease_seconds) * 1000)
+        wait_s = validation.wait(wait_seconds)
+        wanted = validation.tags(tags, "tags")
+        self.claims.check_deciding()
+        picked = None if self._lines.get(scope) else await self._pick(scope, owner, caller,
+                                                                     lease_ms, wanted)  # fmt: skip
+        if picked is None and wait_s > 0:
+            with self.claims.waiter(client, on_wait):
+                picked = await self._wait_for_item(scope, owner, caller, lease_ms, wanted, wait_s)
+        if picked is None:
+            picked = Picked(Outcome(False, Reason.EMPTY, home_region=self.replica.region))
+        reason = picked.outcome.reason
+        self.claims.outcomes["granted" if reason is None else reason.value] += 1
+        return picked
+
+    async def _pick(
+        self, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]
+    ) -> Picked | None:
+        """Grant the first candidate of the pick index that is eligible under its lock."""
+        after: Pickable | None = None
+        while True:
+            page = await self.replica.picks(
+                scope, self.replica.wall_ms(), after=after, limit=PICK_PAGE
+            )
+            for candidate in page:
+                picked = await self._try(candidate.key, scope, owner, caller, lease_ms, tags)
+                if picked is not None:
+                    return picked
+            if len(page) < PICK_PAGE:
+                return None
+            after = page[-1]
+
+    async def _try(
+        self, key: str, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]
+    ) -> Picked | None:
+        replica, claims = self.replica, self.claims
+        found = await replica.find(key)
+        if found is None:
+            return None
+        done = {item: await self._done(scope + item) for item in found.record.waits_on}
+
+        def change(current: Record) -> tuple[Record, Outcome | None]:
+            current = replica.lapse_if_due(current)  # a lapse may park it
+            now_ms = replica.wall_ms()
+            if not queue.eligible(current, region=replica.region, now_ms=now_ms, tags=tags,
+                                  done=lambda item: done.get(item, False)):  # fmt: skip
+                return current, None
+            fence, outcome = decide_claim(
+                current,
+                owner,
+                caller=caller,
+                lease_ms=lease_ms,
+                now_ms=now_ms,
+                hlc=replica.now_hlc(),
+                region=replica.region,
+                queued_ahead=claims.queue_depth(key) > 0,
+                recovered_hlc=replica.recovered_hlc,
+            )
+            if not outcome.ok:
+                return current, None
+            return claims.with_grant(current, fence), outcome
+
+        stored, outcome = await replica.transact(key, change)
+        return None if outcome is None else Picked(outcome, stored)
+
+    async def _done(self, key: str) -> bool:
+        found = await self.replica.find(key)
+        return found is not None and found.record.visible and found.record.status == DONE
+
+    async def _wait_for_item(
+        self,
+        scope: str,
+        owner: str,
+        caller: Caller,
+        lease_ms: int,
+        tags: list[str],
+        wait_s: float,
+    ) -> Picked | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        line = self._lines.setdefault(scope, deque())
+        me = Waiter(owner)
+        line.append(me)
+        try:
+            while True:
+                me.wake.clear()  # before any await, so no wake-up is lost
+                pause = float("inf")
+                if line[0] is me:
+                    picked = await self._pick_at_head(scope, owner, caller, lease_ms, tags)
+                    if picked is not None:
+                        return picked
+                    now_ms = self.replica.wall_ms()
+                    soonest = await self.replica.next_pickable_ms(scope, now_ms)
+                    if soonest is not None:
+                        pause = (soonest - now_ms) / 1000 + LOOK_AGAIN_S
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(pause, remaining)):
+                        await me.wake.wait()
+        finally:
+            line.remove(me)
+            if line:
+                line[0].wake.set()
+            else:
+                del self._lines[scope]
+
+    async def _pick_at_head(
+        self, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]
+    ) -> Picked | None:
+        """``_pick`` for the head of the line, whose caller may leave meanwhile: a
+        token granted to a caller that left is released before the cancellation
+        goes on (``Claims._try_at_head`` says why)."""
+        attempt = asyncio.create_task(self._pick(scope, owner, caller, lease_ms, tags))
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            try:
+                picked = await attempt
+                if picked is not None and picked.stored is not None:
+                    key = picked.stored.record.key
+                    await self.claims.release(key, picked.outcome.token, caller=caller)
+            except Exception:  # the lease still lapses on its own
+                log.exception("releasing an item picked for a caller that left failed")
+            raise
+
+    async def reopen(self, key: str, reason: str, *, caller: Caller) -> Picked:
+        """Make the item ``open`` again with no attempts counted (an operator's call)."""
+        validation.key(key)
+        why = _reason(reason)
+        self.claims.check_deciding()
+        replica = self.replica
+
+        def change(current: Record) -> tuple[Record, Outcome]:
+            refusal = not_here(current, replica.region)
+            if refusal is not None:
+                return current, refusal
+            stamp = replica.stamp(current.fence.fence)
+            opened = replica.signed_queue(queue.reopened(current, stamp), stamp)
+            return opened, Outcome(True, None, home_region=current.home_region,
+                                   fence=current.fence.fence)  # fmt: skip
+
+        stored, outcome = await replica.transact(key, change, note=why)
+        if outcome.ok:
+            log.info("reopened %s for %s: %s", key, caller.identity or "a caller", why)
+        return Picked(outcome, stored if outcome.ok else None)
+
+    async def force_release(self, key: str, reason: str, *, caller: Caller) -> Picked:
+        """Take the live claim back: the fence moves past it, so its holder is
+        refused ``superseded`` from now on (SPEC §8)."""
+        validation.key(key)
+        why = _reason(reason)
+        self.claims.check_deciding()
+        replica = self.replica
+
+        def change(current: Record) -> tuple[Record, tuple[Outcome, int]]:
+            current = replica.lapse_if_due(current)
+            refusal = not_here(current, replica.region)
+            if refusal is not None:
+                return current, (refusal, 0)
+            home, fence = current.home_region, current.fence
+            if not current.claim_live(replica.wall_ms()):
+                return current, (Outcome(False, Reason.NO_CLAIM, home_region=home,
+                                         fence=fence.fence), 0)  # fmt: skip
+            token = fence.fence
+            moved = current.with_fence(fence.move(token + 1))
+            ended = replica.end_claim(moved, replica.stamp(token + 1), FORCED)
+            return ended, (Outcome(True, None, home_region=home, fence=token + 1), token)
+
+        stored, (outcome, token) = await replica.transact(key, change, note=why)
+        if outcome.ok:
+            log.info("took claim %d of %s back for %s: %s", token, key,
+                     caller.identity or "a caller", why)  # fmt: skip
+            self.claims.wake(key)
+        return Picked(outcome, stored if outcome.ok else None, token)
+
+
+def _reason(reason: str) -> str:
+    if not 1 <= len(reason) <= MAX_REASON_CHARS or not reason.isprintable():
+        raise InvalidInput.field(
+            "reason", f"1-{MAX_REASON_CHARS} printable characters saying why, for the history"
+        )
+    return reason

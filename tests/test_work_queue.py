@@ -1,0 +1,380 @@
+"""SPEC §8, the work queue: ClaimNext, release with an outcome, attempts and parking,
+reopen and force-release — over gRPC against a real node and its SQLite file.
+
+Leases that must lapse are 1 s long; nothing here waits on a wall-clock sleep
+longer than that, every wait is bounded by ``eventually`` or ``wait_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from fencemark.client import AsyncClient, InvalidArgument, Record
+from fencemark.node.api.server import NodeServer
+from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
+from fencemark.node.rules import queue
+from fencemark.node.store.storage import DB_FILE, Storage
+from tests.conftest import StartNode
+
+REPO, TOPIC = "work", "backlog"
+LONG = 60.0
+RETRY = "retry_after_seconds"
+
+
+def key_of(id_: str, topic: str = TOPIC) -> str:
+    return f"repo/{REPO}/mem/{topic}/{id_}"
+
+
+async def item(client: AsyncClient, id_: str, *tags: str, topic: str = TOPIC) -> Record:
+    made = await client.remember(REPO, topic, id_, title=id_, tags=list(tags))
+    assert made.created
+    return made.record
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while not await check():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+# -- ClaimNext: order, eligibility, empty ---------------------------------------------
+
+
+async def test_claim_next_hands_out_items_by_priority_then_age_then_key(
+    client: AsyncClient,
+) -> None:
+    """SPEC §8: priority:P0 first, untagged last; then oldest creation; then key."""
+    await item(client, "untagged-old")
+    await item(client, "p2", "priority:P2")
+    await item(client, "p0-b", "priority:P0")
+    await item(client, "p0-a", "priority:P0")  # same priority, created later
+    await item(client, "odd", "priority:high")  # not a priority: untagged
+    order = []
+    for worker in range(5):
+        picked = await client.claim_next(REPO, TOPIC, f"w{worker}", lease_seconds=LONG)
+        assert picked.granted and picked.record is not None, picked
+        order.append(picked.record.id)
+    assert order == ["p0-b", "p0-a", "p2", "untagged-old", "odd"]
+    empty = await client.claim_next(REPO, TOPIC, "late")
+    assert (empty.granted, empty.reason, empty.record) == (False, "empty", None)
+
+
+async def test_a_picked_item_is_the_claim_itself(client: AsyncClient) -> None:
+    """The response is a claim like Claim's: its token fences writes, and the record
+    comes back as it is with the grant (one attempt counted)."""
+    await item(client, "one")
+    picked = await client.claim_next(REPO, TOPIC, "worker-a", lease_seconds=LONG)
+    assert picked.granted and picked.record is not None
+    assert picked.record.fence == picked.fencing_token == 1
+    assert (picked.record.attempts, picked.record.status) == (1, OPEN)
+    status = await client.claim_status(picked.record.key)
+    assert status.claim is not None and status.claim.owner == "worker-a"
+    again = await client.claim_next(REPO, TOPIC, "worker-b")
+    assert again.reason == "empty"  # claimed: not eligible
+
+
+async def test_claim_next_takes_only_items_with_every_requested_tag(client: AsyncClient) -> None:
+    await item(client, "plain")
+    await item(client, "gpu", "needs:gpu", "big")
+    picked = await client.claim_next(REPO, TOPIC, "w", tags=["needs:gpu"], lease_seconds=LONG)
+    assert picked.record is not None and picked.record.id == "gpu"
+    none = await client.claim_next(REPO, TOPIC, "w", tags=["needs:gpu"])
+    assert none.reason == "empty"
+
+
+async def test_an_item_waits_until_every_after_item_is_done(client: AsyncClient) -> None:
+    """after:<id> holds an item back until item <id> of its topic is done; a
+    missing one holds it back too."""
+    await item(client, "second", "after:first", "priority:P0")
+    await item(client, "first")
+    await item(client, "orphan", "after:never-made", "priority:P0")
+    picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert picked.record is not None and picked.record.id == "first"
+    assert (await client.claim_next(REPO, TOPIC, "w")).reason == "empty"
+    done = await client.release_claim(picked.record.key, picked.fencing_token, outcome="done")
+    assert done.released
+    after = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert after.record is not None and after.record.id == "second"
+
+
+async def test_items_of_other_topics_and_deleted_items_are_never_picked(
+    client: AsyncClient,
+) -> None:
+    await item(client, "elsewhere", topic="other")
+    gone = await item(client, "gone")
+    await client.delete(gone.key)
+    assert (await client.claim_next(REPO, TOPIC, "w")).reason == "empty"
+    picked = await client.claim_next(REPO, "other", "w", lease_seconds=LONG)
+    assert picked.record is not None and picked.record.id == "elsewhere"
+
+
+# -- waiting for an item ---------------------------------------------------------------
+
+
+async def test_waiters_for_an_item_are_served_first_come_first_served(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    first = asyncio.create_task(client.claim_next(REPO, TOPIC, "first", wait_seconds=10))
+    await eventually(lambda: _waiting(node, 1), "the first waiter in line")
+    second = asyncio.create_task(client.claim_next(REPO, TOPIC, "second", wait_seconds=10))
+    await eventually(lambda: _waiting(node, 2), "the second waiter in line")
+    await item(client, "only")
+    got = await asyncio.wait_for(first, 5)
+    assert got.granted and got.record is not None and got.record.id == "only"
+    await item(client, "next")
+    also = await asyncio.wait_for(second, 5)
+    assert also.granted and also.record is not None and also.record.id == "next"
+    assert node.claims.waiting == 0
+
+
+async def _waiting(node: NodeServer, count: int) -> bool:
+    return node.claims.waiting == count
+
+
+async def test_a_waiter_gets_an_item_when_its_deferral_ends(client: AsyncClient) -> None:
+    """No write wakes it: the head of the line looks again when a deferral ends."""
+    made = await item(client, "later")
+    picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert picked.granted
+    deferred = await client.release_claim(
+        made.key, picked.fencing_token, outcome="deferred", retry_after_seconds=1.0
+    )
+    assert deferred.released
+    record = await client.get(made.key)
+    assert record.not_before is not None and record.last_outcome == "deferred"
+    assert (await client.claim_next(REPO, TOPIC, "w")).reason == "empty"
+    started = time.monotonic()
+    again = await client.claim_next(REPO, TOPIC, "w", wait_seconds=10, lease_seconds=LONG)
+    assert again.granted and again.record is not None and again.record.attempts == 2
+    assert time.monotonic() - started < 5
+
+
+async def test_a_waiter_that_finds_nothing_answers_empty_at_its_deadline(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    empty = await client.claim_next(REPO, TOPIC, "w", wait_seconds=0.3)
+    assert (empty.granted, empty.reason) == (False, "empty")
+    assert node.claims.waiting == 0
+
+
+# -- release with an outcome -----------------------------------------------------------
+
+
+async def test_release_done_writes_fields_and_outcome_with_the_release_in_one_commit(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    made = await item(client, "finish")
+    picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    token = picked.fencing_token
+    released = await client.release_claim(made.key, token, outcome="done", fields={"result": "42"})
+    assert released.released
+    stored = await node.storage.get(made.key)
+    assert stored is not None
+    record = stored.record
+    assert record.fence.ended(token) and record.status == DONE
+    assert record.fields["result"].stamp.epoch == token  # written under the token
+    assert record.queue["status"].stamp == record.fields["result"].stamp  # one commit
+    # The reply may be lost: the same release again is answered from the state.
+    retried = await client.release_claim(made.key, token, outcome="done", fields={"result": "42"})
+    assert retried.released
+    assert (await node.storage.get(made.key)) == stored
+    # Done is final for ClaimNext.
+    assert (await client.claim_next(REPO, TOPIC, "w")).reason == "empty"
+    # A different ending for that token now is not a retry: the claim is over.
+    other = await client.release_claim(made.key, token, outcome="failed")
+    assert (other.released, other.reason) == (False, "released")
+
+
+async def test_a_superseded_worker_can_never_record_an_outcome(client: AsyncClient) -> None:
+    """The safety rule: a release with an outcome is the holder's last fenced write."""
+    made = await item(client, "stolen")
+    old = await client.claim_next(REPO, TOPIC, "paused", lease_seconds=LONG)
+    taken = await client.force_release(made.key, "worker hung")
+    assert taken.released and taken.superseded_token == old.fencing_token
+    late = await client.release_claim(made.key, old.fencing_token, outcome="done")
+    assert (late.released, late.reason) == (False, "superseded")
+    record = await client.get(made.key)
+    assert (record.status, record.last_outcome) == (OPEN, FORCED)
+    renewed = await client.renew_claim(made.key, old.fencing_token)
+    assert (renewed.renewed, renewed.reason) == (False, "superseded")
+    fresh = await client.claim_next(REPO, TOPIC, "fresh", lease_seconds=LONG)
+    assert fresh.fencing_token > taken.fence > old.fencing_token
+
+
+async def test_failed_releases_park_an_item_at_max_attempts_until_reopen(
+    client: AsyncClient,
+) -> None:
+    made = await item(client, "poison", "maxAttempts:2")
+    for attempt in (1, 2):
+        picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+        assert picked.record is not None and picked.record.attempts == attempt
+        failed = await client.release_claim(made.key, picked.fencing_token, outcome="failed")
+        assert failed.released
+    record = await client.get(made.key)
+    assert (record.status, record.attempts, record.last_outcome) == (PARKED, 2, FAILED)
+    assert (await client.claim_next(REPO, TOPIC, "w")).reason == "empty"
+    reopened = await client.reopen(made.key, "fixed the input")
+    assert reopened.reopened and reopened.record is not None
+    assert (reopened.record.status, reopened.record.attempts) == (OPEN, 0)
+    assert (await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)).granted
+
+
+async def test_a_lapsed_lease_counts_and_parks_at_max_attempts(client: AsyncClient) -> None:
+    made = await item(client, "crashy", "maxAttempts:1")
+    picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=1)
+    assert picked.granted
+
+    async def parked() -> bool:
+        return (await client.get(made.key)).status == PARKED
+
+    await eventually(parked, "the lapse watcher parking the item")
+    record = await client.get(made.key)
+    assert record.last_outcome == LAPSED
+    assert (await client.claim_next(REPO, TOPIC, "w")).reason == "empty"
+
+
+async def test_a_plain_release_hands_the_item_back_as_it_was(client: AsyncClient) -> None:
+    made = await item(client, "handback")
+    picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert (await client.release_claim(made.key, picked.fencing_token)).released
+    record = await client.get(made.key)
+    assert (record.status, record.last_outcome) == (OPEN, "")
+    assert (await client.claim_next(REPO, TOPIC, "w2", lease_seconds=LONG)).granted
+
+
+# -- force-release -----------------------------------------------------------------------
+
+
+async def test_force_release_without_a_live_claim_changes_nothing(client: AsyncClient) -> None:
+    made = await item(client, "idle")
+    before = await client.get(made.key)
+    result = await client.force_release(made.key, "just in case")
+    assert (result.released, result.reason, result.superseded_token) == (False, "no_claim", 0)
+    assert (await client.get(made.key)).digest == before.digest
+    missing = await client.force_release(key_of("nope"), "x")
+    assert (missing.released, missing.reason) == (False, "missing")
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda c, k, t: c.release_claim(k, t, outcome="finished"), "outcome"),
+        (lambda c, k, t: c.release_claim(k, t, outcome="done", retry_after_seconds=5), RETRY),
+        (lambda c, k, t: c.release_claim(k, t, outcome="deferred", retry_after_seconds=-1), RETRY),
+        (lambda c, k, t: c.release_claim(k, t, fields={"a b": ""}), "fields['a b']"),
+        (lambda c, k, t: c.reopen(k, ""), "reason"),
+        (lambda c, k, t: c.force_release(k, "x" * 257), "reason"),
+        (lambda c, k, t: c.claim_next(REPO, "bad topic!", "w"), "topic"),
+        (lambda c, k, t: c.update(k, add_tags=["maxAttempts:0"], fencing_token=t), "add_tags[0]"),
+        (lambda c, k, t: c.update(k, add_tags=["after:not/an/id"], fencing_token=t), "add_tags[0]"),
+    ],
+)  # fmt: skip
+async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
+    client: AsyncClient, call: Callable[..., Awaitable[object]], field: str
+) -> None:
+    made = await item(client, "guarded")
+    picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    before = await client.get(made.key)
+    with pytest.raises(InvalidArgument) as refused:
+        await call(client, made.key, picked.fencing_token)
+    assert field in [name for name, _ in refused.value.violations]
+    assert (await client.get(made.key)).digest == before.digest
+
+
+# -- the pick index ----------------------------------------------------------------------
+
+
+async def test_the_pick_index_holds_exactly_the_open_items(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """ClaimNext reads candidates from an index kept in the same commit as the state:
+    an item is in it while it is visible and open, and nothing else is."""
+    await item(client, "open-1")
+    done = await item(client, "done-1")
+    gone = await item(client, "gone-1")
+    picked = await client.claim(done.key, "w", lease_seconds=LONG)
+    await client.release_claim(done.key, picked.fencing_token, outcome="done")
+    await client.delete(gone.key)
+    rows = await node.storage._reader.execute_fetchall("SELECT key FROM picks ORDER BY key")
+    assert [row[0] for row in rows] == [key_of("open-1")]
+
+
+async def test_a_data_file_from_before_the_work_queue_gets_its_pick_index(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """Opening a file without the index builds it from the stored states."""
+    data = tmp_path / "old"
+    node = await start_node("local", data_dir=data)
+    async with AsyncClient(node.address) as client:
+        await item(client, "kept")
+    await node.stop()
+    import sqlite3
+
+    with sqlite3.connect(data / DB_FILE) as db:
+        db.execute("DROP TABLE picks")
+    storage = await Storage.open(data / DB_FILE)
+    try:
+        picks = await storage.picks(f"repo/{REPO}/mem/{TOPIC}/", "local", 0, after=None, limit=5)
+        assert [p.key for p in picks] == [key_of("kept")]
+    finally:
+        await storage.close()
+
+
+def test_default_max_attempts_is_five() -> None:
+    """SPEC §8: default 5 per node."""
+    assert queue.DEFAULT_MAX_ATTEMPTS == 5
+
+
+# -- history -------------------------------------------------------------------------
+
+
+async def test_history_lists_each_claim_event_with_its_token_owner_and_outcome(
+    client: AsyncClient,
+) -> None:
+    """Records.History: grants, renewals, releases with outcome, parking, take-backs
+    and reopens, oldest first, each as its home decided it."""
+    made = await item(client, "story", "maxAttempts:2")
+    key = made.key
+    first = await client.claim_next(REPO, TOPIC, "ann", lease_seconds=LONG)
+    await client.renew_claim(key, first.fencing_token, lease_seconds=120)
+    await client.release_claim(key, first.fencing_token, outcome="failed")
+    second = await client.claim(key, "bob", lease_seconds=LONG)
+    await client.force_release(key, "bob is stuck")
+    third = await client.claim(key, "cy", lease_seconds=LONG)
+    await client.release_claim(key, third.fencing_token, outcome="failed")
+    await client.reopen(key, "input fixed")
+    history = await client.history(key)
+    assert history.home_region == "local"
+    seen = [(e.kind, e.fencing_token, e.owner, e.detail) for e in history.events]
+    assert seen == [
+        ("granted", 1, "ann", ""),
+        ("renewed", 1, "ann", ""),
+        ("released", 1, "ann", "failed"),
+        ("granted", 2, "bob", ""),
+        ("forced", 2, "bob", "bob is stuck"),
+        ("granted", 4, "cy", ""),
+        ("released", 4, "cy", "failed parked"),
+        ("reopened", 5 - 1, "", "input fixed"),
+    ]
+    assert second.fencing_token == 2 and third.fencing_token == 4
+    assert all(e.at is not None for e in history.events)
+
+
+async def test_history_keeps_the_newest_64_events(client: AsyncClient) -> None:
+    made = await item(client, "busy")
+    for _ in range(40):
+        picked = await client.claim(made.key, "w", lease_seconds=LONG)
+        await client.release_claim(made.key, picked.fencing_token)
+    events = (await client.history(made.key)).events
+    assert len(events) == 64
+    assert (events[0].kind, events[0].fencing_token) == ("granted", 9)
+    assert (events[-1].kind, events[-1].fencing_token) == ("released", 40)

@@ -1,0 +1,101 @@
+"""The work queue under mutual TLS: queue state is the home's alone, and the
+operator's calls need the ``operate`` right.
+
+Two nodes on loopback with real certificates (``fencemark certs``' CA): what the
+home writes into the queue registers is signed and merges everywhere; a peer with
+a valid node certificate that writes them itself (marking an item done, reopening
+a parked one) is refused ``unsigned_write``; a client without ``operate`` may not
+force-release or reopen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fencemark.client import AsyncClient, PermissionDenied, tls_credentials
+from fencemark.node.api.authz import parse_access
+from fencemark.node.api.server import NodeServer
+from fencemark.node.crdt import Record, Stamp
+from fencemark.node.crdt.record import DONE, OPEN, STATUS
+from fencemark.node.security.tls import TlsFiles, init_dir
+from tests.cluster import Cluster, all_deciding, wait_converged
+from tests.metrics import counters
+from tests.test_merge_limits import push_as_eu
+
+REPO, TOPIC = "work", "tls"
+ACCESS = {"clients": {"alice": ["read", "write", "claim"], "ops": ["read", "operate"]}}
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    directory = tmp_path / "certs"
+    init_dir(directory, regions=["us", "eu"], clients=["alice", "ops"])
+    return directory
+
+
+def client(node: NodeServer, certs: Path, name: str) -> AsyncClient:
+    return AsyncClient(node.address, credentials=tls_credentials(certs, name), timeout=10)
+
+
+async def test_queue_state_written_by_the_home_merges_signed_everywhere(
+    tmp_path: Path, certs: Path
+) -> None:
+    access = parse_access(ACCESS)
+    async with Cluster(tmp_path, ["us", "eu"], access=access) as cluster:
+        us = await cluster.start("us", tls=TlsFiles.in_dir(certs, "us"))
+        eu = await cluster.start("eu", tls=TlsFiles.in_dir(certs, "eu"))
+        await all_deciding(us, eu)
+        async with client(us, certs, "alice") as alice:
+            made = await alice.remember(REPO, TOPIC, "signed", title="t")
+            picked = await alice.claim_next(REPO, TOPIC, "worker", lease_seconds=60)
+            assert picked.granted
+            done = await alice.release_claim(made.record.key, picked.fencing_token, outcome="done")
+            assert done.released
+        await wait_converged([us, eu])
+        stored = await eu.storage.get(made.record.key)
+        assert stored is not None and stored.record.status == DONE
+        assert all(reg.signature for reg in stored.record.queue.values())
+        refused = counters(eu, "fencemark_replication_merges_refused", "peer", "reason")
+        assert not refused, refused
+
+
+async def test_a_peer_cannot_write_queue_state_of_its_own(tmp_path: Path, certs: Path) -> None:
+    """A node with a valid certificate that marks an item done (or reopens it) by
+    writing the queue registers itself is refused: only the home signs them."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us = await cluster.start("us", tls=TlsFiles.in_dir(certs, "us"))
+        async with client(us, certs, "alice") as alice:
+            made = await alice.remember(REPO, TOPIC, "forged", title="t")
+        stored = await us.storage.get(made.record.key)
+        assert stored is not None
+        before = stored.record
+        stamp = Stamp(before.fence.fence, us.replica.clock.now(), "hostile")
+        forged: list[Record] = [
+            before.set_queue({STATUS: DONE}, stamp),
+            before.set_queue({STATUS: OPEN, "attempts": "0"}, stamp),
+        ]
+        assert await push_as_eu(us, certs, *forged) == 0
+        after = await us.storage.get(made.record.key)
+        assert after is not None and after.record == before
+        refused = counters(us, "fencemark_replication_merges_refused", "peer", "reason")
+        assert refused.get(("eu", "unsigned_write"), 0) == len(forged)
+
+
+async def test_force_release_and_reopen_need_the_operate_right(tmp_path: Path, certs: Path) -> None:
+    access = parse_access(ACCESS)
+    async with Cluster(tmp_path, ["us"], access=access) as cluster:
+        us = await cluster.start("us", tls=TlsFiles.in_dir(certs, "us"))
+        async with client(us, certs, "alice") as alice, client(us, certs, "ops") as ops:
+            made = await alice.remember(REPO, TOPIC, "operated", title="t")
+            key = made.record.key
+            picked = await alice.claim_next(REPO, TOPIC, "worker", lease_seconds=60)
+            for call in (alice.force_release(key, "mine"), alice.reopen(key, "mine")):
+                with pytest.raises(PermissionDenied) as denied:
+                    await call
+                assert (denied.value.reason, denied.value.right) == ("missing_right", "operate")
+            taken = await ops.force_release(key, "stuck worker")
+            assert taken.released and taken.superseded_token == picked.fencing_token
+            reopened = await ops.reopen(key, "try again")
+            assert reopened.reopened
