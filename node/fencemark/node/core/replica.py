@@ -6,9 +6,10 @@ and persists the result before returning, so an acknowledged write is on disk
 and a refused one changed nothing. The rules themselves live in ``admission``
 and ``validation``.
 
-One module of about 520 lines, on purpose: every change to a record passes here,
-and the steps of one write — the gate, admission, the lapse due, the signature,
-``transact`` — read in one place, in the order they run.
+One module of about 590 lines, on purpose: every change to a record passes here,
+and the steps of one write — the gate, admission, the lapse due and what it does
+to the work queue, the signature, ``transact`` with its claim events — read in one
+place, in the order they run.
 """
 
 from __future__ import annotations

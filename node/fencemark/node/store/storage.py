@@ -11,23 +11,18 @@ second connection through aiosqlite (WAL lets it read while the writer commits)
 and an LRU cache of decoded states that is updated only after a commit, so
 nothing not yet durable is ever served.
 
-One module of about 480 lines, on purpose: the schema, the writer's commit and the
-cache it updates are one protocol (what is cached is exactly what committed), and
-splitting them would put that invariant across files.
+The writer connection, the schema, its migrations and the body of one commit are
+``writer``; this module keeps what is cached exactly what committed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import secrets
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -35,36 +30,17 @@ from typing import NamedTuple, TypeVar
 import aiosqlite
 
 from fencemark.node.crdt import Record, codec
-from fencemark.node.store import events as events_table
 from fencemark.node.store import picks as picks_index
 from fencemark.node.store.digest_tree import DigestTree, bucket_of
 from fencemark.node.store.events import Event
 from fencemark.node.store.picks import Pickable
+from fencemark.node.store.writer import Writer, commit_rows, open_writer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "fencemark.sqlite3"  # the node's one file, in its data directory
-# Rows per upsert statement: one statement is one step however many rows it has,
-# and 6 parameters a row stay far below SQLite's 32766-variable limit.
-ROWS_PER_STATEMENT = 500
 RANGES_PER_STATEMENT = 250  # bucket ranges OR-ed together in one listing query
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS records (
-    key     TEXT PRIMARY KEY,
-    state   BLOB NOT NULL,     -- canonical CRDT encoding (crdt/codec.py)
-    digest  BLOB NOT NULL,     -- BLAKE2b-128 of state
-    deleted INTEGER NOT NULL,
-    bucket  INTEGER NOT NULL,  -- digest_tree.bucket_of(key)
-    max_hlc INTEGER NOT NULL   -- Record.max_hlc(): what anti-entropy compares first
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS records_by_bucket ON records (bucket, key);
-CREATE TABLE IF NOT EXISTS meta (
-    name  TEXT PRIMARY KEY,
-    value
-) WITHOUT ROWID;
-"""
 
 
 class Stored(NamedTuple):
@@ -94,7 +70,7 @@ class Storage:
     def __init__(
         self,
         path: Path,
-        writer: _Writer,
+        writer: Writer,
         reader: aiosqlite.Connection,
         node_id: str,
         hlc_high: int,
@@ -124,10 +100,10 @@ class Storage:
     @classmethod
     async def open(cls, path: Path, *, cache_size: int = 10_000) -> Storage:
         """Open (creating if needed) the node's database file."""
-        writer = _Writer()
+        writer = Writer()
         reader: aiosqlite.Connection | None = None
         try:
-            meta = await writer.run(_open_writer, writer, path)
+            meta = await writer.run(open_writer, writer, path)
             reader = await aiosqlite.connect(path, isolation_level=None)
             await reader.execute("PRAGMA query_only=ON")
             # The digest tree is loaded once; from then on every commit updates it.
@@ -359,7 +335,7 @@ class Storage:
         started = time.perf_counter()
         try:
             before = await self._writer.run(
-                _commit_rows, self._writer.conn, rows, picks, events, meta
+                commit_rows, self._writer.conn, rows, picks, events, meta
             )
         except Exception as exc:
             log.exception("commit of %d writes failed", len(batch))
@@ -391,193 +367,3 @@ class Storage:
         self._cache.move_to_end(key)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
-
-
-class _Writer:
-    """The write connection and the one thread it is used on.
-
-    Its calls take the stdlib ``sqlite3`` connection directly: a function given to
-    :meth:`run` does all its statements in one trip from the event loop.
-    """
-
-    def __init__(self) -> None:
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fencemark-sqlite-writer")
-        self._conn: sqlite3.Connection | None = None
-
-    @property
-    def conn(self) -> sqlite3.Connection:
-        assert self._conn is not None, "the writer connection is not open"
-        return self._conn
-
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
-
-    def connect(self, path: Path) -> sqlite3.Connection:
-        # check_same_thread stays on: only this writer's thread ever uses it.
-        self._conn = sqlite3.connect(path, isolation_level=None)
-        return self._conn
-
-    async def close(self) -> None:
-        if self._conn is not None:
-            await self.run(self._conn.close)
-            self._conn = None
-        self._thread.shutdown(wait=True)
-
-
-def _open_writer(writer: _Writer, path: Path) -> dict[str, str]:
-    """Open the file for writing, bring it up to SCHEMA; returns the meta table."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = writer.connect(path)
-    conn.execute("PRAGMA journal_mode=WAL")
-    # FULL: in WAL mode NORMAL does not fsync at commit; an ack means on disk.
-    conn.execute("PRAGMA synchronous=FULL")
-    _migrate(conn)
-    conn.executescript(SCHEMA + picks_index.SCHEMA + events_table.SCHEMA)
-    meta = {str(name): str(value) for name, value in conn.execute("SELECT name, value FROM meta")}
-    if "state_format" not in meta:  # a new file: its states are all written in FORMAT
-        meta["state_format"] = str(codec.FORMAT)
-        conn.execute("INSERT INTO meta VALUES ('state_format', ?)", (meta["state_format"],))
-    if "node_id" not in meta:
-        # A node that lost its disk comes back as a new node: the identity is
-        # part of what is lost, so stamps from two lives never collide.
-        meta["node_id"] = secrets.token_hex(6)
-        conn.execute("INSERT INTO meta VALUES ('node_id', ?)", (meta["node_id"],))
-    if "catch_up" not in meta:
-        # A new (or emptied) file owes a catch-up with the peers before its node
-        # decides anything (fencemark.node.core.grant_gate); a file of an earlier
-        # version that holds records has decided before.
-        empty = conn.execute("SELECT NOT EXISTS (SELECT 1 FROM records)").fetchone()[0]
-        meta["catch_up"] = "owed" if empty else "done"
-        conn.execute("INSERT INTO meta VALUES ('catch_up', ?)", (meta["catch_up"],))
-    return meta
-
-
-_UPSERT_TAIL = (
-    " ON CONFLICT (key) DO UPDATE SET"
-    " state = excluded.state, digest = excluded.digest, deleted = excluded.deleted,"
-    " max_hlc = excluded.max_hlc"
-)
-
-
-def _commit_rows(
-    conn: sqlite3.Connection,
-    rows: list[tuple[str, bytes, bytes, int, int, int]],
-    picks: list[tuple[str, Pickable | None]],
-    events: list[tuple[str, Event]],
-    meta: dict[str, str],
-) -> dict[str, bytes]:
-    """One group commit, on the writer's thread; returns the digests it replaced.
-
-    Rows go in as multi-row upserts (one statement, one step, per up to
-    ROWS_PER_STATEMENT rows) rather than one step per row: each step gives up the
-    GIL, and winning it back from a busy event loop can take a switch interval.
-    """
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        before: dict[str, bytes] = {}
-        for start in range(0, len(rows), ROWS_PER_STATEMENT):
-            chunk = rows[start : start + ROWS_PER_STATEMENT]
-            keys = [row[0] for row in chunk]
-            marks = ",".join("?" * len(keys))
-            before.update(
-                (key, bytes(digest))
-                for key, digest in conn.execute(
-                    f"SELECT key, digest FROM records WHERE key IN ({marks})", keys
-                )
-            )
-            values = ",".join(["(?, ?, ?, ?, ?, ?)"] * len(chunk))
-            conn.execute(
-                "INSERT INTO records (key, state, digest, deleted, bucket, max_hlc)"
-                f" VALUES {values}{_UPSERT_TAIL}",
-                [v for row in chunk for v in row],
-            )
-        _index_picks(conn, picks)
-        _keep_events(conn, events)
-        pairs = ",".join(["(?, ?)"] * len(meta))
-        conn.execute(
-            f"INSERT INTO meta VALUES {pairs}"
-            " ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-            [v for item in meta.items() for v in item],
-        )
-        conn.execute("COMMIT")
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("ROLLBACK")
-        raise
-    return before
-
-
-def _index_picks(conn: sqlite3.Connection, picks: list[tuple[str, Pickable | None]]) -> None:
-    """The pick index of the records of one commit: a row for each that ``ClaimNext``
-    may hand out, none for the others (``picks.pickable``)."""
-    gone = [key for key, pick in picks if pick is None]
-    for start in range(0, len(gone), ROWS_PER_STATEMENT):
-        keys = gone[start : start + ROWS_PER_STATEMENT]
-        conn.execute(f"DELETE FROM picks WHERE key IN ({','.join('?' * len(keys))})", keys)
-    kept = [pick for _, pick in picks if pick is not None]
-    for start in range(0, len(kept), ROWS_PER_STATEMENT):
-        rows = kept[start : start + ROWS_PER_STATEMENT]
-        values = ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(rows))
-        conn.execute(
-            f"INSERT OR REPLACE INTO picks VALUES {values}", [v for row in rows for v in row]
-        )
-
-
-def _keep_events(conn: sqlite3.Connection, events: list[tuple[str, Event]]) -> None:
-    """Append each record's new claim events and drop all but its newest KEPT."""
-    last: dict[str, int] = {}
-    for key, event in events:
-        if key not in last:
-            row = conn.execute("SELECT max(seq) FROM events WHERE key = ?", (key,)).fetchone()
-            last[key] = int(row[0] or 0)
-        last[key] += 1
-        conn.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (key, last[key], *event))
-    for key, seq in last.items():
-        conn.execute(
-            "DELETE FROM events WHERE key = ? AND seq <= ?", (key, seq - events_table.KEPT)
-        )
-
-
-def _migrate(conn: sqlite3.Connection) -> None:
-    """Bring a file written by an earlier version up to SCHEMA (idempotent)."""
-    columns = {row[1] for row in conn.execute("PRAGMA table_info(records)")}
-    if not columns:
-        return  # a new file: SCHEMA creates everything
-    conn.execute("BEGIN IMMEDIATE")
-    marker = conn.execute("SELECT value FROM meta WHERE name = 'state_format'").fetchone()
-    if marker is None or int(marker[0]) < codec.FORMAT:  # before signed grants: format 1
-        # Re-encoded with new digests; the digest tree is loaded from them afterwards.
-        rows = []
-        for key, state in conn.execute("SELECT key, state FROM records").fetchall():
-            new = codec.upgrade(bytes(state))
-            if new != state:
-                rows.append((new, codec.digest(new), key))
-        log.info("re-encoding %d record states in format %d", len(rows), codec.FORMAT)
-        conn.executemany("UPDATE records SET state = ?, digest = ? WHERE key = ?", rows)
-        conn.execute("INSERT OR REPLACE INTO meta VALUES ('state_format', ?)", (str(codec.FORMAT),))
-    if "bucket" not in columns:  # before replication: no digest-tree buckets
-        log.info("adding digest-tree buckets to an existing data file")
-        conn.execute("ALTER TABLE records ADD COLUMN bucket INTEGER NOT NULL DEFAULT -1")
-        keys = [row[0] for row in conn.execute("SELECT key FROM records")]
-        conn.executemany(
-            "UPDATE records SET bucket = ? WHERE key = ?", [(bucket_of(k), k) for k in keys]
-        )
-    has_picks = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'picks'"
-    ).fetchone()
-    if not has_picks:  # before the work queue: index every record ClaimNext may pick
-        log.info("indexing the work queue of an existing data file")
-        for statement in filter(str.strip, picks_index.SCHEMA.split(";")):
-            conn.execute(statement)  # not executescript: it would commit the migration
-        states = conn.execute("SELECT key, state FROM records").fetchall()
-        _index_picks(conn, [(k, picks_index.pickable(codec.decode(v))) for k, v in states])
-    if "max_hlc" not in columns:  # before pull-only anti-entropy compared it
-        log.info("adding each record's largest HLC to an existing data file")
-        conn.execute("ALTER TABLE records ADD COLUMN max_hlc INTEGER NOT NULL DEFAULT 0")
-        states = list(conn.execute("SELECT key, state FROM records"))
-        conn.executemany(
-            "UPDATE records SET max_hlc = ? WHERE key = ?",
-            [(codec.decode(state).max_hlc(), key) for key, state in states],
-        )
-    conn.execute("COMMIT")
