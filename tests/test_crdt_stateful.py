@@ -5,6 +5,10 @@ and a replica). Node 0 is the home region: the only one that grants, renews and
 releases claims. Every node writes fields and tags, deletes and undeletes, and
 any node may merge any other's state at any time (``a.merge(b)`` stored at a).
 
+The home also runs the work queue's transitions (SPEC §8): each grant counts an
+attempt, a claim ends done, failed, deferred or by a lapse (parking the item at
+``MAX_ATTEMPTS``), and a reopen counts from zero.
+
 The model is what a single sequential observer would say, without any lattice:
 it logs every write ever made, with its stamp. After a full sync every replica
 must hold exactly what the model predicts — each field is the write with the
@@ -29,7 +33,16 @@ from hypothesis.stateful import (
 
 from fencemark.node.crdt import LWW, Grant, Record, Stamp, digest, encode, lww, tagset
 from fencemark.node.crdt.fence import HISTORY
-from fencemark.node.crdt.record import HOME_TAG_PREFIX
+from fencemark.node.crdt.record import (
+    DEFERRED,
+    DONE,
+    FAILED,
+    HOME_TAG_PREFIX,
+    LAPSED,
+    OPEN,
+    PARKED,
+)
+from fencemark.node.rules import queue
 from tests.strategies import (
     EPOCH_MS,
     FIELD_NAMES,
@@ -45,6 +58,7 @@ from tests.strategies import (
 
 REPLICAS = 3
 HOME = 0
+MAX_ATTEMPTS = 2  # low, so that parking is reached in a short run
 
 replica = st.integers(0, REPLICAS - 1)
 field_writes = st.dictionaries(
@@ -70,6 +84,9 @@ class ReplicatedRecord(RuleBasedStateMachine):
         self.grants: dict[int, Grant] = {}
         self.expiries: dict[int, int] = {}
         self.released: set[int] = set()
+        # The work queue (SPEC §8): every queue write, and what the home counted.
+        self.queue_log: defaultdict[str, list[LWW[str]]] = defaultdict(list)
+        self.attempts = 0  # grants since the last reopen
         # What each replica's fence was after the previous step.
         self.fences = [0] * REPLICAS
         self.keyring = keyring()
@@ -155,6 +172,10 @@ class ReplicatedRecord(RuleBasedStateMachine):
             grant = fence.grants[token]
             assert self.keyring.problem(node.record.key, token, grant) is None
         node.record = node.record.with_fence(fence)
+        stamp = node.stamp()  # at the new token's epoch
+        node.record = queue.granted(node.record, stamp)
+        self.log_queue(node.record, stamp)
+        self.attempts += 1
         assert token not in self.grants, "a token is never granted twice"
         self.grants[token] = grant
         self.expiries[token] = node.wall_ms + lease
@@ -179,6 +200,42 @@ class ReplicatedRecord(RuleBasedStateMachine):
         node.record = node.record.with_fence(node.record.fence.release(token))
         self.released.add(token)
         assert token in node.record.fence.released or token < node.record.fence.floor()
+
+    @precondition(lambda self: self.home.record.fence.unreleased())
+    @rule(ending=st.sampled_from([DONE, FAILED, DEFERRED, LAPSED]), delay=st.integers(0, 5000))
+    def end_claim(self, ending: str, delay: int) -> None:
+        """The home ends the fence's claim as SPEC §8 says: a release with an outcome,
+        or a lapse; its queue writes at the token's epoch, then the release."""
+        node = self.home
+        token = node.record.fence.fence
+        stamp = node.stamp()  # at the token's epoch
+        before = node.record
+        ended = queue.ended(before, ending, stamp, default_max_attempts=MAX_ATTEMPTS,
+                            not_before_ms=node.wall_ms + delay)  # fmt: skip
+        fence = ended.fence.lapse(token) if ending == LAPSED else ended.fence.release(token)
+        node.record = ended.with_fence(fence)
+        self.log_queue(node.record, stamp)
+        if ending != LAPSED:  # a lapse is in ``lapsed``, which the model does not follow
+            self.released.add(token)
+        parks = ending in (FAILED, LAPSED) and self.attempts >= MAX_ATTEMPTS
+        if ending == DONE:  # whatever it was (a parked item may be claimed by key)
+            assert node.record.status == DONE
+        else:
+            assert (node.record.status == PARKED) == (parks or before.status == PARKED), ending
+
+    @rule()
+    def reopen(self) -> None:
+        node = self.home
+        stamp = node.stamp()
+        node.record = queue.reopened(node.record, stamp)
+        self.log_queue(node.record, stamp)
+        self.attempts = 0
+        assert (node.record.status, node.record.attempts) == (OPEN, 0)
+
+    def log_queue(self, record: Record, stamp: Stamp) -> None:
+        for name, register in record.queue.items():
+            if register.stamp == stamp:
+                self.queue_log[name].append(register)
 
     # -- time and gossip -----------------------------------------------------------
 
@@ -210,6 +267,10 @@ class ReplicatedRecord(RuleBasedStateMachine):
             self.fences[i] = fence
 
     @invariant()
+    def the_home_counts_every_grant_since_the_last_reopen(self) -> None:
+        assert self.home.record.attempts == self.attempts
+
+    @invariant()
     def writes_carry_a_fence_their_replica_has_seen(self) -> None:
         for node in self.nodes:
             assert all(s.epoch <= node.record.fence.fence for s in node.record.stamps())
@@ -230,6 +291,8 @@ class ReplicatedRecord(RuleBasedStateMachine):
                 for t, g in record.fence.grants.items()
             )
             assert record.fence.released <= self.released
+            for name, register in record.queue.items():
+                assert register in self.queue_log[name]
             assert all(e <= self.expiries[t] for t, e in record.fence.lease_expiry.items())
 
     # -- convergence -------------------------------------------------------------------
@@ -252,6 +315,7 @@ class ReplicatedRecord(RuleBasedStateMachine):
         assert dict(record.fields) == {name: max(log) for name, log in self.field_log.items()}
         assert dict(record.tags) == {name: max(log) for name, log in self.tag_log.items()}
         assert record.deleted == max(self.deleted_log)
+        assert dict(record.queue) == {name: max(log) for name, log in self.queue_log.items()}
         assert record.home == (min(self.creates) if self.creates else None)
 
         assert record.field_values() == {
