@@ -22,6 +22,7 @@ from fencemark.node.crdt import (
     Grant,
     Record,
     Stamp,
+    codec,
     decode,
     digest,
     encode,
@@ -218,6 +219,62 @@ def test_moving_the_fence_to_where_it_already_is_keeps_the_moves_signature() -> 
     signed = FenceState().move(3).move_signed(b"\x05")
     assert signed.move(3) == signed == signed.move(2)
     assert signed.move(4).moved_signature == b""
+
+
+def test_a_claim_is_live_only_when_the_home_granted_it_and_its_lease_runs() -> None:
+    """``claim_live``: a grant of another birth region (made while the births were
+    apart) is no live claim once they met; nor is an expired or missing one."""
+    now = EPOCH_MS
+    record = Record(KEY).create("us", Stamp(0, pack(now), "us-n"))
+    assert not record.claim_live(now)
+    home_grant = record.fence.grant(1, Grant(pack(now), "w", "us"), now + 1000)
+    assert record.with_fence(home_grant).claim_live(now)
+    assert not record.with_fence(home_grant).claim_live(now + 1000)
+    abroad = record.fence.grant(1, Grant(pack(now), "w", "eu"), now + 1000)
+    assert not record.with_fence(abroad).claim_live(now)
+
+
+def test_a_record_is_visible_when_created_and_not_deleted() -> None:
+    never = Record(KEY)
+    assert never.visible is False
+    made = never.create("us", Stamp(0, pack(EPOCH_MS), "us-n"))
+    assert made.visible is True
+    gone = made.set_deleted(True, Stamp(0, pack(EPOCH_MS + 1), "us-n"))
+    assert gone.visible is False
+    tombstone_of_nothing = never.set_deleted(True, Stamp(0, pack(EPOCH_MS), "us-n"))
+    assert tombstone_of_nothing.visible is False
+
+
+def test_births_at_the_same_stamp_home_the_record_in_the_first_region_by_name() -> None:
+    """Two regions can stamp their births alike (same HLC and node id string): the
+    home is then the region first by name, whatever the births' signatures say."""
+    stamp = Stamp(0, pack(EPOCH_MS), "n")
+    record = Record(KEY, births={"us": Birth(stamp, b"\x01"), "eu": Birth(stamp, b"\xff")})
+    assert record.home_region == "eu"
+    flipped = Record(KEY, births={"us": Birth(stamp, b"\xff"), "eu": Birth(stamp, b"\x01")})
+    assert flipped.home_region == "eu"
+
+
+def test_signing_writes_signs_only_the_unsigned_registers_of_that_stamp() -> None:
+    """``with_signed_writes``: registers of other stamps, and ones already signed,
+    keep what they carry."""
+    first, second = Stamp(1, pack(EPOCH_MS), "n"), Stamp(1, pack(EPOCH_MS + 1), "n")
+    record = Record(KEY).set_fields({"a": "x"}, first).set_fields({"b": "y"}, second)
+    record = record.set_queue({"status": "done"}, second)
+    record = record.set_fields({"c": "z"}, second)
+    record = replace_field(record, "c", b"\x09")  # already signed
+    signed = record.with_signed_writes(second, lambda kind, name, reg: f"{kind}:{name}".encode())
+    assert signed.fields["a"].signature == b""
+    assert signed.fields["b"].signature == b"field:b"
+    assert signed.fields["c"].signature == b"\x09"
+    assert signed.queue["status"].signature == b"queue:status"
+
+
+def replace_field(record: Record, name: str, signature: bytes) -> Record:
+    fields = dict(record.fields)
+    fields[name] = fields[name]._replace(signature=signature)
+    return Record(record.key, record.births, fields, record.tags, record.deleted,
+                  record.fence, record.queue)  # fmt: skip
 
 
 def test_a_record_claimed_thousands_of_times_keeps_a_bounded_history() -> None:
@@ -483,8 +540,21 @@ def test_integers_in_a_state_are_uint64_on_both_sides_of_the_codec() -> None:
     for beyond in (2**64, 2**77):
         with pytest.raises(ValueError, match="uint64"):
             encode(Record(KEY).with_fence(FenceState(released=frozenset({beyond}))))
-    with pytest.raises(ValueError):
-        encode(Record(KEY).set_fields({"title": "x"}, Stamp(-1, 0, "local")))
+    for negative in (-1, -2, -(2**64)):
+        with pytest.raises(ValueError, match="uint64"):
+            encode(Record(KEY).set_fields({"title": "x"}, Stamp(negative, 0, "local")))
+
+
+def test_a_grant_signs_its_identity_only_when_it_has_one() -> None:
+    """codec.grant_message: a grant made before identities were recorded is signed
+    without one (its old signature stays valid); a grant to an identity is signed over
+    it, so the identity cannot be swapped under the signature."""
+    bare = Grant(pack(EPOCH_MS), "worker-a", "local")
+    bound = bare._replace(identity="client/alice")
+    head = codec.GRANT_MESSAGE + b"\x01k\x07" + varint(bare.granted_hlc)
+    head += b"\x08worker-a\x05local"
+    assert codec.grant_message("k", 7, bare) == head
+    assert codec.grant_message("k", 7, bound) == head + b"\x0cclient/alice"
 
 
 @LAWS
