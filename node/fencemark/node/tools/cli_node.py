@@ -17,6 +17,7 @@ from fencemark.node.api.server import NodeConfig, serve
 from fencemark.node.replication.peers import parse_peers
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
+from fencemark.node.rules.queue import MAX_ATTEMPTS_LIMIT
 from fencemark.node.security.tls import TlsFiles
 
 DEFAULT_TARGET = "127.0.0.1:7400"
@@ -58,6 +59,11 @@ def cmd_node(args: argparse.Namespace) -> int:
             " --max-concurrent-reads and --max-concurrent-writes; replication and health"
             " checks have budgets of their own (docs/operations.md)",
             file=sys.stderr,
+        )
+    if not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
+        raise SystemExit(
+            f"fencemark node: --max-attempts takes 1 to {MAX_ATTEMPTS_LIMIT},"
+            f" got {args.max_attempts}"
         )
     config = NodeConfig(
         region=args.region,
