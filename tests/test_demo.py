@@ -20,6 +20,9 @@ CHECKS = (
     "fencing safety",
     "tokens strictly increase",
     "every acknowledged write is in every region",
+    "no item done twice",
+    "items handed out in priority order within each home",
+    "the poison item parked after 2 attempts",
     "byte-identical replicas after the final heal",
     "the stalled worker was refused",
 )

@@ -2,8 +2,10 @@
 
 It starts a three-region cluster on the embedded SQLite default (one node
 process per region, node-to-node traffic through a fault proxy mesh), seeds a
-backlog homed across the regions, and runs several agents per region that claim
-items, write fenced progress, renew and release. Meanwhile a nemesis pauses one
+backlog homed across the regions (priorities, an ``after:`` link across regions,
+one poison item), and runs several agents per region that take the next item with
+``ClaimNext``, write fenced progress, renew and release it ``done`` (the poison item
+``failed``, until it is parked). Meanwhile a nemesis pauses one
 agent past its lease (it must then be refused) and cuts one region off, then
 heals it. A live line shows progress; the run ends with a verification report
 and exits non-zero if any check fails.
@@ -22,7 +24,18 @@ from pathlib import Path
 
 from fencemark.client import AsyncClient, FencemarkError, Record
 from fencemark.node.tools.cluster import LocalCluster
-from fencemark.node.tools.workload import REPO, TOPIC, Agent, Check, History, check_history, seed
+from fencemark.node.tools.queue_checks import queue_checks
+from fencemark.node.tools.workload import (
+    POISON,
+    REPO,
+    TOPIC,
+    Agent,
+    Check,
+    History,
+    QueueAgent,
+    check_history,
+    seed_queue,
+)
 
 Out = Callable[[str], None]
 
@@ -86,16 +99,21 @@ class Demo:
 
         took = await _poll("every node caught up", all_serving, 60)
         self.log(f"{len(self.regions)} regions serving claims after {took:.1f} s")
-        keys = await seed(self.clients, items)
-        for index in range(len(keys)):
-            self.totals[self.regions[index % len(self.regions)]] += 1
-        self.log(f"seeded {items} items, homed round-robin in {', '.join(self.regions)}")
+        keys = await seed_queue(self.clients, items)
+        homes = sorted(self.regions)  # seed_queue homes items round-robin in name order
+        for index in range(items):
+            self.totals[homes[index % len(homes)]] += 1
+        self.totals[homes[0]] += 1  # the poison item
+        self.log(
+            f"seeded {items} items, homed round-robin in {', '.join(self.regions)}, priorities"
+            f" P0-P2, one after: link, and a poison item"
+        )
         return keys
 
     def _agents(self, agents_per_region: int, work_seconds: float) -> list[Agent]:
         """The workers; the first stalls past its lease once, after its first claim."""
         return [
-            Agent(
+            QueueAgent(
                 f"{region}-agent-{i}", region, self.clients[region], self.history,
                 lease_seconds=self.lease, pause_once=(region, i) == (self.regions[0], 0),
                 work_seconds=work_seconds,
@@ -145,11 +163,17 @@ class Demo:
             f" {lags[len(lags) // 2] * 1000:.0f} ms, max {lags[-1] * 1000:.0f} ms"
             f" over {len(self.lags)} probes"
         )
+        histories = {
+            key: await self.clients[record.home_region].history(key)
+            for key, record in finals[self.regions[0]].items()
+        }
         checks = [
             Check("every item completed", all(
-                record.fields.get("status") == "done" for record in finals[self.regions[0]].values()
+                record.status == "done" for record in finals[self.regions[0]].values()
+                if record.id != POISON
             ), f"{items} items done in every region"),
             *check_history(self.history, finals),
+            *queue_checks(finals[self.regions[0]], histories),
             Check("byte-identical replicas after the final heal", True,
                   f"converged in {converged:.2f} s"),
             Check("the stalled worker was refused", paused.paused_refusal is not None
@@ -158,11 +182,13 @@ class Demo:
         return checks
 
     async def _drained(self, keys: Sequence[str]) -> bool:
-        # Each item is finished at its home region; look there.
+        # Each item is finished (or the poison one parked) at its home region; look there.
         for region, client in self.clients.items():
-            records = await _records(client)
+            records = await _records(client, TOPIC)
             mine = [r for r in records.values() if r.home_region == region]
-            self.done[region] = sum(r.fields.get("status") == "done" for r in mine)
+            self.done[region] = sum(r.status == "done" for r in mine)
+            parked = sum(r.status == "parked" for r in mine)
+            self.done[region] += parked
         return sum(self.done.values()) == len(keys)
 
     async def _converged(self) -> bool:

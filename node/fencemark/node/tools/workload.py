@@ -21,6 +21,7 @@ from typing import TypeVar
 from fencemark.client import (
     AsyncClient,
     ClaimConflict,
+    ClaimNextResult,
     ClaimResult,
     FencemarkError,
     Record,
@@ -30,6 +31,7 @@ from fencemark.client import (
 )
 
 REPO, TOPIC, TAG = "lattice", "backlog", "backlog"
+POISON = "poison"  # an item that fails every time it is worked on (QueueAgent)
 T = TypeVar("T")
 
 
@@ -87,9 +89,9 @@ async def recorded(
     outcome, result, expires = "ok", None, 0.0
     try:
         result = await call
-        if isinstance(result, ClaimResult | RenewResult):
+        if isinstance(result, ClaimResult | ClaimNextResult | RenewResult):
             expires = monotonic_at(result.lease_expires_at)
-        if isinstance(result, ClaimResult | RenewResult | ReleaseResult) and not (
+        if isinstance(result, ClaimResult | ClaimNextResult | RenewResult | ReleaseResult) and not (
             getattr(result, "granted", False)
             or getattr(result, "renewed", False)
             or getattr(result, "released", False)
@@ -106,10 +108,11 @@ async def recorded(
     return result, event
 
 
-def grant_of(call: Event, claim: ClaimResult) -> Event:
+def grant_of(call: Event, claim: ClaimResult | ClaimNextResult) -> Event:
     """The grant a granted claim call made: it took effect somewhere during the call,
     at the region that answered (``detail``), with the lease the reply named."""
-    return Event(call.agent, "grant", call.key, claim.fencing_token, "ok", call.invoked,
+    key = claim.record.key if isinstance(claim, ClaimNextResult) and claim.record else call.key
+    return Event(call.agent, "grant", key, claim.fencing_token, "ok", call.invoked,
                  call.completed, claim.home_region, "", call.expires)  # fmt: skip
 
 
@@ -130,6 +133,31 @@ async def seed(clients: Mapping[str, AsyncClient], items: int) -> list[str]:
         )  # fmt: skip
         keys.append(made.record.key)
     return keys
+
+
+POISON_ATTEMPTS = 2  # the poison item's maxAttempts:N
+
+
+async def seed_queue(clients: Mapping[str, AsyncClient], items: int) -> list[str]:
+    """A work queue of ``items`` items homed round-robin (SPEC §8): priorities P0-P2,
+    item 1 waiting on item 0 (``after:``, homed in another region), and one more
+    item, ``poison``, that fails until it is parked after ``POISON_ATTEMPTS``."""
+    regions = sorted(clients)
+    keys = []
+    for index in range(items):
+        home = regions[index % len(regions)]
+        order = [f"after:{item_id(0)}"] if index == 1 else [f"priority:P{index % 3}"]
+        made = await clients[home].remember(
+            REPO, TOPIC, item_id(index), kind="Task", author="demo",
+            title=f"Backlog item {index}", tags=[TAG, f"homeRegion:{home}", *order],
+        )  # fmt: skip
+        keys.append(made.record.key)
+    home = regions[0]
+    poison = await clients[home].remember(
+        REPO, TOPIC, POISON, kind="Task", author="demo", title="An item that always fails",
+        tags=[TAG, f"homeRegion:{home}", POISON, f"maxAttempts:{POISON_ATTEMPTS}"],
+    )  # fmt: skip
+    return [*keys, poison.record.key]
 
 
 class Agent:
@@ -208,6 +236,9 @@ class Agent:
             )
             if renewed is None or not renewed.renewed:
                 return
+        await self._finish(key, token)
+
+    async def _finish(self, key: str, token: int) -> None:
         done = {"status": "done", "done_by": self.name}
         finish = self.client.update(key, fields=done, fencing_token=token)
         if await self._call("finish", key, token, finish, detail="status", value="done"):
@@ -236,6 +267,39 @@ class Agent:
         )
         if reason and reason != self.paused_refusal:
             self.paused_refusal = f"{self.paused_refusal} (renew: {reason})"
+
+
+class QueueAgent(Agent):
+    """Takes work with ``ClaimNext`` and ends each claim with its outcome (SPEC §8): the
+    result and ``done`` in one release under the token. An item tagged ``poison``
+    fails every time: released ``failed`` until it is parked."""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            picked = await self._call(
+                "claim", "", 0,
+                self.client.claim_next(REPO, TOPIC, self.name, lease_seconds=self.lease,
+                                       tags=[TAG]),
+            )  # fmt: skip
+            if picked is None or not picked.granted or picked.record is None:
+                await asyncio.sleep(self.rng.uniform(0.05, 0.2))
+                continue
+            assert self.last is not None
+            grant = grant_of(self.last, picked)
+            self.history.add(grant)
+            key, token = grant.key, grant.token
+            if POISON in picked.record.tags:
+                failed = self.client.release_claim(key, token, outcome="failed")
+                await self._call("fail", key, token, failed, value="failed")
+                continue
+            await self._work_on(key, token)
+
+    async def _finish(self, key: str, token: int) -> None:
+        done = {"result": f"done by {self.name}"}
+        release = self.client.release_claim(key, token, outcome="done", fields=done)
+        released = await self._call("finish", key, token, release, detail="status", value="done")
+        if released is not None and released.released:
+            self.finished += 1
 
 
 # -- the checker ---------------------------------------------------------------------
