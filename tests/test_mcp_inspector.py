@@ -204,6 +204,34 @@ async def test_the_inspector_calls_the_tools_over_stdio(
     assert still["claim"]["fencingToken"] == token  # neither call released it
 
 
+async def test_the_inspector_drains_a_queue_with_claim_next_and_an_outcome(
+    inspector: Inspector, node: NodeServer
+) -> None:
+    """SPEC §8 through the Inspector: claim the next item, release it done with its
+    result; then nothing is left (an answer, not an error), and the record says so."""
+    call = inspector.caller(*stdio_server(node.address))
+    expect_ok(await call("repocontext_remember", {"repoId": "q", "topic": "t", "id": "only"}))
+    args = {"repoId": "q", "topic": "t", "owner": "worker-a", "leaseSeconds": 60}
+    picked = expect_ok(await call("repocontext_claim_next", args))
+    assert picked["granted"] and picked["record"]["id"] == "only"
+    key, token = picked["record"]["key"], picked["fencingToken"]
+    released = expect_ok(
+        await call(
+            "repocontext_release_claim",
+            {"key": key, "fencingToken": token, "outcome": "done", "fields": {"result": "ok"}},
+        )
+    )
+    assert released["released"]
+    empty = expect_ok(await call("repocontext_claim_next", args))
+    assert (empty["granted"], empty["reason"]) == (False, "empty")
+    record = expect_ok(await call("repocontext_recall", {"key": key}))
+    assert (record["status"], record["lastOutcome"], record["fields"]) == (
+        "done",
+        "done",
+        {"result": "ok"},
+    )
+
+
 async def test_the_walkthrough_through_the_inspector_over_http(
     inspector: Inspector, node: NodeServer
 ) -> None:
