@@ -5,6 +5,9 @@ deadlines, retries and home-region routing) that turns its answer into
 structured content (``fencemark.mcp.models``) or a tool error
 (``fencemark.mcp.outcomes``). What each call guarantees is written once, in
 docs/consistency.md; the descriptions below are what an agent reads.
+
+About 430 lines on purpose: each tool's arguments (with the descriptions agents
+read) and its registration text sit in one file, where they are reviewed together.
 """
 
 from __future__ import annotations
