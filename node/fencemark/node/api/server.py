@@ -110,7 +110,7 @@ class NodeServer:
         """Open the data file, then: signing (with TLS), the catch-up gate, replication,
         the gRPC services, the port; health says SERVING once it listens.
 
-        About 60 lines on purpose: each statement builds one component, in the
+        About 70 lines on purpose: each statement builds one component, in the
         order they depend on each other; the steps with logic are functions of
         their own (``_open_replica``, ``_grpc_server``, ``_add_services``)."""
         tls = live_tls(config)
