@@ -20,7 +20,9 @@ which refusal reason (docs/security.md, *State integrity*) must refuse it:
   key: ``signer_not_home``); a forged release or lapse of the live claim's token,
   then a write at its epoch (``unsigned_end``; a release sealed with the posing key:
   ``signer_not_home``); a move of the fence past the live claim, then a write at the
-  new epoch (``unsigned_move``; signed with the posing key: ``signer_not_home``).
+  new epoch (``unsigned_move``; signed with the posing key: ``signer_not_home``);
+  the work queue's state written by the peer — an item marked done, or reopened
+  (``unsigned_write``; signed with the posing key: ``signer_not_home``).
 
 The forgeries that need a live claim are pushed against a claim the fault holds
 itself, through an honest holder (``forge-holder-<region>``, a client identity of
@@ -90,6 +92,9 @@ RULES: dict[str, str] = {
     "release-sealed-by-peer-then-write": "signer_not_home",
     "fence-move-then-write": "unsigned_move",
     "fence-move-signed-by-peer-then-write": "signer_not_home",
+    "queue-marked-done": "unsigned_write",
+    "queue-reopened": "unsigned_write",
+    "queue-marked-done-signed-by-peer": "signer_not_home",
 }
 
 
@@ -153,6 +158,20 @@ def birth_forgeries(record: Record, third: str, signer: Signer) -> Forgeries:
     return [
         ("earlier-birth", forged),
         ("earlier-birth-signed-by-peer", signer.sign_birth(forged, third)),
+    ]
+
+
+def queue_forgeries(record: Record, now: int, signer: Signer) -> Forgeries:
+    """The work queue's state written by a peer (SPEC §8): an item marked done (it
+    would never be handed out), or reopened with no attempts (one done would be done
+    twice). Only a region that created the record writes and signs these."""
+    hlc = max(record.max_hlc(), now << 16) + (1 << 16)
+    stamp = Stamp(record.fence.fence, hlc, "forger")
+    done = record.set_queue({"status": "done", "outcome": "done"}, stamp)
+    return [
+        ("queue-marked-done", done),
+        ("queue-reopened", record.set_queue({"status": "open", "attempts": "0"}, stamp)),
+        ("queue-marked-done-signed-by-peer", signer.sign_writes(done, stamp)),
     ]
 
 
@@ -309,7 +328,7 @@ class Forger:
             homed = [records[k] for k in keys if k in records]
             for record in [r for r in homed if r.home_region == victim][:PER_FAULT]:
                 now = wall_clock_ms()
-                forged = bound_forgeries(record, now)
+                forged = bound_forgeries(record, now) + queue_forgeries(record, now, signer)
                 if thirds:
                     forged += birth_forgeries(record, thirds[0], signer)
                 if held is not None and record.key == held.key and record.fence.unreleased():

@@ -547,6 +547,6 @@ def test_forgeries_all_refused_pass_and_a_run_without_any_judges_nothing() -> No
         "refused by another rule": 0,
         "no refusal seen": 0,
     }
-    assert "unsigned_write 2" in verdict.detail and "signer_not_home 6" in verdict.detail
+    assert "unsigned_write 4" in verdict.detail and "signer_not_home 7" in verdict.detail
     unjudged = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP])["forgeries refused"]
     assert not unjudged.ok and "nothing to judge" in unjudged.detail

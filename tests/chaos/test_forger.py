@@ -22,6 +22,7 @@ from tests.chaos.forger import (
     birth_forgeries,
     bound_forgeries,
     claim_forgeries,
+    queue_forgeries,
 )
 from tests.cluster import Cluster
 from tests.test_signed_grants import REGIONS, claimed_at_us, client, files, push, state_of
@@ -51,6 +52,7 @@ async def test_every_forgery_is_refused_by_the_rule_named_for_it(
         eu = Signer.from_files(files(certs, "eu"))
         forged = [
             *bound_forgeries(held, now),
+            *queue_forgeries(held, now, eu),
             *birth_forgeries(held, "ap", eu),
             *claim_forgeries(
                 held, now, posing="eu", signer=eu, home_node=us.storage.node_id, field=field
