@@ -214,6 +214,18 @@ def test_a_seal_or_a_move_signature_is_replaced_only_by_a_larger_one() -> None:
     assert signed.move_signed(b"\x06").moved_signature == b"\x06"
 
 
+def test_a_seal_goes_when_a_newer_grant_becomes_the_fence() -> None:
+    """Only the fence's end is sealed (``_compact``; decode refuses a seal of any other
+    token): the seal of an ended claim is dropped by the next grant, even when nothing
+    else is to be compacted."""
+    ended = FenceState().grant(1, Grant(pack(EPOCH_MS), "w", "local"), EPOCH_MS + 9).release(1)
+    sealed = ended.sealed(b"\x05")
+    regranted = sealed.grant(2, Grant(pack(EPOCH_MS + 1), "w", "local"), EPOCH_MS + 9)
+    assert regranted.seals == {}
+    record = Record(KEY).with_fence(regranted)
+    assert decode(encode(record)) == record
+
+
 def test_moving_the_fence_to_where_it_already_is_keeps_the_moves_signature() -> None:
     """Only a move further on starts unsigned: the home's signature of this move stays."""
     signed = FenceState().move(3).move_signed(b"\x05")
