@@ -378,3 +378,26 @@ async def test_history_keeps_the_newest_64_events(client: AsyncClient) -> None:
     assert len(events) == 64
     assert (events[0].kind, events[0].fencing_token) == ("granted", 9)
     assert (events[-1].kind, events[-1].fencing_token) == ("released", 40)
+
+
+async def test_the_work_queue_limits_hold_at_their_bounds(client: AsyncClient) -> None:
+    """A deferral of 30 days and 16 after: tags are taken; one second or one tag more
+    is refused naming the field (docs/api.md, *Work queue*)."""
+    made = await item(client, "bounds")
+    picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    month = queue.MAX_RETRY_AFTER_S
+    with pytest.raises(InvalidArgument) as refused:
+        await client.release_claim(
+            made.key, picked.fencing_token, outcome="deferred", retry_after_seconds=month + 1
+        )
+    assert [name for name, _ in refused.value.violations] == [RETRY]
+    deferred = await client.release_claim(
+        made.key, picked.fencing_token, outcome="deferred", retry_after_seconds=month
+    )
+    assert deferred.released
+    waits = [f"after:w{i}" for i in range(queue.MAX_AFTER_TAGS)]
+    await client.remember(REPO, TOPIC, "waits", tags=waits)
+    with pytest.raises(InvalidArgument) as too_many:
+        await client.remember(REPO, TOPIC, "waits-more", tags=[*waits, "after:one-more"])
+    assert [name for name, _ in too_many.value.violations] == ["tags"]
+    assert (queue.MAX_RETRY_AFTER_S, queue.MAX_AFTER_TAGS) == (30 * 24 * 3600, 16)
