@@ -125,3 +125,29 @@ def test_only_the_same_release_of_a_released_token_counts_as_its_retry() -> None
     plain = held.with_fence(held.fence.release(1))
     assert queue.already_ended(plain, 1, "", {})
     assert not queue.already_ended(plain, 1, DONE, {})  # no outcome recorded
+
+
+@pytest.mark.parametrize(
+    ("tags", "level"),
+    [((), 10), (("priority:P0",), 0), (("priority:P7",), 7), (("priority:P9", "priority:P2"), 2),
+     (("priority:high",), 10), (("priority:P10",), 10), (("Priority:P1",), 10)],
+)  # fmt: skip
+def test_an_items_priority_is_its_most_urgent_p0_to_p9_tag_else_last(
+    tags: tuple[str, ...], level: int
+) -> None:
+    assert item(*tags).priority == level
+
+
+def test_an_item_waits_on_the_ids_its_after_tags_name_sorted() -> None:
+    assert item("after:b", "after:a", "later:c").waits_on == ["a", "b"]
+    assert item().waits_on == []
+
+
+def test_the_queue_accessors_read_their_registers_and_default_to_a_fresh_item() -> None:
+    fresh = item()
+    assert (fresh.status, fresh.attempts, fresh.not_before_ms, fresh.outcome) == (OPEN, 0, 0, None)
+    written = fresh.set_queue(
+        {"status": DONE, "attempts": "3", "not_before": "42", "outcome": DONE}, stamp(1)
+    )
+    assert (written.status, written.attempts, written.not_before_ms) == (DONE, 3, 42)
+    assert written.outcome is not None and written.outcome.value == DONE
