@@ -401,3 +401,26 @@ async def test_the_work_queue_limits_hold_at_their_bounds(client: AsyncClient) -
         await client.remember(REPO, TOPIC, "waits-more", tags=[*waits, "after:one-more"])
     assert [name for name, _ in too_many.value.violations] == ["tags"]
     assert (queue.MAX_RETRY_AFTER_S, queue.MAX_AFTER_TAGS) == (30 * 24 * 3600, 16)
+
+
+async def test_a_short_wait_still_waits_and_takes_an_item_made_meanwhile(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """Any wait above 0 queues (under a second too), and answers as soon as an item
+    comes; a call without a wait never queues (nor counts as a wait)."""
+    waits = node.claims.waits
+    assert (await client.claim_next(REPO, TOPIC, "w")).reason == "empty"
+    assert node.claims.waits == waits
+    waiting = asyncio.create_task(client.claim_next(REPO, TOPIC, "w", wait_seconds=0.9))
+    await eventually(lambda: _waiting(node, 1), "the waiter in line")
+    await item(client, "meanwhile")
+    got = await asyncio.wait_for(waiting, 5)
+    assert got.granted and got.record is not None and got.record.id == "meanwhile"
+    assert node.claims.waits == waits + 1
+
+
+async def test_a_reason_of_one_character_is_enough(client: AsyncClient) -> None:
+    made = await item(client, "terse")
+    await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert (await client.force_release(made.key, "x")).released
+    assert (await client.reopen(made.key, "y")).reopened
