@@ -25,13 +25,19 @@ from tests.metrics import counters
 from tests.test_merge_limits import push_as_eu
 
 REPO, TOPIC = "work", "tls"
-ACCESS = {"clients": {"alice": ["read", "write", "claim"], "ops": ["read", "operate"]}}
+ACCESS = {
+    "clients": {
+        "alice": ["read", "write", "claim"],
+        "bob": ["read", "write", "claim"],
+        "ops": ["read", "operate"],
+    }
+}
 
 
 @pytest.fixture
 def certs(tmp_path: Path) -> Path:
     directory = tmp_path / "certs"
-    init_dir(directory, regions=["us", "eu"], clients=["alice", "ops"])
+    init_dir(directory, regions=["us", "eu"], clients=["alice", "bob", "ops"])
     return directory
 
 
@@ -99,3 +105,23 @@ async def test_force_release_and_reopen_need_the_operate_right(tmp_path: Path, c
             assert taken.released and taken.superseded_token == picked.fencing_token
             reopened = await ops.reopen(key, "try again")
             assert reopened.reopened
+
+
+async def test_only_the_holder_hears_that_its_release_with_an_outcome_took_effect(
+    tmp_path: Path, certs: Path
+) -> None:
+    """A retried release is answered from the state, but only to the claim's identity:
+    bob repeating alice's release is refused not_holder, as any use of her token is."""
+    access = parse_access(ACCESS)
+    async with Cluster(tmp_path, ["us"], access=access) as cluster:
+        us = await cluster.start("us", tls=TlsFiles.in_dir(certs, "us"))
+        async with client(us, certs, "alice") as alice, client(us, certs, "bob") as bob:
+            made = await alice.remember(REPO, TOPIC, "retried", title="t")
+            key = made.record.key
+            picked = await alice.claim_next(REPO, TOPIC, "worker", lease_seconds=60)
+            token = picked.fencing_token
+            assert (await alice.release_claim(key, token, outcome="done")).released
+            assert (await alice.release_claim(key, token, outcome="done")).released  # retry
+            with pytest.raises(PermissionDenied) as denied:
+                await bob.release_claim(key, token, outcome="done")
+            assert denied.value.reason == "not_holder"

@@ -311,11 +311,13 @@ class Claims:
                 return current.with_fence(fence), plain
             current = replica.lapse_if_due(current)
             now_ms = replica.wall_ms()
-            if queue.already_ended(current, token, ending, written):
-                return current, settled(current, token)  # a retry whose answer was lost
             problem = decide_fenced_release(current, token, caller=caller,
                                             region=replica.region, now_ms=now_ms)  # fmt: skip
             if problem is not None:
+                if problem.reason is Reason.RELEASED and queue.already_ended(
+                    current, token, ending, written
+                ):
+                    return current, settled(current, token)  # a retry whose answer was lost
                 return current, problem
             stamp = replica.stamp(token)
             changed = current.set_fields(written, stamp)
@@ -326,10 +328,10 @@ class Claims:
             changed = replica.signed_queue(changed, stamp)
             return changed.with_fence(changed.fence.release(token)), settled(changed, token)
 
-        _, outcome_ = await self.replica.transact(key, change)
-        if outcome_.ok:
+        _, answer = await self.replica.transact(key, change)
+        if answer.ok:
             self.wake(key)
-        return outcome_
+        return answer
 
     def wake(self, key: str) -> None:
         """The claim of ``key`` ended: the head of its line may take it now."""
