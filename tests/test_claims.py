@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -669,10 +670,10 @@ class CancellingWall:
     is being decided."""
 
     def __init__(self) -> None:
-        self.victim: asyncio.Task[Outcome] | None = None
-        self.armer: asyncio.Task[object] | None = None
+        self.victim: asyncio.Task[Any] | None = None
+        self.armer: asyncio.Task[Any] | None = None
 
-    def arm(self, victim: asyncio.Task[Outcome]) -> None:
+    def arm(self, victim: asyncio.Task[Any]) -> None:
         self.victim = victim
         self.armer = asyncio.current_task()
 

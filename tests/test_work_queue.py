@@ -16,10 +16,14 @@ import pytest
 
 from fencemark.client import AsyncClient, InvalidArgument, Record
 from fencemark.node.api.server import NodeServer
+from fencemark.node.core.claims import Claims
+from fencemark.node.core.work_queue import WorkQueue
 from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
 from fencemark.node.rules import queue
+from fencemark.node.rules.admission import ANYONE
 from fencemark.node.store.storage import DB_FILE, Storage
 from tests.conftest import StartNode
+from tests.test_claims import WAIT, CancellingWall, claims_on_file, made
 
 REPO, TOPIC = "work", "backlog"
 LONG = 60.0
@@ -424,3 +428,37 @@ async def test_a_reason_of_one_character_is_enough(client: AsyncClient) -> None:
     await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
     assert (await client.force_release(made.key, "x")).released
     assert (await client.reopen(made.key, "y")).reopened
+
+
+async def test_an_item_picked_for_a_waiter_that_left_meanwhile_is_released(
+    tmp_path: Path,
+) -> None:
+    """As for a claim (docs/consistency.md, *Claims*): the head of a topic's line whose
+    caller leaves while its pick is being granted never hears of the token; the pick
+    runs to its end and the item it claimed is released at once, not held by nobody
+    for a whole lease."""
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        work = WorkQueue(claims)
+        waiter = asyncio.create_task(
+            work.claim_next("claims", "backlog", "waiter", wait_seconds=WAIT, caller=ANYONE)
+        )
+        await eventually(lambda: _idle(claims), "the waiter in line")
+        await asyncio.sleep(0.05)  # its first look (nothing there) is over: it sleeps
+        wall.arm(waiter)  # cancelled by the clock read of its next pick
+        key = await made(claims, "picked-for-nobody")  # wakes the head: it picks this
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not wall.armed, "premise: cancelled while its pick was made"
+        found = await claims.replica.find(key)
+        assert found is not None
+        fence = found.record.fence
+        assert (fence.fence, fence.ended(1)) == (1, True), "granted, then released"
+        again = await work.claim_next("claims", "backlog", "next", lease_seconds=LONG,
+                                      caller=ANYONE)  # fmt: skip
+        assert again.stored is not None and again.stored.record.key == key
+        assert again.outcome.token == 2
+
+
+async def _idle(claims: Claims) -> bool:
+    return claims.waiting == 1
