@@ -40,7 +40,7 @@ for a move, ``move_message`` (*Signed writes*).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from fencemark.node.crdt.fence import FenceState, Grant
@@ -114,13 +114,7 @@ def encode(record: Record) -> bytes:
         _str(out, region)
         _stamp(out, birth.stamp)
         _bytes(out, birth.signature)
-    _varint(out, len(record.fields))
-    for name in sorted(record.fields):
-        reg = record.fields[name]
-        _str(out, name)
-        _stamp(out, reg.stamp)
-        _str(out, reg.value)
-        _bytes(out, reg.signature)
+    _string_registers(out, record.fields)
     _varint(out, len(record.tags))
     for tag in sorted(record.tags):
         flag = record.tags[tag]
@@ -155,14 +149,19 @@ def encode(record: Record) -> bytes:
         _bytes(out, fence.seals[token])
     _varint(out, fence.moved)
     _bytes(out, fence.moved_signature)
-    _varint(out, len(record.queue))
-    for name in sorted(record.queue):
-        reg = record.queue[name]
+    _string_registers(out, record.queue)
+    return bytes(out)
+
+
+def _string_registers(out: bytearray, registers: Mapping[str, LWW[str]]) -> None:
+    """Fields and queue registers: n (name stamp str signature)*, sorted by name."""
+    _varint(out, len(registers))
+    for name in sorted(registers):
+        reg = registers[name]
         _str(out, name)
         _stamp(out, reg.stamp)
         _str(out, reg.value)
         _bytes(out, reg.signature)
-    return bytes(out)
 
 
 def grant_message(key: str, token: int, grant: Grant) -> bytes:
