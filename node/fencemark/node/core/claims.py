@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from fencemark.node.core.lines import Lines
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import FenceState, Grant, Record
 from fencemark.node.crdt.record import DEFERRED
@@ -33,12 +34,6 @@ from fencemark.node.rules.admission import (
 from fencemark.node.rules.errors import Exhausted, InvalidInput, Reason
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Waiter:
-    owner: str
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(frozen=True)
@@ -80,7 +75,7 @@ class Claims:
         self.replica = replica
         self.max_waiters = max_waiters
         self.max_waiters_per_client = max_waiters_per_client
-        self._queues: dict[str, deque[Waiter]] = {}
+        self._lines = Lines()  # claimers waiting for a record, FIFO per key
         self._waiting_by_client: Counter[str] = Counter()
         # Claim outcomes decided here ("granted" or the reason) and queue entries:
         # read by the metrics collector (fencemark.node.api.telemetry).
@@ -105,7 +100,7 @@ class Claims:
         return self.replica.deciding
 
     def queue_depth(self, key: str) -> int:
-        return len(self._queues.get(key, ()))
+        return self._lines.depth(key)
 
     async def claim(
         self,
@@ -166,39 +161,20 @@ class Claims:
     async def _wait_in_line(
         self, key: str, owner: str, caller: Caller, lease_ms: int, wait_s: float, home: str
     ) -> Outcome:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        line = self._queues.setdefault(key, deque())
-        me = Waiter(owner)
-        line.append(me)
-        try:
-            while True:
-                me.wake.clear()  # before any await, so no wake-up is lost
-                pause = float("inf")
-                if line[0] is me:
-                    outcome = await self._try_at_head(key, owner, caller, lease_ms)
-                    if outcome.ok or outcome.reason is not Reason.CONTENDED:
-                        return outcome
-                    home = outcome.home_region
-                    # Held by someone else: look again when that lease lapses,
-                    # or earlier if it is released.
-                    stored = await self.replica.find(key)
-                    record = None if stored is None else stored.record
-                    pause = until_lapse(record, self.replica.wall_ms())
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return Outcome(False, Reason.TIMEOUT, home_region=home)
-                # Not wait_for: on Python 3.11 it swallows a cancellation that arrives
-                # with the wake-up, and the claim would go to a caller that left.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(pause, remaining)):
-                        await me.wake.wait()
-        finally:
-            line.remove(me)
-            if line:
-                line[0].wake.set()
-            else:
-                del self._queues[key]
+        async def at_head() -> tuple[Outcome | None, float]:
+            nonlocal home
+            outcome = await self._try_at_head(key, owner, caller, lease_ms)
+            if outcome.ok or outcome.reason is not Reason.CONTENDED:
+                return outcome, 0.0
+            home = outcome.home_region
+            # Held by someone else: look again when that lease lapses, or earlier if
+            # it is released (``wake``).
+            stored = await self.replica.find(key)
+            record = None if stored is None else stored.record
+            return None, until_lapse(record, self.replica.wall_ms())
+
+        outcome = await self._lines.wait(key, owner, wait_s, at_head)
+        return outcome if outcome is not None else Outcome(False, Reason.TIMEOUT, home_region=home)
 
     async def _try_at_head(self, key: str, owner: str, caller: Caller, lease_ms: int) -> Outcome:
         """``_try`` for the head of the line, whose caller may leave meanwhile.
@@ -335,9 +311,7 @@ class Claims:
 
     def wake(self, key: str) -> None:
         """The claim of ``key`` ended: the head of its line may take it now."""
-        line = self._queues.get(key)
-        if line:
-            line[0].wake.set()
+        self._lines.wake(key)
 
     async def status(self, key: str, *, caller: Caller) -> Status:
         """The claim as this node sees it; the live token only for a caller that

@@ -13,13 +13,12 @@ the same tokens, attempts, signatures and waiter bounds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fencemark.node.core.claims import LOOK_AGAIN_S, Claims, Waiter
+from fencemark.node.core.claims import LOOK_AGAIN_S, Claims
+from fencemark.node.core.lines import Lines
 from fencemark.node.crdt import Record
 from fencemark.node.crdt.record import DONE, FORCED
 from fencemark.node.rules import queue, validation
@@ -48,13 +47,11 @@ class WorkQueue:
     def __init__(self, claims: Claims) -> None:
         self.claims = claims
         self.replica = claims.replica
-        self._lines: dict[str, deque[Waiter]] = {}
+        self._lines = Lines()  # callers waiting for an item, FIFO per topic
         self.replica.on_change(self._changed)
 
     def _changed(self, key: str) -> None:
-        line = self._lines.get(key.rsplit("/", 1)[0] + "/")
-        if line:
-            line[0].wake.set()  # the head looks again
+        self._lines.wake(key.rsplit("/", 1)[0] + "/")  # the head looks again
 
     async def claim_next(
         self,
@@ -78,8 +75,8 @@ class WorkQueue:
         wait_s = validation.wait(wait_seconds)
         wanted = validation.tags(tags, "tags")
         self.claims.check_deciding()
-        picked = None if self._lines.get(scope) else await self._pick(scope, owner, caller,
-                                                                     lease_ms, wanted)  # fmt: skip
+        ahead = self._lines.depth(scope) > 0  # a newcomer does not overtake the line
+        picked = None if ahead else await self._pick(scope, owner, caller, lease_ms, wanted)
         if picked is None and wait_s > 0:
             with self.claims.waiter(client, on_wait):
                 picked = await self._wait_for_item(scope, owner, caller, lease_ms, wanted, wait_s)
@@ -152,35 +149,18 @@ class WorkQueue:
         tags: list[str],
         wait_s: float,
     ) -> Picked | None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        line = self._lines.setdefault(scope, deque())
-        me = Waiter(owner)
-        line.append(me)
-        try:
-            while True:
-                me.wake.clear()  # before any await, so no wake-up is lost
-                pause = float("inf")
-                if line[0] is me:
-                    picked = await self._pick_at_head(scope, owner, caller, lease_ms, tags)
-                    if picked is not None:
-                        return picked
-                    now_ms = self.replica.wall_ms()
-                    soonest = await self.replica.next_pickable_ms(scope, now_ms)
-                    if soonest is not None:
-                        pause = (soonest - now_ms) / 1000 + LOOK_AGAIN_S
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return None
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(pause, remaining)):
-                        await me.wake.wait()
-        finally:
-            line.remove(me)
-            if line:
-                line[0].wake.set()
-            else:
-                del self._lines[scope]
+        async def at_head() -> tuple[Picked | None, float]:
+            picked = await self._pick_at_head(scope, owner, caller, lease_ms, tags)
+            if picked is not None:
+                return picked, 0.0
+            # Nothing eligible: look again on a change in the topic (``wake``), or when
+            # its earliest deferral or lease ends.
+            now_ms = self.replica.wall_ms()
+            soonest = await self.replica.next_pickable_ms(scope, now_ms)
+            pause = float("inf") if soonest is None else (soonest - now_ms) / 1000 + LOOK_AGAIN_S
+            return None, pause
+
+        return await self._lines.wait(scope, owner, wait_s, at_head)
 
     async def _pick_at_head(
         self, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]
