@@ -462,3 +462,40 @@ async def test_an_item_picked_for_a_waiter_that_left_meanwhile_is_released(
 
 async def _idle(claims: Claims) -> bool:
     return claims.waiting == 1
+
+
+async def test_a_picked_lease_is_exactly_the_lease_asked_for(tmp_path: Path) -> None:
+    """On a clock that stands still: the grant ends lease_seconds after the pick."""
+    now = 1_767_225_600_000
+    async with claims_on_file(tmp_path, lambda: now) as claims:
+        work = WorkQueue(claims)
+        await made(claims, "timed")
+        picked = await work.claim_next("claims", "backlog", "w", lease_seconds=61.5,
+                                       caller=ANYONE)  # fmt: skip
+        assert picked.outcome.expiry_ms == now + 61_500
+
+
+async def test_a_waiting_claim_next_that_finds_an_item_takes_just_that_one(
+    client: AsyncClient,
+) -> None:
+    await item(client, "one")
+    await item(client, "two")
+    first = await client.claim_next(REPO, TOPIC, "w", wait_seconds=5, lease_seconds=LONG)
+    assert first.record is not None and first.record.id == "one"
+    assert (await client.claim_status(key_of("two"))).claim is None
+    second = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert second.record is not None and second.record.id == "two"
+
+
+async def test_a_take_back_writes_its_outcome_at_the_moved_fence(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    made_ = await item(client, "moved")
+    await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    taken = await client.force_release(made_.key, "stuck")
+    stored = await node.storage.get(made_.key)
+    assert stored is not None
+    outcome = stored.record.outcome
+    assert outcome is not None and outcome.stamp.epoch == stored.record.fence.fence == taken.fence
+    missing = await client.force_release(key_of("no-such"), "x")
+    assert (missing.released, missing.superseded_token, missing.fence) == (False, 0, 0)
