@@ -140,28 +140,35 @@ async def test_each_class_of_call_has_a_budget_of_its_own(start_node: StartNode)
     node = await start_node(max_concurrent_reads=2, max_concurrent_writes=2)
     async with AsyncClient(node.address, retries=0) as client:
         key = (await client.remember("limits", "t", "budget", title="x")).record.key
-        async with grpc.aio.insecure_channel(node.address) as channel:
-            async with watching(channel, 2):  # the read budget is full ...
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await records_pb2_grpc.RecordsStub(channel).Get(
-                        records_pb2.GetRequest(key=key), timeout=5
-                    )
-                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                info = _error_info(refused.value)
-                assert info.metadata["resource"] == "concurrent read calls"
-                assert info.metadata["limit"] == "2"
-                one_more = health_pb2_grpc.HealthStub(channel).Watch(
-                    health_pb2.HealthCheckRequest()
+        async with (
+            grpc.aio.insecure_channel(node.address) as channel,
+            watching(channel, 2),  # the read budget is full ...
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await records_pb2_grpc.RecordsStub(channel).Get(
+                    records_pb2.GetRequest(key=key), timeout=5
                 )
-                with pytest.raises(grpc.aio.AioRpcError) as streams_refused:
-                    await one_more.read()  # streams count too
-                assert streams_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                # ... and writes, health checks and replication have budgets of their own.
-                assert (await client.update(key, fields={"body": "b"})).fields["body"] == "b"
-                assert await client.health() == "SERVING"
-                tree = replication_pb2.TreeRequest(origin=replication_pb2.Origin(region="eu"))
-                await replication_pb2_grpc.ReplicationStub(channel).Tree(tree, timeout=5)
-            assert (await client.get(key)).key == key  # the slots came back
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            info = _error_info(refused.value)
+            assert info.metadata["resource"] == "concurrent read calls"
+            assert info.metadata["limit"] == "2"
+            one_more = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as streams_refused:
+                await one_more.read()  # streams count too
+            assert streams_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # ... and writes, health checks and replication have budgets of their own.
+            assert (await client.update(key, fields={"body": "b"})).fields["body"] == "b"
+            assert await client.health() == "SERVING"
+            tree = replication_pb2.TreeRequest(origin=replication_pb2.Origin(region="eu"))
+            await replication_pb2_grpc.ReplicationStub(channel).Tree(tree, timeout=5)
+
+        # The slots come back once the node hears of each stream's cancellation (its
+        # own message, after the client's cancel() returned: wait for it, bounded).
+        async def read_slots_free() -> bool:
+            return gauges(node, "fencemark_rpcs_in_flight", "class")[("read",)] == 0
+
+        await eventually(read_slots_free, "the cancelled streams giving their read slots back")
+        assert (await client.get(key)).key == key  # the slots came back
     budget_refusals = counters(node, "fencemark_rpc_budget_refusals", "class")
     assert budget_refusals == {("read",): 2, ("write",): 0, ("replication",): 0, ("health",): 0}
     assert refusals(node)[("Get", "resource_exhausted")] == 1

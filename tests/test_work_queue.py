@@ -22,6 +22,7 @@ from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKE
 from fencemark.node.rules import queue
 from fencemark.node.rules.admission import ANYONE
 from fencemark.node.store.storage import DB_FILE, Storage
+from tests.cluster import eventually
 from tests.conftest import StartNode
 from tests.test_claims import WAIT, CancellingWall, claims_on_file, made
 
@@ -38,13 +39,6 @@ async def item(client: AsyncClient, id_: str, *tags: str, topic: str = TOPIC) ->
     made = await client.remember(REPO, topic, id_, title=id_, tags=list(tags))
     assert made.created
     return made.record
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, within: float = 10) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        assert time.monotonic() < deadline, f"not within {within} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 # -- ClaimNext: order, eligibility, empty ---------------------------------------------

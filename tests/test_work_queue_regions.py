@@ -11,14 +11,14 @@ mesh between them, agents talking to their own region's node.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from fencemark.client import AsyncClient
 from fencemark.node.tools.cluster import LocalCluster
+from tests.cluster import eventually
 from tests.test_partition import all_deciding, converged
 
 pytestmark = pytest.mark.slow
@@ -47,13 +47,6 @@ async def clients(cluster: LocalCluster) -> AsyncIterator[dict[str, AsyncClient]
     finally:
         for client in made.values():
             await client.close()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, within: float = 15) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        assert time.monotonic() < deadline, f"not within {within} s: {what}"
-        await asyncio.sleep(0.1)
 
 
 async def test_a_client_takes_work_from_its_own_region_first_then_from_the_others(
