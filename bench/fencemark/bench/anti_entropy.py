@@ -30,7 +30,15 @@ import grpc
 from fencemark.bench import plots
 from fencemark.bench.progress import Progress
 from fencemark.bench.records import BODY
-from fencemark.bench.results import ScenarioResult, Settings, Table, at_least, at_most, fmt
+from fencemark.bench.results import (
+    ScenarioResult,
+    Settings,
+    Table,
+    Target,
+    at_least,
+    at_most,
+    fmt,
+)
 from fencemark.bench.seed import copy_replica, seed, seed_key
 from fencemark.bench.stats import median
 from fencemark.client import AsyncClient
@@ -305,6 +313,27 @@ async def naive_full_state(
 async def run_anti_entropy(
     settings: Settings, progress: Progress, work: Path, out: Path, seeds: Seeds
 ) -> ScenarioResult:
+    in_sync = await _in_sync_rounds(settings, progress, work, seeds)
+    naive = await naive_full_state(seeds, settings.divergence_base, work, progress)
+    repairs = await _repairs(settings, progress, work, seeds)
+    return ScenarioResult(
+        "anti-entropy",
+        "Anti-entropy cost in sync and after a partition",
+        {
+            "in_sync": in_sync,
+            "repair": [r.to_json() for r in repairs],
+            "naive_full_state": naive,
+            "divergence_base": settings.divergence_base,
+        },
+        _tables(settings, in_sync, repairs, naive),
+        _targets(in_sync, repairs),
+        _plots(settings, out, in_sync, repairs, naive),
+    )
+
+
+async def _in_sync_rounds(
+    settings: Settings, progress: Progress, work: Path, seeds: Seeds
+) -> list[dict[str, Any]]:
     in_sync = []
     for count in settings.in_sync_records:
         progress.status(f"in-sync rounds at {count:,} records")
@@ -313,7 +342,12 @@ async def run_anti_entropy(
             f"in-sync round at {count:,} records: {row['wire_bytes']:.0f} bytes on the wire"
         )
         in_sync.append(row)
-    naive = await naive_full_state(seeds, settings.divergence_base, work, progress)
+    return in_sync
+
+
+async def _repairs(
+    settings: Settings, progress: Progress, work: Path, seeds: Seeds
+) -> list[Repair]:
     repairs = []
     for k in settings.divergence:
         repair = await repair_after_partition(seeds, settings.divergence_base, k, work, progress)
@@ -322,7 +356,15 @@ async def run_anti_entropy(
             f" canonical, byte-identical {repair.seconds:.2f} s after the heal"
         )
         repairs.append(repair)
+    return repairs
 
+
+def _tables(
+    settings: Settings,
+    in_sync: list[dict[str, Any]],
+    repairs: list[Repair],
+    naive: dict[str, Any],
+) -> list[Table]:
     sync_table = Table(
         f"In-sync anti-entropy round (median of {settings.in_sync_rounds} rounds)",
         ["records", "bytes on the wire", "message bytes", "in sync"],
@@ -344,16 +386,19 @@ async def run_anti_entropy(
             for r in repairs
         ],
     )  # fmt: skip
-    targets = []
+    return [sync_table, repair_table]
+
+
+def _targets(in_sync: list[dict[str, Any]], repairs: list[Repair]) -> list[Target]:
     largest = max(in_sync, key=lambda r: r["records"])
-    targets.append(
+    targets = [
         at_most(
             f"in-sync round at {largest['records']:,} records",
             largest["wire_bytes"],
             1024,
             " bytes",
         )
-    )
+    ]
     for r in repairs:
         targets.append(
             at_most(
@@ -370,6 +415,16 @@ async def run_anti_entropy(
     targets.append(
         at_least("in-sync round is flat (smallest / largest)", min(flat) / max(flat), 0.9, "")
     )
+    return targets
+
+
+def _plots(
+    settings: Settings,
+    out: Path,
+    in_sync: list[dict[str, Any]],
+    repairs: list[Repair],
+    naive: dict[str, Any],
+) -> list[Path]:
     plot_bytes = plots.lines(
         out / "anti_entropy_bytes.png",
         "Anti-entropy bytes",
@@ -406,16 +461,4 @@ async def run_anti_entropy(
         "seconds since the heal",
         "differing tree nodes (of 256)",
     )
-    return ScenarioResult(
-        "anti-entropy",
-        "Anti-entropy cost in sync and after a partition",
-        {
-            "in_sync": in_sync,
-            "repair": [r.to_json() for r in repairs],
-            "naive_full_state": naive,
-            "divergence_base": settings.divergence_base,
-        },
-        [sync_table, repair_table],
-        targets,
-        [plot_bytes, plot_converge],
-    )
+    return [plot_bytes, plot_converge]

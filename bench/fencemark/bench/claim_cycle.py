@@ -121,6 +121,17 @@ def _claim_report(runs: Runs, settings: Settings, out: Path) -> ScenarioResult:
         if clients == 16:
             p99 = row["fencemark"]["claim_p99_ms"]
             targets.append(at_most("p99 claim latency, 16 clients", p99, 10, " ms"))
+    return ScenarioResult(
+        "claims",
+        "Claim cycle vs bare gRPC, etcd and durable Redis",
+        data,
+        [table, ratios],
+        targets,
+        _claim_plots(runs, settings, out),
+    )
+
+
+def _claim_plots(runs: Runs, settings: Settings, out: Path) -> list[Path]:
     plot_latency = plots.latency_cdfs(
         out / "claim_cycle_latency.png",
         "Claim cycle latency (claim → fenced write → release)",
@@ -139,14 +150,7 @@ def _claim_report(runs: Runs, settings: Settings, out: Path) -> ScenarioResult:
         },
         "RPCs/s",
     )
-    return ScenarioResult(
-        "claims",
-        "Claim cycle vs bare gRPC, etcd and durable Redis",
-        data,
-        [table, ratios],
-        targets,
-        [plot_latency, plot_rate],
-    )
+    return [plot_latency, plot_rate]
 
 
 # -- scenario 2: unfenced writes ----------------------------------------------------------

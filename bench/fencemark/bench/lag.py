@@ -51,9 +51,12 @@ async def run_lag(settings: Settings, progress: Progress, work: Path, out: Path)
     return _report(samples, settings, out)
 
 
+Sample = tuple[float, dict[str, float]]  # (acknowledged at, region -> lag seconds)
+
+
 async def _measure(
     clients: dict[str, AsyncClient], settings: Settings, progress: Progress
-) -> list[tuple[float, dict[str, float]]]:
+) -> list[Sample]:
     writer = clients["us"]
     tags = typical_tags("us")
     background = []
@@ -62,46 +65,80 @@ async def _measure(
         background.append(made.record.key)
     probe = (await writer.remember(REPO, "lag", "probe", title="probe", tags=tags)).record.key
     await _warm_up(clients, probe, progress)
-    stop = asyncio.Event()
-    in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
-    samples: list[tuple[float, dict[str, float]]] = []  # (when, region -> lag seconds)
-    skipped = 0
+    run = _LagRun(clients, settings, progress, probe)
+    load_task = asyncio.create_task(run.load(background))
+    watchers = [asyncio.create_task(run.watch(region)) for region in REGIONS[1:]]
+    try:
+        await run.probes()
+        run.probing = False
+        await asyncio.gather(*watchers)
+    finally:
+        run.probing = False
+        run.stop.set()
+        await load_task
+        for task in watchers:
+            task.cancel()
+    if run.skipped:
+        progress.line(f"background load fell behind: {run.skipped} writes skipped")
+    return run.samples
 
-    async def one_write(key: str, n: int) -> None:
+
+class _LagRun:
+    """One measurement: the background load, the probes at ``us`` and a watcher per
+    other region, sharing what is outstanding."""
+
+    def __init__(
+        self,
+        clients: dict[str, AsyncClient],
+        settings: Settings,
+        progress: Progress,
+        probe: str,
+    ) -> None:
+        self.clients = clients
+        self.writer = clients["us"]
+        self.settings = settings
+        self.progress = progress
+        self.probe = probe
+        self.stop = asyncio.Event()
+        self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.samples: list[Sample] = []
+        self.skipped = 0
+        self.probing = True
+        # region -> seq -> (acknowledged, lags) of probes not yet seen there
+        self.outstanding: dict[str, dict[int, Sample]] = {region: {} for region in REGIONS[1:]}
+
+    async def _one_write(self, key: str, n: int) -> None:
         try:
-            await writer.update(key, fields={"body": f"load {n}"})
+            await self.writer.update(key, fields={"body": f"load {n}"})
         finally:
-            in_flight.release()
+            self.in_flight.release()
 
-    async def load() -> None:
-        nonlocal skipped
+    async def load(self, background: list[str]) -> None:
+        """Open-loop writes at ``lag_write_rate`` until ``stop``."""
         n = 0
         began = time.monotonic()
         tasks: set[asyncio.Task[None]] = set()
-        while not stop.is_set():
+        while not self.stop.is_set():
             n += 1
-            due = began + n / settings.lag_write_rate
+            due = began + n / self.settings.lag_write_rate
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            if in_flight.locked():
-                skipped += 1  # the node is behind; an open loop does not queue up
+            if self.in_flight.locked():
+                self.skipped += 1  # the node is behind; an open loop does not queue up
                 continue
-            await in_flight.acquire()
-            task = asyncio.create_task(one_write(random.choice(background), n))
+            await self.in_flight.acquire()
+            task = asyncio.create_task(self._one_write(random.choice(background), n))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    outstanding: dict[str, dict[int, tuple[float, dict[str, float]]]] = {
-        region: {} for region in REGIONS[1:]
-    }  # region -> seq -> (acknowledged, lags) of probes not yet seen there
-    probing = True
-
-    async def watch(region: str) -> None:
-        client, waiting = clients[region], outstanding[region]
-        while probing or waiting:
+    async def watch(self, region: str) -> None:
+        """Read the probe at ``region`` until every outstanding probe was seen there
+        (or given up on after ``WATCH_LIMIT_S``)."""
+        client, waiting = self.clients[region], self.outstanding[region]
+        while self.probing or waiting:
             if waiting:
                 with contextlib.suppress(FencemarkError):
-                    record = await client.get(probe)
+                    record = await client.get(self.probe)
                     seen, now = int(record.fields.get("seq", "0")), time.monotonic()
                     for seq in [s for s in waiting if s <= seen]:
                         acknowledged, lags = waiting.pop(seq)
@@ -111,35 +148,20 @@ async def _measure(
                     del waiting[seq]  # never seen in time: reported as unseen
             await asyncio.sleep(WATCH_POLL_S)
 
-    async def probes() -> None:
+    async def probes(self) -> None:
+        """A numbered probe write every ``lag_probe_interval`` for ``lag_seconds``."""
         seq = 0
-        deadline = time.monotonic() + settings.lag_seconds
+        deadline = time.monotonic() + self.settings.lag_seconds
         while time.monotonic() < deadline:
             seq += 1
-            await writer.update(probe, fields={"seq": str(seq)})
+            await self.writer.update(self.probe, fields={"seq": str(seq)})
             acknowledged = time.monotonic()
             lags: dict[str, float] = {}
-            samples.append((acknowledged, lags))
+            self.samples.append((acknowledged, lags))
             for region in REGIONS[1:]:
-                outstanding[region][seq] = (acknowledged, lags)
-            progress.status(f"{seq} probes, {len(samples)} with lags")
-            await asyncio.sleep(settings.lag_probe_interval)
-
-    load_task = asyncio.create_task(load())
-    watchers = [asyncio.create_task(watch(region)) for region in REGIONS[1:]]
-    try:
-        await probes()
-        probing = False
-        await asyncio.gather(*watchers)
-    finally:
-        probing = False
-        stop.set()
-        await load_task
-        for task in watchers:
-            task.cancel()
-    if skipped:
-        progress.line(f"background load fell behind: {skipped} writes skipped")
-    return samples
+                self.outstanding[region][seq] = (acknowledged, lags)
+            self.progress.status(f"{seq} probes, {len(self.samples)} with lags")
+            await asyncio.sleep(self.settings.lag_probe_interval)
 
 
 async def _warm_up(clients: dict[str, AsyncClient], probe: str, progress: Progress) -> None:
@@ -165,9 +187,7 @@ async def _warm_up(clients: dict[str, AsyncClient], probe: str, progress: Progre
     await clients["us"].update(probe, fields={"seq": "0"})
 
 
-def _report(
-    samples: list[tuple[float, dict[str, float]]], settings: Settings, out: Path
-) -> ScenarioResult:
+def _report(samples: list[Sample], settings: Settings, out: Path) -> ScenarioResult:
     complete = [lags for _, lags in samples if len(lags) == len(REGIONS) - 1]
     missing = len(samples) - len(complete)
     per_region = {r: [lags[r] * 1000 for lags in complete] for r in REGIONS[1:]}
