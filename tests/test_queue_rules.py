@@ -67,6 +67,35 @@ def test_each_condition_alone_makes_an_item_ineligible(why: str) -> None:
     assert eligible(base, tags=("gpu",), done=frozenset({"first"}))
 
 
+def held(record: Record, *, tags: tuple[str, ...] = ()) -> bool:
+    return queue.held_for_retry(record, region="us", now_ms=NOW, tags=tags)
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["never created", "deleted", "homed elsewhere", "done", "parked", "not claimed",
+     "lease over", "missing tag"],
+)  # fmt: skip
+def test_a_claim_answers_a_retry_only_while_live_open_here_and_tagged(why: str) -> None:
+    """``ClaimNext``'s retry (SPEC §4): the held item is answered again only while its
+    claim is live and it is still an open item of this home with the asked tags; a
+    deferral or an ``after:`` item no longer matters once it was granted."""
+    base = claimed(item("gpu", "after:first").set_queue({"not_before": str(NOW + 1)}, stamp()))
+    record = {
+        "never created": Record(KEY),
+        "deleted": base.set_deleted(True, stamp(1, NOW - 1)),
+        "homed elsewhere": claimed(item("gpu", home="eu")),
+        "done": base.set_queue({"status": DONE}, stamp(1, NOW - 1)),
+        "parked": base.set_queue({"status": PARKED}, stamp(1, NOW - 1)),
+        "not claimed": item("gpu"),
+        "lease over": claimed(item("gpu"), lease_ms=0),
+        "missing tag": base,
+    }[why]
+    tags = ("gpu", "fast") if why == "missing tag" else ("gpu",)
+    assert not held(record, tags=tags)
+    assert held(base, tags=("gpu",))
+
+
 def test_a_deferral_ends_at_its_millisecond_and_a_lapsed_lease_holds_nothing() -> None:
     at = item().set_queue({"not_before": str(NOW)}, stamp(ms=NOW - 1))
     assert eligible(at)

@@ -77,12 +77,53 @@ async def test_a_picked_item_is_the_claim_itself(client: AsyncClient) -> None:
     assert again.reason == "empty"  # claimed: not eligible
 
 
+async def test_a_claim_next_retried_by_its_holder_answers_the_same_claim_again(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """SPEC §4: a claim retried after a lost reply is answered from the durable state,
+    never with a second grant. The retry gets the item it was granted, with the same
+    token and a lease extended from now; no attempt is counted, no other item is taken."""
+    await item(client, "first")
+    await item(client, "second")
+    picked = await client.claim_next(REPO, TOPIC, "worker-a", lease_seconds=30)
+    assert picked.record is not None and picked.record.id == "first"
+    retried = await client.claim_next(REPO, TOPIC, "worker-a", lease_seconds=LONG)
+    assert retried.granted and retried.record is not None
+    assert (retried.record.id, retried.fencing_token) == ("first", picked.fencing_token)
+    assert retried.lease_expires_at is not None and picked.lease_expires_at is not None
+    assert retried.lease_expires_at > picked.lease_expires_at  # 60 s from now, not 30
+    assert retried.record.attempts == 1
+    assert (await client.claim_status(key_of("second"))).claim is None
+    grants = [e for e in (await client.history(key_of("first"))).events if e.kind == "granted"]
+    assert len(grants) == 1
+    other = await client.claim_next(REPO, TOPIC, "worker-b", lease_seconds=LONG)
+    assert other.record is not None and other.record.id == "second"
+    # Once the holder released it, the same owner's next call is a new pick.
+    await client.release_claim(key_of("first"), picked.fencing_token, outcome="done")
+    assert (await client.claim_next(REPO, TOPIC, "worker-a")).reason == "empty"
+
+
+async def test_a_retry_with_other_tags_does_not_answer_an_item_without_them(
+    client: AsyncClient,
+) -> None:
+    """The held item answers a retry only if it has every tag the call asks for."""
+    await item(client, "plain")
+    await item(client, "gpu", "needs:gpu")
+    held = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert held.record is not None and held.record.id == "plain"
+    gpu = await client.claim_next(REPO, TOPIC, "w", tags=["needs:gpu"], lease_seconds=LONG)
+    assert gpu.record is not None and gpu.record.id == "gpu"
+    assert gpu.fencing_token == 1 and (await client.claim_status(held.record.key)).claim
+    again = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert again.record is not None and again.record.id == "plain"  # in pick order
+
+
 async def test_claim_next_takes_only_items_with_every_requested_tag(client: AsyncClient) -> None:
     await item(client, "plain")
     await item(client, "gpu", "needs:gpu", "big")
     picked = await client.claim_next(REPO, TOPIC, "w", tags=["needs:gpu"], lease_seconds=LONG)
     assert picked.record is not None and picked.record.id == "gpu"
-    none = await client.claim_next(REPO, TOPIC, "w", tags=["needs:gpu"])
+    none = await client.claim_next(REPO, TOPIC, "w2", tags=["needs:gpu"])
     assert none.reason == "empty"
 
 
@@ -94,7 +135,7 @@ async def test_an_item_waits_until_every_after_item_is_done(client: AsyncClient)
     await item(client, "orphan", "after:never-made", "priority:P0")
     picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
     assert picked.record is not None and picked.record.id == "first"
-    assert (await client.claim_next(REPO, TOPIC, "w")).reason == "empty"
+    assert (await client.claim_next(REPO, TOPIC, "w2")).reason == "empty"
     done = await client.release_claim(picked.record.key, picked.fencing_token, outcome="done")
     assert done.released
     after = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
@@ -306,23 +347,37 @@ async def test_the_pick_index_holds_exactly_the_open_items(
     assert [row[0] for row in rows] == [key_of("open-1")]
 
 
-async def test_a_data_file_from_before_the_work_queue_gets_its_pick_index(
-    start_node: StartNode, tmp_path: Path
+@pytest.mark.parametrize("before", ["no index", "an index without holders"])
+async def test_a_data_file_from_before_gets_its_pick_index_rebuilt(
+    start_node: StartNode, tmp_path: Path, before: str
 ) -> None:
-    """Opening a file without the index builds it from the stored states."""
+    """Opening a file without the index, or with the first version of it (no lease
+    holders), builds it from the stored states: picks and holders."""
     data = tmp_path / "old"
     node = await start_node("local", data_dir=data)
     async with AsyncClient(node.address) as client:
         await item(client, "kept")
+        await item(client, "held")
+        await client.claim(key_of("held"), "w", lease_seconds=LONG)
     await node.stop()
     import sqlite3
 
     with sqlite3.connect(data / DB_FILE) as db:
         db.execute("DROP TABLE picks")
+        if before == "an index without holders":
+            db.execute(
+                "CREATE TABLE picks (key TEXT PRIMARY KEY, scope TEXT NOT NULL,"
+                " home TEXT NOT NULL, priority INTEGER NOT NULL, born INTEGER NOT NULL,"
+                " not_before INTEGER NOT NULL, busy_until INTEGER NOT NULL) WITHOUT ROWID"
+            )
     storage = await Storage.open(data / DB_FILE)
     try:
-        picks = await storage.picks(f"repo/{REPO}/mem/{TOPIC}/", "local", 0, after=None, limit=5)
+        scope = f"repo/{REPO}/mem/{TOPIC}/"
+        picks = await storage.picks(scope, "local", 0, after=None, limit=5)
         assert [p.key for p in picks] == [key_of("kept")]
+        assert await storage.held_by(scope, "local", "w", int(time.time() * 1000)) == [
+            key_of("held")
+        ]
     finally:
         await storage.close()
 
@@ -477,7 +532,7 @@ async def test_a_waiting_claim_next_that_finds_an_item_takes_just_that_one(
     first = await client.claim_next(REPO, TOPIC, "w", wait_seconds=5, lease_seconds=LONG)
     assert first.record is not None and first.record.id == "one"
     assert (await client.claim_status(key_of("two"))).claim is None
-    second = await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    second = await client.claim_next(REPO, TOPIC, "w2", lease_seconds=LONG)
     assert second.record is not None and second.record.id == "two"
 
 

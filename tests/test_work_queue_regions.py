@@ -57,13 +57,14 @@ async def test_a_client_takes_work_from_its_own_region_first_then_from_the_other
     us = clients["us"]
     first = await us.claim_next(REPO, TOPIC, "us-worker", lease_seconds=60)
     assert first.record is not None and first.record.id == "us-item"
-    second = await us.claim_next(REPO, TOPIC, "us-worker", lease_seconds=60)
+    # Another worker of us: us has nothing left, so eu's item is next.
+    second = await us.claim_next(REPO, TOPIC, "us-worker-2", lease_seconds=60)
     assert second.record is not None and second.record.id == "eu-item"
     assert second.home_region == "eu"  # decided by eu's node, reached through routing
     # The token works like any: released done at its home, routed there.
     done = await us.release_claim(second.record.key, second.fencing_token, outcome="done")
     assert done.released
-    assert (await us.claim_next(REPO, TOPIC, "us-worker")).reason == "empty"
+    assert (await us.claim_next(REPO, TOPIC, "us-worker-2")).reason == "empty"
 
 
 async def test_an_after_link_to_another_region_waits_for_the_done_to_replicate(

@@ -125,3 +125,25 @@ async def test_only_the_holder_hears_that_its_release_with_an_outcome_took_effec
             with pytest.raises(PermissionDenied) as denied:
                 await bob.release_claim(key, token, outcome="done")
             assert denied.value.reason == "not_holder"
+
+
+async def test_a_claim_next_is_a_retry_only_from_the_identity_it_was_granted_to(
+    tmp_path: Path, certs: Path
+) -> None:
+    """The same owner name from another identity is another worker: it gets the next
+    item, never the claim (or the token) of the identity that holds the first."""
+    async with Cluster(tmp_path, ["us"], access=parse_access(ACCESS)) as cluster:
+        us = await cluster.start("us", tls=TlsFiles.in_dir(certs, "us"))
+        await all_deciding(us)
+        async with client(us, certs, "alice") as alice, client(us, certs, "bob") as bob:
+            await alice.remember(REPO, TOPIC, "one", title="t")
+            await alice.remember(REPO, TOPIC, "two", title="t")
+            first = await alice.claim_next(REPO, TOPIC, "worker", lease_seconds=60)
+            again = await alice.claim_next(REPO, TOPIC, "worker", lease_seconds=60)
+            assert first.record is not None and again.record is not None
+            assert (again.record.id, again.fencing_token) == (first.record.id, first.fencing_token)
+            other = await bob.claim_next(REPO, TOPIC, "worker", lease_seconds=60)
+            assert other.record is not None and other.record.id != first.record.id
+            retried = await bob.claim_next(REPO, TOPIC, "worker")
+            assert retried.record is not None and retried.record.key == other.record.key
+            assert retried.fencing_token == other.fencing_token

@@ -397,8 +397,10 @@ MUTATING_TOOLS = (
         "token to repocontext_update, renew with repocontext_renew_claim, and finish with "
         "repocontext_release_claim and an outcome. granted: false with reason empty means "
         "no work now (waitSeconds waits for some). Items of every region the server knows "
-        "(--regions) are offered, its own region's first.",
-        _hints("Claim the next item", read_only=False, idempotent=False, destructive=False),
+        "(--regions) are offered, its own region's first. Safe to repeat: while your owner "
+        "holds an item of the topic, asking again gives you that item back (same token, "
+        "lease extended); release it to get the next.",
+        _hints("Claim the next item", read_only=False, idempotent=True, destructive=False),
     ),
 )
 

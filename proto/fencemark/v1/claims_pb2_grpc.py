@@ -123,6 +123,12 @@ class ClaimsServicer:
         oldest creation, then key. Nothing eligible is a value: `granted=false`,
         reason `empty`, after waiting up to `wait_seconds` (first waiter first).
         A client that knows other regions asks its own first, then the others.
+        An `owner` that already holds the live claim of an item of the topic at
+        this node (asking from the identity it was granted to) is answered that
+        item again, same token, lease extended, and no attempt counted: a retry
+        after a lost reply never claims a second item. So ClaimNext hands one
+        owner name one item of a topic per region at a time; concurrent workers
+        use owner names of their own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -107,6 +107,12 @@ class ClaimsStub:
     oldest creation, then key. Nothing eligible is a value: `granted=false`,
     reason `empty`, after waiting up to `wait_seconds` (first waiter first).
     A client that knows other regions asks its own first, then the others.
+    An `owner` that already holds the live claim of an item of the topic at
+    this node (asking from the identity it was granted to) is answered that
+    item again, same token, lease extended, and no attempt counted: a retry
+    after a lost reply never claims a second item. So ClaimNext hands one
+    owner name one item of a topic per region at a time; concurrent workers
+    use owner names of their own.
     """
     Reopen: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ReopenRequest, _claims_pb2.ReopenResponse]
     """Reopen makes a parked (or done) item `open` again, its attempts counted
@@ -165,6 +171,12 @@ class ClaimsAsyncStub(ClaimsStub):
     oldest creation, then key. Nothing eligible is a value: `granted=false`,
     reason `empty`, after waiting up to `wait_seconds` (first waiter first).
     A client that knows other regions asks its own first, then the others.
+    An `owner` that already holds the live claim of an item of the topic at
+    this node (asking from the identity it was granted to) is answered that
+    item again, same token, lease extended, and no attempt counted: a retry
+    after a lost reply never claims a second item. So ClaimNext hands one
+    owner name one item of a topic per region at a time; concurrent workers
+    use owner names of their own.
     """
     Reopen: _aio.UnaryUnaryMultiCallable[_claims_pb2.ReopenRequest, _claims_pb2.ReopenResponse]  # type: ignore[assignment]
     """Reopen makes a parked (or done) item `open` again, its attempts counted
@@ -244,6 +256,12 @@ class ClaimsServicer(metaclass=_abc_1.ABCMeta):
         oldest creation, then key. Nothing eligible is a value: `granted=false`,
         reason `empty`, after waiting up to `wait_seconds` (first waiter first).
         A client that knows other regions asks its own first, then the others.
+        An `owner` that already holds the live claim of an item of the topic at
+        this node (asking from the identity it was granted to) is answered that
+        item again, same token, lease extended, and no attempt counted: a retry
+        after a lost reply never claims a second item. So ClaimNext hands one
+        owner name one item of a topic per region at a time; concurrent workers
+        use owner names of their own.
         """
 
     @_abc_1.abstractmethod

@@ -150,6 +150,11 @@ class Replica:
         """Items of ``scope`` homed here the pick index offers now, in pick order."""
         return await self.storage.picks(scope, self.region, now_ms, after=after, limit=limit)
 
+    async def held_by(self, scope: str, owner: str, now_ms: int) -> list[str]:
+        """Keys of ``scope``'s items homed here that a live lease of ``owner`` holds,
+        as the pick index says."""
+        return await self.storage.held_by(scope, self.region, owner, now_ms)
+
     async def next_pickable_ms(self, scope: str, now_ms: int) -> int | None:
         """When a deferral or lease of ``scope``'s items homed here next ends."""
         return await self.storage.next_pickable_ms(scope, self.region, now_ms)

@@ -68,15 +68,18 @@ class WorkQueue:
     ) -> Picked:
         """Claim the first eligible item of ``repo``/``topic`` homed here, or answer
         ``empty``; with ``wait_seconds``, wait in the topic's line that long first
-        (within the same waiter bounds as ``Claims.claim``)."""
+        (within the same waiter bounds as ``Claims.claim``). An owner that holds the
+        live claim of an item of the topic (asking from an identity that acts for
+        it) gets that item again, its lease extended: the retry of a lost reply."""
         scope = scope_of(validation.segment(repo, "repo"), validation.segment(topic, "topic"))
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
         wait_s = validation.wait(wait_seconds)
         wanted = validation.tags(tags, "tags")
         self.claims.check_deciding()
-        ahead = self._lines.depth(scope) > 0  # a newcomer does not overtake the line
-        picked = None if ahead else await self._pick(scope, owner, caller, lease_ms, wanted)
+        picked = await self._held(scope, owner, caller, lease_ms, wanted)
+        if picked is None and self._lines.depth(scope) == 0:  # a newcomer does not overtake
+            picked = await self._pick(scope, owner, caller, lease_ms, wanted)
         if picked is None and wait_s > 0:
             with self.claims.waiter(client, on_wait):
                 picked = await self._wait_for_item(scope, owner, caller, lease_ms, wanted, wait_s)
@@ -102,6 +105,36 @@ class WorkQueue:
             if len(page) < PICK_PAGE:
                 return None
             after = page[-1]
+
+    async def _held(
+        self, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]
+    ) -> Picked | None:
+        """The item of ``scope`` whose live claim ``owner`` already holds, from an
+        identity that acts for it, its lease extended: a ``ClaimNext`` retried after
+        a lost reply is answered from the durable state, never with a second item
+        (SPEC §4; as ``Claim``'s retry). None when the owner holds none."""
+        replica = self.replica
+        for key in await replica.held_by(scope, owner, replica.wall_ms()):
+
+            def change(current: Record) -> tuple[Record, Outcome | None]:
+                current = replica.lapse_if_due(current)
+                now_ms = replica.wall_ms()
+                if not queue.held_for_retry(current, region=replica.region, now_ms=now_ms,
+                                            tags=tags):  # fmt: skip
+                    return current, None
+                fence, outcome = decide_claim(
+                    current, owner, caller=caller, lease_ms=lease_ms, now_ms=now_ms,
+                    hlc=replica.now_hlc(), region=replica.region, queued_ahead=False,
+                    recovered_hlc=replica.recovered_hlc,
+                )  # fmt: skip
+                if not outcome.ok:  # another identity's claim under the same owner name
+                    return current, None
+                return current.with_fence(fence), outcome  # the same token, extended
+
+            stored, outcome = await replica.transact(key, change)
+            if outcome is not None:
+                return Picked(outcome, stored)
+        return None
 
     async def _try(
         self, key: str, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]

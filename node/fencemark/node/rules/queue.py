@@ -115,3 +115,13 @@ def eligible(
     if not set(record.tag_values()).issuperset(tags):
         return False
     return all(done(item) for item in record.waits_on)
+
+
+def held_for_retry(record: Record, *, region: str, now_ms: int, tags: Collection[str]) -> bool:
+    """Whether ``ClaimNext`` at ``region``'s node may answer ``record``'s live claim
+    to its holder, as the retry of the call that was granted it: homed here,
+    visible, ``open``, the claim live, every requested tag present. (Who the holder
+    is, and whether the caller acts for it, ``admission.decide_claim`` says.)"""
+    if not record.visible or record.home_region != region or record.status != OPEN:
+        return False
+    return record.claim_live(now_ms) and set(record.tag_values()).issuperset(tags)

@@ -3,7 +3,9 @@
 Kept by ``Storage`` in the same commit as the record's state, so it is never
 behind the file: an item is in it while it is visible and ``open``, ordered as
 ``ClaimNext`` picks (SPEC §8: priority, then oldest creation, then key) within its
-topic and home region, with what may still hold it back (a deferral, a lease).
+topic and home region, with what may still hold it back (a deferral, a lease) and
+who holds that lease, so that a ``ClaimNext`` retried by the holder finds its item
+again.
 Picking reads the index in that order and checks each candidate's full state
 under its lock (``Claims.claim_next``); the index only saves reading every record.
 """
@@ -23,9 +25,11 @@ CREATE TABLE IF NOT EXISTS picks (
     priority   INTEGER NOT NULL,  -- 0 (priority:P0) .. 10 (untagged)
     born       INTEGER NOT NULL,  -- HLC of the home's birth: oldest first
     not_before INTEGER NOT NULL,  -- UTC ms, 0: not deferred
-    busy_until INTEGER NOT NULL   -- UTC ms a lease of the home holds it, 0: none
+    busy_until INTEGER NOT NULL,  -- UTC ms a lease of the home holds it, 0: none
+    holder     TEXT NOT NULL      -- the owner of that lease, '': none
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS picks_in_order ON picks (scope, home, priority, born, key);
+CREATE INDEX IF NOT EXISTS picks_by_holder ON picks (scope, home, holder);
 """
 
 
@@ -37,6 +41,7 @@ class Pickable(NamedTuple):
     born: int
     not_before: int
     busy_until: int
+    holder: str
 
 
 def scope_of(repo: str, topic: str) -> str:
@@ -51,7 +56,8 @@ def pickable(record: Record) -> Pickable | None:
         return None
     fence = record.fence
     holder = fence.holder()
-    held = fence.unreleased() and holder is not None and holder.region == home.value
+    if not (fence.unreleased() and holder is not None and holder.region == home.value):
+        holder = None  # no lease of the home holds it
     return Pickable(
         record.key,
         record.key.rsplit("/", 1)[0] + "/",
@@ -59,5 +65,6 @@ def pickable(record: Record) -> Pickable | None:
         record.priority,
         home.stamp.hlc,
         record.not_before_ms,
-        fence.expiry(fence.fence) if held else 0,
+        0 if holder is None else fence.expiry(fence.fence),
+        "" if holder is None else holder.owner,
     )

@@ -206,6 +206,16 @@ class Storage:
         rows = await self._reader.execute_fetchall(sql, [*args, limit])
         return [Pickable(*row) for row in rows]
 
+    async def held_by(self, scope: str, home: str, owner: str, now_ms: int) -> list[str]:
+        """Keys of ``scope``'s items at ``home`` that a live lease of ``owner`` holds,
+        as the pick index says (the state under its lock decides)."""
+        rows = await self._reader.execute_fetchall(
+            "SELECT key FROM picks WHERE scope = ? AND home = ? AND holder = ?"
+            " AND busy_until > ? ORDER BY priority, born, key",
+            (scope, home, owner, now_ms),
+        )
+        return [str(key) for (key,) in rows]
+
     async def events(self, key: str) -> list[Event]:
         """``key``'s claim events kept here, oldest first."""
         rows = await self._reader.execute_fetchall(

@@ -172,7 +172,7 @@ def _index_picks(conn: sqlite3.Connection, picks: list[tuple[str, Pickable | Non
     kept = [pick for _, pick in picks if pick is not None]
     for start in range(0, len(kept), ROWS_PER_STATEMENT):
         rows = kept[start : start + ROWS_PER_STATEMENT]
-        values = ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(rows))
+        values = ",".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(rows))
         conn.execute(
             f"INSERT OR REPLACE INTO picks VALUES {values}", [v for row in rows for v in row]
         )
@@ -217,11 +217,10 @@ def _migrate(conn: sqlite3.Connection) -> None:
         conn.executemany(
             "UPDATE records SET bucket = ? WHERE key = ?", [(bucket_of(k), k) for k in keys]
         )
-    has_picks = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'picks'"
-    ).fetchone()
-    if not has_picks:  # before the work queue: index every record ClaimNext may pick
+    picks_columns = {row[1] for row in conn.execute("PRAGMA table_info(picks)")}
+    if "holder" not in picks_columns:  # before the work queue, or before its holders
         log.info("indexing the work queue of an existing data file")
+        conn.execute("DROP TABLE IF EXISTS picks")  # derived from the states: rebuilt whole
         for statement in filter(str.strip, picks_index.SCHEMA.split(";")):
             conn.execute(statement)  # not executescript: it would commit the migration
         states = conn.execute("SELECT key, state FROM records").fetchall()
