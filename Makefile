@@ -72,7 +72,7 @@ bench: $(STAMP)
 
 # Mutation testing of the rule modules, each against its own fast tests (mutation/,
 # docs/testing.md): hours for all of them; `make mutate MODULE=hlc` for one (quick mode).
-RULE_MODULES := hlc lww tagset fence record codec admission claims integrity validation grant_gate queue work_queue
+RULE_MODULES := hlc lww tagset fence record codec admission claims integrity validation grant_gate queue work_queue lines
 MODULE ?= $(RULE_MODULES)
 mutate: $(STAMP)
 	@for module in $(MODULE); do mutation/run.sh $$module || exit 1; done
