@@ -10,12 +10,14 @@ from fencemark.client._aio import AsyncClient
 from fencemark.client._blocking import Client
 from fencemark.client.errors import (
     ClaimConflict,
+    CursorExpired,
     FencemarkError,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     Unavailable,
     Unimplemented,
+    WatcherTooSlow,
     WrongRegion,
 )
 from fencemark.client.retry import retry_safe_methods
@@ -36,6 +38,7 @@ from fencemark.client.types import (
     RememberResult,
     RenewResult,
     ReopenResult,
+    WatchEvent,
 )
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "ClaimResult",
     "ClaimStatus",
     "Client",
+    "CursorExpired",
     "FencemarkError",
     "ForceReleaseResult",
     "History",
@@ -63,6 +67,8 @@ __all__ = [
     "ReopenResult",
     "Unavailable",
     "Unimplemented",
+    "WatchEvent",
+    "WatcherTooSlow",
     "WrongRegion",
     "retry_safe_methods",
     "tls_credentials",

@@ -13,6 +13,7 @@ caller sees reads in one file; conversions and routing live in their modules.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
@@ -25,7 +26,7 @@ from grpc_health.v1 import health_pb2
 
 from fencemark.client import _convert as convert
 from fencemark.client._routing import Router, Stubs, home_named, home_tag
-from fencemark.client.errors import ClaimConflict, from_rpc_error
+from fencemark.client.errors import ClaimConflict, WatcherTooSlow, from_rpc_error
 from fencemark.client.types import (
     ClaimNextResult,
     ClaimResult,
@@ -39,6 +40,7 @@ from fencemark.client.types import (
     RememberResult,
     RenewResult,
     ReopenResult,
+    WatchEvent,
 )
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
@@ -50,6 +52,14 @@ _Result = TypeVar("_Result")
 
 MAX_WAIT_SECONDS = 300.0  # SPEC §2: a claim waits at most 300 s
 EMPTY = "empty"  # ClaimNext found no eligible item
+# The initial metadata of a Watch stream: the cursor it starts from.
+CURSOR_HEADER = "fencemark-cursor"
+# A watch stream ending with one of these is the node going away: watch() resumes.
+_WATCH_RECONNECTS = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 
 
 class _HasRecord(Protocol):
@@ -330,6 +340,51 @@ class AsyncClient:
             if not page.next_page_token:
                 return
             page_token = page.next_page_token
+
+    async def watch(
+        self,
+        repo: str,
+        *,
+        topic: str = "",
+        tags: Iterable[str] = (),
+        cursor: str = "",
+        reconnect_seconds: float = 0.5,
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """Every change ``target``'s replica commits to the matching records, in commit
+        order, from after ``cursor`` (``""``: from now), without end.
+
+        Resumes by itself after a disconnect, a restart of the node or being cut off
+        as too slow, from the last event it yielded (or, before any, from where the
+        node said it started): nothing is skipped, nothing repeated. Waits
+        ``reconnect_seconds`` between tries while the node is away. Raises
+        ``CursorExpired`` when the node no longer covers the cursor: list the
+        records again and watch from now. Stop it by leaving the ``async for``.
+        """
+        request = records_pb2.WatchRequest(
+            repo=convert.check_str("repo", repo),
+            topic=convert.check_str("topic", topic),
+            tags=convert.check_strings("tags", tags),
+            cursor=convert.check_str("cursor", cursor),
+        )
+        while True:
+            call = self._router.stubs(self.target).records.Watch(request)
+            try:
+                started = dict(await call.initial_metadata() or ())
+                request.cursor = request.cursor or str(started.get(CURSOR_HEADER, ""))
+                async for message in call:
+                    event = convert.watch_event_from_proto(message)
+                    request.cursor = event.cursor
+                    yield event
+            except grpc.RpcError as error:
+                failure = from_rpc_error(error)
+                if isinstance(failure, WatcherTooSlow):
+                    request.cursor = failure.cursor or request.cursor
+                    continue
+                if error.code() not in _WATCH_RECONNECTS:
+                    raise failure from error
+            finally:
+                call.cancel()
+            await asyncio.sleep(reconnect_seconds)
 
     async def history(self, key: str) -> History:
         """The record's recent claim events, oldest first, from its home (which

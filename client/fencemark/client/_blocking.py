@@ -11,14 +11,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 import grpc
 
 from fencemark.client._aio import AsyncClient
-from fencemark.client.types import Record
+from fencemark.client.types import Record, WatchEvent
 
 __all__ = ["Client"]
 
@@ -157,6 +165,32 @@ class Client:
     info = _blocking(AsyncClient.info)
     health = _blocking(AsyncClient.health)
 
+    def watch(
+        self,
+        repo: str,
+        *,
+        topic: str = "",
+        tags: Iterable[str] = (),
+        cursor: str = "",
+        reconnect_seconds: float = 0.5,
+    ) -> Iterator[WatchEvent]:
+        """``AsyncClient.watch`` as a blocking iterator: each event when it comes."""
+        events = self._async_client.watch(
+            repo, topic=topic, tags=tags, cursor=cursor, reconnect_seconds=reconnect_seconds
+        )
+        yield from self._iterate(events)
+
+    def _iterate(self, items: AsyncGenerator[_T, None]) -> Iterator[_T]:
+        try:
+            while True:
+                try:
+                    yield self._run(_next(items))
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed:  # after close() the loop is gone, and the channel too
+                self._run(items.aclose())
+
     def iter_records(
         self,
         repo: str,
@@ -170,12 +204,4 @@ class Client:
         records = self._async_client.iter_records(
             repo, topic=topic, tag=tag, page_size=page_size, include_deleted=include_deleted
         )
-        try:
-            while True:
-                try:
-                    yield self._run(_next(records))
-                except StopAsyncIteration:
-                    return
-        finally:
-            if not self._closed:  # after close() the loop is gone, and the channel too
-                self._run(records.aclose())
+        yield from self._iterate(records)

@@ -28,6 +28,7 @@ from fencemark.client.types import (
     RememberResult,
     RenewResult,
     ReopenResult,
+    WatchEvent,
 )
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
@@ -188,6 +189,16 @@ def force_release_result_from_proto(
         home_region=message.home_region,
         fence=message.fence,
         superseded_token=message.superseded_token,
+    )
+
+
+def watch_event_from_proto(message: records_pb2.WatchEvent) -> WatchEvent:
+    return WatchEvent(
+        cursor=message.cursor,
+        kind=message.kind,
+        key=message.key,
+        record=record_from_proto(message.record),
+        committed_at=to_datetime(message.committed_at, message.HasField("committed_at")),
     )
 
 

@@ -118,6 +118,25 @@ class PermissionDenied(FencemarkError):
         self.right = right
 
 
+class CursorExpired(FencemarkError):
+    """A watch cursor the node can no longer resume from (OUT_OF_RANGE, reason
+    ``CURSOR_EXPIRED``): older than the changes it keeps, or of another node's feed.
+    List the records again, then watch from now (``cursor=""``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, cursor: str) -> None:
+        super().__init__(code, message)
+        self.cursor = cursor
+
+
+class WatcherTooSlow(FencemarkError):
+    """The node cut a watcher off that left an event untaken too long; ``cursor`` is
+    the last event it took. ``watch()`` resumes from it by itself."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, cursor: str) -> None:
+        super().__init__(code, message)
+        self.cursor = cursor
+
+
 class Unavailable(FencemarkError):
     """The node could not be reached in time (UNAVAILABLE or DEADLINE_EXCEEDED)."""
 
@@ -148,6 +167,10 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
             return ClaimConflict(
                 code, message, reason=conflict, fence=fence, home_region=home_region
             )
+        if error_info.reason == "CURSOR_EXPIRED":
+            return CursorExpired(code, message, cursor=str(metadata.get("cursor", "")))
+        if error_info.reason == "WATCHER_TOO_SLOW":
+            return WatcherTooSlow(code, message, cursor=str(metadata.get("cursor", "")))
         if error_info.reason == "PERMISSION_DENIED":
             return PermissionDenied(
                 code,

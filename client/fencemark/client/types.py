@@ -145,6 +145,19 @@ class ClaimEvent:
 
 
 @dataclass(frozen=True)
+class WatchEvent:
+    """One change of the node's feed (``Records.Watch``): ``kind`` is one word
+    (``created``, ``updated``, ``done``, ...), ``record`` the record as the change
+    left it, ``cursor`` where to resume after it."""
+
+    cursor: str
+    kind: str
+    key: str
+    record: Record
+    committed_at: datetime | None
+
+
+@dataclass(frozen=True)
 class History:
     """A record's recent claim events, oldest first, and the home that keeps them."""
 

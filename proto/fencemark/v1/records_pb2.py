@@ -26,7 +26,7 @@ from fencemark.v1 import record_pb2 as fencemark_dot_v1_dot_record__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65ncemark/v1/records.proto\x12\x0c\x66\x65ncemark.v1\x1a\x19\x66\x65ncemark/v1/record.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x84\x02\n\x0fRememberRequest\x12\x0c\n\x04repo\x18\x01 \x01(\t\x12\r\n\x05topic\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0e\n\x06\x61uthor\x18\x05 \x01(\t\x12\r\n\x05title\x18\x06 \x01(\t\x12\x0c\n\x04\x62ody\x18\x07 \x01(\t\x12\x0c\n\x04tags\x18\x08 \x03(\t\x12\x39\n\x06\x66ields\x18\t \x03(\x0b\x32).fencemark.v1.RememberRequest.FieldsEntry\x12\x15\n\rfencing_token\x18\n \x01(\x04\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x10RememberResponse\x12$\n\x06record\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Record\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x19\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"3\n\x0bGetResponse\x12$\n\x06record\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Record\"\xc2\x01\n\rUpdateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x37\n\x06\x66ields\x18\x02 \x03(\x0b\x32\'.fencemark.v1.UpdateRequest.FieldsEntry\x12\x10\n\x08\x61\x64\x64_tags\x18\x03 \x03(\t\x12\x13\n\x0bremove_tags\x18\x04 \x03(\t\x12\x15\n\rfencing_token\x18\x05 \x01(\x04\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"6\n\x0eUpdateResponse\x12$\n\x06record\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Record\"3\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\"6\n\x0e\x44\x65leteResponse\x12$\n\x06record\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Record\"w\n\x0bListRequest\x12\x0c\n\x04repo\x18\x01 \x01(\t\x12\r\n\x05topic\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\x12\x17\n\x0finclude_deleted\x18\x06 \x01(\x08\"N\n\x0cListResponse\x12%\n\x07records\x18\x01 \x03(\x0b\x32\x14.fencemark.v1.Record\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1d\n\x0eHistoryRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x8a\x01\n\nClaimEvent\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x10\n\x08identity\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"P\n\x0fHistoryResponse\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.fencemark.v1.ClaimEvent\x12\x13\n\x0bhome_region\x18\x02 \x01(\t2\xb5\x03\n\x07Records\x12N\n\x08Remember\x12\x1d.fencemark.v1.RememberRequest\x1a\x1e.fencemark.v1.RememberResponse\"\x03\x90\x02\x02\x12?\n\x03Get\x12\x18.fencemark.v1.GetRequest\x1a\x19.fencemark.v1.GetResponse\"\x03\x90\x02\x01\x12\x43\n\x06Update\x12\x1b.fencemark.v1.UpdateRequest\x1a\x1c.fencemark.v1.UpdateResponse\x12\x43\n\x06\x44\x65lete\x12\x1b.fencemark.v1.DeleteRequest\x1a\x1c.fencemark.v1.DeleteResponse\x12\x42\n\x04List\x12\x19.fencemark.v1.ListRequest\x1a\x1a.fencemark.v1.ListResponse\"\x03\x90\x02\x01\x12K\n\x07History\x12\x1c.fencemark.v1.HistoryRequest\x1a\x1d.fencemark.v1.HistoryResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65ncemark/v1/records.proto\x12\x0c\x66\x65ncemark.v1\x1a\x19\x66\x65ncemark/v1/record.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"I\n\x0cWatchRequest\x12\x0c\n\x04repo\x18\x01 \x01(\t\x12\r\n\x05topic\x18\x02 \x01(\t\x12\x0c\n\x04tags\x18\x03 \x03(\t\x12\x0e\n\x06\x63ursor\x18\x04 \x01(\t\"\x8f\x01\n\nWatchEvent\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12$\n\x06record\x18\x04 \x01(\x0b\x32\x14.fencemark.v1.Record\x12\x30\n\x0c\x63ommitted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x84\x02\n\x0fRememberRequest\x12\x0c\n\x04repo\x18\x01 \x01(\t\x12\r\n\x05topic\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0e\n\x06\x61uthor\x18\x05 \x01(\t\x12\r\n\x05title\x18\x06 \x01(\t\x12\x0c\n\x04\x62ody\x18\x07 \x01(\t\x12\x0c\n\x04tags\x18\x08 \x03(\t\x12\x39\n\x06\x66ields\x18\t \x03(\x0b\x32).fencemark.v1.RememberRequest.FieldsEntry\x12\x15\n\rfencing_token\x18\n \x01(\x04\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x10RememberResponse\x12$\n\x06record\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Record\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x19\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"3\n\x0bGetResponse\x12$\n\x06record\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Record\"\xc2\x01\n\rUpdateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x37\n\x06\x66ields\x18\x02 \x03(\x0b\x32\'.fencemark.v1.UpdateRequest.FieldsEntry\x12\x10\n\x08\x61\x64\x64_tags\x18\x03 \x03(\t\x12\x13\n\x0bremove_tags\x18\x04 \x03(\t\x12\x15\n\rfencing_token\x18\x05 \x01(\x04\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"6\n\x0eUpdateResponse\x12$\n\x06record\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Record\"3\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\"6\n\x0e\x44\x65leteResponse\x12$\n\x06record\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Record\"w\n\x0bListRequest\x12\x0c\n\x04repo\x18\x01 \x01(\t\x12\r\n\x05topic\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\x12\x17\n\x0finclude_deleted\x18\x06 \x01(\x08\"N\n\x0cListResponse\x12%\n\x07records\x18\x01 \x03(\x0b\x32\x14.fencemark.v1.Record\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1d\n\x0eHistoryRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x8a\x01\n\nClaimEvent\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x10\n\x08identity\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"P\n\x0fHistoryResponse\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.fencemark.v1.ClaimEvent\x12\x13\n\x0bhome_region\x18\x02 \x01(\t2\xfb\x03\n\x07Records\x12N\n\x08Remember\x12\x1d.fencemark.v1.RememberRequest\x1a\x1e.fencemark.v1.RememberResponse\"\x03\x90\x02\x02\x12?\n\x03Get\x12\x18.fencemark.v1.GetRequest\x1a\x19.fencemark.v1.GetResponse\"\x03\x90\x02\x01\x12\x43\n\x06Update\x12\x1b.fencemark.v1.UpdateRequest\x1a\x1c.fencemark.v1.UpdateResponse\x12\x43\n\x06\x44\x65lete\x12\x1b.fencemark.v1.DeleteRequest\x1a\x1c.fencemark.v1.DeleteResponse\x12\x42\n\x04List\x12\x19.fencemark.v1.ListRequest\x1a\x1a.fencemark.v1.ListResponse\"\x03\x90\x02\x01\x12K\n\x07History\x12\x1c.fencemark.v1.HistoryRequest\x1a\x1d.fencemark.v1.HistoryResponse\"\x03\x90\x02\x01\x12\x44\n\x05Watch\x12\x1a.fencemark.v1.WatchRequest\x1a\x18.fencemark.v1.WatchEvent\"\x03\x90\x02\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,36 +45,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RECORDS'].methods_by_name['List']._serialized_options = b'\220\002\001'
   _globals['_RECORDS'].methods_by_name['History']._loaded_options = None
   _globals['_RECORDS'].methods_by_name['History']._serialized_options = b'\220\002\001'
-  _globals['_REMEMBERREQUEST']._serialized_start=105
-  _globals['_REMEMBERREQUEST']._serialized_end=365
-  _globals['_REMEMBERREQUEST_FIELDSENTRY']._serialized_start=320
-  _globals['_REMEMBERREQUEST_FIELDSENTRY']._serialized_end=365
-  _globals['_REMEMBERRESPONSE']._serialized_start=367
-  _globals['_REMEMBERRESPONSE']._serialized_end=440
-  _globals['_GETREQUEST']._serialized_start=442
-  _globals['_GETREQUEST']._serialized_end=467
-  _globals['_GETRESPONSE']._serialized_start=469
-  _globals['_GETRESPONSE']._serialized_end=520
-  _globals['_UPDATEREQUEST']._serialized_start=523
-  _globals['_UPDATEREQUEST']._serialized_end=717
-  _globals['_UPDATEREQUEST_FIELDSENTRY']._serialized_start=320
-  _globals['_UPDATEREQUEST_FIELDSENTRY']._serialized_end=365
-  _globals['_UPDATERESPONSE']._serialized_start=719
-  _globals['_UPDATERESPONSE']._serialized_end=773
-  _globals['_DELETEREQUEST']._serialized_start=775
-  _globals['_DELETEREQUEST']._serialized_end=826
-  _globals['_DELETERESPONSE']._serialized_start=828
-  _globals['_DELETERESPONSE']._serialized_end=882
-  _globals['_LISTREQUEST']._serialized_start=884
-  _globals['_LISTREQUEST']._serialized_end=1003
-  _globals['_LISTRESPONSE']._serialized_start=1005
-  _globals['_LISTRESPONSE']._serialized_end=1083
-  _globals['_HISTORYREQUEST']._serialized_start=1085
-  _globals['_HISTORYREQUEST']._serialized_end=1114
-  _globals['_CLAIMEVENT']._serialized_start=1117
-  _globals['_CLAIMEVENT']._serialized_end=1255
-  _globals['_HISTORYRESPONSE']._serialized_start=1257
-  _globals['_HISTORYRESPONSE']._serialized_end=1337
-  _globals['_RECORDS']._serialized_start=1340
-  _globals['_RECORDS']._serialized_end=1777
+  _globals['_RECORDS'].methods_by_name['Watch']._loaded_options = None
+  _globals['_RECORDS'].methods_by_name['Watch']._serialized_options = b'\220\002\001'
+  _globals['_WATCHREQUEST']._serialized_start=104
+  _globals['_WATCHREQUEST']._serialized_end=177
+  _globals['_WATCHEVENT']._serialized_start=180
+  _globals['_WATCHEVENT']._serialized_end=323
+  _globals['_REMEMBERREQUEST']._serialized_start=326
+  _globals['_REMEMBERREQUEST']._serialized_end=586
+  _globals['_REMEMBERREQUEST_FIELDSENTRY']._serialized_start=541
+  _globals['_REMEMBERREQUEST_FIELDSENTRY']._serialized_end=586
+  _globals['_REMEMBERRESPONSE']._serialized_start=588
+  _globals['_REMEMBERRESPONSE']._serialized_end=661
+  _globals['_GETREQUEST']._serialized_start=663
+  _globals['_GETREQUEST']._serialized_end=688
+  _globals['_GETRESPONSE']._serialized_start=690
+  _globals['_GETRESPONSE']._serialized_end=741
+  _globals['_UPDATEREQUEST']._serialized_start=744
+  _globals['_UPDATEREQUEST']._serialized_end=938
+  _globals['_UPDATEREQUEST_FIELDSENTRY']._serialized_start=541
+  _globals['_UPDATEREQUEST_FIELDSENTRY']._serialized_end=586
+  _globals['_UPDATERESPONSE']._serialized_start=940
+  _globals['_UPDATERESPONSE']._serialized_end=994
+  _globals['_DELETEREQUEST']._serialized_start=996
+  _globals['_DELETEREQUEST']._serialized_end=1047
+  _globals['_DELETERESPONSE']._serialized_start=1049
+  _globals['_DELETERESPONSE']._serialized_end=1103
+  _globals['_LISTREQUEST']._serialized_start=1105
+  _globals['_LISTREQUEST']._serialized_end=1224
+  _globals['_LISTRESPONSE']._serialized_start=1226
+  _globals['_LISTRESPONSE']._serialized_end=1304
+  _globals['_HISTORYREQUEST']._serialized_start=1306
+  _globals['_HISTORYREQUEST']._serialized_end=1335
+  _globals['_CLAIMEVENT']._serialized_start=1338
+  _globals['_CLAIMEVENT']._serialized_end=1476
+  _globals['_HISTORYRESPONSE']._serialized_start=1478
+  _globals['_HISTORYRESPONSE']._serialized_end=1558
+  _globals['_RECORDS']._serialized_start=1561
+  _globals['_RECORDS']._serialized_end=2068
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,86 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class WatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPO_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    TAGS_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    repo: _builtins.str
+    """Only changes to records of this repo. Required."""
+    topic: _builtins.str
+    """Only records of this topic, when set."""
+    cursor: _builtins.str
+    """Resume right after this event's cursor; empty: from now."""
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only records that carry every one of these tags after the change."""
+
+    def __init__(
+        self,
+        *,
+        repo: _builtins.str = ...,
+        topic: _builtins.str = ...,
+        tags: _abc.Iterable[_builtins.str] | None = ...,
+        cursor: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "repo", b"repo", "tags", b"tags", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRequest: _TypeAlias = WatchRequest  # noqa: Y015
+
+@_typing.final
+class WatchEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CURSOR_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    COMMITTED_AT_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.str
+    """Where this event is in the node's feed: pass it back as `cursor` to resume."""
+    kind: _builtins.str
+    """What the change did, one word: `created`, `updated` (fields, tags, a
+    renewal), `deleted`, `claimed`, `released` (a plain release or a
+    force-release), `lapsed`, `done`, `failed`, `deferred`, `parked`,
+    `reopened`. A commit that does several things gets the word that says the
+    most (a release with outcome `done` is `done`; a failure that parks is
+    `parked`).
+    """
+    key: _builtins.str
+    """The record's key."""
+    @_builtins.property
+    def record(self) -> _record_pb2.Record:
+        """The record as this change left it (deleted: a tombstone)."""
+
+    @_builtins.property
+    def committed_at(self) -> _timestamp_pb2.Timestamp:
+        """When this node committed it (its wall clock, UTC)."""
+
+    def __init__(
+        self,
+        *,
+        cursor: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        key: _builtins.str = ...,
+        record: _record_pb2.Record | None = ...,
+        committed_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["committed_at", b"committed_at", "record", b"record"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_at", b"committed_at", "cursor", b"cursor", "key", b"key", "kind", b"kind", "record", b"record"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEvent: _TypeAlias = WatchEvent  # noqa: Y015
+
+@_typing.final
 class RememberRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -65,6 +65,11 @@ class RecordsStub:
                 request_serializer=fencemark_dot_v1_dot_records__pb2.HistoryRequest.SerializeToString,
                 response_deserializer=fencemark_dot_v1_dot_records__pb2.HistoryResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/fencemark.v1.Records/Watch',
+                request_serializer=fencemark_dot_v1_dot_records__pb2.WatchRequest.SerializeToString,
+                response_deserializer=fencemark_dot_v1_dot_records__pb2.WatchEvent.FromString,
+                _registered_method=True)
 
 
 class RecordsServicer:
@@ -130,6 +135,28 @@ class RecordsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Watch streams every change this node's replica commits to the records of
+        `repo` (of `topic`, carrying every tag of `tags`, when set), in commit
+        order: a client's write here and a state merged from a peer alike, each as
+        one `WatchEvent` with the record as that commit left it. The stream does
+        not end by itself.
+
+        `cursor` empty watches from now on; the `cursor` of an event resumes right
+        after it — after a disconnect or a restart of the node — with nothing
+        skipped and nothing repeated. Cursors belong to one node's feed: another
+        node's, one from before the node lost its disk, or one older than the
+        window of changes the node keeps (`--feed-window`) fails with OUT_OF_RANGE
+        and `ErrorInfo` reason `CURSOR_EXPIRED`: list the records again and watch
+        from now. A watcher that does not take an event for `--watch-send-timeout`
+        seconds is cut off with RESOURCE_EXHAUSTED, `ErrorInfo` reason
+        `WATCHER_TOO_SLOW` and metadata `cursor` (its last event's, to resume
+        from); it never slows writes or other watchers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RecordsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +189,11 @@ def add_RecordsServicer_to_server(servicer, server):
                     servicer.History,
                     request_deserializer=fencemark_dot_v1_dot_records__pb2.HistoryRequest.FromString,
                     response_serializer=fencemark_dot_v1_dot_records__pb2.HistoryResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=fencemark_dot_v1_dot_records__pb2.WatchRequest.FromString,
+                    response_serializer=fencemark_dot_v1_dot_records__pb2.WatchEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -327,6 +359,33 @@ class Records:
             '/fencemark.v1.Records/History',
             fencemark_dot_v1_dot_records__pb2.HistoryRequest.SerializeToString,
             fencemark_dot_v1_dot_records__pb2.HistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fencemark.v1.Records/Watch',
+            fencemark_dot_v1_dot_records__pb2.WatchRequest.SerializeToString,
+            fencemark_dot_v1_dot_records__pb2.WatchEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -91,6 +91,24 @@ class RecordsStub:
     `regions` does); any other node answers with what it decided itself
     (normally nothing) and names the home.
     """
+    Watch: _grpc.UnaryStreamMultiCallable[_records_pb2.WatchRequest, _records_pb2.WatchEvent]
+    """Watch streams every change this node's replica commits to the records of
+    `repo` (of `topic`, carrying every tag of `tags`, when set), in commit
+    order: a client's write here and a state merged from a peer alike, each as
+    one `WatchEvent` with the record as that commit left it. The stream does
+    not end by itself.
+
+    `cursor` empty watches from now on; the `cursor` of an event resumes right
+    after it — after a disconnect or a restart of the node — with nothing
+    skipped and nothing repeated. Cursors belong to one node's feed: another
+    node's, one from before the node lost its disk, or one older than the
+    window of changes the node keeps (`--feed-window`) fails with OUT_OF_RANGE
+    and `ErrorInfo` reason `CURSOR_EXPIRED`: list the records again and watch
+    from now. A watcher that does not take an event for `--watch-send-timeout`
+    seconds is cut off with RESOURCE_EXHAUSTED, `ErrorInfo` reason
+    `WATCHER_TOO_SLOW` and metadata `cursor` (its last event's, to resume
+    from); it never slows writes or other watchers.
+    """
 
 @_typing.type_check_only
 class RecordsAsyncStub(RecordsStub):
@@ -130,6 +148,24 @@ class RecordsAsyncStub(RecordsStub):
     node that decided them, the record's home: ask it (a client given
     `regions` does); any other node answers with what it decided itself
     (normally nothing) and names the home.
+    """
+    Watch: _aio.UnaryStreamMultiCallable[_records_pb2.WatchRequest, _records_pb2.WatchEvent]  # type: ignore[assignment]
+    """Watch streams every change this node's replica commits to the records of
+    `repo` (of `topic`, carrying every tag of `tags`, when set), in commit
+    order: a client's write here and a state merged from a peer alike, each as
+    one `WatchEvent` with the record as that commit left it. The stream does
+    not end by itself.
+
+    `cursor` empty watches from now on; the `cursor` of an event resumes right
+    after it — after a disconnect or a restart of the node — with nothing
+    skipped and nothing repeated. Cursors belong to one node's feed: another
+    node's, one from before the node lost its disk, or one older than the
+    window of changes the node keeps (`--feed-window`) fails with OUT_OF_RANGE
+    and `ErrorInfo` reason `CURSOR_EXPIRED`: list the records again and watch
+    from now. A watcher that does not take an event for `--watch-send-timeout`
+    seconds is cut off with RESOURCE_EXHAUSTED, `ErrorInfo` reason
+    `WATCHER_TOO_SLOW` and metadata `cursor` (its last event's, to resume
+    from); it never slows writes or other watchers.
     """
 
 class RecordsServicer(metaclass=_abc_1.ABCMeta):
@@ -203,6 +239,30 @@ class RecordsServicer(metaclass=_abc_1.ABCMeta):
         node that decided them, the record's home: ask it (a client given
         `regions` does); any other node answers with what it decided itself
         (normally nothing) and names the home.
+        """
+
+    @_abc_1.abstractmethod
+    def Watch(
+        self,
+        request: _records_pb2.WatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_records_pb2.WatchEvent], _abc.AsyncIterator[_records_pb2.WatchEvent]]:
+        """Watch streams every change this node's replica commits to the records of
+        `repo` (of `topic`, carrying every tag of `tags`, when set), in commit
+        order: a client's write here and a state merged from a peer alike, each as
+        one `WatchEvent` with the record as that commit left it. The stream does
+        not end by itself.
+
+        `cursor` empty watches from now on; the `cursor` of an event resumes right
+        after it — after a disconnect or a restart of the node — with nothing
+        skipped and nothing repeated. Cursors belong to one node's feed: another
+        node's, one from before the node lost its disk, or one older than the
+        window of changes the node keeps (`--feed-window`) fails with OUT_OF_RANGE
+        and `ErrorInfo` reason `CURSOR_EXPIRED`: list the records again and watch
+        from now. A watcher that does not take an event for `--watch-send-timeout`
+        seconds is cut off with RESOURCE_EXHAUSTED, `ErrorInfo` reason
+        `WATCHER_TOO_SLOW` and metadata `cursor` (its last event's, to resume
+        from); it never slows writes or other watchers.
         """
 
 def add_RecordsServicer_to_server(servicer: RecordsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -79,6 +79,7 @@ METHOD_RIGHTS: Mapping[str, Right] = {
     "/fencemark.v1.Records/Update": Right.WRITE,
     "/fencemark.v1.Records/Delete": Right.WRITE,
     "/fencemark.v1.Records/History": Right.READ,
+    "/fencemark.v1.Records/Watch": Right.READ,
     "/fencemark.v1.Claims/ClaimStatus": Right.READ,
     "/fencemark.v1.Claims/Claim": Right.CLAIM,
     "/fencemark.v1.Claims/RenewClaim": Right.CLAIM,

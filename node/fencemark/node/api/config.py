@@ -19,6 +19,7 @@ from fencemark.node.rules.integrity import DEFAULT_MAX_TOKEN_JUMP
 from fencemark.node.rules.queue import DEFAULT_MAX_ATTEMPTS
 from fencemark.node.security.tls import Identity, TlsFiles
 from fencemark.node.security.tls_reload import LiveTls
+from fencemark.node.store.feed import DEFAULT_WINDOW as DEFAULT_FEED_WINDOW
 from fencemark.node.store.storage import (
     DB_FILE as DB_FILE,  # re-exported: where a node keeps its file
 )
@@ -56,6 +57,10 @@ class NodeConfig:
     # Attempts after which a failed or lapsed claim parks an item (SPEC §8), for
     # items without a maxAttempts:N tag.
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    # The change feed (Records.Watch): changes kept for cursors to resume from, and
+    # how long a watcher may leave an event untaken before it is cut off.
+    feed_window: int = DEFAULT_FEED_WINDOW
+    watch_send_timeout: float = 10.0
     # A merged grant more than this above the grant below it is refused (integrity.py).
     max_token_jump: int = DEFAULT_MAX_TOKEN_JUMP
     # Transport security (docs/security.md): this node's certificate, key and the

@@ -58,7 +58,12 @@ def gated_handler(
             continue
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+        shape = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = shape(
             decoding(getattr(servicer, method.name), request),
             response_serializer=response.SerializeToString,
         )

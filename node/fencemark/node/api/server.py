@@ -213,7 +213,9 @@ async def _open_replica(config: NodeConfig, tls: LiveTls | None) -> tuple[Storag
     if config.tls is not None and tls is not None:
         # Signatures by a revoked certificate are refused once its CRL is in use.
         keyring = Keyring.for_files(config.tls, tls.revocations)
-    storage = await Storage.open(config.db_path, cache_size=config.cache_size)
+    storage = await Storage.open(
+        config.db_path, cache_size=config.cache_size, feed_window=config.feed_window
+    )
     if keyring is not None:
         load_keyring(storage, keyring)
     clock = HybridClock(max_offset_ms=config.max_clock_offset_ms, last=storage.hlc_high)
@@ -302,7 +304,9 @@ def _servicers(
     # A grant records the identity it was made to; without TLS there is none.
     callers = caller_of(config.access or DEFAULT_ACCESS) if tls is not None else anyone
     return {
-        "Records": RecordsService(replica, caller_of=callers),
+        "Records": RecordsService(
+            replica, caller_of=callers, watch_send_timeout=config.watch_send_timeout
+        ),
         "Claims": ClaimsService(claims, work, caller_of=callers, on_wait=give_back),
         "Node": NodeService(
             replica, claims, replicator, peers, writes_enabled=config.enable_writes

@@ -10,6 +10,7 @@ servicer shares; the Claims servicer is ``claims_service``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -21,6 +22,7 @@ from grpc_status import rpc_status
 
 from fencemark.node import __version__
 from fencemark.node.api.telemetry import note_refusal
+from fencemark.node.core import watch
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import hlc
@@ -30,13 +32,16 @@ from fencemark.node.rules.admission import ANYONE, Caller
 from fencemark.node.rules.errors import (
     ClaimConflict,
     ClockSkewed,
+    CursorExpired,
     Exhausted,
     FencemarkError,
     InvalidInput,
     NotFound,
     NotServing,
     PermissionDenied,
+    TooSlow,
 )
+from fencemark.node.store.feed import cursor as cursor_of
 from fencemark.node.store.storage import Stored
 from fencemark.v1 import node_pb2, record_pb2, records_pb2
 
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
     from fencemark.node.replication.replicator import Replicator
 
 DOMAIN = "fencemark"
+CURSOR_HEADER = "fencemark-cursor"  # a Watch stream's initial metadata: where it starts
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]
@@ -107,6 +113,13 @@ def to_status(error: FencemarkError) -> grpc.Status:
     if isinstance(error, PermissionDenied):
         metadata = {"denial": error.denial.value, "identity": error.identity, "right": error.right}
         return _status(code_pb2.PERMISSION_DENIED, str(error), "PERMISSION_DENIED", metadata)
+    if isinstance(error, CursorExpired):
+        return _status(
+            code_pb2.OUT_OF_RANGE, str(error), "CURSOR_EXPIRED", {"cursor": error.cursor}
+        )
+    if isinstance(error, TooSlow):
+        metadata = {"cursor": error.cursor}
+        return _status(code_pb2.RESOURCE_EXHAUSTED, str(error), "WATCHER_TOO_SLOW", metadata)
     return _status(code_pb2.INTERNAL, str(error), "INTERNAL", {})
 
 
@@ -120,7 +133,8 @@ def refusal_reason(error: FencemarkError) -> str:
     kinds: tuple[tuple[type[FencemarkError], str], ...] = (
         (InvalidInput, "invalid_argument"), (NotFound, "not_found"),
         (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),
-        (Exhausted, "resource_exhausted"),
+        (Exhausted, "resource_exhausted"), (CursorExpired, "cursor_expired"),
+        (TooSlow, "watcher_too_slow"),
     )  # fmt: skip
     return next((reason for kind, reason in kinds if isinstance(error, kind)), "internal")
 
@@ -180,9 +194,12 @@ def record_message(stored: Stored) -> record_pb2.Record:
 
 
 class RecordsService:
-    def __init__(self, replica: Replica, *, caller_of: CallerOf) -> None:
+    def __init__(
+        self, replica: Replica, *, caller_of: CallerOf, watch_send_timeout: float = 10.0
+    ) -> None:
         self.replica = replica
         self.caller_of = caller_of
+        self.watch_send_timeout = watch_send_timeout
 
     @refusals
     async def Remember(
@@ -281,6 +298,31 @@ class RecordsService:
             ],
             home_region=found.record.home_region,
         )
+
+    @refusals
+    async def Watch(
+        self, request: records_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        wanted = watch.Watch(request.repo, request.topic, list(request.tags), request.cursor)
+        after = await watch.start(self.replica, wanted)
+        taken = request.cursor or cursor_of(self.replica.feed_id, after)
+        # Where it starts, so a client that loses the stream before any event resumes
+        # from there, not from a later "now".
+        await context.send_initial_metadata(((CURSOR_HEADER, taken),))
+        async for event in watch.follow(self.replica, wanted, after):
+            message = records_pb2.WatchEvent(
+                cursor=event.cursor,
+                kind=event.kind,
+                key=event.stored.record.key,
+                record=record_message(event.stored),
+                committed_at=timestamp(event.at_ms),
+            )
+            try:
+                async with asyncio.timeout(self.watch_send_timeout):
+                    await context.write(message)
+            except TimeoutError:
+                raise TooSlow(taken, self.watch_send_timeout) from None
+            taken = event.cursor
 
 
 class NodeService:

@@ -24,7 +24,7 @@ from fencemark.node.core import history
 from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
 from fencemark.node.crdt.record import LAPSED
-from fencemark.node.rules import integrity, queue, validation
+from fencemark.node.rules import changes, integrity, queue, validation
 from fencemark.node.rules.admission import (
     Caller,
     admit_write,
@@ -35,6 +35,7 @@ from fencemark.node.rules.admission import (
 from fencemark.node.rules.errors import InvalidInput, NotFound
 from fencemark.node.security.signing import META_PREFIX, Keyring, Signer, certificate_pem
 from fencemark.node.store.events import Event
+from fencemark.node.store.feed import Change
 from fencemark.node.store.picks import Pickable
 from fencemark.node.store.storage import Storage, Stored
 
@@ -155,6 +156,27 @@ class Replica:
         as the pick index says."""
         return await self.storage.held_by(scope, self.region, owner, now_ms)
 
+    # -- the change feed (core.watch reads it) --------------------------------------
+
+    @property
+    def feed_id(self) -> str:
+        """Names this node's feed in cursors: its node id, new with a new data file."""
+        return self.storage.node_id
+
+    @property
+    def feed_last(self) -> int:
+        return self.storage.feed_last
+
+    async def feed_first(self) -> int:
+        return await self.storage.feed_first()
+
+    async def feed_changes(self, after: int, lower: str, upper: str, *, limit: int) -> list[Change]:
+        """Feed rows after ``after`` of keys in ``[lower, upper)``, in commit order."""
+        return await self.storage.changes(after, lower, upper, limit=limit)
+
+    async def feed_grew(self, after: int) -> None:
+        await self.storage.feed_grew(after)
+
     async def next_pickable_ms(self, scope: str, now_ms: int) -> int | None:
         """When a deferral or lease of ``scope``'s items homed here next ends."""
         return await self.storage.next_pickable_ms(scope, self.region, now_ms)
@@ -246,7 +268,12 @@ class Replica:
                 else []
             )
             stored = await self.storage.put(
-                changed, hlc=self.clock.last, state=state, events=events
+                changed,
+                hlc=self.clock.last,
+                state=state,
+                events=events,
+                change=changes.kind_of(current, changed),
+                at_ms=self.clock.wall_ms(),
             )
         fence = changed.fence
         if self._lease_listeners and changed.home_region == self.region and fence.unreleased():

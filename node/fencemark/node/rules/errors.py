@@ -161,3 +161,24 @@ class PermissionDenied(FencemarkError):
         self.identity = identity
         self.right = right
         super().__init__(message)
+
+
+class CursorExpired(FencemarkError):
+    """A change-feed cursor this node can no longer resume from: older than the
+    window it keeps, or of another feed (another node, or this node before it lost
+    its disk). The watcher lists the records again and watches from now."""
+
+    def __init__(self, cursor: str, why: str) -> None:
+        super().__init__(f"cursor {cursor!r} {why}: list the records again, then watch from now")
+        self.cursor = cursor
+
+
+class TooSlow(FencemarkError):
+    """A watcher that did not take its events in time is cut off with the cursor of
+    the last event it took, to resume from (``Records.Watch``)."""
+
+    def __init__(self, cursor: str, seconds: float) -> None:
+        super().__init__(
+            f"the watcher did not take an event for {seconds:g} s: resume from cursor {cursor!r}"
+        )
+        self.cursor = cursor

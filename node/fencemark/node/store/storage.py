@@ -30,9 +30,11 @@ from typing import NamedTuple, TypeVar
 import aiosqlite
 
 from fencemark.node.crdt import Record, codec
+from fencemark.node.store import feed as feed_table
 from fencemark.node.store import picks as picks_index
 from fencemark.node.store.digest_tree import DigestTree, bucket_of
 from fencemark.node.store.events import Event
+from fencemark.node.store.feed import Change
 from fencemark.node.store.picks import Pickable
 from fencemark.node.store.writer import Writer, commit_rows, open_writer
 
@@ -57,6 +59,8 @@ class _Pending:
     state: bytes
     done: asyncio.Future[None]
     events: Sequence[Event] = ()  # claim events of this change (store.events)
+    change: str = ""  # its kind for the change feed (store.feed); "": not fed
+    at_ms: int = 0
 
 
 @dataclass
@@ -77,6 +81,8 @@ class Storage:
         cache_size: int,
         tree: DigestTree,
         count: int,
+        feed_window: int = feed_table.DEFAULT_WINDOW,
+        feed_last: int = 0,
     ) -> None:
         self.path = path
         self.tree = tree
@@ -95,10 +101,15 @@ class Storage:
         self._hlc_pending = 0
         self._meta_pending: dict[str, str] = {}
         self.meta: dict[str, str] = {}
+        self.feed_window = feed_window
+        self.feed_last = feed_last  # the feed's last committed seq
+        self._fed = asyncio.Event()  # set (and replaced) by each commit that grew the feed
         self._writer_task = asyncio.create_task(self._write_loop(), name="storage-writer")
 
     @classmethod
-    async def open(cls, path: Path, *, cache_size: int = 10_000) -> Storage:
+    async def open(
+        cls, path: Path, *, cache_size: int = 10_000, feed_window: int = feed_table.DEFAULT_WINDOW
+    ) -> Storage:
         """Open (creating if needed) the node's database file."""
         writer = Writer()
         reader: aiosqlite.Connection | None = None
@@ -110,13 +121,16 @@ class Storage:
             tree = DigestTree()
             rows = list(await reader.execute_fetchall("SELECT key, digest FROM records"))
             tree.load((key, bytes(digest)) for key, digest in rows)
+            feed_rows = await reader.execute_fetchall("SELECT coalesce(max(seq), 0) FROM feed")
+            last = next(iter(feed_rows))[0]
         except BaseException:
             if reader is not None:
                 await reader.close()
             await writer.close()
             raise
         hlc_high = int(meta.get("hlc_high", 0))
-        storage = cls(path, writer, reader, meta["node_id"], hlc_high, cache_size, tree, len(rows))
+        storage = cls(path, writer, reader, meta["node_id"], hlc_high, cache_size, tree, len(rows),
+                      feed_window, int(last))  # fmt: skip
         storage.meta = meta
         return storage
 
@@ -216,6 +230,26 @@ class Storage:
         )
         return [str(key) for (key,) in rows]
 
+    async def changes(self, after: int, lower: str, upper: str, *, limit: int) -> list[Change]:
+        """Feed rows after ``seq`` ``after`` of keys in ``[lower, upper)``, in commit order."""
+        rows = await self._reader.execute_fetchall(
+            "SELECT seq, key, kind, at_ms, state FROM feed"
+            " WHERE seq > ? AND key >= ? AND key < ? ORDER BY seq LIMIT ?",
+            (after, lower, upper, limit),
+        )
+        return [Change(int(q), str(k), str(w), int(t), bytes(s)) for q, k, w, t, s in rows]
+
+    async def feed_first(self) -> int:
+        """The oldest ``seq`` the feed keeps (``feed_last + 1`` when it keeps none)."""
+        rows = await self._reader.execute_fetchall("SELECT min(seq) FROM feed")
+        first = next(iter(rows), (None,))[0]
+        return self.feed_last + 1 if first is None else int(first)
+
+    async def feed_grew(self, after: int) -> None:
+        """Return once the feed holds a ``seq`` past ``after``."""
+        while self.feed_last <= after:
+            await self._fed.wait()
+
     async def events(self, key: str) -> list[Event]:
         """``key``'s claim events kept here, oldest first."""
         rows = await self._reader.execute_fetchall(
@@ -280,20 +314,23 @@ class Storage:
         hlc: int,
         state: bytes | None = None,
         events: Sequence[Event] = (),
+        change: str = "",
+        at_ms: int = 0,
     ) -> Stored:
         """Persist ``record``; returns once it is on disk.
 
         ``hlc`` is the node clock's high-water mark, persisted with the batch so a
         restarted clock never issues a timestamp it issued before. ``state`` is the
         record's canonical encoding when the caller already has it; ``events`` are
-        the claim events of the change, kept in the same commit.
+        the claim events of the change, kept in the same commit; ``change`` is its
+        kind for the change feed (``rules.changes``; ``""``: not fed), ``at_ms`` when.
         """
         if state is None:
             state = codec.encode(record)
         stored = Stored(record, codec.digest(state), len(state))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._hlc_pending = max(self._hlc_pending, hlc)
-        await self._queue.put(_Pending(stored, state, done, events))
+        await self._queue.put(_Pending(stored, state, done, events, change, at_ms))
         await done
         return stored
 
@@ -328,6 +365,11 @@ class Storage:
             if p.stored is not None
         ]
         events = [(p.stored.record.key, e) for p in batch if p.stored is not None for e in p.events]
+        feed = [
+            (p.stored.record.key, p.change, p.at_ms, p.state)
+            for p in batch
+            if p.stored is not None and p.change
+        ]
         rows = [
             (
                 p.stored.record.key,
@@ -344,8 +386,8 @@ class Storage:
         meta, self._meta_pending = {**self._meta_pending, "hlc_high": str(hlc_high)}, {}
         started = time.perf_counter()
         try:
-            before = await self._writer.run(
-                commit_rows, self._writer.conn, rows, picks, events, meta
+            before, feed_last = await self._writer.run(
+                commit_rows, self._writer.conn, rows, picks, events, meta, feed, self.feed_window
             )
         except Exception as exc:
             log.exception("commit of %d writes failed", len(batch))
@@ -355,6 +397,10 @@ class Storage:
             return
         self.hlc_high = hlc_high
         self.meta.update(meta)
+        if feed_last != self.feed_last:
+            self.feed_last = feed_last
+            fed, self._fed = self._fed, asyncio.Event()
+            fed.set()
         for key, _, digest, _, _, _ in rows:
             if key not in before:
                 self.record_count += 1

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from fencemark.node.crdt import codec
 from fencemark.node.store import events as events_table
+from fencemark.node.store import feed as feed_table
 from fencemark.node.store import picks as picks_index
 from fencemark.node.store.digest_tree import bucket_of
 from fencemark.node.store.events import Event
@@ -87,7 +88,7 @@ def open_writer(writer: Writer, path: Path) -> dict[str, str]:
     # FULL: in WAL mode NORMAL does not fsync at commit; an ack means on disk.
     conn.execute("PRAGMA synchronous=FULL")
     _migrate(conn)
-    conn.executescript(SCHEMA + picks_index.SCHEMA + events_table.SCHEMA)
+    conn.executescript(SCHEMA + picks_index.SCHEMA + events_table.SCHEMA + feed_table.SCHEMA)
     meta = {str(name): str(value) for name, value in conn.execute("SELECT name, value FROM meta")}
     if "state_format" not in meta:  # a new file: its states are all written in FORMAT
         meta["state_format"] = str(codec.FORMAT)
@@ -120,8 +121,11 @@ def commit_rows(
     picks: list[tuple[str, Pickable | None]],
     events: list[tuple[str, Event]],
     meta: dict[str, str],
-) -> dict[str, bytes]:
-    """One group commit, on the writer's thread; returns the digests it replaced.
+    feed: list[tuple[str, str, int, bytes]],
+    window: int,
+) -> tuple[dict[str, bytes], int]:
+    """One group commit, on the writer's thread; returns the digests it replaced and
+    the feed's last ``seq`` after it (0: the feed is empty).
 
     Rows go in as multi-row upserts (one statement, one step, per up to
     ROWS_PER_STATEMENT rows) rather than one step per row: each step gives up the
@@ -148,6 +152,7 @@ def commit_rows(
             )
         _index_picks(conn, picks)
         _keep_events(conn, events)
+        last = _feed(conn, feed, window)
         pairs = ",".join(["(?, ?)"] * len(meta))
         conn.execute(
             f"INSERT INTO meta VALUES {pairs}"
@@ -159,7 +164,18 @@ def commit_rows(
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
         raise
-    return before
+    return before, last
+
+
+def _feed(conn: sqlite3.Connection, feed: list[tuple[str, str, int, bytes]], window: int) -> int:
+    """Append the commit's changes to the feed, keep its newest ``window`` rows;
+    returns the last ``seq``."""
+    if feed:
+        conn.executemany("INSERT INTO feed (key, kind, at_ms, state) VALUES (?, ?, ?, ?)", feed)
+    last = int(conn.execute("SELECT coalesce(max(seq), 0) FROM feed").fetchone()[0])
+    if feed:
+        conn.execute("DELETE FROM feed WHERE seq <= ?", (last - window,))
+    return last
 
 
 def _index_picks(conn: sqlite3.Connection, picks: list[tuple[str, Pickable | None]]) -> None:

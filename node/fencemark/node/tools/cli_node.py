@@ -60,6 +60,11 @@ def cmd_node(args: argparse.Namespace) -> int:
             " checks have budgets of their own (docs/operations.md)",
             file=sys.stderr,
         )
+    if args.feed_window < 1 or not args.watch_send_timeout > 0:
+        raise SystemExit(
+            "fencemark node: --feed-window takes 1 or more changes, --watch-send-timeout"
+            " more than 0 seconds"
+        )
     if not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
         raise SystemExit(
             f"fencemark node: --max-attempts takes 1 to {MAX_ATTEMPTS_LIMIT},"
@@ -82,6 +87,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_waiters_per_client=args.max_waiters_per_client,
         max_attempts=args.max_attempts,
         max_token_jump=args.max_token_jump,
+        feed_window=args.feed_window,
+        watch_send_timeout=args.watch_send_timeout,
         tls=tls_files,
         access=access,
         tls_reload_interval=args.tls_reload_interval,
@@ -225,6 +232,19 @@ def _add_bound_flags(
         default=_setting(config, "max_attempts", defaults.max_attempts),
         help="claims of a work item after which a failed release or a lapsed lease parks"
         " it, for items without a maxAttempts:N tag",
+    )
+    node.add_argument(
+        "--feed-window",
+        type=int,
+        default=_setting(config, "feed_window", defaults.feed_window),
+        help="changes the change feed keeps for Watch cursors to resume from"
+        " (about 1 KiB of disk each for a typical record)",
+    )
+    node.add_argument(
+        "--watch-send-timeout",
+        type=float,
+        default=_setting(config, "watch_send_timeout", defaults.watch_send_timeout),
+        help="seconds a watcher may leave an event untaken before it is cut off",
     )
     node.add_argument(
         "--max-token-jump",
