@@ -30,6 +30,9 @@ PLOTS = (
     "replication_lag.png",
     "anti_entropy_bytes.png",
     "anti_entropy_convergence.png",
+    "drain_items.png",
+    "drain_latency.png",
+    "pick_cost.png",
 )
 
 

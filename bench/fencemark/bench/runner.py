@@ -22,7 +22,7 @@ from typing import Any
 from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Target
 
-SCENARIOS = ("claims", "writes", "lag", "anti-entropy", "footprint")
+SCENARIOS = ("claims", "writes", "lag", "anti-entropy", "footprint", "drain")
 DOCS_BEGIN = "<!-- bench:results:begin (written by `fencemark bench`; edits are lost) -->"
 DOCS_END = "<!-- bench:results:end -->"
 DOCS_PLOTS = "performance"  # docs/<this>/: the plots the headline shows
@@ -52,6 +52,10 @@ async def _run_scenario(
         from fencemark.bench.footprint import run_footprint
 
         return await run_footprint(settings, progress, work, out, seeds)
+    if name == "drain":
+        from fencemark.bench.drain import run_drain
+
+        return await run_drain(settings, progress, work, out)
     raise ValueError(f"unknown scenario {name!r}")
 
 
