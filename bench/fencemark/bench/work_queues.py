@@ -27,7 +27,7 @@ call took, or None once the queue has nothing left to hand out.
   not all race for one key — each lost race is a transaction through the raft
   log — and items are still handed out oldest first to within the number of
   agents. (Strictly lowest first, every agent racing for the same key, drained
-  200 items at 64 agents at about a third of the single agent's rate.) The
+  200 items at 64 agents at under a third of one agent's rate.) The
   item-exists compare is what stops an agent that read the queue before another
   finished the item from locking a done item. The
   fenced update is *if the lock's create revision is the token, put the item
