@@ -30,6 +30,9 @@ PLOTS = (
     "replication_lag.png",
     "anti_entropy_bytes.png",
     "anti_entropy_convergence.png",
+    "drain_items.png",
+    "drain_latency.png",
+    "pick_cost.png",
 )
 
 
@@ -110,3 +113,51 @@ async def test_a_full_run_writes_its_headline_between_the_markers_of_the_docs(
     assert "| replication lag p99 | ≤ 50 ms | 12.00 ms | **met** |" in text
     assert (tmp_path / "performance" / "plot.png").exists()
     assert "![plot](performance/plot.png)" in text
+
+
+async def test_a_run_of_some_scenarios_rewrites_only_their_part_of_the_headline(
+    tmp_path: Path,
+) -> None:
+    """``fencemark bench drain --docs FILE`` keeps what the other scenarios wrote."""
+    from fencemark.bench.headline import parse
+    from fencemark.bench.results import ScenarioResult, Settings, Table, at_least, at_most
+    from fencemark.bench.runner import write_docs
+
+    docs = tmp_path / "performance.md"
+    docs.write_text(f"# Performance\n\n{DOCS_BEGIN}\nold\n{DOCS_END}\n")
+
+    def lag(p99: float) -> ScenarioResult:
+        return ScenarioResult(
+            "lag",
+            "Replication lag",
+            {"p99_ms": p99},
+            [Table("Lag", ["seen at", "p99 ms"], [["eu", f"{p99:.1f}"]])],
+            [at_most("replication lag p99", p99, 50, " ms")],
+        )
+
+    drain = ScenarioResult(
+        "drain",
+        "Draining a backlog",
+        {"ratio": 2.0},
+        [Table("Drain", ["agents", "items/s"], [["16", "900"]])],
+        [at_least("drained items/s / etcd, 16 agents", 2.0, 1.5, "x"),
+         at_most("p99 per drained item, 16 agents", 30.0, 20, " ms")],
+    )  # fmt: skip
+    write_docs([drain, lag(60.0)], Settings.full(), tmp_path, docs)
+    write_docs([lag(12.0)], Settings.full(), tmp_path, docs)
+    text = docs.read_text()
+    assert "old" not in text and "60.0" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[:3] == [
+        "| target | goal | measured | verdict |",
+        "| replication lag p99 | ≤ 50 ms | 12.00 ms | **met** |",  # SCENARIOS order
+        "| drained items/s / etcd, 16 agents | ≥ 1.5x | 2.00x | **met** |",
+    ]
+    assert "| p99 per drained item, 16 agents | ≤ 20 ms | 30.00 ms | **NOT met** |" in rows
+    assert text.index("### Replication lag") < text.index("### Draining a backlog")
+    assert "| 16 | 900 |" in text and "| eu | 12.0 |" in text
+    before = parse(text.split(DOCS_BEGIN)[1])
+    write_docs([lag(13.0)], Settings.full(), tmp_path, docs)
+    after = parse(docs.read_text().split(DOCS_BEGIN)[1])
+    assert list(after) == ["lag", "drain"] and after["drain"] == before["drain"]
+    assert after["lag"].targets == ["| replication lag p99 | ≤ 50 ms | 13.00 ms | **met** |"]

@@ -26,6 +26,9 @@ class Settings:
     divergence: tuple[int, ...]  # K records diverged during a partition
     divergence_base: int  # records the three regions hold before the partition
     footprint_records: int
+    drain_items: int  # the backlog the agents drain
+    pick_records: tuple[int, ...]  # records in the topic a pick's cost is measured at
+    pick_samples: int  # picks (and claims by key) per size
 
     @classmethod
     def full(cls) -> Settings:
@@ -44,6 +47,9 @@ class Settings:
             divergence=(100, 1_000, 10_000),
             divergence_base=20_000,
             footprint_records=100_000,
+            drain_items=2_000,
+            pick_records=(1_000, 10_000, 100_000),
+            pick_samples=200,
         )
 
     @classmethod
@@ -63,6 +69,9 @@ class Settings:
             divergence=(100, 500),
             divergence_base=1_000,
             footprint_records=5_000,
+            drain_items=200,
+            pick_records=(1_000, 2_000),
+            pick_samples=50,
         )
 
 

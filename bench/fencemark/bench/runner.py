@@ -19,10 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fencemark.bench import headline
 from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Target
 
-SCENARIOS = ("claims", "writes", "lag", "anti-entropy", "footprint")
+SCENARIOS = ("claims", "writes", "lag", "anti-entropy", "footprint", "drain")
 DOCS_BEGIN = "<!-- bench:results:begin (written by `fencemark bench`; edits are lost) -->"
 DOCS_END = "<!-- bench:results:end -->"
 DOCS_PLOTS = "performance"  # docs/<this>/: the plots the headline shows
@@ -52,6 +53,10 @@ async def _run_scenario(
         from fencemark.bench.footprint import run_footprint
 
         return await run_footprint(settings, progress, work, out, seeds)
+    if name == "drain":
+        from fencemark.bench.drain import run_drain
+
+        return await run_drain(settings, progress, work, out)
     raise ValueError(f"unknown scenario {name!r}")
 
 
@@ -119,12 +124,36 @@ def write_results(
     (results / "results.md").write_text(markdown(done, failed, settings, when) + "\n")
 
 
+def target_rows(result: ScenarioResult) -> list[str]:
+    return [
+        f"| {t.name} | {t.goal} | {t.measured:,.2f}{t.unit} | **{t.verdict}** |"
+        for t in result.targets
+    ]
+
+
 def targets_table(done: list[ScenarioResult]) -> str:
     lines = ["| target | goal | measured | verdict |", "|---|---|---|---|"]
     for result in done:
-        for t in result.targets:
-            lines.append(f"| {t.name} | {t.goal} | {t.measured:,.2f}{t.unit} | **{t.verdict}** |")
+        lines += target_rows(result)
     return "\n".join(lines)
+
+
+def run_description(settings: Settings, when: str) -> str:
+    machine = _machine()
+    return (
+        f"run of {when}, {'quick' if settings.quick else 'full'} mode, {settings.repeats}"
+        f" run(s) per figure, on {machine['cpus']} CPUs, Python {machine['python']}"
+    )
+
+
+def section(result: ScenarioResult, plots_dir: str = ".") -> str:
+    """A scenario's part of the results: its heading, tables, notes and plots."""
+    parts = [f"### {result.title}", ""]
+    for table in result.tables:
+        parts += [table.markdown(), ""]
+    parts += [f"- {note}" for note in result.notes]
+    parts += [f"![{p.stem}]({plots_dir}/{p.name})" for p in result.plots]
+    return "\n".join(parts).strip()
 
 
 def markdown(
@@ -134,28 +163,19 @@ def markdown(
     when: str,
     plots_dir: str = ".",
 ) -> str:
-    machine = _machine()
-    parts = [
-        f"Run of {when}, {'quick' if settings.quick else 'full'} mode, {settings.repeats}"
-        f" run(s) per figure, on {machine['cpus']} CPUs, Python {machine['python']}.",
-        "",
-        "### Targets",
-        "",
-        targets_table(done),
-    ]
+    run = run_description(settings, when)
+    parts = [f"{run[:1].upper()}{run[1:]}.", "", "### Targets", "", targets_table(done)]
     for result in done:
-        parts += ["", f"### {result.title}", ""]
-        for table in result.tables:
-            parts += [table.markdown(), ""]
-        parts += [f"- {note}" for note in result.notes]
-        parts += [f"![{p.stem}]({plots_dir}/{p.name})" for p in result.plots]
+        parts += ["", section(result, plots_dir)]
     for name, why in failed.items():
         parts += ["", f"### {name}: FAILED", "", f"`{why}`"]
     return "\n".join(parts)
 
 
 def write_docs(done: list[ScenarioResult], settings: Settings, results: Path, docs: Path) -> None:
-    """Replace the headline between the markers of ``docs`` and copy the plots beside it."""
+    """Rewrite the headline between the markers of ``docs`` with the sections of the
+    scenarios in ``done``, keeping the other scenarios' sections (``headline``), and
+    copy the plots beside it."""
     text = docs.read_text()
     if DOCS_BEGIN not in text or DOCS_END not in text:
         raise SystemExit(f"fencemark bench: {docs} has no {DOCS_BEGIN!r} ... {DOCS_END!r} section")
@@ -165,9 +185,11 @@ def write_docs(done: list[ScenarioResult], settings: Settings, results: Path, do
         for plot in result.plots:
             shutil.copyfile(plot, plots / plot.name)
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    body = markdown(done, {}, settings, when, plots_dir=DOCS_PLOTS)
+    run = run_description(settings, when)
     head, rest = text.split(DOCS_BEGIN, 1)
-    _, tail = rest.split(DOCS_END, 1)
+    old, tail = rest.split(DOCS_END, 1)
+    fresh = [headline.Section(r.name, run, target_rows(r), section(r, DOCS_PLOTS)) for r in done]
+    body = headline.render(headline.merge(headline.parse(old), fresh, SCENARIOS))
     docs.write_text(f"{head}{DOCS_BEGIN}\n\n{body}\n\n{DOCS_END}{tail}")
 
 

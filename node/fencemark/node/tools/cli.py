@@ -328,9 +328,10 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: claim cycle vs etcd and Redis, writes, lag, anti-entropy, footprint",
+        help="benchmarks: claim cycle vs etcd and Redis, writes, lag, anti-entropy, footprint,"
+        " drain",
         description="Run the benchmark scenarios (all by default: claims, writes, lag,"
-        " anti-entropy, footprint) with their baselines, and write JSON, Markdown and PNG"
+        " anti-entropy, footprint, drain) with their baselines, and write JSON, Markdown and PNG"
         " plots under --results. A full run of every scenario in the repository also"
         " rewrites the headline of docs/performance.md.",
     )
