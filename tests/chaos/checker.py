@@ -1,8 +1,9 @@
-"""The chaos tier's checker: eleven invariants over the history and the final states.
+"""The chaos tier's checker: twelve invariants over the history and the final states.
 
 Each invariant is judged on its own and reported separately (docs/chaos.md says
 what each means and what it does not promise); those about claims are in
-``claims.py``:
+``claim_invariants.py`` (``claims.py`` reads the claims out of the history), the
+work queue's in ``queue_invariants.py``:
 
 1. fencing safety — no fenced write accepted with a token lower than one already
    granted for that record, none from a worker after it was told ``superseded``,
@@ -32,7 +33,12 @@ what each means and what it does not promise); those about claims are in
     write until that peer was back (SPEC §4);
 11. forgeries refused — no state the hostile peer of a ``forge`` fault pushed was
     merged, each was refused by the rule named for it (``forger.RULES``), and every
-    kind was refused by its rule at least once.
+    kind was refused by its rule at least once;
+12. no item done twice — no work-queue item is released ``done`` twice, nor handed
+    out again after an acknowledged done, without an operator's reopen that could
+    have come between; an item acknowledged done is done in every final state unless
+    reopened after, and one done there was made so by a done; a poison item is never
+    handed out while parked (``queue_invariants.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from tests.chaos.claim_invariants import (
 from tests.chaos.claims import DISK_LOSS_GRACE_S, Claim, Split, claims_of, lost_with_disk, splits_of
 from tests.chaos.forger import RULES
 from tests.chaos.nemesis import PARTITIONS, Played
+from tests.chaos.queue_invariants import no_item_done_twice
+from tests.chaos.queue_work import WAIT_S as QUEUE_WAIT_S
 from tests.chaos.workload import CALL_TIMEOUT_S
 
 __all__ = ["CONVERGE_ROUNDS", "DISK_LOSS_GRACE_S", "Convergence", "Verdict", "check"]
@@ -67,7 +75,7 @@ WRONG_REGION_FAST_S = 2.0
 # A failed home-only call of an agent returns within its deadline, plus this for
 # the test process's own scheduling.
 DEADLINE_SLACK_S = 1.0
-HOME_ONLY_OPS = ("claim", "write", "renew", "finish", "release")
+HOME_ONLY_OPS = ("claim", "write", "renew", "finish", "release", "done", "fail", "reopen")
 HOME_TAG = "homeRegion:"
 
 
@@ -94,13 +102,14 @@ def check(
         token_order(claims, played, homes),
         acknowledged_writes(history, played, finals, homes),
         converged(convergence),
-        availability(history, played),
+        availability(history, played, regions=len(finals)),
         one_home(finals, homes, splits),
         one_live_claim(claims, splits),
         granted_once(claims, lease_seconds),
         fenced_writes_survive(history, claims, finals, homes, played),
         caught_up_first(history, played, claims, homes),
         forgeries_refused(played),
+        no_item_done_twice(history, finals, homes, played),
     ]
 
 
@@ -183,7 +192,7 @@ def converged(convergence: Convergence | None) -> Verdict:
 # -- 5. availability -------------------------------------------------------------------
 
 
-def availability(history: History, played: Sequence[Played]) -> Verdict:
+def availability(history: History, played: Sequence[Played], *, regions: int = 3) -> Verdict:
     windows = [(f.started, f.ended, f.kind) for f in played if f.kind in NETWORK_FAULTS]
     problems: list[str] = []
     served = 0
@@ -212,11 +221,16 @@ def availability(history: History, played: Sequence[Played]) -> Verdict:
                     f"{event.agent} home-only call at a non-home node:"
                     f" {event.outcome} {event.detail!r} in {took:.2f} s"
                 )
-        elif event.op in HOME_ONLY_OPS and event.outcome != "ok":
-            slowest_refusal = max(slowest_refusal, took)
-            if took > CALL_TIMEOUT_S + DEADLINE_SLACK_S or not event.detail:
+        elif event.op in (*HOME_ONLY_OPS, "claim-next") and event.outcome != "ok":
+            bound = CALL_TIMEOUT_S
+            if event.op == "claim-next":  # a deadline per region, and the wait at its own
+                bound = regions * CALL_TIMEOUT_S + QUEUE_WAIT_S
+            else:
+                slowest_refusal = max(slowest_refusal, took)
+            if took > bound + DEADLINE_SLACK_S or not event.detail:
+                what = f"{event.op} {event.key}".strip()  # a ClaimNext names no key
                 problems.append(
-                    f"{event.agent} {event.op} {event.key} took {took:.2f} s"
+                    f"{event.agent} {what} took {took:.2f} s"
                     f" to {event.outcome} ({event.detail!r}) during {kind}"
                 )
     if not windows:
@@ -291,7 +305,7 @@ def one_home(
 # writes (SPEC §4). Unfenced writes and creations it admits meanwhile, by the rule of
 # a node that is not the home (docs/consistency.md, *Catch-up*): "fenced writes
 # survive" judges what those may not do.
-DECIDED = ("grant", "renew", "release", "write", "finish")
+DECIDED = ("grant", "renew", "release", "write", "finish", "done", "fail", "reopen")
 
 
 def decided_at(

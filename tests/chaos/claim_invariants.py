@@ -26,6 +26,10 @@ from tests.chaos.claims import (
 )
 from tests.chaos.nemesis import DISK_LOSSES, Played
 
+# Fenced writes a holder made (a stalled worker's must be refused): a write, the
+# ``status=done`` of a finish, and a queue agent's ``result`` written with its release.
+ACKED_WRITES = ("write", "finish", "done")
+
 
 @dataclass
 class Verdict:
@@ -86,7 +90,7 @@ def fencing_safety(
                 f"{event.agent}'s {event.op} of {event.key} under split-time token"
                 f" {event.token} accepted {when}"
             )
-    writes = sum(e.op in ("write", "finish") and e.outcome == "ok" for e in history.events)
+    writes = sum(e.op in ACKED_WRITES and e.outcome == "ok" for e in history.events)
     stale = sum(e.op == "stale-write" and e.outcome == "fail" for e in history.events)
     return Verdict(
         "1. fencing safety",
@@ -276,7 +280,7 @@ def fenced_writes_survive(
             )
         return False, f"holds {value!r}, which no write in the history explains"
 
-    acked = [e for e in history.events if e.op in ("write", "finish") and e.outcome == "ok"]
+    acked = [e for e in history.events if e.op in ACKED_WRITES and e.outcome == "ok"]
     violations: list[str] = []
     overwritten = lost = 0
     for write in acked:

@@ -42,9 +42,12 @@ from tests.chaos.shapes import SPLIT_MEET_LIMIT_S, SPLIT_TOPIC
 INF = math.inf
 CLOCK_SLACK_S = 0.1
 DISK_LOSS_GRACE_S = 5.0  # healthy seconds a node had to pass a write on before a wipe
-HOLDER_OPS = ("write", "renew", "finish", "release", "stale-write", "stale-renew")
-FENCED_WRITES = ("write", "finish", "stale-write")
+# What a claim's holder does with its token; a queue agent's release ``done`` (with
+# its ``result`` field, a fenced write too) or ``fail`` ends its claim like a release.
+HOLDER_OPS = ("write", "renew", "finish", "release", "done", "fail", "stale-write", "stale-renew")
+FENCED_WRITES = ("write", "finish", "done", "stale-write")
 RENEWALS = ("renew", "stale-renew")
+RELEASES = ("release", "done", "fail")
 
 Span = tuple[float, float]
 
@@ -229,7 +232,7 @@ def claims_of(
         if event.outcome == "fail":
             holder.stop = min(holder.stop, sent)
             holder.refused_or_released = min(holder.refused_or_released, done)
-        elif event.op == "release":
+        elif event.op in RELEASES:
             holder.stop = min(holder.stop, sent)
             if event.outcome == "ok":
                 holder.refused_or_released = min(holder.refused_or_released, done)

@@ -10,10 +10,11 @@ the run makes its own development CA (``fencemark.node.security.tls.init_dir``),
 certificate per region that also names ``proxy`` (the us<->eu link reaches its peer
 through the proxy container's alias, so the peer's certificate must name it), and
 each node gets a read-only directory holding only the CA, its own certificate and
-its key (``FENCEMARK_TLS_DIR``). The test's own clients get client certificates of
-the same CA, one per identity, issued when first asked for
-(:meth:`ChaosCluster.client_credentials`); no access map, so each of them may read,
-write and claim (docs/security.md).
+its key (``FENCEMARK_TLS_DIR``), and the run's access map (``FENCEMARK_ACCESS``,
+:data:`ACCESS_MAP`). The test's own clients get client certificates of the same CA,
+one per identity, issued when first asked for (:meth:`ChaosCluster.client_credentials`);
+the map lets each of them read, write and claim, as without one, and only
+:data:`OPERATOR` operate (``Claims.Reopen``, ``Claims.ForceRelease``; docs/security.md).
 
 Traffic stays where the chaos tier may send it. Nodes talk to each other on the
 run's own network (by their region name, a network alias). The test reaches
@@ -71,6 +72,14 @@ TLS_IN_CONTAINER = "/etc/fencemark/tls"
 PROXY_ALIAS = "proxy"
 LABEL = "fencemark.chaos"
 STOP_LIMIT_S = 30.0
+OPERATOR = "operator"  # the one client identity with the operator's right
+ACCESS_FILE = "access.toml"
+# What a deployment's map would say: agents read, write and claim; the operator may
+# also reopen parked items and take claims back.
+ACCESS_MAP = f"""[clients]
+"*" = ["read", "write", "claim"]
+{OPERATOR} = ["read", "write", "claim", "operate"]
+"""
 
 
 @dataclass
@@ -151,6 +160,7 @@ class ChaosCluster:
                     # Mutual TLS, signed grants, births and writes: the proxy relays
                     # the TLS bytes as they are, and verifies nothing itself.
                     "FENCEMARK_TLS_DIR": TLS_IN_CONTAINER,
+                    "FENCEMARK_ACCESS": f"{TLS_IN_CONTAINER}/{ACCESS_FILE}",
                     "FENCEMARK_ENABLE_WRITES": "1",
                     "FENCEMARK_PEERS": ",".join(
                         f"{peer}={self.peer_address(name, peer)}"
@@ -171,14 +181,17 @@ class ChaosCluster:
 
     def _node_certs(self, name: str) -> Path:
         """A directory with what ``name``'s node reads, and nothing else: the CA
-        certificate, its own certificate and its key (owned by the node's user)."""
+        certificate, its own certificate and its key (owned by the node's user), and
+        the access map."""
         mounted = self.root / "node-certs" / name
         mounted.mkdir(parents=True)
         files = self.node_files(name)
+        (mounted / ACCESS_FILE).write_text(ACCESS_MAP)
         for path in (files.ca, files.cert, files.key):
             shutil.copy2(path, mounted / path.name)  # the key keeps its mode, 0600
+        for path in mounted.iterdir():
             if os.geteuid() == 0:
-                os.chown(mounted / path.name, IMAGE_UID, IMAGE_UID)
+                os.chown(path, IMAGE_UID, IMAGE_UID)
         return mounted
 
     def _container(

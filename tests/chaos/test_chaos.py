@@ -1,4 +1,4 @@
-"""The replication chaos tier: three region containers, a seeded nemesis, eleven invariants.
+"""The replication chaos tier: three region containers, a seeded nemesis, twelve invariants.
 
 The nodes run mutual TLS, as deployed (cluster.py); every client of the test has a
 certificate of the run's CA.
@@ -37,6 +37,7 @@ from tests.chaos.checker import CONVERGE_ROUNDS, Convergence, check
 from tests.chaos.cluster import ChaosCluster
 from tests.chaos.forger import Forger
 from tests.chaos.nemesis import KINDS, Nemesis, schedule, wait_for
+from tests.chaos.queue_work import QueueWork
 from tests.chaos.shapes import SPLIT_MEET_LIMIT_S, Shapes
 from tests.chaos.workload import SAMPLE_TIMEOUT_S, Workload, all_records, divergence
 
@@ -139,9 +140,13 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
 
         shapes = Shapes(workload)
         forger = Forger(workload, cluster.node_files)
+        # After the schedule and the shapes drew from the run's rng: a seed replays
+        # the same faults and shapes as before the work queue joined the workload.
+        queue = QueueWork(workload)
+        await queue.prepare()
         nemesis = Nemesis(cluster, mesh, workload.agents, workload.now, log, shapes, forger)
         stop = asyncio.Event()
-        tasks = [*workload.tasks(stop), *shapes.tasks(stop)]
+        tasks = [*workload.tasks(stop), *shapes.tasks(stop), *queue.tasks(stop)]
         await asyncio.sleep(WARM_UP_S)
         try:
             await nemesis.play(faults, stop, until=workload.now() + settings.seconds)
@@ -200,6 +205,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
                 "seconds": nemesis.played[-1].ended if nemesis.played else 0.0,
                 "regions": len(REGIONS),
                 "agents": len(agents),
+                "queue_agents": len(queue.agents),
                 "lease_seconds": LEASE_SECONDS,
                 "anti_entropy_interval": ANTI_ENTROPY_INTERVAL,
                 "extra_fault_seconds": settings.seconds,

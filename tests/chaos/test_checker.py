@@ -22,12 +22,15 @@ from tests.chaos.checker import (
 )
 from tests.chaos.forger import RULES, Pushed
 from tests.chaos.nemesis import KINDS, Played, cut_pairs, schedule
+from tests.chaos.queue_work import QUEUE_TOPIC
 from tests.chaos.shapes import SPLIT_TOPIC
 
 KEY = "repo/r/mem/t/item"
 NOTES = "repo/r/mem/notes/us"
 SPLIT = f"repo/r/mem/{SPLIT_TOPIC}/split-000-0"
-HOMES = {KEY: "us", NOTES: "us"}
+QUEUED = f"repo/r/mem/{QUEUE_TOPIC}/q-us-00000"  # a work-queue item
+POISONED = f"repo/r/mem/{QUEUE_TOPIC}/poison-us"  # and a poison one (maxAttempts:2)
+HOMES = {KEY: "us", NOTES: "us", QUEUED: "us", POISONED: "us"}
 REGIONS = ("us", "eu", "ap")
 AGENTS = ("us-agent-0", "eu-agent-0")
 # Events carry monotonic clock readings; faults, seconds since the run started.
@@ -63,7 +66,25 @@ def record(key: str = KEY, home: str = "us", **fields: str) -> Record:
 
 
 def finals(**fields: str) -> dict[str, dict[str, Record]]:
-    return {region: {KEY: record(**fields), NOTES: record(NOTES)} for region in REGIONS}
+    """KEY with ``fields`` and NOTES, and the work queue as WORKED leaves it."""
+    return {
+        region: {KEY: record(**fields), NOTES: record(NOTES), **queue_states()}
+        for region in REGIONS
+    }
+
+
+DONE_BY = "done by us-queue-0@1"
+
+
+def queue_states(**changed: Record) -> dict[str, Record]:
+    """The work queue's final states after WORKED (QUEUED, POISONED), but ``changed``."""
+    states = {
+        QUEUED: replace(record(QUEUED, result=DONE_BY), status="done", attempts=1,
+                        last_outcome="done"),
+        POISONED: replace(record(POISONED), last_outcome="failed",
+                          tags=("homeRegion:us", "poison", "maxAttempts:2")),
+    }  # fmt: skip
+    return {**states, **changed}
 
 
 def every(states: dict[str, dict[str, Record]], key: str, made: Record) -> None:
@@ -75,6 +96,18 @@ def every(states: dict[str, dict[str, Record]], key: str, made: Record) -> None:
 CONVERGED = Convergence(seconds=1.0, interval=1.0, records=2)
 # Probes that show every region served while the partition lasted.
 SERVED = [event(f"probe-{r}", "probe-read", 12.0, key=NOTES) for r in REGIONS]
+# The work queue at its home, us, after the partition: QUEUED picked, worked and
+# released done; POISONED failed twice (parked), then reopened by the operator.
+WORKED = [
+    event("us-queue-0", "claim-next", 25.0, key="", detail="granted"),
+    event("us-queue-0", "grant", 25.0, token=1, key=QUEUED, detail="us", expires=27.0),
+    event("us-queue-0", "done", 25.5, token=1, key=QUEUED, detail="result", value=DONE_BY),
+    event("us-queue-1", "grant", 26.0, token=1, key=POISONED, detail="us", expires=28.0),
+    event("us-queue-1", "fail", 26.1, token=1, key=POISONED, value="failed"),
+    event("us-queue-1", "grant", 26.5, token=2, key=POISONED, detail="us", expires=28.5),
+    event("us-queue-1", "fail", 26.6, token=2, key=POISONED, value="failed"),
+    event("operator", "reopen", 28.0, key=POISONED, value="parked"),
+]
 
 
 def verdicts(h: History, played: list[Played] | None = None,
@@ -91,9 +124,11 @@ def test_a_clean_history_passes_every_invariant() -> None:
         event("us-agent-0", "write", 2.0, token=1, detail="p.a", value="1"),
         event("eu-agent-0", "grant", 5.0, token=2),
         *SERVED,
+        *WORKED,
     )
     judged = verdicts(h, states=finals(**{"p.a": "1"}))
     assert all(v.ok for v in judged.values()), judged
+    assert len(judged) == 12
 
 
 def test_a_write_with_a_superseded_token_violates_fencing_safety() -> None:
@@ -345,7 +380,7 @@ def split_claims(renewed_after_meeting: bool = False) -> list[Event]:
 def test_claims_granted_on_both_sides_of_a_split_may_overlap_until_the_births_meet() -> None:
     states = finals()
     every(states, SPLIT, record(SPLIT, home="ap"))
-    verdict = verdicts(history(*split_claims(), *SERVED), states=states)
+    verdict = verdicts(history(*split_claims(), *SERVED, *WORKED), states=states)
     assert all(v.ok for v in verdict.values()), verdict
     assert verdict["one live claim at a time"].numbers["split overlaps before meeting"] == 1
 
@@ -550,3 +585,182 @@ def test_forgeries_all_refused_pass_and_a_run_without_any_judges_nothing() -> No
     assert "unsigned_write 4" in verdict.detail and "signer_not_home 7" in verdict.detail
     unjudged = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP])["forgeries refused"]
     assert not unjudged.ok and "nothing to judge" in unjudged.detail
+
+
+# -- 12. no item done twice ---------------------------------------------------------------
+
+
+def queue_verdict(*more: Event, states: dict[str, dict[str, Record]] | None = None,
+                  played: list[Played] | None = None) -> Verdict:  # fmt: skip
+    """Invariant 12 on WORKED and ``more``."""
+    return verdicts(history(*SERVED, *WORKED, *more), played, states)["no item done twice"]
+
+
+def queue_finals(**changed: Record) -> dict[str, dict[str, Record]]:
+    states = finals()
+    for records in states.values():
+        records.update(queue_states(**changed))
+    return states
+
+
+def done_by(agent: str, token: int) -> Record:
+    """QUEUED's final state after ``agent``'s done of ``token``."""
+    return replace(queue_states()[QUEUED], fields={"result": f"done by {agent}@{token}"})
+
+
+def test_a_worked_queue_passes_and_says_what_it_judged() -> None:
+    verdict = queue_verdict()
+    assert verdict.ok, verdict
+    assert verdict.numbers["queue items"] == 2 and verdict.numbers["dones acknowledged"] == 1
+    assert "1 poison items parked and reopened" in verdict.detail
+
+
+def test_an_item_done_twice_without_a_reopen_between_is_caught() -> None:
+    """us-queue-1 was handed QUEUED while us-queue-0's done was still on its way."""
+    second = [
+        event("us-queue-1", "grant", 25.55, token=2, key=QUEUED, detail="us", expires=27.6),
+        event("us-queue-1", "done", 26.0, token=2, key=QUEUED, detail="result",
+              value="done by us-queue-1@2"),
+    ]  # fmt: skip
+    states = queue_finals(**{QUEUED: done_by("us-queue-1", 2)})
+    verdict = queue_verdict(*second, states=states)
+    assert not verdict.ok
+    assert (
+        "done twice with no reopen between: us-queue-0 (token 1, ok) and us-queue-1 (token 2, ok)"
+        in verdict.detail
+    )
+    assert "handed out again" not in verdict.detail  # its grant was sent before the ack
+    # An operator's reopen that could have come between them: done again, legitimately.
+    reopen = event("operator", "reopen", 25.5, key=QUEUED, value="done", outcome="unknown")
+    verdict = queue_verdict(*second, reopen, states=states)
+    assert verdict.ok, verdict
+    assert verdict.numbers["done again after a reopen"] == 1
+
+
+def test_an_item_handed_out_after_its_done_was_acknowledged_is_caught() -> None:
+    again = event("eu-queue-0", "grant", 27.0, token=2, key=QUEUED, detail="us", expires=29.0)
+    verdict = queue_verdict(again)
+    assert not verdict.ok
+    assert (
+        "handed out again to eu-queue-0 (token 2) at 27.00 s, after us-queue-0's done (token 1)"
+        " was acknowledged at 25.60 s" in verdict.detail
+    )
+    # Refused reopens change nothing; one acknowledged after the grant was sent is too late.
+    refused = event("operator", "reopen", 26.0, key=QUEUED, outcome="fail", detail="missing")
+    late = event("operator", "reopen", 27.5, key=QUEUED, value="done")
+    # (Handed out again, its claim lapsed: the item ends open, one attempt counted.)
+    lapsed = queue_finals(**{QUEUED: replace(queue_states()[QUEUED], status="open")})
+    assert not queue_verdict(again, refused, late, states=lapsed).ok
+    assert queue_verdict(again, replace(late, invoked=START + 26.9), states=lapsed).ok
+
+
+def test_an_unknown_done_counts_only_when_the_final_state_shows_it_took_effect() -> None:
+    second = [
+        event("us-queue-1", "grant", 25.55, token=2, key=QUEUED, detail="us", expires=27.6),
+        event("us-queue-1", "done", 26.0, token=2, key=QUEUED, outcome="unknown",
+              detail="result", value="done by us-queue-1@2"),
+    ]  # fmt: skip
+    # Its result is not in the final state: it may never have reached the home.
+    assert queue_verdict(*second).ok
+    took_effect = queue_finals(**{QUEUED: done_by("us-queue-1", 2)})
+    verdict = queue_verdict(*second, states=took_effect)
+    assert not verdict.ok and "us-queue-1 (token 2, unknown)" in verdict.detail
+
+
+def test_an_acknowledged_done_that_is_not_done_everywhere_at_the_end_is_caught() -> None:
+    states = queue_finals()
+    states["eu"][QUEUED] = replace(states["eu"][QUEUED], status="open")
+    del states["ap"][QUEUED]
+    verdict = queue_verdict(states=states)
+    assert not verdict.ok
+    assert (
+        "us-queue-0's done (token 1) was acknowledged, but the item is eu: open, ap: missing"
+        in (verdict.detail)
+    )
+    reopened = event("operator", "reopen", 29.0, key=QUEUED, value="done")
+    opened = queue_finals(**{QUEUED: replace(queue_states()[QUEUED], status="open", attempts=0)})
+    assert queue_verdict(reopened, states=opened).ok
+
+
+def test_an_item_done_at_the_end_needs_a_done_that_made_it_so() -> None:
+    poison_done = replace(queue_states()[POISONED], status="done", attempts=1, last_outcome="done")
+    verdict = queue_verdict(states=queue_finals(**{POISONED: poison_done}))
+    assert not verdict.ok
+    assert f"{POISONED} is done at us with no done release that could have made it" in (
+        verdict.detail
+    )
+    # Reopened after its only done, yet done: nothing done it again.
+    reopened = event("operator", "reopen", 29.0, key=QUEUED, value="done")
+    assert "no done release" in queue_verdict(reopened).detail
+    no_attempts = replace(queue_states()[QUEUED], attempts=0)
+    verdict = queue_verdict(states=queue_finals(**{QUEUED: no_attempts}))
+    assert not verdict.ok and "done at us with 0 attempts and last outcome 'done'" in verdict.detail
+
+
+def test_a_poison_item_handed_out_while_parked_is_caught() -> None:
+    third = event("eu-queue-1", "grant", 27.0, token=3, key=POISONED, detail="us", expires=29.0)
+    verdict = queue_verdict(third)
+    assert not verdict.ok
+    assert "(maxAttempts:2) granted 3 times with no reopen between, tokens 1 to 3" in (
+        verdict.detail
+    )
+    after_reopen = replace(third, invoked=START + 28.5, completed=START + 28.6)
+    assert queue_verdict(after_reopen).ok
+    counted = replace(queue_states()[POISONED], attempts=3)
+    verdict = queue_verdict(states=queue_finals(**{POISONED: counted}))
+    assert not verdict.ok and "counts more than 2 attempts (us: 3" in verdict.detail
+
+
+def test_a_done_lost_with_its_homes_disk_is_counted_not_failed() -> None:
+    """us lost its disk 0.4 s after acknowledging the done: QUEUED was worked again."""
+    wipe = Played("wipe", ("us",), 26.0, 27.0, down_at=26.0)
+    again = [
+        event("eu-queue-0", "grant", 28.0, token=1 + 2**20, key=QUEUED, detail="us",
+              expires=30.0),
+        event("eu-queue-0", "done", 28.5, token=1 + 2**20, key=QUEUED, detail="result",
+              value=f"done by eu-queue-0@{1 + 2**20}"),
+    ]  # fmt: skip
+    states = queue_finals(**{QUEUED: done_by("eu-queue-0", 1 + 2**20)})
+    verdict = queue_verdict(*again, states=states, played=[PARTITION, CATCH_UP, FORGE, wipe])
+    assert verdict.ok, verdict
+    assert verdict.numbers["lost with a disk"] == 1 and "1 dones lost with a wiped disk" in (
+        verdict.detail
+    )
+    # Five healthy seconds before the wipe: it could have passed the done on.
+    later = Played("wipe", ("us",), 31.0, 32.0, down_at=31.0)
+    moved = [replace(e, invoked=e.invoked + 5, completed=e.completed + 5) for e in again]
+    assert not queue_verdict(*moved, states=states, played=[PARTITION, CATCH_UP, FORGE, later]).ok
+
+
+def test_a_run_with_no_done_or_no_parked_item_reopened_judges_nothing() -> None:
+    unqueued = {region: {KEY: record(), NOTES: record(NOTES)} for region in REGIONS}
+    nothing = verdicts(history(*SERVED), states=unqueued)["no item done twice"]
+    assert not nothing.ok and "nothing to judge" in nothing.detail
+    unparked = [e for e in WORKED if e.op != "reopen"]
+    verdict = verdicts(history(*SERVED, *unparked))["no item done twice"]
+    assert not verdict.ok and "parking was never put to the test" in verdict.detail
+
+
+def test_queue_claims_feed_the_claim_invariants() -> None:
+    """A release done ends its claim (QUEUED is reopened and handed out again within
+    token 1's lease), and a done under a superseded token breaks fencing safety."""
+    reopened = [
+        event("operator", "reopen", 25.7, key=QUEUED, value="done"),
+        event("eu-queue-0", "grant", 25.9, token=2, key=QUEUED, detail="us", expires=28.0),
+    ]
+    verdict = verdicts(history(*SERVED, *WORKED, *reopened))
+    assert verdict["one live claim at a time"].ok, verdict["one live claim at a time"]
+    stale = event("us-queue-0", "done", 26.5, token=1, key=QUEUED, detail="result", value="x")
+    verdict = verdicts(history(*SERVED, *WORKED, *reopened, stale))
+    assert not verdict["fencing safety"].ok
+    assert "us-queue-0 wrote" in verdict["fencing safety"].detail
+
+
+def test_a_claim_next_may_take_a_deadline_per_region_and_its_wait() -> None:
+    """During the partition: three regions asked, 2 s deadline each, and a 1 s wait."""
+    asked = event("ap-queue-0", "claim-next", 12.0, key="", outcome="fail", detail="empty",
+                  took=7.5)  # fmt: skip
+    assert verdicts(history(*SERVED, asked))["availability"].ok
+    hung = replace(asked, completed=asked.invoked + 8.5)
+    verdict = verdicts(history(*SERVED, hung))["availability"]
+    assert not verdict.ok and "ap-queue-0 claim-next took 8.50 s" in verdict.detail

@@ -13,7 +13,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeVar
@@ -32,13 +32,17 @@ from fencemark.client import (
 
 REPO, TOPIC, TAG = "lattice", "backlog", "backlog"
 POISON = "poison"  # an item that fails every time it is worked on (QueueAgent)
+# Operations accepted only under their token: a release done writes its fields too.
+FENCED = ("write", "finish", "done", "stale-write")
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Event:
     agent: str
-    op: str  # claim | write | renew | finish | release | stale-write | stale-renew
+    # claim | write | renew | finish | release | stale-write | stale-renew; a
+    # QueueAgent's claim-next | done | fail (the release with its outcome)
+    op: str
     key: str
     token: int
     outcome: str  # ok | fail | unknown
@@ -272,14 +276,43 @@ class Agent:
 class QueueAgent(Agent):
     """Takes work with ``ClaimNext`` and ends each claim with its outcome (SPEC §8): the
     result and ``done`` in one release under the token. An item tagged ``poison``
-    fails every time: released ``failed`` until it is parked."""
+    fails every time: released ``failed`` until it is parked.
+
+    Its history says what it did: ``claim-next`` (no key: the node picks), the
+    ``grant`` it got, ``write``/``renew`` as an :class:`Agent`'s, then ``done`` (the
+    release, with the ``result`` field it wrote, a value of its own per claim) or
+    ``fail``. ``topic`` and ``tags`` say which items it asks for; ``wait_seconds``,
+    how long its own region's node may keep it waiting when no region has one."""
+
+    def __init__(
+        self,
+        name: str,
+        region: str,
+        client: AsyncClient,
+        history: History,
+        *,
+        lease_seconds: float,
+        steps: int = 3,
+        work_seconds: float = 0.05,
+        pause_once: bool = False,
+        seed: int = 0,
+        topic: str = TOPIC,
+        tags: Sequence[str] = (TAG,),
+        wait_seconds: float = 0.0,
+    ) -> None:
+        super().__init__(name, region, client, history, lease_seconds=lease_seconds,
+                         steps=steps, work_seconds=work_seconds, pause_once=pause_once,
+                         seed=seed)  # fmt: skip
+        self.topic = topic
+        self.tags = tuple(tags)
+        self.wait = wait_seconds
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             picked = await self._call(
-                "claim", "", 0,
-                self.client.claim_next(REPO, TOPIC, self.name, lease_seconds=self.lease,
-                                       tags=[TAG]),
+                "claim-next", "", 0,
+                self.client.claim_next(REPO, self.topic, self.name, lease_seconds=self.lease,
+                                       wait_seconds=self.wait, tags=self.tags),
             )  # fmt: skip
             if picked is None or not picked.granted or picked.record is None:
                 await asyncio.sleep(self.rng.uniform(0.05, 0.2))
@@ -295,9 +328,9 @@ class QueueAgent(Agent):
             await self._work_on(key, token)
 
     async def _finish(self, key: str, token: int) -> None:
-        done = {"result": f"done by {self.name}"}
-        release = self.client.release_claim(key, token, outcome="done", fields=done)
-        released = await self._call("finish", key, token, release, detail="status", value="done")
+        result = f"done by {self.name}@{token}"  # whose claim it was, in the final state
+        release = self.client.release_claim(key, token, outcome="done", fields={"result": result})
+        released = await self._call("done", key, token, release, detail="result", value=result)
         if released is not None and released.released:
             self.finished += 1
 
@@ -333,7 +366,7 @@ def grants_by_key(history: History) -> dict[str, list[Event]]:
 def fencing_safety(history: History, grants: Mapping[str, list[Event]]) -> Check:
     violations = []
     for event in history.events:
-        if event.op not in ("write", "finish", "stale-write") or event.outcome != "ok":
+        if event.op not in FENCED or event.outcome != "ok":
             continue
         for grant in grants.get(event.key, []):
             if grant.token > event.token and grant.completed < event.invoked:
@@ -350,7 +383,7 @@ def fencing_safety(history: History, grants: Mapping[str, list[Event]]) -> Check
     for event in history.events:
         since = told.get((event.agent, event.key, event.token))
         late = since is not None and event.invoked > since
-        if late and event.outcome == "ok" and event.op in ("write", "finish", "stale-write"):
+        if late and event.outcome == "ok" and event.op in FENCED:
             violations.append(f"{event.agent} wrote {event.key} after being told superseded")
         elif event.op == "stale-write" and event.outcome == "ok":
             # Written after the worker stalled past its lease: expired or superseded.
