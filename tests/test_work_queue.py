@@ -548,3 +548,34 @@ async def test_a_take_back_writes_its_outcome_at_the_moved_fence(
     assert outcome is not None and outcome.stamp.epoch == stored.record.fence.fence == taken.fence
     missing = await client.force_release(key_of("no-such"), "x")
     assert (missing.released, missing.superseded_token, missing.fence) == (False, 0, 0)
+
+
+async def test_a_pick_passes_over_an_item_being_changed_and_comes_back_to_it(
+    tmp_path: Path,
+) -> None:
+    """Regression (the drain benchmark): callers that all read the same first page
+    queued on its first item's lock, each waiting out the grant before it, so grants
+    went one fsync at a time. An item whose lock is taken is passed over for the next
+    one; and when nothing else can be had it is tried after all, never answered empty.
+    (The lock is taken directly here: the only way to hold it still for a test.)"""
+    async with claims_on_file(tmp_path) as claims:
+        work, replica = WorkQueue(claims), claims.replica
+        first, second = await made(claims, "first"), await made(claims, "second")
+        async with replica._locks.hold(first), asyncio.timeout(5):  # not wait for it
+            assert replica.busy(first)
+            picked = await work.claim_next("claims", "backlog", "w1", caller=ANYONE,
+                                           lease_seconds=LONG)  # fmt: skip
+            assert picked.stored is not None and picked.stored.record.key == second
+        lock_held = asyncio.Event()
+
+        async def hold_a_moment() -> None:
+            async with replica._locks.hold(first):
+                lock_held.set()
+                await asyncio.sleep(0.2)
+
+        holder = asyncio.create_task(hold_a_moment())
+        await lock_held.wait()
+        late = await work.claim_next("claims", "backlog", "w2", caller=ANYONE, lease_seconds=LONG)
+        assert late.stored is not None and late.stored.record.key == first
+        assert holder.done()  # it waited for the lock rather than answer empty
+        await holder

@@ -63,6 +63,10 @@ class KeyLocks:
             else:
                 self._locks[key] = (lock, users - 1)
 
+    def busy(self, key: str) -> bool:
+        """Someone holds ``key``'s lock or waits for it."""
+        return key in self._locks
+
 
 @dataclass(frozen=True)
 class Remembered:
@@ -150,6 +154,10 @@ class Replica:
     ) -> list[Pickable]:
         """Items of ``scope`` homed here the pick index offers now, in pick order."""
         return await self.storage.picks(scope, self.region, now_ms, after=after, limit=limit)
+
+    def busy(self, key: str) -> bool:
+        """A change of ``key`` is under way (or waiting): its lock is taken."""
+        return self._locks.busy(key)
 
     async def held_by(self, scope: str, owner: str, now_ms: int) -> list[str]:
         """Keys of ``scope``'s items homed here that a live lease of ``owner`` holds,

@@ -92,19 +92,34 @@ class WorkQueue:
     async def _pick(
         self, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]
     ) -> Picked | None:
-        """Grant the first candidate of the pick index that is eligible under its lock."""
+        """Grant the first candidate of the pick index that is eligible under its lock.
+
+        A candidate whose lock is taken — most often another caller being granted it
+        right now — is passed over at first and tried only if nothing after it could
+        be had: callers that all read the same first page then spread over its items
+        instead of queueing on the first one's fsync, and a busy item that turns out
+        to be free is still handed out rather than answered ``empty``."""
         after: Pickable | None = None
+        passed: list[str] = []
         while True:
             page = await self.replica.picks(
                 scope, self.replica.wall_ms(), after=after, limit=PICK_PAGE
             )
             for candidate in page:
+                if self.replica.busy(candidate.key):
+                    passed.append(candidate.key)
+                    continue
                 picked = await self._try(candidate.key, scope, owner, caller, lease_ms, tags)
                 if picked is not None:
                     return picked
             if len(page) < PICK_PAGE:
-                return None
+                break
             after = page[-1]
+        for key in passed:
+            picked = await self._try(key, scope, owner, caller, lease_ms, tags)
+            if picked is not None:
+                return picked
+        return None
 
     async def _held(
         self, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]
