@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.client import AsyncClient
+from fencemark.client import AsyncClient, Unavailable
 from fencemark.node.tools.cluster import LocalCluster
 from tests.cluster import eventually
 from tests.test_partition import all_deciding, converged
@@ -65,6 +65,22 @@ async def test_a_client_takes_work_from_its_own_region_first_then_from_the_other
     done = await us.release_claim(second.record.key, second.fencing_token, outcome="done")
     assert done.released
     assert (await us.claim_next(REPO, TOPIC, "us-worker-2")).reason == "empty"
+
+
+async def test_a_region_out_of_reach_is_passed_over_for_the_next(
+    cluster: LocalCluster, clients: dict[str, AsyncClient]
+) -> None:
+    """Regression (the chaos tier): ClaimNext gave up with UNAVAILABLE at the first
+    region it could not reach, though another region had work. Here ``dead`` is a
+    loopback port nobody listens on, named between us and the others."""
+    await clients["eu"].remember(REPO, TOPIC, "far-item", tags=["homeRegion:eu"])
+    routes = {**cluster.routes_from("us"), "dead": "127.0.0.1:1"}
+    async with AsyncClient(cluster.addresses["us"], regions=routes, timeout=2) as client:
+        picked = await client.claim_next(REPO, TOPIC, "w", lease_seconds=60)
+        assert picked.record is not None and picked.record.id == "far-item"
+    async with AsyncClient("127.0.0.1:1", regions={"dead": "127.0.0.1:1"}, timeout=1) as none:
+        with pytest.raises(Unavailable):
+            await none.claim_next(REPO, TOPIC, "w")  # no region answered at all
 
 
 async def test_an_after_link_to_another_region_waits_for_the_done_to_replicate(

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2
 
 from fencemark.client import _convert as convert
 from fencemark.client._routing import Router, Stubs, home_named, home_tag
-from fencemark.client.errors import ClaimConflict, WatcherTooSlow, from_rpc_error
+from fencemark.client.errors import ClaimConflict, Unavailable, WatcherTooSlow, from_rpc_error
 from fencemark.client.types import (
     ClaimNextResult,
     ClaimResult,
@@ -491,8 +491,10 @@ class AsyncClient:
 
         Each node hands out the items homed in its region. The client asks
         ``target`` first, then every other region of ``regions`` in name order,
-        each without waiting; only if none has an item does it wait up to
-        ``wait_seconds`` at ``target``.
+        each without waiting, passing over a region it cannot reach (``Unavailable``
+        only when none answered); only if none has an item does it wait up to
+        ``wait_seconds`` at ``target``. A grant whose reply was lost on the way is
+        not retried at another region: it lapses there and counts one attempt.
         """
         request = claims_pb2.ClaimNextRequest(
             repo=convert.check_str("repo", repo),
@@ -505,12 +507,18 @@ class AsyncClient:
         wait = convert.check_seconds("wait_seconds", wait_seconds)
         addresses = [self.target, *sorted(set(self._router.regions.values()) - {self.target})]
         result: ClaimNextResult | None = None
+        unreachable: list[Unavailable] = []
         for address in addresses:
-            result = await self._next_at(address, request)
+            try:
+                result = await self._next_at(address, request)
+            except Unavailable as away:  # cut off, down or catching up: ask the next one
+                unreachable.append(away)
+                continue
             if result.granted or result.reason != EMPTY:
                 return result
+        if result is None:
+            raise unreachable[0]  # no region answered
         if wait == 0:
-            assert result is not None  # addresses holds target at least
             return result
         request.wait_seconds = wait
         extra = wait if math.isfinite(wait) and 0 < wait <= MAX_WAIT_SECONDS else 0.0
