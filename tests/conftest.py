@@ -87,7 +87,7 @@ async def start_node(tmp_path: Path) -> AsyncIterator[StartNode]:
     ) -> NodeServer:
         config = NodeConfig(
             region=region,
-            listen="127.0.0.1:0",
+            listen=str(overrides.pop("listen", "127.0.0.1:0")),
             data_dir=data_dir or tmp_path / f"{region}-{len(running)}",
             enable_writes=enable_writes,
             grace_seconds=0.5,

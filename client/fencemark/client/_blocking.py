@@ -16,6 +16,7 @@ from collections.abc import (
     AsyncIterator,
     Callable,
     Coroutine,
+    Generator,
     Iterable,
     Iterator,
     Mapping,
@@ -173,7 +174,7 @@ class Client:
         tags: Iterable[str] = (),
         cursor: str = "",
         reconnect_seconds: float = 0.5,
-    ) -> Iterator[WatchEvent]:
+    ) -> Generator[WatchEvent, None, None]:
         """``AsyncClient.watch`` as a blocking iterator: each event when it comes."""
         events = self._async_client.watch(
             repo, topic=topic, tags=tags, cursor=cursor, reconnect_seconds=reconnect_seconds

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import json
 import logging
 import time
@@ -268,7 +269,8 @@ access_log = logging.getLogger("fencemark.node.access")
 
 # Generic in grpc-stubs only: not subscriptable at runtime.
 class Telemetry(Interceptor):
-    """Request ids, timing and counts for every unary call."""
+    """Request ids, timing and counts for every unary call, and for server streams
+    served by writing to the context (``Records.Watch``): their time is the stream's."""
 
     def __init__(self, metrics: NodeMetrics) -> None:
         self.metrics = metrics
@@ -276,7 +278,10 @@ class Telemetry(Interceptor):
     def wrap(
         self, details: grpc.HandlerCallDetails, behaviour: Behaviour, shape: Shape
     ) -> Behaviour | None:
-        if shape is not Shape.UNARY:
+        streams_by_writing = shape is Shape.SERVER_STREAMING and not inspect.isasyncgenfunction(
+            behaviour
+        )
+        if shape is not Shape.UNARY and not streams_by_writing:
             return None
         method = details.method.rsplit("/", 1)[-1]
         given = dict(details.invocation_metadata or ()).get(REQUEST_ID_METADATA, "")
