@@ -11,6 +11,7 @@ Every wait is bounded: watchers stop after the events a test expects, within
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from fencemark.v1 import records_pb2, records_pb2_grpc
 from tests.cluster import Cluster, all_deciding, eventually
 from tests.conftest import StartNode
 from tests.metrics import refusals
+from tests.test_cli import fencemark
 
 REPO, TOPIC = "feed", "work"
 WRITES = 150  # of 200 kB each: far more than the stream's flow-control windows hold
@@ -301,3 +303,22 @@ async def test_a_watcher_that_stops_reading_is_cut_off_with_its_cursor_while_wri
         return refusals(node).get(("Watch", "watcher_too_slow")) == 1
 
     await eventually(counted, "the cut-off counted as a refusal")
+
+
+async def test_fencemark_watch_prints_one_json_line_per_event(node: NodeServer) -> None:
+    async with AsyncClient(node.address) as client:
+        events = await started(client)
+        for name in ("one", "two", "three"):
+            await client.remember(REPO, TOPIC, name)
+        first = (await take(events, 1))[0]
+    ran = await fencemark(
+        "watch", "--target", node.address, "--repo", REPO, "--cursor", first.cursor,
+        "--count", "2",
+    )  # fmt: skip
+    assert ran.code == 0, ran.stderr
+    lines = [json.loads(line) for line in ran.stdout.splitlines()]
+    assert [(e["kind"], e["record"]["id"]) for e in lines] == [
+        ("created", "two"),
+        ("created", "three"),
+    ]
+    assert int(lines[0]["cursor"].rpartition(".")[2]) == int(first.cursor.rpartition(".")[2]) + 1

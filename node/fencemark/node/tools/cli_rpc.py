@@ -81,7 +81,8 @@ def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[objec
     except FencemarkError as exc:
         print(f"fencemark: {exc}", file=sys.stderr)
         return 1
-    _print_json(result)
+    if result is not None:  # None: the call printed its own output (watch)
+        _print_json(result)
     return 0
 
 
@@ -111,6 +112,7 @@ def add_rpc_commands(client_parser: Callable[[str, str], argparse.ArgumentParser
     _add_reopen(client_parser)
     _add_force_release(client_parser)
     _add_history(client_parser)
+    _add_watch(client_parser)
     _add_info(client_parser)
 
 
@@ -274,6 +276,28 @@ def _add_history(client_parser: Callable[[str, str], argparse.ArgumentParser]) -
     p = client_parser("history", "Records.History: a record's recent claim events")
     p.add_argument("key")
     p.set_defaults(func=lambda a: _client_call(a, lambda c: c.history(a.key)))
+
+
+def _add_watch(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    p = client_parser(
+        "watch", "Records.Watch: follow the changes, one JSON line per event, resuming by itself"
+    )
+    p.add_argument("--repo", required=True)
+    p.add_argument("--topic", default="")
+    p.add_argument("--tag", action="append", default=[], help="only records with it (repeat)")
+    p.add_argument("--cursor", default="", help="resume right after this event (default: now)")
+    p.add_argument("--count", type=int, default=0, help="stop after this many events (0: never)")
+
+    async def watch(client: Any, a: argparse.Namespace) -> None:
+        taken = 0
+        async for event in client.watch(a.repo, topic=a.topic, tags=a.tag, cursor=a.cursor):
+            line = dataclasses.asdict(event)
+            print(json.dumps(line, default=_json_default, ensure_ascii=False), flush=True)
+            taken += 1
+            if taken == a.count:
+                return
+
+    p.set_defaults(func=lambda a: _client_call(a, lambda c: watch(c, a)))
 
 
 def _add_claim_status(client_parser: Callable[[str, str], argparse.ArgumentParser]) -> None:
