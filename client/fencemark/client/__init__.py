@@ -20,6 +20,7 @@ from fencemark.client.errors import (
     WatcherTooSlow,
     WrongRegion,
 )
+from fencemark.client.keepalive import ClaimLost, Hold
 from fencemark.client.retry import retry_safe_methods
 from fencemark.client.tls import tls_credentials
 from fencemark.client.types import (
@@ -45,6 +46,7 @@ __all__ = [
     "AsyncClient",
     "ClaimConflict",
     "ClaimEvent",
+    "ClaimLost",
     "ClaimNextResult",
     "ClaimResult",
     "ClaimStatus",
@@ -53,6 +55,7 @@ __all__ = [
     "FencemarkError",
     "ForceReleaseResult",
     "History",
+    "Hold",
     "InvalidArgument",
     "LiveClaim",
     "NodeInfo",

@@ -14,6 +14,7 @@ caller sees reads in one file; conversions and routing live in their modules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2
 from fencemark.client import _convert as convert
 from fencemark.client._routing import Router, Stubs, home_named, home_tag
 from fencemark.client.errors import ClaimConflict, Unavailable, WatcherTooSlow, from_rpc_error
+from fencemark.client.keepalive import Hold, holding
 from fencemark.client.types import (
     ClaimNextResult,
     ClaimResult,
@@ -444,6 +446,30 @@ class AsyncClient:
             convert.renew_result_from_proto,
             home_only=True,
         )
+
+    def hold(
+        self,
+        claim: ClaimResult | ClaimNextResult,
+        *,
+        key: str = "",
+        lease_seconds: float,
+        cancel_on_loss: bool = False,
+    ) -> contextlib.AbstractAsyncContextManager[Hold]:
+        """Keep ``claim`` alive while the ``async with`` lasts: renew it every
+        ``lease_seconds / 3`` and say at once when it is lost (``keepalive``). ``key``
+        is the record's (a ``ClaimNextResult`` carries it); ``lease_seconds`` the lease
+        each renewal asks for. With ``cancel_on_loss`` the task in the block is
+        cancelled on a loss and the block raises ``ClaimLost``."""
+        if not claim.granted:
+            raise ValueError(f"nothing to hold: the claim was not granted ({claim.reason})")
+        record = getattr(claim, "record", None)
+        key = key or (record.key if record is not None else "")
+        if not key:
+            raise ValueError("hold() needs the record's key for a Claim's result: key=...")
+        lease = convert.check_seconds("lease_seconds", lease_seconds)
+        if not 1 <= lease <= 3600:
+            raise ValueError(f"lease_seconds must be 1 to 3600 (SPEC §2), got {lease}")
+        return holding(self, key, claim.fencing_token, lease, cancel_on_loss=cancel_on_loss)
 
     async def release_claim(
         self,

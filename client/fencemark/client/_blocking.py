@@ -9,6 +9,7 @@ they all funnel into that one loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 from collections.abc import (
@@ -27,7 +28,8 @@ from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 import grpc
 
 from fencemark.client._aio import AsyncClient
-from fencemark.client.types import Record, WatchEvent
+from fencemark.client.keepalive import Hold
+from fencemark.client.types import ClaimNextResult, ClaimResult, Record, WatchEvent
 
 __all__ = ["Client"]
 
@@ -191,6 +193,20 @@ class Client:
         finally:
             if not self._closed:  # after close() the loop is gone, and the channel too
                 self._run(items.aclose())
+
+    @contextlib.contextmanager
+    def hold(
+        self, claim: ClaimResult | ClaimNextResult, *, key: str = "", lease_seconds: float
+    ) -> Iterator[Hold]:
+        """``AsyncClient.hold`` for blocking code: the renewals run in the client's
+        loop; check ``hold.held`` (or call ``hold.check()``) between steps of work."""
+        manager = self._async_client.hold(claim, key=key, lease_seconds=lease_seconds)
+        held = self._run(manager.__aenter__())
+        try:
+            yield held
+        finally:
+            if not self._closed:
+                self._run(manager.__aexit__(None, None, None))
 
     def iter_records(
         self,
