@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from fencemark.node.api.handlers import SERVICES
 from fencemark.node.api.server import MAX_RECEIVE_BYTES
+from fencemark.node.api.service import CURSOR_HEADER
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.dockerenv import free_port
 
@@ -171,6 +172,17 @@ def fingerprint(channel: grpc.Channel) -> tuple[bytes, int]:
 
 def call(channel: grpc.Channel, service: Any, method: Any, request: bytes) -> grpc.StatusCode:
     response = message_factory.GetMessageClass(method.output_type)
+    if method.server_streaming:  # Records.Watch: accepted once the stream starts
+        stream = channel.unary_stream(
+            f"/{service.full_name}/{method.name}",
+            request_serializer=lambda raw: raw,
+            response_deserializer=response.FromString,
+        )(request, timeout=CALL_DEADLINE_S)
+        started = dict(stream.initial_metadata() or ())
+        if CURSOR_HEADER in started:
+            stream.cancel()  # type: ignore[no-untyped-call]
+            return grpc.StatusCode.OK
+        return stream.code()
     stub = channel.unary_unary(
         f"/{service.full_name}/{method.name}",
         request_serializer=lambda raw: raw,

@@ -174,6 +174,9 @@ async def _serve_http(server: RepoContextServer, listen: str, about: str, log: T
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        # Listening before the banner names the URL: a client that connects on
+        # reading it is queued, not refused while uvicorn is still starting.
+        sock.listen(2048)
     except OSError as error:
         sock.close()
         print(f"fencemark mcp: cannot listen on {listen}: {error}", file=log, flush=True)
