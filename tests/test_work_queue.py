@@ -18,6 +18,8 @@ from fencemark.client import AsyncClient, InvalidArgument, Record
 from fencemark.node.api.server import NodeServer
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.work_queue import WorkQueue
+from fencemark.node.crdt import Record as StateRecord
+from fencemark.node.crdt import Stamp
 from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
 from fencemark.node.rules import queue
 from fencemark.node.rules.admission import ANYONE
@@ -579,3 +581,59 @@ async def test_a_pick_passes_over_an_item_being_changed_and_comes_back_to_it(
         assert late.stored is not None and late.stored.record.key == first
         assert holder.done()  # it waited for the lock rather than answer empty
         await holder
+
+
+# -- pinned by the mutation run of core/work_queue ------------------------------------------
+
+
+async def test_a_pick_reads_past_whole_pages_of_items_it_cannot_take(client: AsyncClient) -> None:
+    """The index is read a page at a time (PICK_PAGE): an eligible item behind more than
+    a page of older items without the asked tag is still found, and exactly it."""
+    from fencemark.node.core.work_queue import PICK_PAGE
+
+    for i in range(2 * PICK_PAGE + 1):
+        await item(client, f"plain-{i:03d}")
+    await item(client, "tagged", "needs:gpu")
+    picked = await client.claim_next(REPO, TOPIC, "w", tags=["needs:gpu"], lease_seconds=LONG)
+    assert picked.record is not None and picked.record.id == "tagged"
+    assert PICK_PAGE == 32
+
+
+async def test_an_operators_reason_takes_1_to_256_printable_characters(
+    client: AsyncClient,
+) -> None:
+    made = await item(client, "reasons")
+    assert (await client.reopen(made.key, "r" * 256)).record is not None
+    for bad in ("r" * 257, "", "tab\\there".replace("\\t", "\t")):
+        with pytest.raises(InvalidArgument) as refused:
+            await client.reopen(made.key, bad)
+        assert [name for name, _ in refused.value.violations] == ["reason"]
+
+
+async def test_reopen_and_force_release_answer_no_record_when_they_change_nothing(
+    start_node: StartNode,
+) -> None:
+    """A refusal (here: another region's item) comes back without the record, and a
+    take-back without a live claim names no superseded token."""
+    node = await start_node("us")
+    async with AsyncClient(node.address) as client:
+        await client.remember(REPO, TOPIC, "here")
+        await node.replica.merge(
+            StateRecord(key_of("elsewhere")).create("eu", Stamp(0, node.replica.now_hlc(), "n-eu"))
+        )
+        reopened = await client.reopen(key_of("elsewhere"), "not mine")
+        assert (reopened.reopened, reopened.record) == (False, None)
+        taken = await client.force_release(key_of("elsewhere"), "not mine")
+        assert (taken.released, taken.superseded_token) == (False, 0)
+        free = await client.force_release(key_of("here"), "no claim")
+        assert (free.released, free.superseded_token) == (False, 0)
+
+
+async def test_each_claim_next_counts_one_outcome(node: NodeServer) -> None:
+    async with AsyncClient(node.address) as client:
+        await item(client, "counted")
+        before = dict(node.claims.outcomes)
+        await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+        await client.claim_next(REPO, TOPIC, "w2")
+    assert node.claims.outcomes["granted"] - before.get("granted", 0) == 1
+    assert node.claims.outcomes["empty"] - before.get("empty", 0) == 1
