@@ -637,3 +637,28 @@ async def test_each_claim_next_counts_one_outcome(node: NodeServer) -> None:
         await client.claim_next(REPO, TOPIC, "w2")
     assert node.claims.outcomes["granted"] - before.get("granted", 0) == 1
     assert node.claims.outcomes["empty"] - before.get("empty", 0) == 1
+
+
+async def test_a_deferral_ends_exactly_retry_after_seconds_after_the_release(
+    tmp_path: Path,
+) -> None:
+    """On a clock that stands still: not_before is the release's moment plus the
+    deferral to the millisecond; 0 s defers to that very moment (allowed)."""
+    now = 1_767_225_600_000
+    async with claims_on_file(tmp_path, lambda: now) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "deferred")
+        for seconds in (61.5, 0.0):
+            expected = now + round(seconds * 1000)
+            picked = await work.claim_next("claims", "backlog", f"w{seconds}", lease_seconds=60,
+                                           caller=ANYONE)  # fmt: skip
+            assert picked.outcome.ok, picked.outcome
+            ended = await claims.release(
+                key, picked.outcome.token, caller=ANYONE, outcome="deferred",
+                retry_after_seconds=seconds,
+            )  # fmt: skip
+            assert ended.ok
+            stored = await claims.replica.find(key)
+            assert stored is not None and stored.record.not_before_ms == expected
+            if seconds:
+                now += 61_500  # the deferral is over
