@@ -85,8 +85,7 @@ class QueueWork:
                 workload.client(region, routed=True, retries=2, identity=name),
                 self.history, lease_seconds=workload.lease_seconds, steps=STEPS,
                 work_seconds=WORK_S, seed=rng.randrange(1 << 30),
-                topic=QUEUE_TOPIC, tags=(QUEUE_TAG,), wait_seconds=WAIT_S,
-            )
+            ).asking(QUEUE_TOPIC, (QUEUE_TAG,), WAIT_S)
             for region in workload.regions
             for name in (f"{region}-queue-{i}" for i in range(AGENTS_PER_REGION))
         ]  # fmt: skip

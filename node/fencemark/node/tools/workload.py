@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TypeVar
+from typing import Self, TypeVar
 
 from fencemark.client import (
     AsyncClient,
@@ -284,28 +284,15 @@ class QueueAgent(Agent):
     ``fail``. ``topic`` and ``tags`` say which items it asks for; ``wait_seconds``,
     how long its own region's node may keep it waiting when no region has one."""
 
-    def __init__(
-        self,
-        name: str,
-        region: str,
-        client: AsyncClient,
-        history: History,
-        *,
-        lease_seconds: float,
-        steps: int = 3,
-        work_seconds: float = 0.05,
-        pause_once: bool = False,
-        seed: int = 0,
-        topic: str = TOPIC,
-        tags: Sequence[str] = (TAG,),
-        wait_seconds: float = 0.0,
-    ) -> None:
-        super().__init__(name, region, client, history, lease_seconds=lease_seconds,
-                         steps=steps, work_seconds=work_seconds, pause_once=pause_once,
-                         seed=seed)  # fmt: skip
-        self.topic = topic
-        self.tags = tuple(tags)
-        self.wait = wait_seconds
+    topic: str = TOPIC
+    tags: tuple[str, ...] = (TAG,)
+    wait: float = 0.0
+
+    def asking(self, topic: str, tags: Sequence[str], wait_seconds: float = 0.0) -> Self:
+        """This agent, asking for the items of ``topic`` with ``tags``, waiting up to
+        ``wait_seconds`` when no region has one."""
+        self.topic, self.tags, self.wait = topic, tuple(tags), wait_seconds
+        return self
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
