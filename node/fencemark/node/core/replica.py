@@ -6,7 +6,7 @@ and persists the result before returning, so an acknowledged write is on disk
 and a refused one changed nothing. The rules themselves live in ``admission``
 and ``validation``.
 
-One module of about 590 lines, on purpose: every change to a record passes here,
+One module of about 640 lines, on purpose: every change to a record passes here,
 and the steps of one write — the gate, admission, the lapse due and what it does
 to the work queue, the signature, ``transact`` with its claim events — read in one
 place, in the order they run.
@@ -72,6 +72,25 @@ class KeyLocks:
 class Remembered:
     stored: Stored
     created: bool
+
+
+def _within_limits(changed: Record, known: tuple[Record, bytes] | None, *, local: bool) -> bytes:
+    """``changed``'s canonical state, refused if over the limits of a client write."""
+    # A merge that takes the remote state whole stores its bytes as they came:
+    # canonical, so equal records encode alike.
+    state = known[1] if known is not None and changed == known[0] else codec.encode(changed)
+    if local and len(state) > validation.MAX_RECORD_BYTES:
+        raise InvalidInput.field(
+            "fields",
+            f"the record would be {len(state)} bytes; at most {validation.MAX_RECORD_BYTES}",
+        )
+    # A merge's result obeys the limits of a client write too, or is not stored
+    # (docs/consistency.md, *Limits and merges*).
+    if not local and (problem := validation.state_problem(changed, len(state))):
+        raise integrity.MergeRefused(
+            changed.key, validation.OVER_LIMIT, f"merged with this node's state: {problem}"
+        )
+    return state
 
 
 class Replica:
@@ -255,21 +274,7 @@ class Replica:
             changed = self._sealed(changed)
             if changed == current:
                 return stored, result
-            # A merge that takes the remote state whole stores its bytes as they came:
-            # canonical, so equal records encode alike.
-            state = known[1] if known is not None and changed == known[0] else codec.encode(changed)
-            if local and len(state) > validation.MAX_RECORD_BYTES:
-                raise InvalidInput.field(
-                    "fields",
-                    f"the record would be {len(state)} bytes;"
-                    f" at most {validation.MAX_RECORD_BYTES}",
-                )
-            # A merge's result obeys the limits of a client write too, or is not stored
-            # (docs/consistency.md, *Limits and merges*).
-            if not local and (problem := validation.state_problem(changed, len(state))):
-                raise integrity.MergeRefused(
-                    key, validation.OVER_LIMIT, f"merged with this node's state: {problem}"
-                )
+            state = _within_limits(changed, known, local=local)
             events = (
                 history.events_of(current, changed, at_ms=self.clock.wall_ms(), note=note)
                 if local and changed.home_region == self.region

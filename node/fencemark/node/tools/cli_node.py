@@ -177,6 +177,7 @@ def add_node_command(
     )
     defaults = NodeConfig()
     _add_bound_flags(node, config, defaults)
+    _add_feed_flags(node, config, defaults)
     _add_security_flags(node, config, defaults)
     configured = os.environ.get("FENCEMARK_PEERS")
     node.set_defaults(
@@ -184,6 +185,25 @@ def add_node_command(
         configured_peers=[configured]
         if configured
         else [f"{r}={a}" for r, a in dict(config.get("peers", {})).items()],
+    )
+
+
+def _add_feed_flags(
+    node: argparse.ArgumentParser, config: Mapping[str, Any], defaults: NodeConfig
+) -> None:
+    """The change feed's (Records.Watch) window and its watchers' send deadline."""
+    node.add_argument(
+        "--feed-window",
+        type=int,
+        default=_setting(config, "feed_window", defaults.feed_window),
+        help="changes the change feed keeps for Watch cursors to resume from"
+        " (about 1 KiB of disk each for a typical record)",
+    )
+    node.add_argument(
+        "--watch-send-timeout",
+        type=float,
+        default=_setting(config, "watch_send_timeout", defaults.watch_send_timeout),
+        help="seconds a watcher may leave an event untaken before it is cut off",
     )
 
 
@@ -232,19 +252,6 @@ def _add_bound_flags(
         default=_setting(config, "max_attempts", defaults.max_attempts),
         help="claims of a work item after which a failed release or a lapsed lease parks"
         " it, for items without a maxAttempts:N tag",
-    )
-    node.add_argument(
-        "--feed-window",
-        type=int,
-        default=_setting(config, "feed_window", defaults.feed_window),
-        help="changes the change feed keeps for Watch cursors to resume from"
-        " (about 1 KiB of disk each for a typical record)",
-    )
-    node.add_argument(
-        "--watch-send-timeout",
-        type=float,
-        default=_setting(config, "watch_send_timeout", defaults.watch_send_timeout),
-        help="seconds a watcher may leave an event untaken before it is cut off",
     )
     node.add_argument(
         "--max-token-jump",
