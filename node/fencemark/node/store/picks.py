@@ -29,7 +29,7 @@ CREATE TABLE IF NOT EXISTS picks (
     holder     TEXT NOT NULL      -- the owner of that lease, '': none
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS picks_in_order ON picks (scope, home, priority, born, key);
-CREATE INDEX IF NOT EXISTS picks_by_holder ON picks (scope, home, holder);
+CREATE INDEX IF NOT EXISTS picks_by_holder ON picks (holder, scope, home);
 """
 
 

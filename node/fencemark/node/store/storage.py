@@ -223,12 +223,15 @@ class Storage:
     async def held_by(self, scope: str, home: str, owner: str, now_ms: int) -> list[str]:
         """Keys of ``scope``'s items at ``home`` that a live lease of ``owner`` holds,
         as the pick index says (the state under its lock decides)."""
+        # Sorted here, not by ORDER BY: that made SQLite walk the pick order's index
+        # over the whole topic to skip a sort of the one or two rows this finds (the
+        # drain benchmark's pick at 100k records went from 3 to 19 ms).
         rows = await self._reader.execute_fetchall(
-            "SELECT key FROM picks WHERE scope = ? AND home = ? AND holder = ?"
-            " AND busy_until > ? ORDER BY priority, born, key",
-            (scope, home, owner, now_ms),
+            "SELECT priority, born, key FROM picks WHERE holder = ? AND scope = ?"
+            " AND home = ? AND busy_until > ?",
+            (owner, scope, home, now_ms),
         )
-        return [str(key) for (key,) in rows]
+        return [str(key) for _, _, key in sorted(rows)]
 
     async def changes(self, after: int, lower: str, upper: str, *, limit: int) -> list[Change]:
         """Feed rows after ``seq`` ``after`` of keys in ``[lower, upper)``, in commit order."""
