@@ -7,8 +7,9 @@ guarantees is written down once, in docs/consistency.md.
 Routing to a record's home region (SPEC §4) is described, and its state
 kept, in ``fencemark.client._routing``; ``AsyncClient._route`` follows it.
 
-About 520 lines on purpose: one short method per RPC, so the whole surface a
-caller sees reads in one file; conversions and routing live in their modules.
+About 620 lines on purpose: one short method per RPC (and ``watch`` and ``hold``
+over them), so the whole surface a caller sees reads in one file; conversions,
+routing and the keepalive live in their modules.
 """
 
 from __future__ import annotations

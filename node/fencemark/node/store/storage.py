@@ -12,7 +12,10 @@ and an LRU cache of decoded states that is updated only after a commit, so
 nothing not yet durable is ever served.
 
 The writer connection, the schema, its migrations and the body of one commit are
-``writer``; this module keeps what is cached exactly what committed.
+``writer``; this module keeps what is cached exactly what committed. About 430
+lines on purpose: beside each table the commit writes (records, the pick index,
+claim events, the change feed) sit the reads of it, so what is read is seen to be
+what was written.
 """
 
 from __future__ import annotations

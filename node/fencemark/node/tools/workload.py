@@ -4,7 +4,9 @@ Used by ``fencemark demo`` (and the chaos tier). Every operation is recorded
 Jepsen-style: when it was invoked and completed, and whether it was
 acknowledged (``ok``), refused (``fail``, with the reason) or has an unknown
 outcome (``unknown``: the call failed in transit). The checker then judges the
-history and the final states of every region, one invariant at a time.
+history and the final states of every region, one invariant at a time. About
+420 lines: the agents and the checker of their history are read together (each
+check names the operations the agents record).
 """
 
 from __future__ import annotations
