@@ -20,14 +20,21 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from fencemark.client.errors import FencemarkError, Unavailable
+from fencemark.client.types import RenewResult
 
-if TYPE_CHECKING:
-    from fencemark.client._aio import AsyncClient
+
+class Renewing(Protocol):
+    """What a keepalive needs of a client (``AsyncClient`` is one)."""
+
+    async def renew_claim(
+        self, key: str, fencing_token: int, *, lease_seconds: float = 0.0
+    ) -> RenewResult: ...
+
 
 UNREACHABLE = "unreachable"  # the home did not answer before the lease ran out
 RENEWS_PER_LEASE = 3
@@ -79,7 +86,7 @@ class Hold:
             self.lost.set()
 
 
-async def _renew(client: AsyncClient, hold: Hold, every: float) -> None:
+async def _renew(client: Renewing, hold: Hold, every: float) -> None:
     while hold.held:
         await asyncio.sleep(every if time.monotonic() + every < hold.lease_ends else RETRY_S)
         sent = time.monotonic()
@@ -106,7 +113,7 @@ async def _renew(client: AsyncClient, hold: Hold, every: float) -> None:
 
 @contextlib.asynccontextmanager
 async def holding(
-    client: AsyncClient,
+    client: Renewing,
     key: str,
     token: int,
     lease_seconds: float,
