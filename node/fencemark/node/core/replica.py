@@ -486,10 +486,7 @@ class Replica:
         include_deleted: bool = False,
     ) -> tuple[list[Stored], str]:
         """A page of records in key order and the token of the next page."""
-        validation.segment(repo, "repo")
-        prefix = f"repo/{repo}/mem/"
-        if topic:
-            prefix += validation.segment(topic, "topic") + "/"
+        prefix, upper = validation.key_range(repo, topic)
         if tag:
             validation.tags([tag], "tag")
         limit = validation.page_size(page_size)
@@ -497,7 +494,6 @@ class Replica:
             page_token.startswith(prefix) and validation.KEY.fullmatch(page_token)
         ):
             raise InvalidInput.field("page_token", "not a page token of this listing")
-        upper = prefix[:-1] + chr(ord("/") + 1)  # every key that starts with prefix
         page: list[Stored] = []
         size = 0
         after = page_token

@@ -45,10 +45,7 @@ class Watch:
     cursor: str = ""
 
     def bounds(self) -> tuple[str, str]:
-        prefix = f"repo/{validation.segment(self.repo, 'repo')}/mem/"
-        if self.topic:
-            prefix += validation.segment(self.topic, "topic") + "/"
-        return prefix, prefix[:-1] + chr(ord("/") + 1)  # every key that starts with prefix
+        return validation.key_range(self.repo, self.topic)
 
     def wants(self, record: Record) -> bool:
         return not self.tags or set(record.tag_values()).issuperset(self.tags)

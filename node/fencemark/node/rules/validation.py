@@ -75,6 +75,14 @@ def segment(value: str, name: str) -> str:
     return value
 
 
+def key_range(repo: str, topic: str = "") -> tuple[str, str]:
+    """``[lower, upper)``: every key of ``repo`` (of ``topic``, when given), checked."""
+    prefix = f"repo/{segment(repo, 'repo')}/mem/"
+    if topic:
+        prefix += segment(topic, "topic") + "/"
+    return prefix, prefix[:-1] + chr(ord("/") + 1)  # every key that starts with prefix
+
+
 def region(value: str, name: str = "region") -> str:
     if REGION.fullmatch(value) is None:
         raise InvalidInput.field(name, f"region must match {REGION.pattern}, got {value[:100]!r}")
