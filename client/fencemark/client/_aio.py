@@ -470,7 +470,10 @@ class AsyncClient:
         lease = convert.check_seconds("lease_seconds", lease_seconds)
         if not 1 <= lease <= 3600:
             raise ValueError(f"lease_seconds must be 1 to 3600 (SPEC §2), got {lease}")
-        return holding(self, key, claim.fencing_token, lease, cancel_on_loss=cancel_on_loss)
+        expires = claim.lease_expires_at
+        return holding(
+            self, key, claim.fencing_token, lease, expires_at=expires, cancel_on_loss=cancel_on_loss
+        )
 
     async def release_claim(
         self,

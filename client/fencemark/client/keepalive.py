@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Protocol
 
 import grpc
@@ -118,9 +119,15 @@ async def holding(
     token: int,
     lease_seconds: float,
     *,
+    expires_at: datetime | None = None,
     cancel_on_loss: bool = False,
 ) -> AsyncIterator[Hold]:
     hold = Hold(key, token, lease_seconds)
+    if expires_at is not None:
+        # The claim may be older than this hold (a lease granted a while ago): its
+        # lease ends no later than the home said, as far as this clock can tell.
+        left = (expires_at - datetime.now(UTC)).total_seconds()
+        hold.lease_ends = min(hold.lease_ends, time.monotonic() + max(0.0, left))
     holder = asyncio.current_task()
     renewer = asyncio.create_task(
         _renew(client, hold, lease_seconds / RENEWS_PER_LEASE), name=f"keepalive {key}"
