@@ -23,10 +23,19 @@ from fencemark.node.crdt import Stamp
 from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
 from fencemark.node.rules import queue
 from fencemark.node.rules.admission import ANYONE
+from fencemark.node.rules.errors import Reason
 from fencemark.node.store.storage import DB_FILE, Storage
 from tests.cluster import eventually
 from tests.conftest import StartNode
-from tests.test_claims import WAIT, CancellingWall, claims_on_file, made
+from tests.test_claims import (
+    LOOKS,
+    SOON,
+    WAIT,
+    CancellingWall,
+    CountingWall,
+    claims_on_file,
+    made,
+)
 
 REPO, TOPIC = "work", "backlog"
 LONG = 60.0
@@ -662,3 +671,121 @@ async def test_a_deferral_ends_exactly_retry_after_seconds_after_the_release(
             assert stored is not None and stored.record.not_before_ms == expected
             if seconds:
                 now += 61_500  # the deferral is over
+
+
+async def test_a_waiter_gets_a_deferred_item_soon_after_its_deferral_ends_without_polling(
+    tmp_path: Path,
+) -> None:
+    """The head of a topic's line whose only item is deferred sleeps until the deferral
+    ends (``next_pickable_ms``), then takes it: soon after, not at its own deadline, and
+    with a handful of looks meanwhile, not a busy loop."""
+    wall = CountingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "deferred")
+        picked = await work.claim_next("claims", "backlog", "w1", lease_seconds=LONG,
+                                       caller=ANYONE)  # fmt: skip
+        ended = await claims.release(key, picked.outcome.token, caller=ANYONE,
+                                     outcome="deferred", retry_after_seconds=1.0)  # fmt: skip
+        assert ended.ok
+        wall.reads = 0
+        async with asyncio.timeout(SOON):
+            took = await work.claim_next("claims", "backlog", "w2", lease_seconds=LONG,
+                                         wait_seconds=WAIT, caller=ANYONE)  # fmt: skip
+        assert took.stored is not None and took.stored.record.key == key
+        assert took.outcome.token == picked.outcome.token + 1
+        assert wall.reads <= LOOKS, f"{wall.reads} clock reads while waiting: it polled"
+
+
+async def test_claim_next_does_not_overtake_a_records_own_line_of_claim_waiters(
+    tmp_path: Path,
+) -> None:
+    """A caller waiting in ``Claim``'s line for one item is first in line for it: a
+    ``ClaimNext`` that finds the item free (here: its lease lapsed, on a clock moved
+    past it, while the waiter still sleeps towards the lapse) passes over it."""
+    now = time.time_ns() // 1_000_000
+    async with claims_on_file(tmp_path, lambda: now) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "queued-for")
+        holder = await claims.claim(key, "holder", lease_seconds=1, caller=ANYONE)
+        waiter = asyncio.create_task(
+            claims.claim(key, "waiter", lease_seconds=LONG, wait_seconds=WAIT, caller=ANYONE)
+        )
+        await eventually(lambda: _queued(claims, key), "the waiter in the item's line")
+        now += 2_000  # the lease is over; the waiter sleeps on for about a second
+        picked = await work.claim_next("claims", "backlog", "next", lease_seconds=LONG,
+                                       caller=ANYONE)  # fmt: skip
+        assert (picked.outcome.ok, picked.outcome.reason) == (False, Reason.EMPTY)
+        async with asyncio.timeout(SOON):
+            took = await waiter
+        assert (took.ok, took.token) == (True, holder.token + 1)
+
+
+async def _queued(claims: Claims, key: str) -> bool:
+    return claims.queue_depth(key) == 1
+
+
+async def test_an_after_link_added_while_a_pick_waits_for_the_lock_is_honoured(
+    tmp_path: Path,
+) -> None:
+    """A pick reads an item's ``after:`` items before it takes the item's lock; a link
+    added in between (by the write the pick queued behind) is to an item it never
+    looked at, which counts as not done: the item is not handed out. (The lock is
+    taken directly, as in the test above: the only way to hold a write still; the
+    other item is claimed, so not done.)"""
+    async with claims_on_file(tmp_path) as claims:
+        work, replica = WorkQueue(claims), claims.replica
+        first = await made(claims, "first-step")
+        assert (await claims.claim(first, "busy", lease_seconds=LONG, caller=ANYONE)).ok
+        key = await made(claims, "second-step")
+        async with replica._locks.hold(key):
+            link = asyncio.create_task(
+                replica.update(key, fields={}, add_tags=["after:first-step"], caller=ANYONE)
+            )
+            pick = asyncio.create_task(
+                work.claim_next("claims", "backlog", "w", lease_seconds=LONG, caller=ANYONE)
+            )
+            # The link and then the pick queue for the lock (the pick has read the item
+            # without the link by then).
+            await eventually(lambda: _lock_users(claims, key, 3), "both queued for the lock")
+        async with asyncio.timeout(SOON):
+            await link
+            picked = await pick
+        assert (picked.outcome.ok, picked.outcome.reason) == (False, Reason.EMPTY)
+        found = await replica.find(key)
+        assert found is not None and "after:first-step" in found.record.tag_values()
+        assert found.record.fence.fence == 0, "never granted"
+
+
+async def _lock_users(claims: Claims, key: str, users: int) -> bool:
+    held = claims.replica._locks._locks.get(key)
+    return held is not None and held[1] == users
+
+
+async def test_an_item_picked_for_a_waiter_that_left_stays_to_lapse_if_its_release_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When releasing the item picked for a caller that left fails too (a storage
+    fault), the caller still only sees its own cancellation; the failure is logged,
+    and the lease lapses on its own."""
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        work = WorkQueue(claims)
+        waiter = asyncio.create_task(
+            work.claim_next("claims", "backlog", "waiter", wait_seconds=WAIT, caller=ANYONE)
+        )
+        await eventually(lambda: _idle(claims), "the waiter in line")
+        await asyncio.sleep(0.05)  # its first look (nothing there) is over: it sleeps
+
+        async def failing_release(*args: object, **kwargs: object) -> object:
+            raise OSError("the disk is gone")
+
+        monkeypatch.setattr(claims, "release", failing_release)  # the fault, here only
+        wall.arm(waiter)
+        key = await made(claims, "picked-for-nobody")
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not wall.armed, "premise: cancelled while its pick was made"
+        assert "releasing an item picked for a caller that left failed" in caplog.text
+        status = await claims.status(key, caller=ANYONE)
+        assert status.holder is not None and status.holder.owner == "waiter"
