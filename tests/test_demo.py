@@ -44,6 +44,11 @@ async def test_the_demo_drains_the_backlog_under_faults_and_its_report_passes(
     assert "demo: PASSED" in out
     assert re.search(r"region ap cut off", out) and "region ap healed" in out
     assert re.search(r"woke up after its lease and was refused: .*superseded", out), out
+    # Agents without work wait on their region's change feed, which the progress counts.
+    events = [int(n) for n in re.findall(r"\| events (\d+) \|", out)]
+    assert events and events[-1] > 0, out
+    waited = re.search(r"waited on their region's change feed: woken by a change (\d+) times", out)
+    assert waited is not None and int(waited.group(1)) > 0, out
     # The embedded SQLite default: one database file per region, where we asked.
     for region in ("us", "eu", "ap"):
         assert (tmp_path / "demo" / region / "fencemark.sqlite3").is_file()

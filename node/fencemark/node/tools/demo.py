@@ -5,7 +5,8 @@ process per region, node-to-node traffic through a fault proxy mesh), seeds a
 backlog homed across the regions (priorities, an ``after:`` link across regions,
 one poison item), and runs several agents per region that take the next item with
 ``ClaimNext``, write fenced progress, renew and release it ``done`` (the poison item
-``failed``, until it is parked). Meanwhile a nemesis pauses one
+``failed``, until it is parked); an agent that finds no work waits on its region's
+change feed rather than polling. Meanwhile a nemesis pauses one
 agent past its lease (it must then be refused) and cuts one region off, then
 heals it. A live line shows progress; the run ends with a verification report
 and exits non-zero if any check fails.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from fencemark.client import AsyncClient, FencemarkError, Record
 from fencemark.node.tools.cluster import LocalCluster
+from fencemark.node.tools.feed_signal import FeedSignal
 from fencemark.node.tools.queue_checks import queue_checks
 from fencemark.node.tools.workload import (
     POISON,
@@ -73,6 +75,9 @@ class Demo:
         self.done: dict[str, int] = dict.fromkeys(self.regions, 0)
         self.totals: dict[str, int] = dict.fromkeys(self.regions, 0)
         self.lags: list[float] = []  # seconds from an acknowledged write to everywhere
+        # What each region's agents wait on when there is no work (not a poll).
+        self.feeds = {region: FeedSignal(client, REPO, TOPIC)
+                      for region, client in self.clients.items()}  # fmt: skip
         self.cut: str | None = None
 
     async def close(self) -> None:
@@ -118,7 +123,7 @@ class Demo:
                 lease_seconds=self.lease, pause_once=(region, i) == (self.regions[0], 0),
                 work_seconds=work_seconds,
                 seed=self.rng.randrange(1 << 30),
-            )
+            ).waking_on(self.feeds[region])
             for region in self.regions
             for i in range(agents_per_region)
         ]  # fmt: skip
@@ -127,7 +132,8 @@ class Demo:
         """Run the agents, the display, the nemesis and the lag probe until the backlog
         is drained and every fault has played out."""
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(agent.run(stop)) for agent in agents]
+        tasks = [asyncio.create_task(feed.follow(stop)) for feed in self.feeds.values()]
+        tasks += [asyncio.create_task(agent.run(stop)) for agent in agents]
         paused = agents[0]
         watchers = [
             asyncio.create_task(self._display(stop, paused)),
@@ -148,7 +154,16 @@ class Demo:
             self.log(f"backlog drained and faults played out in {drained:.1f} s")
         finally:
             stop.set()
+            for task in tasks[: len(self.feeds)]:
+                task.cancel()  # a feed's watch waits for the next change; nothing more comes
             await asyncio.gather(*tasks, *watchers, return_exceptions=True)
+        feeds = self.feeds.values()
+        self.log(
+            f"agents found no work {sum(f.woken + f.lapsed for f in feeds)} times and waited on"
+            f" their region's change feed: woken by a change {sum(f.woken for f in feeds)}"
+            f" times, looked again after {self.lease:g} s without one"
+            f" {sum(f.lapsed for f in feeds)} times; {sum(f.events for f in feeds)} feed events"
+        )
 
     async def _verify(self, items: int, paused: Agent) -> list[Check]:
         """Heal, wait for byte-identical replicas, and check the history against them."""
@@ -256,14 +271,15 @@ class Demo:
             counts = self.history.counts
             done = " ".join(f"{r} {self.done[r]}/{self.totals[r]}" for r in self.regions)
             lag = f"{self.lags[-1] * 1000:.0f}ms" if self.lags else "-"
+            events = sum(feed.events for feed in self.feeds.values())
             refusals = " ".join(
                 f"{word} {counts[f'refused:{word}']}"
                 for word in ("claimed", "superseded", "expired", "wrong_region")
             )
             line = (
                 f"done {done} | grants {counts['grant:ok']} contended"
-                f" {counts['refused:contended']} | refused {refusals} | repl lag {lag}"
-                + (f" | {self.cut} CUT" if self.cut else "")
+                f" {counts['refused:contended']} | refused {refusals} | events {events}"
+                f" | repl lag {lag}" + (f" | {self.cut} CUT" if self.cut else "")
             )
             if tty:
                 print(f"\r\033[K{line}", end="", flush=True)

@@ -31,6 +31,7 @@ from fencemark.client import (
     RenewResult,
     Unavailable,
 )
+from fencemark.node.tools.feed_signal import FeedSignal
 
 REPO, TOPIC, TAG = "lattice", "backlog", "backlog"
 POISON = "poison"  # an item that fails every time it is worked on (QueueAgent)
@@ -284,11 +285,19 @@ class QueueAgent(Agent):
     ``grant`` it got, ``write``/``renew`` as an :class:`Agent`'s, then ``done`` (the
     release, with the ``result`` field it wrote, a value of its own per claim) or
     ``fail``. ``topic`` and ``tags`` say which items it asks for; ``wait_seconds``,
-    how long its own region's node may keep it waiting when no region has one."""
+    how long its own region's node may keep it waiting when no region has one;
+    ``feed``, what it waits on after that (without one, it asks again soon)."""
 
     topic: str = TOPIC
     tags: tuple[str, ...] = (TAG,)
     wait: float = 0.0
+    feed: FeedSignal | None = None  # what it waits on when no region has work
+
+    def waking_on(self, feed: FeedSignal) -> Self:
+        """This agent, waiting for a change on ``feed`` (its region's node's change
+        feed of the topic) when no region has work, instead of asking again soon."""
+        self.feed = feed
+        return self
 
     def asking(self, topic: str, tags: Sequence[str], wait_seconds: float = 0.0) -> Self:
         """This agent, asking for the items of ``topic`` with ``tags``, waiting up to
@@ -298,13 +307,17 @@ class QueueAgent(Agent):
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            seen = self.feed.generation if self.feed is not None else 0
             picked = await self._call(
                 "claim-next", "", 0,
                 self.client.claim_next(REPO, self.topic, self.name, lease_seconds=self.lease,
                                        wait_seconds=self.wait, tags=self.tags),
             )  # fmt: skip
             if picked is None or not picked.granted or picked.record is None:
-                await asyncio.sleep(self.rng.uniform(0.05, 0.2))
+                if self.feed is not None and picked is not None and picked.reason == "empty":
+                    await self.feed.wait_after(seen, fallback_seconds=self.lease)
+                else:
+                    await asyncio.sleep(self.rng.uniform(0.05, 0.2))
                 continue
             assert self.last is not None
             grant = grant_of(self.last, picked)
