@@ -25,6 +25,7 @@ from fencemark.client import (
     CursorExpired,
     InvalidArgument,
     WatchEvent,
+    WatchProgress,
 )
 from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import Record, Stamp
@@ -58,7 +59,7 @@ def key_of(id_: str, topic: str = TOPIC) -> str:
 
 async def started(client: AsyncClient, **filters: object) -> AsyncIterator[WatchEvent]:
     """A watch whose stream is open (its start is fixed) before the caller writes."""
-    events = client.watch(REPO, **filters)  # type: ignore[arg-type]
+    events = client.watch(REPO, **filters)  # type: ignore[call-overload]
     first = asyncio.ensure_future(anext(events))
     await asyncio.sleep(0.2)  # the stream is open and waiting for the first change
 
@@ -229,6 +230,52 @@ async def test_a_cursor_older_than_the_window_is_refused_cursor_expired(
         # The newest three are kept: resuming from the third-newest's cursor works.
         recent = await take(client.watch(REPO, cursor=f"{old.cursor.rpartition('.')[0]}.3"), 3)
         assert [e.key.rpartition("/")[2] for e in recent] == ["r3", "r4", "r5"]
+
+
+def seq_of(cursor: str) -> int:
+    return int(cursor.rpartition(".")[2])
+
+
+async def test_a_filter_that_passes_over_changes_hears_progress_and_keeps_its_place(
+    start_node: StartNode,
+) -> None:
+    """A filter that rarely matches would leave the cursor a client keeps behind the
+    feed, and resuming from it past the window would be refused although nothing the
+    filter wants was missed. The node says how far the feed has got (``progress``,
+    at most once a second once the watcher caught up); resuming from there works.
+    A watcher that did not ask for progress is told it too, but sees changes only."""
+    node = await start_node(feed_window=8)
+    async with AsyncClient(node.address) as client:
+        plain = await started(client, topic="rare")
+        watching = client.watch(REPO, topic="rare", progress=True)
+        first = asyncio.ensure_future(anext(watching))
+        await asyncio.sleep(0.2)  # the stream is open: it watches from now
+        await client.remember(REPO, "rare", "wanted")
+        async with asyncio.timeout(WITHIN):
+            wanted = await first
+        assert isinstance(wanted, WatchEvent) and wanted.key == key_of("wanted", "rare")
+        for i in range(6):
+            await client.remember(REPO, "busy", f"b{i}")
+        last = seq_of(wanted.cursor) + 6
+        heard: list[WatchEvent | WatchProgress] = []
+        async with asyncio.timeout(WITHIN):
+            while not heard or seq_of(heard[-1].cursor) < last:
+                heard.append(await anext(watching))
+        await watching.aclose()
+        assert all(isinstance(e, WatchProgress) for e in heard), heard  # no change passed
+        assert seq_of(heard[-1].cursor) == last
+        for i in range(6, 9):  # the window (8) moves past "wanted", not past the progress
+            await client.remember(REPO, "busy", f"b{i}")
+        with pytest.raises(CursorExpired):
+            await take(client.watch(REPO, topic="rare", cursor=wanted.cursor), 1)
+        resumed = client.watch(REPO, topic="rare", cursor=heard[-1].cursor)
+        following = asyncio.ensure_future(anext(resumed))
+        await client.remember(REPO, "rare", "next")
+        async with asyncio.timeout(WITHIN):
+            assert (await following).key == key_of("next", "rare")
+        await resumed.aclose()
+        changes = await take(plain, 2)
+        assert [e.key for e in changes] == [key_of("wanted", "rare"), key_of("next", "rare")]
 
 
 async def test_a_cursor_of_another_feed_is_refused_and_a_bad_one_names_the_field(

@@ -40,6 +40,7 @@ from fencemark.client.types import (
     RenewResult,
     ReopenResult,
     WatchEvent,
+    WatchProgress,
 )
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "WatchEvent",
+    "WatchProgress",
     "WatcherTooSlow",
     "WrongRegion",
     "retry_safe_methods",

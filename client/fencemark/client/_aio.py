@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Protocol, Self, TypeVar
+from typing import Literal, Protocol, Self, TypeVar, overload
 
 import grpc
 from grpc import aio
@@ -44,6 +44,7 @@ from fencemark.client.types import (
     RenewResult,
     ReopenResult,
     WatchEvent,
+    WatchProgress,
 )
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
@@ -344,6 +345,30 @@ class AsyncClient:
                 return
             page_token = page.next_page_token
 
+    @overload
+    def watch(
+        self,
+        repo: str,
+        *,
+        topic: str = "",
+        tags: Iterable[str] = (),
+        cursor: str = "",
+        reconnect_seconds: float = 0.5,
+        progress: Literal[False] = False,
+    ) -> AsyncGenerator[WatchEvent, None]: ...
+
+    @overload
+    def watch(
+        self,
+        repo: str,
+        *,
+        topic: str = "",
+        tags: Iterable[str] = (),
+        cursor: str = "",
+        reconnect_seconds: float = 0.5,
+        progress: Literal[True],
+    ) -> AsyncGenerator[WatchEvent | WatchProgress, None]: ...
+
     async def watch(
         self,
         repo: str,
@@ -352,9 +377,15 @@ class AsyncClient:
         tags: Iterable[str] = (),
         cursor: str = "",
         reconnect_seconds: float = 0.5,
-    ) -> AsyncGenerator[WatchEvent, None]:
+        progress: bool = False,
+    ) -> AsyncGenerator[WatchEvent | WatchProgress, None]:
         """Every change ``target``'s replica commits to the matching records, in commit
         order, from after ``cursor`` (``""``: from now), without end.
+
+        The node's progress events (the feed moved on past changes the filter does
+        not want) move the cursor this resumes from; with ``progress=True`` they are
+        yielded too, as :class:`WatchProgress`, for a caller that keeps its own
+        cursor (else a rarely matching filter leaves it far behind the feed).
 
         Resumes by itself after a disconnect, a restart of the node or being cut off
         as too slow, from the last event it yielded (or, before any, from where the
@@ -377,7 +408,8 @@ class AsyncClient:
                 async for message in call:
                     event = convert.watch_event_from_proto(message)
                     request.cursor = event.cursor
-                    yield event
+                    if progress or isinstance(event, WatchEvent):
+                        yield event
             except grpc.RpcError as error:
                 failure = from_rpc_error(error)
                 if isinstance(failure, WatcherTooSlow):

@@ -23,13 +23,19 @@ from collections.abc import (
     Mapping,
 )
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar, overload
 
 import grpc
 
 from fencemark.client._aio import AsyncClient
 from fencemark.client.keepalive import Hold
-from fencemark.client.types import ClaimNextResult, ClaimResult, Record, WatchEvent
+from fencemark.client.types import (
+    ClaimNextResult,
+    ClaimResult,
+    Record,
+    WatchEvent,
+    WatchProgress,
+)
 
 __all__ = ["Client"]
 
@@ -168,6 +174,7 @@ class Client:
     info = _blocking(AsyncClient.info)
     health = _blocking(AsyncClient.health)
 
+    @overload
     def watch(
         self,
         repo: str,
@@ -176,12 +183,40 @@ class Client:
         tags: Iterable[str] = (),
         cursor: str = "",
         reconnect_seconds: float = 0.5,
-    ) -> Generator[WatchEvent, None, None]:
-        """``AsyncClient.watch`` as a blocking iterator: each event when it comes."""
-        events = self._async_client.watch(
-            repo, topic=topic, tags=tags, cursor=cursor, reconnect_seconds=reconnect_seconds
-        )
-        yield from self._iterate(events)
+        progress: Literal[False] = False,
+    ) -> Generator[WatchEvent, None, None]: ...
+
+    @overload
+    def watch(
+        self,
+        repo: str,
+        *,
+        topic: str = "",
+        tags: Iterable[str] = (),
+        cursor: str = "",
+        reconnect_seconds: float = 0.5,
+        progress: Literal[True],
+    ) -> Generator[WatchEvent | WatchProgress, None, None]: ...
+
+    def watch(
+        self,
+        repo: str,
+        *,
+        topic: str = "",
+        tags: Iterable[str] = (),
+        cursor: str = "",
+        reconnect_seconds: float = 0.5,
+        progress: bool = False,
+    ) -> Generator[WatchEvent | WatchProgress, None, None]:
+        """``AsyncClient.watch`` as a blocking iterator: each event when it comes
+        (with ``progress=True``, each :class:`WatchProgress` too)."""
+        watch, again = self._async_client.watch, reconnect_seconds
+        if progress:
+            yield from self._iterate(watch(repo, topic=topic, tags=tags, cursor=cursor,
+                                           reconnect_seconds=again, progress=True))  # fmt: skip
+        else:
+            yield from self._iterate(watch(repo, topic=topic, tags=tags, cursor=cursor,
+                                           reconnect_seconds=again))  # fmt: skip
 
     def _iterate(self, items: AsyncGenerator[_T, None]) -> Iterator[_T]:
         try:

@@ -29,6 +29,7 @@ from fencemark.client.types import (
     RenewResult,
     ReopenResult,
     WatchEvent,
+    WatchProgress,
 )
 from fencemark.v1 import claims_pb2, node_pb2, record_pb2, records_pb2
 
@@ -167,7 +168,7 @@ def claim_next_result_from_proto(message: claims_pb2.ClaimNextResponse) -> Claim
         ),
         reason=message.reason,
         home_region=message.home_region,
-        record=record_from_proto(message.record) if message.HasField("record") else None,
+        record=record_from_proto(message.record),
     )
 
 
@@ -176,7 +177,7 @@ def reopen_result_from_proto(message: claims_pb2.ReopenResponse) -> ReopenResult
         reopened=message.reopened,
         reason=message.reason,
         home_region=message.home_region,
-        record=record_from_proto(message.record) if message.HasField("record") else None,
+        record=record_from_proto(message.record),
     )
 
 
@@ -192,7 +193,14 @@ def force_release_result_from_proto(
     )
 
 
-def watch_event_from_proto(message: records_pb2.WatchEvent) -> WatchEvent:
+PROGRESS = "progress"  # a Watch event that is no change: the feed moved on (records.proto)
+
+
+def watch_event_from_proto(message: records_pb2.WatchEvent) -> WatchEvent | WatchProgress:
+    if message.kind == PROGRESS:
+        return WatchProgress(
+            message.cursor, to_datetime(message.committed_at, message.HasField("committed_at"))
+        )
     return WatchEvent(
         cursor=message.cursor,
         kind=message.kind,

@@ -158,6 +158,16 @@ class WatchEvent:
 
 
 @dataclass(frozen=True)
+class WatchProgress:
+    """No change: the node's feed moved on to ``cursor`` past changes the watch's
+    filter does not want (yielded by ``watch(progress=True)``). Resume from
+    ``cursor`` as from an event's."""
+
+    cursor: str
+    at: datetime | None
+
+
+@dataclass(frozen=True)
 class History:
     """A record's recent claim events, oldest first, and the home that keeps them."""
 

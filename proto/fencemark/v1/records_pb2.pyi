@@ -96,16 +96,27 @@ class WatchEvent(_message.Message):
     `reopened`. A commit that does several things gets the word that says the
     most (a release with outcome `done` is `done`; a failure that parks is
     `parked`).
+
+    `progress` is no change: every change up to `cursor` was passed over by
+    this watch's filter (other keys, or without its tags). It comes at most
+    once a second, once the watcher has caught up, so that the cursor a client
+    keeps moves on with the feed instead of falling out of the node's window
+    while nothing it wants happens. It has no `key` and no `record`; resume
+    from its cursor like any other.
     """
     key: _builtins.str
-    """The record's key."""
+    """The record's key (empty for `progress`)."""
     @_builtins.property
     def record(self) -> _record_pb2.Record:
-        """The record as this change left it (deleted: a tombstone)."""
+        """The record as this change left it (deleted: a tombstone; unset for
+        `progress`).
+        """
 
     @_builtins.property
     def committed_at(self) -> _timestamp_pb2.Timestamp:
-        """When this node committed it (its wall clock, UTC)."""
+        """When this node committed it (its wall clock, UTC); for `progress`, when
+        it was sent.
+        """
 
     def __init__(
         self,

@@ -310,13 +310,18 @@ class RecordsService:
         # from there, not from a later "now".
         await context.send_initial_metadata(((CURSOR_HEADER, taken),))
         async for event in watch.follow(self.replica, wanted, after):
-            message = records_pb2.WatchEvent(
-                cursor=event.cursor,
-                kind=event.kind,
-                key=event.stored.record.key,
-                record=record_message(event.stored),
-                committed_at=timestamp(event.at_ms),
-            )
+            if event.stored is None:  # a progress event: no change, no record
+                message = records_pb2.WatchEvent(
+                    cursor=event.cursor, kind=event.kind, committed_at=timestamp(event.at_ms)
+                )
+            else:
+                message = records_pb2.WatchEvent(
+                    cursor=event.cursor,
+                    kind=event.kind,
+                    key=event.stored.record.key,
+                    record=record_message(event.stored),
+                    committed_at=timestamp(event.at_ms),
+                )
             try:
                 async with asyncio.timeout(self.watch_send_timeout):
                     await context.write(message)

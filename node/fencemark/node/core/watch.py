@@ -13,6 +13,8 @@ longer covers (trimmed, or of another feed) is refused ``CursorExpired``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -24,13 +26,18 @@ from fencemark.node.store import feed
 from fencemark.node.store.storage import Stored
 
 PAGE = 256  # feed rows read at a time
+PROGRESS = "progress"  # the kind of an event that is no change: the cursor moved on
+PROGRESS_S = 1.0  # at most one progress event a second per watcher
 
 
 @dataclass(frozen=True)
 class Event:
+    """A change (``stored``: the record as it left it), or with kind ``progress`` and
+    no record, word that every change up to ``cursor`` was passed over."""
+
     cursor: str
     kind: str
-    stored: Stored
+    stored: Stored | None
     at_ms: int
 
 
@@ -70,9 +77,19 @@ async def start(replica: Replica, watch: Watch) -> int:
     return seq
 
 
-async def follow(replica: Replica, watch: Watch, after: int) -> AsyncIterator[Event]:
-    """Every change after ``seq`` ``after`` that ``watch`` wants, without end."""
+async def follow(
+    replica: Replica, watch: Watch, after: int, *, progress_s: float = PROGRESS_S
+) -> AsyncIterator[Event]:
+    """Every change after ``seq`` ``after`` that ``watch`` wants, without end.
+
+    A watcher whose filter passes over changes (of other keys, or without its tags)
+    also gets a ``progress`` event, at most every ``progress_s`` once it has caught
+    up: the cursor of the last change passed over, so that the cursor it would
+    resume from moves on with the feed rather than fall out of the window while
+    nothing it wants happens (etcd's progress notifications)."""
     lower, upper = watch.bounds()
+    told, told_at = after, 0.0  # the seq the watcher last heard of, and when
+    loop = asyncio.get_running_loop()
     while True:
         last = replica.feed_last  # read before the page: every change up to it is in the file
         page = await replica.feed_changes(after, lower, upper, limit=PAGE)
@@ -86,7 +103,16 @@ async def follow(replica: Replica, watch: Watch, after: int) -> AsyncIterator[Ev
                 stored = Stored(record, codec.digest(change.state), len(change.state))
                 yield Event(feed.cursor(replica.feed_id, change.seq), change.kind, stored,
                             change.at_ms)  # fmt: skip
+                told, told_at = after, loop.time()
         if len(page) < PAGE:
             # The page had room: every change of these keys up to ``last`` was in it.
             after = max(after, last)
-            await replica.feed_grew(after)
+            due = told_at + progress_s - loop.time()
+            if after > told and due <= 0:
+                yield Event(feed.cursor(replica.feed_id, after), PROGRESS, None,
+                            replica.wall_ms())  # fmt: skip
+                told, told_at = after, loop.time()
+            # Sleep until the feed grows (or a progress event owed falls due).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(due if after > told else None):
+                    await replica.feed_grew(after)
