@@ -7,6 +7,9 @@ paused past the lease — against real nodes (in-process, and a real process tha
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -106,3 +109,57 @@ async def test_the_blocking_client_holds_too(node: NodeServer) -> None:
     async with asyncio.timeout(15):
         held, renewals = await asyncio.to_thread(hold_a_while)
     assert held and renewals >= 3
+
+
+HOLDER = """
+import asyncio, sys
+from fencemark.client import AsyncClient, ClaimConflict
+
+async def main(address: str, key: str) -> None:
+    async with AsyncClient(address, timeout=2) as client:
+        claim = await client.claim(key, "stalled-holder", lease_seconds=1)
+        async with client.hold(claim, key=key, lease_seconds=1) as hold:
+            print("held", claim.fencing_token, flush=True)
+            print("lost", await hold.wait_lost(), flush=True)
+        try:
+            await client.update(key, fields={"by": "stalled"}, fencing_token=claim.fencing_token)
+            print("wrote", flush=True)
+        except ClaimConflict as refused:
+            print("refused", refused.reason, flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_holder_stalled_past_its_lease_hears_at_once_that_a_rival_took_over(
+    node: NodeServer,
+) -> None:
+    """The holder's own process is paused (SIGSTOP) past its lease; the home lapses the
+    claim and a rival takes the item. When the holder runs again it hears the loss
+    before anything else (``expired``: it never even tried to renew), and its write
+    with the old token is refused ``superseded``."""
+    async with AsyncClient(node.address) as client:
+        key = await item(client, "stalled-holder")
+        holder = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", HOLDER, node.address, key, stdout=asyncio.subprocess.PIPE
+        )
+        assert holder.stdout is not None
+        try:
+            async with asyncio.timeout(20):
+                held = (await holder.stdout.readline()).decode().split()
+                assert held[0] == "held", held
+                await asyncio.sleep(1.5)  # longer than its lease: the hold renews it
+                assert (await client.claim_status(key)).claim is not None
+                os.kill(holder.pid, signal.SIGSTOP)
+                try:
+                    rival = await client.claim(key, "rival", lease_seconds=60, wait_seconds=10)
+                finally:
+                    os.kill(holder.pid, signal.SIGCONT)
+                assert rival.granted and rival.fencing_token == int(held[1]) + 1
+                lines = [(await holder.stdout.readline()).decode().split() for _ in range(2)]
+                assert await holder.wait() == 0
+        finally:
+            if holder.returncode is None:
+                holder.kill()
+                await holder.wait()
+    assert lines == [["lost", "expired"], ["refused", "superseded"]]

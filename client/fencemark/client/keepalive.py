@@ -2,8 +2,10 @@
 
 A ``Hold`` renews its claim in the background every ``lease_seconds / 3`` and says
 the moment the claim is lost: a renewal answered ``superseded``, ``expired``,
-``released`` or ``missing`` (or refused, e.g. ``not_holder``), or the home not
-answering until the lease, as last renewed, has run out (``unreachable``). The loss
+``released`` or ``missing`` (or refused, e.g. ``not_holder``), or the lease, as last
+renewed, running out before a renewal got through: ``unreachable`` when renewals
+were tried and the home did not answer, ``expired`` when none was even tried (the
+holder's own process stalled: paused, swapped out, its event loop blocked). The loss
 is an event to await (``lost``), a flag (``held``), a reason (``reason``) and, when
 asked for (``cancel_on_loss``), the cancellation of the task that holds it, which
 then leaves its ``async with`` with ``ClaimLost``.
@@ -38,6 +40,7 @@ class Renewing(Protocol):
 
 
 UNREACHABLE = "unreachable"  # the home did not answer before the lease ran out
+EXPIRED = "expired"  # the lease ran out before the holder even tried to renew it
 RENEWS_PER_LEASE = 3
 RETRY_S = 0.2  # between renewals that could not reach the home, until the lease ends
 
@@ -63,6 +66,7 @@ class Hold:
         self.lost = asyncio.Event()
         self.reason = ""
         self.renewals = 0
+        self.unanswered = 0  # renewals tried since the last that got through
         # Monotonic time by which the lease, as last renewed, runs out (from when the
         # renewal was sent: the home's clock started it no earlier).
         self.lease_ends = time.monotonic() + lease_seconds
@@ -92,7 +96,7 @@ async def _renew(client: Renewing, hold: Hold, every: float) -> None:
         await asyncio.sleep(every if time.monotonic() + every < hold.lease_ends else RETRY_S)
         sent = time.monotonic()
         if sent >= hold.lease_ends:
-            hold._lose(UNREACHABLE)
+            hold._lose(UNREACHABLE if hold.unanswered else EXPIRED)
             return
         try:
             # No answer within what is left of the lease is as good as none.
@@ -101,6 +105,7 @@ async def _renew(client: Renewing, hold: Hold, every: float) -> None:
                     hold.key, hold.token, lease_seconds=hold.lease_seconds
                 )
         except (Unavailable, TimeoutError):
+            hold.unanswered += 1
             continue  # try again until the lease, as last renewed, runs out
         except FencemarkError as refused:  # e.g. not_holder: it was never ours to renew
             hold._lose(str(getattr(refused, "reason", "")) or refused.code.name.lower())
@@ -109,6 +114,7 @@ async def _renew(client: Renewing, hold: Hold, every: float) -> None:
             hold._lose(renewed.reason)
             return
         hold.renewals += 1
+        hold.unanswered = 0
         hold.lease_ends = sent + hold.lease_seconds
 
 
