@@ -10,6 +10,7 @@ force-release or reopen.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,23 @@ async def test_a_claim_next_is_a_retry_only_from_the_identity_it_was_granted_to(
             retried = await bob.claim_next(REPO, TOPIC, "worker")
             assert retried.record is not None and retried.record.key == other.record.key
             assert retried.fencing_token == other.fencing_token
+
+
+async def test_watch_under_tls_needs_read_and_feeds_who_has_it(tmp_path: Path, certs: Path) -> None:
+    """Regression: authorization refused every streaming method, ``Records.Watch``
+    included, so under mutual TLS nobody could watch. It needs ``read``, like Get."""
+    access = parse_access({"clients": {"alice": ["read", "write"], "bob": ["claim"]}})
+    async with Cluster(tmp_path, ["us"], access=access) as cluster:
+        us = await cluster.start("us", tls=TlsFiles.in_dir(certs, "us"))
+        async with client(us, certs, "alice") as alice, client(us, certs, "bob") as bob:
+            events = alice.watch(REPO, topic=TOPIC)
+            first = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0.2)  # the stream is open: it watches from now
+            made = await alice.remember(REPO, TOPIC, "watched", title="t")
+            async with asyncio.timeout(10):
+                event = await first
+            assert (event.kind, event.key) == ("created", made.record.key)
+            await events.aclose()
+            with pytest.raises(PermissionDenied):
+                async with asyncio.timeout(10):
+                    await anext(bob.watch(REPO, topic=TOPIC))

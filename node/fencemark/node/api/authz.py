@@ -26,6 +26,7 @@ handshake already refused everyone else. docs/security.md has the model.
 
 from __future__ import annotations
 
+import inspect
 import json
 import tomllib
 from collections.abc import Callable, Mapping
@@ -211,14 +212,15 @@ class Authorize(Interceptor):
         # The CRL (fencemark.node.security.revocation), reloaded in place when crl.pem changes.
         self.revocations = revocations or Revocations()
 
-    def wrap(
-        self, details: grpc.HandlerCallDetails, behaviour: Behaviour, shape: Shape
-    ) -> Behaviour | None:
-        method = details.method
+    def wrap(self, method: str, behaviour: Behaviour, shape: Shape) -> Behaviour | None:
         if not method.startswith(PACKAGE):
             return None  # health, reflection: any authenticated caller
-        if shape is not Shape.UNARY:  # fencemark.v1 has only unary methods
-            raise RuntimeError(f"{method}: authorization covers unary methods only")
+        # fencemark.v1 has unary methods and one server stream (Records.Watch), which
+        # its servicer serves by writing to the context: both are awaited whole.
+        if shape not in (Shape.UNARY, Shape.SERVER_STREAMING) or inspect.isasyncgenfunction(
+            behaviour
+        ):
+            raise RuntimeError(f"{method}: authorization covers unary methods and Watch only")
         inner: Handler = behaviour
         access, revocations = self.access, self.revocations
 
