@@ -159,20 +159,23 @@ def test_json_logs_carry_the_callers_request_id(
     process, address = json_node
     with grpc.insecure_channel(address) as channel:
         stub = records_pb2_grpc.RecordsStub(channel)
-        stub.Remember(records_pb2.RememberRequest(repo="m", topic="t", id="a", title="x"),
-                      metadata=((REQUEST_ID_METADATA, "req-1234"),), timeout=10)  # fmt: skip
-        with pytest.raises(grpc.RpcError):
-            stub.Get(records_pb2.GetRequest(key="repo/m/mem/t/nope"), timeout=10)
+        for given in ("req-1234", "req-5678"):  # each call its own id, not its method's
+            stub.Remember(records_pb2.RememberRequest(repo="m", topic="t", id="a", title="x"),
+                          metadata=((REQUEST_ID_METADATA, given),), timeout=10)  # fmt: skip
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError):
+                stub.Get(records_pb2.GetRequest(key="repo/m/mem/t/nope"), timeout=10)
     process.terminate()
     _, stderr = process.communicate(timeout=30)
     lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     access = [line for line in lines if line["logger"] == "fencemark.node.access"]
-    remembered = next(line for line in access if line["method"] == "Remember")
-    assert remembered["request_id"] == "req-1234"
-    assert remembered["code"] == "OK" and remembered["level"] == "INFO"
-    missing = next(line for line in access if line["method"] == "Get")
-    assert missing["code"] == "NOT_FOUND" and missing["reason"] == "not_found"
-    assert len(missing["request_id"]) == 16  # none given: one was made up
+    remembered = [line for line in access if line["method"] == "Remember"]
+    assert [line["request_id"] for line in remembered] == ["req-1234", "req-5678"]
+    assert remembered[0]["code"] == "OK" and remembered[0]["level"] == "INFO"
+    missing = [line for line in access if line["method"] == "Get"]
+    assert missing[0]["code"] == "NOT_FOUND" and missing[0]["reason"] == "not_found"
+    made_up = {line["request_id"] for line in missing}  # none given: one made up per call
+    assert len(made_up) == 2 and all(len(id_) == 16 for id_ in made_up)
     assert all(line["time"].endswith("Z") for line in lines)
 
 

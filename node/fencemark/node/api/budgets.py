@@ -110,10 +110,8 @@ class CallBudgets(Interceptor):
         self.in_flight[kind] -= 1
         self._gauges[kind].dec()
 
-    def wrap(
-        self, details: grpc.HandlerCallDetails, behaviour: Behaviour, shape: Shape
-    ) -> Behaviour:
-        return self._within(self.kind_of(details.method), behaviour)
+    def wrap(self, method: str, behaviour: Behaviour, shape: Shape) -> Behaviour:
+        return self._within(self.kind_of(method), behaviour)
 
     def _within(self, kind: str, behaviour: Behaviour) -> Behaviour:
         """``behaviour`` holding a slot of ``kind`` while it runs (or streams)."""

@@ -31,6 +31,7 @@ from fencemark.node.api.config import NodeConfig as NodeConfig  # re-exported: w
 from fencemark.node.api.config import default_data_dir as default_data_dir
 from fencemark.node.api.config import live_tls, transport
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
+from fencemark.node.api.interceptor import Chain, Interceptor
 from fencemark.node.api.replication import ReplicationService
 from fencemark.node.api.service import NodeService, RecordsService, anyone
 from fencemark.node.api.telemetry import NodeMetrics, Telemetry
@@ -268,14 +269,14 @@ def _grpc_server(config: NodeConfig, tls: LiveTls | None, metrics: NodeMetrics) 
     """The gRPC server with its interceptors, in order: telemetry first (it times and
     counts what Authorize and the budgets refuse, too), Authorize before the budgets
     (a call refused anyway takes no slot)."""
-    interceptors: list[grpc.aio.ServerInterceptor] = [Telemetry(metrics)]  # type: ignore[type-arg]
+    interceptors: list[Interceptor] = [Telemetry(metrics)]
     if tls is not None:
         interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
     # Per class, not gRPC's maximum_concurrent_rpcs: one pool let waiting claims
     # starve health checks and the peers' replication (fencemark.node.api.budgets).
     interceptors.append(CallBudgets(config.call_limits, call_classes(), metrics))
     return grpc.aio.server(
-        interceptors=interceptors,
+        interceptors=[Chain(interceptors)],
         options=[
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),

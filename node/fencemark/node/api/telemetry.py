@@ -22,8 +22,8 @@ import contextvars
 import inspect
 import json
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -275,21 +275,22 @@ class Telemetry(Interceptor):
     def __init__(self, metrics: NodeMetrics) -> None:
         self.metrics = metrics
 
-    def wrap(
-        self, details: grpc.HandlerCallDetails, behaviour: Behaviour, shape: Shape
-    ) -> Behaviour | None:
+    def wrap(self, path: str, behaviour: Behaviour, shape: Shape) -> Behaviour | None:
         streams_by_writing = shape is Shape.SERVER_STREAMING and not inspect.isasyncgenfunction(
             behaviour
         )
         if shape is not Shape.UNARY and not streams_by_writing:
             return None
-        method = details.method.rsplit("/", 1)[-1]
-        given = dict(details.invocation_metadata or ()).get(REQUEST_ID_METADATA, "")
+        method = path.rsplit("/", 1)[-1]
         inner: Handler = behaviour
         metrics = self.metrics
+        # This method's series, looked up once: a call only adds to them.
+        latency = metrics.latency.labels(method)
+        requests: dict[grpc.StatusCode, Any] = {}
+        refusals: dict[str, Any] = {}
 
         async def observed(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            _request_id.set(str(given)[:64] or uuid.uuid4().hex[:16])
+            _request_id.set(_given_id(context) or os.urandom(8).hex())
             _refusal.set("")
             started = time.perf_counter()
             code = grpc.StatusCode.OK
@@ -303,11 +304,17 @@ class Telemetry(Interceptor):
                 raise
             finally:
                 took = time.perf_counter() - started
-                metrics.requests.labels(method, code.name).inc()
-                metrics.latency.labels(method).observe(took)
+                counted = requests.get(code)
+                if counted is None:
+                    counted = requests[code] = metrics.requests.labels(method, code.name)
+                counted.inc()
+                latency.observe(took)
                 reason = _refusal.get()
                 if reason:
-                    metrics.refusals.labels(method, reason).inc()
+                    refused = refusals.get(reason)
+                    if refused is None:
+                        refused = refusals[reason] = metrics.refusals.labels(method, reason)
+                    refused.inc()
                 if access_log.isEnabledFor(logging.INFO):  # off by default: no cost per call
                     access_log.info(
                         "%s %s in %.1f ms%s", method, code.name, took * 1000,
@@ -317,6 +324,14 @@ class Telemetry(Interceptor):
                     )  # fmt: skip
 
         return observed
+
+
+def _given_id(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The caller's request id (``x-request-id``), at most 64 characters; "" if none."""
+    for name, value in context.invocation_metadata() or ():
+        if name == REQUEST_ID_METADATA:
+            return str(value)[:64]
+    return ""
 
 
 def _gave_up(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
