@@ -156,6 +156,8 @@ def section(result: ScenarioResult, plots_dir: str = ".") -> str:
     for table in result.tables:
         parts += [table.markdown(), ""]
     parts += [f"- {note}" for note in result.notes]
+    if result.notes and result.plots:
+        parts.append("")  # else Markdown puts the plots into the last note
     parts += [f"![{p.stem}]({plots_dir}/{p.name})" for p in result.plots]
     return "\n".join(parts).strip()
 
