@@ -76,7 +76,10 @@ async def measure_delivery(
     finally:
         for task in watchers:
             task.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
+        ended = await asyncio.gather(*watchers, return_exceptions=True)
+    failed = [e for e in ended if isinstance(e, Exception)]  # not their cancellation
+    if failed:
+        raise failed[0]
     if run.skipped:
         progress.line(f"the writer fell behind: {run.skipped} writes skipped")
     return run.delivered()
