@@ -33,6 +33,7 @@ PLOTS = (
     "drain_items.png",
     "drain_latency.png",
     "pick_cost.png",
+    "feed_latency.png",
 )
 
 
@@ -63,7 +64,7 @@ async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
     servers: None, tmp_path: Path
 ) -> None:
     results = tmp_path / "results"
-    ran = await fencemark("bench", "--quick", "--results", str(results), limit_s=280)
+    ran = await fencemark("bench", "--quick", "--results", str(results), limit_s=330)
     assert ran.code == 0, ran.stdout + ran.stderr[-4000:]
     report = json.loads((results / "results.json").read_text())
     assert report["mode"] == "quick"
@@ -85,6 +86,41 @@ async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
     for plot in PLOTS:
         assert (results / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
     assert "results.md" in ran.stdout
+
+
+async def test_the_quick_feed_scenario_delivers_every_write_to_every_watcher(
+    tmp_path: Path,
+) -> None:
+    """``fencemark bench feed --quick``: three node processes on loopback, a writer at us,
+    a watcher per region, then 0, 1 and 100 watchers at us while writers write. Every
+    acknowledged write reaches every watcher, each region's event count is the writes',
+    and the figures are ordered and positive; how fast is for docs/performance.md."""
+    results = tmp_path / "results"
+    ran = await fencemark("bench", "feed", "--quick", "--results", str(results), limit_s=120)
+    assert ran.code == 0, ran.stdout + ran.stderr[-4000:]
+    report = json.loads((results / "results.json").read_text())
+    assert report["failed"] == {} and list(report["scenarios"]) == ["feed"]
+    data = report["scenarios"]["feed"]["data"]
+    delivery, writes = data["delivery"], data["delivery"]["writes"]
+    assert writes > 0 and delivery["errors"] == 0
+    for region in ("us", "eu", "ap"):
+        row = delivery[region]
+        assert (row["delivered"], row["undelivered"]) == (writes, 0), (region, row)
+        # A region that merged two writes of a record shows one event for both.
+        assert row["events"] + row["merged"] == writes, (region, row)
+        assert row["p50_ms"] <= row["p99_ms"] <= row["max_ms"] and row["max_ms"] > 0, row
+    assert delivery["us"]["merged"] == 0  # the writer's own node commits each write alone
+    assert delivery["cross_region"]["delivered"] == 2 * writes
+    assert delivery["cross_region"]["p50_ms"] > 0  # a push follows the commit it carries
+    for watchers in ("0", "1", "100"):
+        row = data["cost"][watchers]
+        assert row["writes"] > 0 and row["errors"] == 0, (watchers, row)
+        assert row["events_missed"] == 0, (watchers, row)  # every watcher took every write
+        assert row["writes_per_s"] > 0 and row["node_cpu_ms_per_write"] > 0, (watchers, row)
+        assert 0 < row["p50_ms"] <= row["p99_ms"], (watchers, row)
+    assert data["cost"]["0"]["rate_vs_none"] == 1.0
+    assert (results / "feed_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "### Change feed" in (results / "results.md").read_text()
 
 
 async def test_a_full_run_writes_its_headline_between_the_markers_of_the_docs(

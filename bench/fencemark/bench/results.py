@@ -29,6 +29,10 @@ class Settings:
     drain_items: int  # the backlog the agents drain
     pick_records: tuple[int, ...]  # records in the topic a pick's cost is measured at
     pick_samples: int  # picks (and claims by key) per size
+    feed_seconds: float  # writes whose events are timed from the writer to each watcher
+    feed_write_rate: float  # writes per second at the writer meanwhile (open loop)
+    feed_watchers: tuple[int, ...]  # Watch streams attached while the write path is measured
+    feed_writers: int  # closed-loop clients writing while the watchers watch
 
     @classmethod
     def full(cls) -> Settings:
@@ -50,6 +54,10 @@ class Settings:
             drain_items=2_000,
             pick_records=(1_000, 10_000, 100_000),
             pick_samples=200,
+            feed_seconds=20.0,
+            feed_write_rate=100.0,
+            feed_watchers=(0, 1, 100),
+            feed_writers=16,
         )
 
     @classmethod
@@ -72,6 +80,10 @@ class Settings:
             drain_items=200,
             pick_records=(1_000, 2_000),
             pick_samples=50,
+            feed_seconds=3.0,
+            feed_write_rate=50.0,
+            feed_watchers=(0, 1, 100),
+            feed_writers=16,
         )
 
 

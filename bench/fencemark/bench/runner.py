@@ -23,7 +23,7 @@ from fencemark.bench import headline
 from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Target
 
-SCENARIOS = ("claims", "writes", "lag", "anti-entropy", "footprint", "drain")
+SCENARIOS = ("claims", "writes", "lag", "anti-entropy", "footprint", "drain", "feed")
 DOCS_BEGIN = "<!-- bench:results:begin (written by `fencemark bench`; edits are lost) -->"
 DOCS_END = "<!-- bench:results:end -->"
 DOCS_PLOTS = "performance"  # docs/<this>/: the plots the headline shows
@@ -57,6 +57,10 @@ async def _run_scenario(
         from fencemark.bench.drain import run_drain
 
         return await run_drain(settings, progress, work, out)
+    if name == "feed":
+        from fencemark.bench.feed import run_feed
+
+        return await run_feed(settings, progress, work, out)
     raise ValueError(f"unknown scenario {name!r}")
 
 
@@ -152,6 +156,8 @@ def section(result: ScenarioResult, plots_dir: str = ".") -> str:
     for table in result.tables:
         parts += [table.markdown(), ""]
     parts += [f"- {note}" for note in result.notes]
+    if result.notes and result.plots:
+        parts.append("")  # else Markdown puts the plots into the last note
     parts += [f"![{p.stem}]({plots_dir}/{p.name})" for p in result.plots]
     return "\n".join(parts).strip()
 

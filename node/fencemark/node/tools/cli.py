@@ -329,9 +329,10 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     bench = sub.add_parser(
         "bench",
         help="benchmarks: claim cycle vs etcd and Redis, writes, lag, anti-entropy, footprint,"
-        " drain",
+        " drain, feed",
         description="Run the benchmark scenarios (all by default: claims, writes, lag,"
-        " anti-entropy, footprint, drain) with their baselines, and write JSON, Markdown and PNG"
+        " anti-entropy, footprint, drain, feed) with their baselines, and write JSON, Markdown"
+        " and PNG"
         " plots under --results. A full run of every scenario in the repository also"
         " rewrites the headline of docs/performance.md.",
     )
