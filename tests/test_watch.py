@@ -11,6 +11,7 @@ Every wait is bounded: watchers stop after the events a test expects, within
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -369,3 +370,20 @@ async def test_fencemark_watch_prints_one_json_line_per_event(node: NodeServer) 
         ("created", "three"),
     ]
     assert int(lines[0]["cursor"].rpartition(".")[2]) == int(first.cursor.rpartition(".")[2]) + 1
+
+
+def test_what_watchers_share_is_made_once_per_change_and_bounded() -> None:
+    """A node's watchers decode each change, and build its message, once between them
+    (``watch.Recent``), keeping only the newest ``size``."""
+    from fencemark.node.core.watch import Recent
+
+    made: list[int] = []
+    recent: Recent[int, str] = Recent(size=2)
+
+    def make(seq: int) -> str:
+        made.append(seq)
+        return f"change {seq}"
+
+    for seq in (1, 1, 2, 1, 3, 3, 1):
+        assert recent.get(seq, functools.partial(make, seq)) == f"change {seq}"
+    assert made == [1, 2, 3, 1]  # 1 made again only once 2 and 3 pushed it out

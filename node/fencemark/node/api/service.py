@@ -200,6 +200,9 @@ class RecordsService:
         self.replica = replica
         self.caller_of = caller_of
         self.watch_send_timeout = watch_send_timeout
+        # Each change decoded, and each event's message built, once for all watchers.
+        self._decode = watch.shared_decode(watch.Recent())
+        self._messages: watch.Recent[str, records_pb2.WatchEvent] = watch.Recent()
 
     @refusals
     async def Remember(
@@ -309,25 +312,30 @@ class RecordsService:
         # Where it starts, so a client that loses the stream before any event resumes
         # from there, not from a later "now".
         await context.send_initial_metadata(((CURSOR_HEADER, taken),))
-        async for event in watch.follow(self.replica, wanted, after):
+        async for event in watch.follow(self.replica, wanted, after, decode=self._decode):
             if event.stored is None:  # a progress event: no change, no record
                 message = records_pb2.WatchEvent(
                     cursor=event.cursor, kind=event.kind, committed_at=timestamp(event.at_ms)
                 )
             else:
-                message = records_pb2.WatchEvent(
-                    cursor=event.cursor,
-                    kind=event.kind,
-                    key=event.stored.record.key,
-                    record=record_message(event.stored),
-                    committed_at=timestamp(event.at_ms),
-                )
+                message = self._messages.get(event.cursor, functools.partial(_watch_event, event))
             try:
                 async with asyncio.timeout(self.watch_send_timeout):
                     await context.write(message)
             except TimeoutError:
                 raise TooSlow(taken, self.watch_send_timeout) from None
             taken = event.cursor
+
+
+def _watch_event(event: watch.Event) -> records_pb2.WatchEvent:
+    assert event.stored is not None
+    return records_pb2.WatchEvent(
+        cursor=event.cursor,
+        kind=event.kind,
+        key=event.stored.record.key,
+        record=record_message(event.stored),
+        committed_at=timestamp(event.at_ms),
+    )
 
 
 class NodeService:

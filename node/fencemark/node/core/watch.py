@@ -15,19 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import Record, codec
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import CursorExpired, InvalidInput
 from fencemark.node.store import feed
+from fencemark.node.store.feed import Change
 from fencemark.node.store.storage import Stored
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 PAGE = 256  # feed rows read at a time
 PROGRESS = "progress"  # the kind of an event that is no change: the cursor moved on
 PROGRESS_S = 1.0  # at most one progress event a second per watcher
+SHARED = 4096  # recent changes kept decoded for every watcher (Recent)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,34 @@ class Watch:
         return not self.tags or set(record.tag_values()).issuperset(self.tags)
 
 
+class Recent(Generic[K, T]):
+    """The last ``size`` things made for a node's watchers, by what they were made
+    for (a change's ``seq``, an event's cursor): what every watcher of one change
+    would otherwise make again — decode its state, build its message. A node's
+    watchers read the same recent rows, nearly at once."""
+
+    def __init__(self, size: int = SHARED) -> None:
+        self.size = size
+        self._made: dict[K, T] = {}
+
+    def get(self, key: K, make: Callable[[], T]) -> T:
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = make()
+            if len(self._made) > self.size:
+                del self._made[next(iter(self._made))]  # the oldest made
+        return made
+
+
+def decoded(change: Change) -> Stored:
+    return Stored(codec.decode(change.state), codec.digest(change.state), len(change.state))
+
+
+def shared_decode(recent: Recent[int, Stored]) -> Callable[[Change], Stored]:
+    """``decoded``, once per change for every watcher that uses ``recent``."""
+    return lambda change: recent.get(change.seq, lambda: decoded(change))
+
+
 async def start(replica: Replica, watch: Watch) -> int:
     """The ``seq`` the watcher follows from; refuses a cursor the feed cannot resume."""
     watch.bounds()  # validates repo and topic
@@ -78,7 +112,12 @@ async def start(replica: Replica, watch: Watch) -> int:
 
 
 async def follow(
-    replica: Replica, watch: Watch, after: int, *, progress_s: float = PROGRESS_S
+    replica: Replica,
+    watch: Watch,
+    after: int,
+    *,
+    progress_s: float = PROGRESS_S,
+    decode: Callable[[Change], Stored] = decoded,
 ) -> AsyncIterator[Event]:
     """Every change after ``seq`` ``after`` that ``watch`` wants, without end.
 
@@ -86,7 +125,8 @@ async def follow(
     also gets a ``progress`` event, at most every ``progress_s`` once it has caught
     up: the cursor of the last change passed over, so that the cursor it would
     resume from moves on with the feed rather than fall out of the window while
-    nothing it wants happens (etcd's progress notifications)."""
+    nothing it wants happens (etcd's progress notifications). ``decode`` makes a
+    change's record (a :class:`Recent` shares it between watchers)."""
     lower, upper = watch.bounds()
     told, told_at = after, 0.0  # the seq the watcher last heard of, and when
     loop = asyncio.get_running_loop()
@@ -98,9 +138,8 @@ async def follow(
             raise CursorExpired(feed.cursor(replica.feed_id, after), "fell out of the window")
         for change in page:
             after = change.seq
-            record = codec.decode(change.state)
-            if watch.wants(record):
-                stored = Stored(record, codec.digest(change.state), len(change.state))
+            stored = decode(change)
+            if watch.wants(stored.record):
                 yield Event(feed.cursor(replica.feed_id, change.seq), change.kind, stored,
                             change.at_ms)  # fmt: skip
                 told, told_at = after, loop.time()
