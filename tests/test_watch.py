@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from fencemark.client import (
     AsyncClient,
@@ -32,6 +34,8 @@ from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import Record, Stamp
 from fencemark.node.crdt.hlc import pack
 from fencemark.node.rules import changes
+from fencemark.node.store import feed
+from fencemark.node.store.feed import Change
 from fencemark.v1 import records_pb2, records_pb2_grpc
 from tests.cluster import Cluster, all_deciding, eventually
 from tests.conftest import StartNode
@@ -387,3 +391,36 @@ def test_what_watchers_share_is_made_once_per_change_and_bounded() -> None:
     for seq in (1, 1, 2, 1, 3, 3, 1):
         assert recent.get(seq, functools.partial(make, seq)) == f"change {seq}"
     assert made == [1, 2, 3, 1]  # 1 made again only once 2 and 3 pushed it out
+
+
+@given(
+    commits=st.lists(
+        st.lists(st.sampled_from(["a/1", "a/2", "b/1", "c/9"]), min_size=0, max_size=5),
+        max_size=40,
+    ),
+    window=st.integers(1, 30),
+    size=st.integers(1, 12),
+    after=st.integers(0, 120),
+    limit=st.integers(1, 8),
+)
+@example(commits=[["a/1"]] * 20, window=5, size=3, after=14, limit=8)
+def test_the_feeds_tail_in_memory_answers_as_the_file_would(
+    commits: list[list[str]], window: int, size: int, after: int, limit: int
+) -> None:
+    """``store.feed.Tail`` against a model of the table (every row, trimmed to the
+    window at each commit): where it says it covers a cursor, its answer is the
+    table's; and the oldest ``seq`` it names is the table's."""
+    tail = feed.Tail(first=1, last=0, window=window, size=size)
+    table: list[Change] = []
+    for keys in commits:
+        start = (table[-1].seq if table else 0) + 1
+        rows = [(key, "updated", 0, key.encode()) for key in keys]
+        table += [Change(start + i, *row) for i, row in enumerate(rows)]
+        if rows:
+            table = [row for row in table if row.seq > table[-1].seq - window]
+        tail.extend(table[-1].seq if table else 0, rows)
+        assert tail.first == (table[0].seq if table else 1)
+        for lower, upper in (("a/", "a0"), ("", "~")):
+            if tail.covers(after):
+                wanted = [r for r in table if r.seq > after and lower <= r.key < upper][:limit]
+                assert tail.changes(after, lower, upper, limit) == wanted

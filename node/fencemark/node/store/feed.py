@@ -15,9 +15,11 @@ one is refused rather than resumed from a ``seq`` that now means something else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 DEFAULT_WINDOW = 10_000  # rows kept (--feed-window): about 1 KiB each for typical records
+TAIL = 2048  # the newest rows also kept in memory, for watchers that keep up (Tail)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS feed (
@@ -38,6 +40,53 @@ class Change(NamedTuple):
     kind: str
     at_ms: int
     state: bytes
+
+
+class Tail:
+    """The newest rows of the feed, in memory as well as in the file, and the oldest
+    ``seq`` the file keeps: a watcher that keeps up reads what the last commits
+    added without a query, and none asks the file where the window starts.
+
+    ``extend`` is told each commit's rows in the order the commit inserted them:
+    consecutive ``seq``s (one writer, ``AUTOINCREMENT``) ending at the feed's new
+    last. What it holds is what the file holds for those ``seq``s, since a row is
+    never changed, only trimmed."""
+
+    def __init__(self, first: int, last: int, window: int, size: int = TAIL) -> None:
+        self.first = first  # the oldest seq the file keeps (last + 1: none)
+        self.last = last
+        self.window = window
+        self.size = min(size, window)
+        self._rows: list[Change] = []
+
+    def extend(self, last: int, rows: Sequence[tuple[str, str, int, bytes]]) -> None:
+        """A commit added ``rows`` (key, kind, at_ms, state); the feed ends at ``last``."""
+        if not rows:
+            return
+        start = last - len(rows) + 1
+        if self.first > self.last:  # the file kept no rows: these are its first
+            self.first = start
+        self.first = max(self.first, last - self.window + 1)  # the commit trimmed it so
+        if self._rows and self._rows[-1].seq != start - 1:
+            self._rows = []  # not contiguous (never expected): hold only what follows
+        self._rows.extend(Change(start + i, *row) for i, row in enumerate(rows))
+        if len(self._rows) > 2 * self.size:
+            del self._rows[: len(self._rows) - self.size]
+        self.last = last
+
+    def covers(self, after: int) -> bool:
+        """Every row after ``after`` is here."""
+        return bool(self._rows) and self._rows[0].seq <= after + 1
+
+    def changes(self, after: int, lower: str, upper: str, limit: int) -> list[Change]:
+        """As the file would answer, for an ``after`` this ``covers``."""
+        found: list[Change] = []
+        for row in self._rows[max(0, after + 1 - self._rows[0].seq) :]:
+            if lower <= row.key < upper:
+                found.append(row)
+                if len(found) == limit:
+                    break
+        return found
 
 
 def cursor(node_id: str, seq: int) -> str:

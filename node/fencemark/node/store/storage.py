@@ -86,6 +86,7 @@ class Storage:
         count: int,
         feed_window: int = feed_table.DEFAULT_WINDOW,
         feed_last: int = 0,
+        feed_first: int = 1,
     ) -> None:
         self.path = path
         self.tree = tree
@@ -106,6 +107,7 @@ class Storage:
         self.meta: dict[str, str] = {}
         self.feed_window = feed_window
         self.feed_last = feed_last  # the feed's last committed seq
+        self._tail = feed_table.Tail(feed_first, feed_last, feed_window)
         self._fed = asyncio.Event()  # set (and replaced) by each commit that grew the feed
         self._writer_task = asyncio.create_task(self._write_loop(), name="storage-writer")
 
@@ -124,8 +126,10 @@ class Storage:
             tree = DigestTree()
             rows = list(await reader.execute_fetchall("SELECT key, digest FROM records"))
             tree.load((key, bytes(digest)) for key, digest in rows)
-            feed_rows = await reader.execute_fetchall("SELECT coalesce(max(seq), 0) FROM feed")
-            last = next(iter(feed_rows))[0]
+            feed_rows = await reader.execute_fetchall("SELECT min(seq), max(seq) FROM feed")
+            first, last = next(iter(feed_rows))
+            last = last or 0
+            first = first or last + 1
         except BaseException:
             if reader is not None:
                 await reader.close()
@@ -133,7 +137,7 @@ class Storage:
             raise
         hlc_high = int(meta.get("hlc_high", 0))
         storage = cls(path, writer, reader, meta["node_id"], hlc_high, cache_size, tree, len(rows),
-                      feed_window, int(last))  # fmt: skip
+                      feed_window, int(last), int(first))  # fmt: skip
         storage.meta = meta
         return storage
 
@@ -238,6 +242,8 @@ class Storage:
 
     async def changes(self, after: int, lower: str, upper: str, *, limit: int) -> list[Change]:
         """Feed rows after ``seq`` ``after`` of keys in ``[lower, upper)``, in commit order."""
+        if self._tail.covers(after):
+            return self._tail.changes(after, lower, upper, limit)
         rows = await self._reader.execute_fetchall(
             "SELECT seq, key, kind, at_ms, state FROM feed"
             " WHERE seq > ? AND key >= ? AND key < ? ORDER BY seq LIMIT ?",
@@ -247,9 +253,7 @@ class Storage:
 
     async def feed_first(self) -> int:
         """The oldest ``seq`` the feed keeps (``feed_last + 1`` when it keeps none)."""
-        rows = await self._reader.execute_fetchall("SELECT min(seq) FROM feed")
-        first = next(iter(rows), (None,))[0]
-        return self.feed_last + 1 if first is None else int(first)
+        return self._tail.first
 
     async def feed_grew(self, after: int) -> None:
         """Return once the feed holds a ``seq`` past ``after``."""
@@ -403,6 +407,7 @@ class Storage:
             return
         self.hlc_high = hlc_high
         self.meta.update(meta)
+        self._tail.extend(feed_last, feed)
         if feed_last != self.feed_last:
             self.feed_last = feed_last
             fed, self._fed = self._fed, asyncio.Event()
