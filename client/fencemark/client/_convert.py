@@ -168,7 +168,7 @@ def claim_next_result_from_proto(message: claims_pb2.ClaimNextResponse) -> Claim
         ),
         reason=message.reason,
         home_region=message.home_region,
-        record=record_from_proto(message.record),
+        record=record_from_proto(message.record) if message.HasField("record") else None,
     )
 
 
@@ -177,7 +177,7 @@ def reopen_result_from_proto(message: claims_pb2.ReopenResponse) -> ReopenResult
         reopened=message.reopened,
         reason=message.reason,
         home_region=message.home_region,
-        record=record_from_proto(message.record),
+        record=record_from_proto(message.record) if message.HasField("record") else None,
     )
 
 
