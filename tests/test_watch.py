@@ -404,6 +404,7 @@ def test_what_watchers_share_is_made_once_per_change_and_bounded() -> None:
     limit=st.integers(1, 8),
 )
 @example(commits=[["a/1"]] * 20, window=5, size=3, after=14, limit=8)
+@example(commits=[["a/1", "a/1"]], window=1, size=1, after=0, limit=1)  # one commit trims
 def test_the_feeds_tail_in_memory_answers_as_the_file_would(
     commits: list[list[str]], window: int, size: int, after: int, limit: int
 ) -> None:

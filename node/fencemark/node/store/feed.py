@@ -70,8 +70,9 @@ class Tail:
         if self._rows and self._rows[-1].seq != start - 1:
             self._rows = []  # not contiguous (never expected): hold only what follows
         self._rows.extend(Change(start + i, *row) for i, row in enumerate(rows))
-        if len(self._rows) > 2 * self.size:
-            del self._rows[: len(self._rows) - self.size]
+        trimmed = self.first - self._rows[0].seq  # rows the commit trimmed from the file
+        if trimmed > 0 or len(self._rows) > 2 * self.size:
+            del self._rows[: max(trimmed, len(self._rows) - self.size)]
         self.last = last
 
     def covers(self, after: int) -> bool:
