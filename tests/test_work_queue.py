@@ -8,6 +8,7 @@ longer than that, every wait is bounded by ``eventually`` or ``wait_seconds``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -22,8 +23,9 @@ from fencemark.node.crdt import Record as StateRecord
 from fencemark.node.crdt import Stamp
 from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
 from fencemark.node.rules import queue
-from fencemark.node.rules.admission import ANYONE
+from fencemark.node.rules.admission import ANYONE, Caller
 from fencemark.node.rules.errors import Reason
+from fencemark.node.rules.validation import DEFAULT_LEASE_S
 from fencemark.node.store.storage import DB_FILE, Storage
 from tests.cluster import eventually
 from tests.conftest import StartNode
@@ -789,3 +791,138 @@ async def test_an_item_picked_for_a_waiter_that_left_stays_to_lapse_if_its_relea
         assert "releasing an item picked for a caller that left failed" in caplog.text
         status = await claims.status(key, caller=ANYONE)
         assert status.holder is not None and status.holder.owner == "waiter"
+
+
+async def test_a_pick_reads_each_page_of_the_index_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pick walks the index forwards, from the last candidate of each page: behind
+    two full pages of items it cannot take, it reads three pages, not the same ones
+    again. (The replica's own ``picks``, counted.)"""
+    from fencemark.node.core.work_queue import PICK_PAGE
+
+    async with claims_on_file(tmp_path) as claims:
+        work, replica = WorkQueue(claims), claims.replica
+        for i in range(2 * PICK_PAGE):
+            await made(claims, f"plain-{i:03d}")
+        tagged = await replica.remember(
+            "claims", "backlog", "tagged", fields={"title": "t"}, tags=("needs:gpu",),
+            caller=ANYONE,
+        )  # fmt: skip
+        pages: list[int] = []
+        read = replica.picks
+
+        async def counted(*args: object, **kwargs: object) -> list[object]:
+            page = await read(*args, **kwargs)  # type: ignore[arg-type]
+            pages.append(len(page))
+            return page  # type: ignore[return-value]
+
+        monkeypatch.setattr(replica, "picks", counted)
+        picked = await work.claim_next("claims", "backlog", "w", tags=["needs:gpu"],
+                                       lease_seconds=LONG, caller=ANYONE)  # fmt: skip
+        assert picked.stored is not None
+        assert picked.stored.record.key == tagged.stored.record.key
+        assert pages == [PICK_PAGE, PICK_PAGE, 1]
+
+
+async def test_a_take_back_hands_the_item_at_once_to_the_next_in_its_claim_line(
+    tmp_path: Path,
+) -> None:
+    """A caller waiting in ``Claim``'s line behind a long lease gets the item as soon as
+    an operator takes the claim back, not when the lease would have run out; and the
+    take-back answers the record as it left it, the fence moved past the old token."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "taken-back")
+        holder = await claims.claim(key, "holder", lease_seconds=LONG, caller=ANYONE)
+        waiter = asyncio.create_task(
+            claims.claim(key, "waiter", lease_seconds=LONG, wait_seconds=WAIT, caller=ANYONE)
+        )
+        await eventually(lambda: _queued(claims, key), "the waiter in the item's line")
+        taken = await work.force_release(key, "stuck", caller=ANYONE)
+        assert taken.outcome.ok and taken.superseded == holder.token
+        assert taken.stored is not None
+        assert taken.stored.record.fence.fence == holder.token + 1
+        async with asyncio.timeout(SOON):
+            took = await waiter
+        assert (took.ok, took.token) == (True, holder.token + 2)
+
+
+async def test_take_backs_and_reopens_are_logged_with_who_and_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The operator's calls leave an audit line: the key, the identity (or "a caller"
+    on a node without identities) and the reason; a refused call leaves none."""
+    caplog.set_level(logging.INFO, logger="fencemark.node.core.work_queue")
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "audited")
+        claim = await claims.claim(key, "holder", lease_seconds=LONG, caller=ANYONE)
+        ops = Caller("client/ops")
+        assert (await work.force_release(key, "stuck for an hour", caller=ops)).outcome.ok
+        assert (await work.reopen(key, "try again", caller=ANYONE)).outcome.ok
+        refused = await work.force_release(key, "nothing to take", caller=ops)
+        assert not refused.outcome.ok
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("work_queue")]
+    assert lines == [
+        f"took claim {claim.token} of {key} back for client/ops: stuck for an hour",
+        f"reopened {key} for a caller: try again",
+    ]
+
+
+async def test_a_claim_next_retry_gets_its_item_again_with_claim_waiters_queued_for_it(
+    tmp_path: Path,
+) -> None:
+    """The holder's retry of a lost ``ClaimNext`` reply is the same claim, extended, even
+    while other callers wait in the item's ``Claim`` line: they wait for its end, not
+    for the holder to be handed another item."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "retried")
+        await made(claims, "another")
+        first = await work.claim_next("claims", "backlog", "w", lease_seconds=LONG,
+                                      caller=ANYONE)  # fmt: skip
+        assert first.stored is not None and first.stored.record.key == key
+        waiter = asyncio.create_task(
+            claims.claim(key, "waiter", lease_seconds=LONG, wait_seconds=WAIT, caller=ANYONE)
+        )
+        await eventually(lambda: _queued(claims, key), "a waiter in the item's line")
+        again = await work.claim_next("claims", "backlog", "w", lease_seconds=LONG,
+                                      caller=ANYONE)  # fmt: skip
+        waiter.cancel()
+        assert again.stored is not None and again.stored.record.key == key
+        assert again.outcome.token == first.outcome.token
+
+
+async def test_a_caller_that_leaves_while_its_look_finds_nothing_leaves_no_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a pick that claimed an item has something to release when its caller
+    leaves: one that found nothing just goes."""
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        work = WorkQueue(claims)
+        waiter = asyncio.create_task(
+            work.claim_next("claims", "backlog", "waiter", wait_seconds=WAIT, caller=ANYONE)
+        )
+        await eventually(lambda: _idle(claims), "the waiter in line")
+        await asyncio.sleep(0.05)  # its first look (nothing there) is over: it sleeps
+        wall.arm(waiter)
+        # A change in the topic wakes the head; nothing in it can be had.
+        await claims.replica.remember("claims", "backlog", "blocked", fields={"title": "b"},
+                                      tags=("after:never-done",), caller=ANYONE)  # fmt: skip
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not wall.armed, "premise: cancelled while it looked"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_claim_next_defaults_to_the_nodes_lease_and_to_not_waiting(tmp_path: Path) -> None:
+    now = 1_767_225_600_000
+    async with claims_on_file(tmp_path, lambda: now) as claims:
+        work = WorkQueue(claims)
+        empty = await work.claim_next("claims", "backlog", "w", caller=ANYONE)
+        assert empty.outcome.reason == Reason.EMPTY and claims.waits == 0
+        await made(claims, "defaults")
+        picked = await work.claim_next("claims", "backlog", "w", caller=ANYONE)
+        assert picked.outcome.expiry_ms == now + round(DEFAULT_LEASE_S * 1000)
