@@ -352,9 +352,15 @@ class AsyncClient:
         tags: Iterable[str] = (),
         cursor: str = "",
         reconnect_seconds: float = 0.5,
+        on_start: Callable[[str], object] | None = None,
     ) -> AsyncGenerator[WatchEvent, None]:
         """Every change ``target``'s replica commits to the matching records, in commit
         order, from after ``cursor`` (``""``: from now), without end.
+
+        ``on_start`` is called once, with the cursor the feed starts from, when the
+        first stream is open: every change committed after that call is watched (so
+        a caller that looks at the records then, and watches for what changes next,
+        misses nothing).
 
         Resumes by itself after a disconnect, a restart of the node or being cut off
         as too slow, from the last event it yielded (or, before any, from where the
@@ -374,6 +380,9 @@ class AsyncClient:
             try:
                 started = dict(await call.initial_metadata() or ())
                 request.cursor = request.cursor or str(started.get(CURSOR_HEADER, ""))
+                if on_start is not None:
+                    on_start(request.cursor)
+                    on_start = None
                 async for message in call:
                     event = convert.watch_event_from_proto(message)
                     request.cursor = event.cursor

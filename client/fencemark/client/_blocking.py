@@ -176,10 +176,17 @@ class Client:
         tags: Iterable[str] = (),
         cursor: str = "",
         reconnect_seconds: float = 0.5,
+        on_start: Callable[[str], object] | None = None,
     ) -> Generator[WatchEvent, None, None]:
-        """``AsyncClient.watch`` as a blocking iterator: each event when it comes."""
+        """``AsyncClient.watch`` as a blocking iterator: each event when it comes
+        (``on_start`` is called in the client's own thread)."""
         events = self._async_client.watch(
-            repo, topic=topic, tags=tags, cursor=cursor, reconnect_seconds=reconnect_seconds
+            repo,
+            topic=topic,
+            tags=tags,
+            cursor=cursor,
+            reconnect_seconds=reconnect_seconds,
+            on_start=on_start,
         )
         yield from self._iterate(events)
 
