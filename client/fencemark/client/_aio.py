@@ -524,6 +524,7 @@ class AsyncClient:
         lease_seconds: float = 0.0,
         wait_seconds: float = 0.0,
         tags: Iterable[str] = (),
+        only_target: bool = False,
     ) -> ClaimNextResult:
         """Claim the next eligible item of ``repo``/``topic``: nothing eligible is a
         value (reason ``empty``).
@@ -534,6 +535,9 @@ class AsyncClient:
         only when none answered); only if none has an item does it wait up to
         ``wait_seconds`` at ``target``. A grant whose reply was lost on the way is
         not retried at another region: it lapses there and counts one attempt.
+        ``only_target`` asks ``target`` alone: a caller that learns of other
+        regions' items otherwise (their changes on the feed) may leave this wait
+        early, and leaving a wait in ``target``'s line hands nothing out.
         """
         request = claims_pb2.ClaimNextRequest(
             repo=convert.check_str("repo", repo),
@@ -544,7 +548,8 @@ class AsyncClient:
             tags=convert.check_strings("tags", tags),
         )
         wait = convert.check_seconds("wait_seconds", wait_seconds)
-        addresses = [self.target, *sorted(set(self._router.regions.values()) - {self.target})]
+        others = () if only_target else sorted(set(self._router.regions.values()) - {self.target})
+        addresses = [self.target, *others]
         result: ClaimNextResult | None = None
         unreachable: list[Unavailable] = []
         for address in addresses:
