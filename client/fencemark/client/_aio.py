@@ -380,7 +380,7 @@ class AsyncClient:
             try:
                 started = dict(await call.initial_metadata() or ())
                 request.cursor = request.cursor or str(started.get(CURSOR_HEADER, ""))
-                if on_start is not None:
+                if on_start is not None and CURSOR_HEADER in started:  # else it failed
                     on_start(request.cursor)
                     on_start = None
                 async for message in call:
