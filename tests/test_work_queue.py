@@ -24,7 +24,7 @@ from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKE
 from fencemark.node.rules import queue
 from fencemark.node.rules.admission import ANYONE
 from fencemark.node.store.storage import DB_FILE, Storage
-from tests.cluster import eventually
+from tests.cluster import Cluster, all_deciding, eventually
 from tests.conftest import StartNode
 from tests.test_claims import WAIT, CancellingWall, claims_on_file, made
 
@@ -662,3 +662,16 @@ async def test_a_deferral_ends_exactly_retry_after_seconds_after_the_release(
             assert stored is not None and stored.record.not_before_ms == expected
             if seconds:
                 now += 61_500  # the deferral is over
+
+
+async def test_claim_next_only_at_target_leaves_the_other_regions_alone(tmp_path: Path) -> None:
+    """``only_target``: eu's item is not asked for (nor picked) from us."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        await all_deciding(*await cluster.start_all())
+        regions = dict(cluster.addresses)
+        async with AsyncClient(regions["us"], regions=regions) as us:
+            await us.remember(REPO, TOPIC, "eu-item", tags=["homeRegion:eu"])
+            alone = await us.claim_next(REPO, TOPIC, "w", lease_seconds=LONG, only_target=True)
+            routed = await us.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert (alone.granted, alone.reason) == (False, "empty")
+    assert routed.granted and routed.record is not None and routed.record.id == "eu-item"
