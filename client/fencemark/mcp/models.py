@@ -30,6 +30,7 @@ __all__ = [
     "ClaimNextOut",
     "ClaimOut",
     "ClaimStatusOut",
+    "KeepAliveOut",
     "ListOut",
     "LiveClaimOut",
     "RecordOut",
@@ -123,6 +124,24 @@ class ClaimConflictOut(_Out):
     message: str
 
 
+class KeepAliveOut(_Out):
+    """What this server's keepalive of a claim is doing (``keepAlive: true``)."""
+
+    fencing_token: int = Field(description="The token of the claim kept alive.")
+    state: Literal["holding", "lost", "stopped"] = Field(
+        description="holding: renewed for as long as this MCP session lasts; lost: the claim "
+        "is over (reason says why): stop working on the item; stopped: you released it."
+    )
+    reason: str | None = Field(
+        default=None,
+        description="Why it was lost: superseded (someone else holds the item now), expired, "
+        "released, missing, unreachable (the home did not answer until the lease ran out), "
+        "or a refusal such as not_holder.",
+    )
+    lease_seconds: float = Field(description="The lease each renewal asks for.")
+    renewals: int = Field(description="Renewals made so far.")
+
+
 class RememberOut(_Out):
     """The outcome of repocontext_remember: the record, or (isError) the claim conflict."""
 
@@ -141,6 +160,9 @@ class UpdateOut(_Out):
     record: RecordOut | None = Field(default=None, description="The record after the write.")
     error: ClaimConflictOut | None = Field(
         default=None, description="Present only when the write was refused (isError: true)."
+    )
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
     )
 
 
@@ -161,6 +183,9 @@ class ClaimOut(_Out):
         description="Why not granted: contended, timeout, missing or wrong_region.",
     )
     home_region: str | None = None
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, key: str, owner: str, result: ClaimResult) -> ClaimOut:
@@ -190,6 +215,9 @@ class ClaimNextOut(_Out):
     record: RecordOut | None = Field(
         default=None, description="The item claimed (its key is what the other tools take)."
     )
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, result: ClaimNextResult) -> ClaimNextOut:
@@ -215,6 +243,9 @@ class RenewOut(_Out):
         "missing, unknown_token or wrong_region.",
     )
     home_region: str | None = None
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, key: str, token: int, result: RenewResult) -> RenewOut:
@@ -241,6 +272,9 @@ class ReleaseOut(_Out):
     )
     fence: int
     home_region: str | None = None
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, key: str, result: ReleaseResult) -> ReleaseOut:
@@ -276,6 +310,9 @@ class ClaimStatusOut(_Out):
         description="Always false: only a write presenting the token proves ownership."
     )
     home_region: str
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, key: str, status: ClaimStatus) -> ClaimStatusOut:

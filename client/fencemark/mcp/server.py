@@ -7,6 +7,9 @@ writes) are routed to the record's home region when ``regions`` names it.
 Fail-closed (SPEC §6): when the node reports ``writes_enabled: false`` at
 startup, the mutating tools are not registered at all, so they are not listed;
 the read tools stay.
+
+It keeps state per MCP session (``fencemark.mcp.sessions``): the claims it keeps
+alive for the session (``keepAlive``, ``fencemark.mcp.holds``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pydantic import ValidationError
 
 from fencemark.client import AsyncClient, FencemarkError
 from fencemark.mcp.arguments import invalid_arguments_text
+from fencemark.mcp.holds import KeepAlives
+from fencemark.mcp.sessions import session_lifespan
 from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS, RepoContextTools
 
 __all__ = [
@@ -46,12 +51,13 @@ DEFAULT_LISTEN = "127.0.0.1:7480"
 INSTRUCTIONS = """\
 Fencemark stores agent memory and backlog items as records that several agents can drain
 safely. To take work: repocontext_claim_next a topic (owner unique to you) to claim its next
-eligible item; pass the returned fencingToken to every repocontext_update of it;
-repocontext_renew_claim before leaseExpiresAtUtc (e.g. every leaseSeconds/3); finish with
-repocontext_release_claim and outcome done (the result in fields), failed or deferred.
-granted: false is an answer (reason empty: no work now; for repocontext_claim of one key:
-contended, timeout, missing, wrong_region): pick other work. If a renewal answers renewed:
-false with reason superseded, a release answers released: false, or a write fails with
+eligible item, with keepAlive: true to have the claim renewed for you while this session lasts
+(else repocontext_renew_claim before leaseExpiresAtUtc, e.g. every leaseSeconds/3); pass the
+returned fencingToken to every repocontext_update of it; finish with repocontext_release_claim
+and outcome done (the result in fields), failed or deferred. granted: false is an answer
+(reason empty: no work now; for repocontext_claim of one key: contended, timeout, missing,
+wrong_region): pick other work. If keepAlive says state lost, a renewal answers renewed: false
+with reason superseded, a release answers released: false, or a write fails with
 RepoContextClaimConflictException (superseded, expired, released), you lost the item: stop
 writing to it at once. repocontext_claim_status is never authoritative."""
 
@@ -75,13 +81,16 @@ class RepoContextServer(MCPServer[Any]):
             raise
 
 
-def create_server(client: AsyncClient, *, writes_enabled: bool) -> RepoContextServer:
+def create_server(
+    client: AsyncClient, *, writes_enabled: bool, http: bool = False
+) -> RepoContextServer:
     """The tools over ``client``; without ``writes_enabled`` only the read tools exist.
 
     Each tool takes exactly the arguments, of exactly the JSON types, that its
-    input schema lists (``fencemark.mcp.arguments``).
+    input schema lists (``fencemark.mcp.arguments``). ``http``: the server is
+    served over streamable HTTP, whose 2026-07-28 requests share no session.
     """
-    tools = RepoContextTools(client)
+    tools = RepoContextTools(client, KeepAlives(client))
     specs = (*MUTATING_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
     return RepoContextServer(
         SERVER_NAME,
@@ -89,6 +98,7 @@ def create_server(client: AsyncClient, *, writes_enabled: bool) -> RepoContextSe
         version=_version(),
         log_level="WARNING",
         tools=[spec.tool(tools) for spec in specs],
+        lifespan=session_lifespan(streams_are_sessions=not http),
     )
 
 
@@ -152,7 +162,7 @@ async def serve(
                 flush=True,
             )
             return 1
-        server = create_server(client, writes_enabled=info.writes_enabled)
+        server = create_server(client, writes_enabled=info.writes_enabled, http=transport == "http")
         tools = len(await server.list_tools())
         about = (
             f"node {info.node_id} of region {info.region!r} at {target}, writes"
