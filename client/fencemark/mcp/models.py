@@ -22,10 +22,13 @@ from fencemark.client.types import (
     Record,
     ReleaseResult,
     RenewResult,
+    WatchEvent,
 )
 
 __all__ = [
     "CONFLICT_EXCEPTION",
+    "ChangeOut",
+    "ChangesOut",
     "ClaimConflictOut",
     "ClaimNextOut",
     "ClaimOut",
@@ -340,3 +343,41 @@ class ListOut(_Out):
     next_page_token: str | None = Field(
         default=None, description="Present when more records follow: pass it as pageToken."
     )
+
+
+class ChangeOut(_Out):
+    """One change of a followed topic, as the target node's feed told it."""
+
+    cursor: str = Field(description="Where the node's feed resumes right after this change.")
+    kind: str = Field(description="created, updated, claimed, released, lapsed, done, ...")
+    key: str
+    id: str
+    status: str
+    fence: int
+    home_region: str
+    committed_at_utc: datetime | None = None
+
+    @classmethod
+    def of(cls, event: WatchEvent) -> ChangeOut:
+        record = event.record
+        return cls(
+            cursor=event.cursor,
+            kind=event.kind,
+            key=event.key,
+            id=record.id,
+            status=record.status,
+            fence=record.fence,
+            home_region=record.home_region,
+            committed_at_utc=event.committed_at,
+        )
+
+
+class ChangesOut(_Out):
+    """What reading fencemark://{repo}/{topic}/changes returns."""
+
+    uri: str
+    repo_id: str
+    topic: str
+    following: bool = Field(description="Whether this server follows the topic now.")
+    events: list[ChangeOut] = Field(description="Oldest first; since your last read.")
+    missed: int = Field(description="Changes since your last read no longer kept here.")

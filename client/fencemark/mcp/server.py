@@ -8,13 +8,16 @@ Fail-closed (SPEC §6): when the node reports ``writes_enabled: false`` at
 startup, the mutating tools are not registered at all, so they are not listed;
 the read tools stay.
 
-It keeps state per MCP session (``fencemark.mcp.sessions``): the claims it keeps
-alive for the session (``keepAlive``, ``fencemark.mcp.holds``).
+Besides the tools it serves one resource template, a topic's changes
+(``fencemark.mcp.feed``), with ``resources/subscribe`` on the handshake era and
+``subscriptions/listen`` on 2026-07-28; and it keeps state per MCP session
+(``fencemark.mcp.sessions``) for ``keepAlive`` and the feeds a session follows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import socket
 import sys
@@ -25,11 +28,26 @@ import grpc
 from mcp.server import MCPServer
 from mcp.server.mcpserver.context import Context
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
-from mcp_types import CallToolResult, InputRequiredResult
+from mcp.server.subscriptions import InMemorySubscriptionBus
+from mcp_types import (
+    CallToolResult,
+    InputRequiredResult,
+    SubscribeRequestParams,
+    SubscriptionsListenRequestParams,
+    UnsubscribeRequestParams,
+)
 from pydantic import ValidationError
 
 from fencemark.client import AsyncClient, FencemarkError
 from fencemark.mcp.arguments import invalid_arguments_text
+from fencemark.mcp.feed import (
+    URI_TEMPLATE,
+    FeedHub,
+    listening,
+    on_subscribe,
+    on_unsubscribe,
+    read_changes,
+)
 from fencemark.mcp.holds import KeepAlives
 from fencemark.mcp.sessions import session_lifespan
 from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS, RepoContextTools
@@ -80,6 +98,43 @@ class RepoContextServer(MCPServer[Any]):
                 raise ToolError(invalid_arguments_text(name, cause, schema)) from cause
             raise
 
+    def serve_feeds(self, hub: FeedHub) -> None:
+        """The changes resource, and subscriptions to it on both protocol eras.
+
+        ``MCPServer`` serves neither ``resources/subscribe`` nor a hook around its
+        ``subscriptions/listen``: both are registered on its lowlevel ``Server``, the
+        SDK's documented place for a method the 2026-07-28 revision removed.
+        """
+
+        async def changes(repo: str, topic: str, ctx: Context[Any, Any]) -> str:
+            return await read_changes(hub, repo, topic, ctx)
+
+        self.resource(
+            URI_TEMPLATE,
+            name="changes",
+            title="A topic's changes",
+            description="What changed in a topic (created, claimed, released, done, ...) since "
+            "you last read it, with feed cursors. Subscribe to it to be notified of each change "
+            "(notifications/resources/updated); it is followed only while someone subscribes.",
+            mime_type="application/json",
+        )(changes)
+        lowlevel = self._lowlevel_server
+        lowlevel.add_request_handler(
+            "resources/subscribe", SubscribeRequestParams, functools.partial(on_subscribe, hub)
+        )
+        lowlevel.add_request_handler(
+            "resources/unsubscribe",
+            UnsubscribeRequestParams,
+            functools.partial(on_unsubscribe, hub),
+        )
+        listen = lowlevel.get_request_handler("subscriptions/listen")
+        if listen is not None:
+            lowlevel.add_request_handler(
+                "subscriptions/listen",
+                SubscriptionsListenRequestParams,
+                listening(hub, listen.handler),
+            )
+
 
 def create_server(
     client: AsyncClient, *, writes_enabled: bool, http: bool = False
@@ -92,14 +147,18 @@ def create_server(
     """
     tools = RepoContextTools(client, KeepAlives(client))
     specs = (*MUTATING_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
-    return RepoContextServer(
+    bus = InMemorySubscriptionBus()
+    server = RepoContextServer(
         SERVER_NAME,
         instructions=INSTRUCTIONS,
         version=_version(),
         log_level="WARNING",
         tools=[spec.tool(tools) for spec in specs],
         lifespan=session_lifespan(streams_are_sessions=not http),
+        subscriptions=bus,
     )
+    server.serve_feeds(FeedHub(client, bus))
+    return server
 
 
 async def open_server(client: AsyncClient) -> RepoContextServer:
