@@ -50,6 +50,9 @@ TOOL_ARGUMENTS = {
     "repocontext_claim_next": {
         "repoId", "topic", "owner", "leaseSeconds", "waitSeconds", "tags", "keepAlive"
     },
+    "repocontext_wait_for_work": {
+        "repoId", "topic", "owner", "leaseSeconds", "timeoutSeconds", "tags", "keepAlive"
+    },
     "repocontext_claim_status": {"key"},
     "repocontext_recall": {"key"},
     "repocontext_list": {"repoId", "topic", "tag", "pageToken"},

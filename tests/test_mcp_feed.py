@@ -1,11 +1,11 @@
-"""The change feed through MCP (issue 18): a topic's changes as a resource one
-subscribes to.
+"""The change feed through MCP (issue 18): waiting for work without polling
+(``repocontext_wait_for_work``) and a topic's changes as a resource one subscribes to.
 
 Real nodes on loopback, the real ``fencemark.mcp`` server, the ``mcp`` SDK's own
 client on both protocol eras: ``legacy`` (the initialize handshake, sessions,
 ``resources/subscribe``) and ``auto`` (2026-07-28 in memory: ``subscriptions/listen``).
-What the node sees is read from its own counters: its ``Watch`` streams (none
-left open). Keepalive is in
+What the node sees is read from its own counters: its ``ClaimNext`` calls (no
+polling) and its ``Watch`` streams (none left open). Keepalive is in
 ``test_mcp_keepalive.py``; the Inspector's view in ``test_mcp_inspector.py``.
 """
 
@@ -16,6 +16,7 @@ import contextlib
 import json
 import warnings
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,10 +25,12 @@ from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
 from mcp_types import ResourceUpdatedNotification, TextResourceContents
 
 from fencemark.client import AsyncClient
-from fencemark.mcp import open_server
+from fencemark.mcp import create_server, open_server
 from fencemark.node.api.server import NodeServer
-from tests.cluster import eventually
+from tests.cluster import Cluster, eventually
 from tests.metrics import counters, gauges
+from tests.test_mcp import call
+from tests.test_mcp_walkthrough import expect_ok, outcome_of
 
 REPO = "feed"
 WITHIN = 15.0
@@ -86,6 +89,111 @@ async def read(client: Client, uri: str) -> dict[str, Any]:
 
 def wait_args(topic: str, owner: str = "worker-a", **extra: Any) -> dict[str, Any]:
     return {"repoId": REPO, "topic": topic, "owner": owner, "leaseSeconds": 60, **extra}
+
+
+# -- waiting for work ---------------------------------------------------------------------
+
+
+async def test_waiting_for_work_answers_empty_as_a_value_once_the_time_is_up(
+    node: NodeServer,
+) -> None:
+    async with tools_at(node) as client:
+        now = expect_ok(
+            await call(client, "repocontext_wait_for_work", **wait_args("none", timeoutSeconds=0))
+        )
+        later = expect_ok(
+            await call(client, "repocontext_wait_for_work", **wait_args("none", timeoutSeconds=1))
+        )
+    assert now == later == {"granted": False, "reason": "empty"}
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_a_wait_claims_the_item_that_comes_and_says_it_is_waiting(
+    node: NodeServer, client: AsyncClient, mode: str
+) -> None:
+    """It waits in the node's line: a few ClaimNext calls however long it waits."""
+    reports: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        reports.append((progress, total, message))
+
+    async with tools_at(node, mode) as tools:
+        before = calls_of(node, "ClaimNext")
+        waiting = asyncio.create_task(
+            tools.call_tool(
+                "repocontext_wait_for_work",
+                wait_args(f"comes-{mode}", timeoutSeconds=60),
+                progress_callback=on_progress,
+            )
+        )
+
+        async def in_line() -> bool:  # the wait is in the node's line
+            return bool(reports) and calls_of(node, "ClaimNext") - before >= 2
+
+        await eventually(in_line, "the wait reported progress and waits at the node")
+        made = await client.remember(REPO, f"comes-{mode}", "item-1", title="Arrives later")
+        async with asyncio.timeout(WITHIN):
+            got = expect_ok(outcome_of(await waiting))
+    assert got["granted"] is True and got["record"]["key"] == made.record.key
+    assert calls_of(node, "ClaimNext") - before <= 4  # looked, waited, was handed the item
+    done, total, message = reports[0]
+    assert (total, message) == (60.0, f"waiting for an eligible item of {REPO}/comes-{mode}")
+    assert 0 <= done <= 60
+
+
+async def test_a_wait_takes_an_item_of_another_region_when_the_feed_says_it_came(
+    tmp_path: Path,
+) -> None:
+    """The server in us waits in us's line and follows the topic on us's feed: an item
+    created in eu (replicated to us) wakes it, and it claims the item at eu."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        await cluster.start_all()
+        regions = dict(cluster.addresses)
+        async with (
+            AsyncClient(regions["us"], regions=regions) as fencemark,
+            AsyncClient(regions["eu"]) as eu,
+        ):
+            await eventually(lambda: _serving(fencemark, eu), "every node serving claims")
+            server = create_server(fencemark, writes_enabled=True, region="us")
+            async with Client(server, mode="legacy") as tools:
+                waiting = asyncio.create_task(
+                    tools.call_tool(
+                        "repocontext_wait_for_work", wait_args("far", timeoutSeconds=60)
+                    )
+                )
+                await eventually(lambda: _asked(cluster["us"], 2), "the wait in us's line")
+                made = await eu.remember(REPO, "far", "eu-item", tags=["homeRegion:eu"])
+                async with asyncio.timeout(WITHIN):
+                    got = expect_ok(outcome_of(await waiting))
+            assert (got["granted"], got["record"]["key"]) == (True, made.record.key)
+            assert got["record"]["homeRegion"] == "eu"
+            assert calls_of(cluster["us"], "ClaimNext") <= 5  # no polling while it waited
+            await no_stream_left(cluster["us"], ended=1)  # the wait's feed is closed
+
+
+async def _serving(*clients: AsyncClient) -> bool:
+    return all([(await client.info()).claims_serving for client in clients])
+
+
+async def _asked(node: NodeServer, calls: int) -> bool:
+    return calls_of(node, "ClaimNext") >= calls
+
+
+async def test_a_wait_names_the_argument_the_node_refuses(tmp_path: Path) -> None:
+    """With other regions it opens the feed first: a bad repoId is refused there."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        await cluster.start_all()
+        regions = dict(cluster.addresses)
+        async with AsyncClient(regions["us"], regions=regions) as fencemark:
+            server = create_server(fencemark, writes_enabled=True, region="us")
+            async with Client(server, mode="legacy") as tools:
+                bad = await call(
+                    tools,
+                    "repocontext_wait_for_work",
+                    **{**wait_args("t", timeoutSeconds=5), "repoId": "bad repo"},
+                )
+    assert bad.is_error and bad.text.startswith("Invalid arguments for repocontext_wait_for_work")
+    assert "repoId: must match" in bad.text
 
 
 # -- a topic's changes ----------------------------------------------------------------------

@@ -16,8 +16,9 @@ from fencemark.mcp.server import (
     serve,
 )
 from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS
+from fencemark.mcp.work import WORK_TOOLS
 
-MUTATING_TOOL_NAMES = tuple(spec.name for spec in MUTATING_TOOLS)
+MUTATING_TOOL_NAMES = tuple(spec.name for spec in (*MUTATING_TOOLS, *WORK_TOOLS))
 READ_TOOL_NAMES = tuple(spec.name for spec in READ_TOOLS)
 
 __all__ = [

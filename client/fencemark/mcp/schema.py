@@ -22,6 +22,7 @@ __all__ = [
     "MAX_LEASE_S",
     "MAX_RETRY_AFTER_S",
     "MAX_TOKEN",
+    "MAX_WAIT_FOR_WORK_S",
     "MAX_WAIT_S",
     "KeepAlive",
     "Key",
@@ -36,6 +37,7 @@ __all__ = [
 MAX_TOKEN = 2**64 - 1  # fencing tokens are uint64 on the wire
 MIN_LEASE_S, MAX_LEASE_S, MAX_WAIT_S = 1, 3600, 300
 MAX_RETRY_AFTER_S = 30 * 24 * 3600  # a deferral of at most 30 days
+MAX_WAIT_FOR_WORK_S = 3600  # repocontext_wait_for_work: waits of the node's line, one after another
 
 Key = Annotated[
     str,

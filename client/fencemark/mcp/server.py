@@ -50,7 +50,8 @@ from fencemark.mcp.feed import (
 )
 from fencemark.mcp.holds import KeepAlives
 from fencemark.mcp.sessions import session_lifespan
-from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS, RepoContextTools
+from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS
+from fencemark.mcp.work import WORK_TOOLS, WorkTools
 
 __all__ = [
     "INSTRUCTIONS",
@@ -68,14 +69,15 @@ DEFAULT_LISTEN = "127.0.0.1:7480"
 
 INSTRUCTIONS = """\
 Fencemark stores agent memory and backlog items as records that several agents can drain
-safely. To take work: repocontext_claim_next a topic (owner unique to you) to claim its next
-eligible item, with keepAlive: true to have the claim renewed for you while this session lasts
-(else repocontext_renew_claim before leaseExpiresAtUtc, e.g. every leaseSeconds/3); pass the
-returned fencingToken to every repocontext_update of it; finish with repocontext_release_claim
-and outcome done (the result in fields), failed or deferred. granted: false is an answer
-(reason empty: no work now; for repocontext_claim of one key: contended, timeout, missing,
-wrong_region): pick other work. If keepAlive says state lost, a renewal answers renewed: false
-with reason superseded, a release answers released: false, or a write fails with
+safely. To take work: repocontext_wait_for_work a topic (owner unique to you; or
+repocontext_claim_next, which does not wait) to claim its next eligible item, with keepAlive:
+true to have the claim renewed for you while this session lasts (else repocontext_renew_claim
+before leaseExpiresAtUtc, e.g. every leaseSeconds/3); pass the returned fencingToken to every
+repocontext_update of it; finish with repocontext_release_claim and outcome done (the result
+in fields), failed or deferred. granted: false is an answer (reason empty: no work now; for
+repocontext_claim of one key: contended, timeout, missing, wrong_region): pick other work. A
+keepAlive whose state is lost means the claim is over. If a renewal answers renewed:
+false with reason superseded, a release answers released: false, or a write fails with
 RepoContextClaimConflictException (superseded, expired, released), you lost the item: stop
 writing to it at once. repocontext_claim_status is never authoritative."""
 
@@ -137,16 +139,18 @@ class RepoContextServer(MCPServer[Any]):
 
 
 def create_server(
-    client: AsyncClient, *, writes_enabled: bool, http: bool = False
+    client: AsyncClient, *, writes_enabled: bool, region: str = "", http: bool = False
 ) -> RepoContextServer:
     """The tools over ``client``; without ``writes_enabled`` only the read tools exist.
 
     Each tool takes exactly the arguments, of exactly the JSON types, that its
-    input schema lists (``fencemark.mcp.arguments``). ``http``: the server is
-    served over streamable HTTP, whose 2026-07-28 requests share no session.
+    input schema lists (``fencemark.mcp.arguments``). ``region`` is the target
+    node's (``repocontext_wait_for_work`` leaves the target's own items to its
+    line); ``http``: the server is served over streamable HTTP, whose 2026-07-28
+    requests share no session.
     """
-    tools = RepoContextTools(client, KeepAlives(client))
-    specs = (*MUTATING_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
+    tools = WorkTools(client, KeepAlives(client), region)
+    specs = (*MUTATING_TOOLS, *WORK_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
     bus = InMemorySubscriptionBus()
     server = RepoContextServer(
         SERVER_NAME,
@@ -167,7 +171,7 @@ async def open_server(client: AsyncClient) -> RepoContextServer:
     Raises ``FencemarkError`` (e.g. ``Unavailable``) when the node cannot say.
     """
     info = await client.info()
-    return create_server(client, writes_enabled=info.writes_enabled)
+    return create_server(client, writes_enabled=info.writes_enabled, region=info.region)
 
 
 def parse_regions(spec: str | None) -> dict[str, str]:
@@ -221,7 +225,12 @@ async def serve(
                 flush=True,
             )
             return 1
-        server = create_server(client, writes_enabled=info.writes_enabled, http=transport == "http")
+        server = create_server(
+            client,
+            writes_enabled=info.writes_enabled,
+            region=info.region,
+            http=transport == "http",
+        )
         tools = len(await server.list_tools())
         about = (
             f"node {info.node_id} of region {info.region!r} at {target}, writes"

@@ -5,8 +5,8 @@ deadlines, retries and home-region routing) that turns its answer into
 structured content (``fencemark.mcp.models``) or a tool error
 (``fencemark.mcp.outcomes``). What each call guarantees is written once, in
 docs/consistency.md; the descriptions below are what an agent reads. The
-argument types they share are in ``fencemark.mcp.schema``; keeping claims alive
-is ``fencemark.mcp.holds``.
+argument types they share are in ``fencemark.mcp.schema``; waiting for work is
+``fencemark.mcp.work``, keeping claims alive ``fencemark.mcp.holds``.
 
 About 400 lines on purpose: each tool's arguments (with the descriptions agents
 read) and its registration text sit in one file, where they are reviewed together.
