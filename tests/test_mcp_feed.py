@@ -314,3 +314,14 @@ async def test_a_subscription_the_server_cannot_follow_is_refused_with_its_reaso
     data = refused.value.data
     assert isinstance(data, dict) and (data["uri"], data["reason"]) == (uri, reason)
     await no_stream_left(node, ended=calls_of(node, "Watch"))
+
+
+async def test_reading_a_resource_with_a_bad_name_is_refused_naming_it(node: NodeServer) -> None:
+    async with tools_at(node) as tools:
+        with pytest.raises(MCPError) as refused:
+            await read(tools, "fencemark://feed/bad!topic/changes")
+    assert "topic: must match [A-Za-z0-9._:-]{1,128}, got 'bad!topic'" in refused.value.message
+    assert refused.value.data == {
+        "uri": "fencemark://feed/bad!topic/changes", "reason": "invalid_argument",
+        "argument": "topic",
+    }  # fmt: skip

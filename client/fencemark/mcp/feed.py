@@ -42,7 +42,7 @@ from mcp_types import (
     UnsubscribeRequestParams,
 )
 
-from fencemark.client import AsyncClient, CursorExpired, InvalidArgument
+from fencemark.client import AsyncClient, CursorExpired, InvalidArgument, PermissionDenied
 from fencemark.mcp.models import ChangeOut, ChangesOut
 from fencemark.mcp.outcomes import argument_name
 from fencemark.mcp.sessions import Session, session_of
@@ -67,6 +67,7 @@ ListenHandler_ = Callable[
     [ServerRequestContext[Any, Any], SubscriptionsListenRequestParams], Awaitable[HandlerResult]
 ]
 _URI = re.compile(r"fencemark://(?P<repo>[^/?#]+)/(?P<topic>[^/?#]+)/changes")
+_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a repo's or a topic's name (SPEC §2)
 
 
 class FeedRefused(Exception):
@@ -84,13 +85,21 @@ class FeedRefused(Exception):
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
-    """``fencemark://lattice/backlog/changes`` -> ``("lattice", "backlog")``."""
+    """``fencemark://lattice/backlog/changes`` -> ``("lattice", "backlog")``; the names
+    as SPEC §2 has them (the node checks them too)."""
     found = _URI.fullmatch(uri)
     if found is None:
         raise FeedRefused(
             uri, "unknown_resource", f"No such resource {uri!r}: the changes of a topic are "
             "fencemark://{repo}/{topic}/changes, e.g. fencemark://lattice/backlog/changes"
         )  # fmt: skip
+    for argument, name in (("repoId", found["repo"]), ("topic", found["topic"])):
+        if _NAME.fullmatch(name) is None:
+            raise FeedRefused(
+                uri, "invalid_argument",
+                f"Invalid resource {uri}: {argument}: must match {_NAME.pattern}, got {name!r}",
+                argument=argument,
+            )  # fmt: skip
     return found["repo"], found["topic"]
 
 
@@ -143,7 +152,8 @@ class _Follower:
                 self.uri, "invalid_argument", f"Invalid resource {self.uri}: {why or failure}",
                 argument=named[0] if named else "",
             )  # fmt: skip
-        raise FeedRefused(self.uri, "unavailable", f"{self.uri} cannot be followed: {failure}")
+        reason = "permission_denied" if isinstance(failure, PermissionDenied) else "unavailable"
+        raise FeedRefused(self.uri, reason, f"{self.uri} cannot be followed: {failure}")
 
     async def _follow(self, opened: asyncio.Future[str]) -> None:
         repo, topic = parse_uri(self.uri)
