@@ -535,9 +535,10 @@ class AsyncClient:
         only when none answered); only if none has an item does it wait up to
         ``wait_seconds`` at ``target``. A grant whose reply was lost on the way is
         not retried at another region: it lapses there and counts one attempt.
-        ``only_target`` asks ``target`` alone: a caller that learns of other
-        regions' items otherwise (their changes on the feed) may leave this wait
-        early, and leaving a wait in ``target``'s line hands nothing out.
+        ``only_target`` asks ``target`` alone, in one call that waits there: a
+        caller that learns of other regions' items otherwise (their changes on the
+        feed) may leave that wait early, and a caller that leaves ``target``'s line
+        is handed nothing.
         """
         request = claims_pb2.ClaimNextRequest(
             repo=convert.check_str("repo", repo),
@@ -548,8 +549,11 @@ class AsyncClient:
             tags=convert.check_strings("tags", tags),
         )
         wait = convert.check_seconds("wait_seconds", wait_seconds)
-        others = () if only_target else sorted(set(self._router.regions.values()) - {self.target})
-        addresses = [self.target, *others]
+        extra = wait if math.isfinite(wait) and 0 < wait <= MAX_WAIT_SECONDS else 0.0
+        if only_target:
+            request.wait_seconds = wait
+            return await self._next_at(self.target, request, extra_seconds=extra)
+        addresses = [self.target, *sorted(set(self._router.regions.values()) - {self.target})]
         result: ClaimNextResult | None = None
         unreachable: list[Unavailable] = []
         for address in addresses:
@@ -565,7 +569,6 @@ class AsyncClient:
         if wait == 0:
             return result
         request.wait_seconds = wait
-        extra = wait if math.isfinite(wait) and 0 < wait <= MAX_WAIT_SECONDS else 0.0
         return await self._next_at(self.target, request, extra_seconds=extra)
 
     async def _next_at(
