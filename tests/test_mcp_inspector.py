@@ -38,7 +38,7 @@ from fencemark.node.api.server import NodeServer
 from tests.cluster import eventually
 from tests.conftest import StartNode
 from tests.test_mcp import clean_env, http_server, mcp_command
-from tests.test_mcp_feed import calls_of, no_stream_left
+from tests.test_mcp_feed import no_stream_left, waiting_in_line
 from tests.test_mcp_walkthrough import (
     KEY,
     Call,
@@ -269,7 +269,6 @@ async def test_the_inspector_waits_for_work_and_its_session_s_keepalive_ends_wit
     args = {"repoId": "q", "topic": "later", "owner": "worker-a", "leaseSeconds": 2}
     empty = expect_ok(await call("repocontext_wait_for_work", {**args, "timeoutSeconds": 0}))
     assert empty == {"granted": False, "reason": "empty"}  # exit 0: an answer
-    asked = calls_of(node, "ClaimNext")
 
     async def wait() -> Outcome:
         return await call(
@@ -279,7 +278,7 @@ async def test_the_inspector_waits_for_work_and_its_session_s_keepalive_ends_wit
     waiting = asyncio.create_task(wait())
 
     async def in_line() -> bool:
-        return calls_of(node, "ClaimNext") >= asked + 2
+        return waiting_in_line(node) == 1
 
     await eventually(in_line, "the Inspector's wait in the node's line", within=INSPECTOR_LIMIT_S)
     made = await client.remember("q", "later", "comes", title="Comes while it waits")

@@ -219,6 +219,8 @@ class WorkTools(RepoContextTools):
 
 async def _wait_round(ask: Ask, seconds: float, changes: _Changes | None) -> ClaimNextResult | None:
     """A wait in the target's line, left early when ``changes`` wakes (``None`` then)."""
+    if changes is not None and changes.woken.is_set():
+        return None  # woken while it looked: look again rather than start and leave a wait
     waiting = asyncio.ensure_future(ask(wait_seconds=seconds, only_target=True))
     if changes is None:
         return await waiting
