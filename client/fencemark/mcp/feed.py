@@ -283,8 +283,7 @@ class SessionFeeds:
         self._sender: asyncio.Task[None] | None = None
 
     async def subscribe(self, uri: str) -> None:
-        if uri in self.subscribed:
-            return
+        """Follow ``uri`` (again: as it is, or restarted if its stream had ended)."""
         position = await self.hub.subscribe(uri, self)
         self.subscribed.add(uri)
         self.positions.setdefault(uri, position)

@@ -4,12 +4,9 @@ Each tool is a thin face over one ``AsyncClient`` method (the same rules,
 deadlines, retries and home-region routing) that turns its answer into
 structured content (``fencemark.mcp.models``) or a tool error
 (``fencemark.mcp.outcomes``). What each call guarantees is written once, in
-docs/consistency.md; the descriptions below are what an agent reads. The
-argument types they share are in ``fencemark.mcp.schema``; waiting for work is
-``fencemark.mcp.work``, keeping claims alive ``fencemark.mcp.holds``.
-
-About 400 lines on purpose: each tool's arguments (with the descriptions agents
-read) and its registration text sit in one file, where they are reviewed together.
+docs/consistency.md; the descriptions below are what an agent reads, next to each
+tool's registration text, so that they are reviewed together. Shared argument
+types: ``fencemark.mcp.schema``; keepAlive: ``fencemark.mcp.holds``.
 """
 
 from __future__ import annotations
