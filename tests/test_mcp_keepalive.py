@@ -56,7 +56,13 @@ async def outlives_its_lease(client: AsyncClient, key: str, token: int, first: s
         live = claim is not None and claim.fencing_token == token
         return live and datetime.now(UTC) > past
 
-    await eventually(alive_past_it, "the kept claim alive past its lease", within=20)
+    async def explain() -> str:
+        events = [(e.kind, e.fencing_token) for e in (await client.history(key)).events]
+        return f"the claim is {(await client.claim_status(key)).claim}; history {events}"
+
+    await eventually(
+        alive_past_it, "the kept claim alive past its lease", within=20, explain=explain
+    )
 
 
 async def lapsed(client: AsyncClient, key: str) -> None:
@@ -66,7 +72,11 @@ async def lapsed(client: AsyncClient, key: str) -> None:
         events = (await client.history(key)).events
         return (await client.claim_status(key)).claim is None and events[-1].kind == "lapsed"
 
-    await eventually(recorded, "the claim lapsed at its lease end")
+    async def explain() -> str:
+        events = [(e.kind, e.fencing_token) for e in (await client.history(key)).events]
+        return f"the claim is {(await client.claim_status(key)).claim}; history {events}"
+
+    await eventually(recorded, "the claim lapsed at its lease end", explain=explain)
 
 
 @pytest.mark.parametrize("mode", ["legacy", "auto"])
