@@ -37,18 +37,21 @@ from tests.conftest import StartNode
 from tests.test_mcp_walkthrough import Outcome, expect_ok, outcome_of
 
 ALL_TOOLS = {*MUTATING_TOOL_NAMES, *READ_TOOL_NAMES}
-SEED_ARGUMENTS = {
+TOOL_ARGUMENTS = {
     "repocontext_remember": {
         "repoId", "topic", "id", "kind", "author", "title", "body", "tags"
     },
     "repocontext_update": {"key", "fields", "fencingToken"},
-    "repocontext_claim": {"key", "owner", "leaseSeconds", "waitSeconds"},
+    "repocontext_claim": {"key", "owner", "leaseSeconds", "waitSeconds", "keepAlive"},
     "repocontext_renew_claim": {"key", "fencingToken", "leaseSeconds"},
     "repocontext_release_claim": {
         "key", "fencingToken", "outcome", "fields", "retryAfterSeconds"
     },
     "repocontext_claim_next": {
-        "repoId", "topic", "owner", "leaseSeconds", "waitSeconds", "tags"
+        "repoId", "topic", "owner", "leaseSeconds", "waitSeconds", "tags", "keepAlive"
+    },
+    "repocontext_wait_for_work": {
+        "repoId", "topic", "owner", "leaseSeconds", "timeoutSeconds", "tags", "keepAlive"
     },
     "repocontext_claim_status": {"key"},
     "repocontext_recall": {"key"},
@@ -95,7 +98,7 @@ async def test_a_writable_node_lists_every_tool_with_schemas(
     assert set(tools) == ALL_TOOLS
     for name, tool in tools.items():
         assert tool.description and len(tool.description) > 80, name
-        assert set(tool.input_schema["properties"]) == SEED_ARGUMENTS[name]
+        assert set(tool.input_schema["properties"]) == TOOL_ARGUMENTS[name]
         assert tool.output_schema is not None and tool.output_schema["type"] == "object"
         assert tool.annotations is not None
         assert tool.annotations.read_only_hint is (name in READ_TOOL_NAMES), name

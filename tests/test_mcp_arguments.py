@@ -107,6 +107,10 @@ async def test_every_tool_refuses_an_argument_it_does_not_take(node: NodeServer,
         "repocontext_claim_next": {
             "repoId": "docs", "topic": "mcp", "owner": "w", "leaseSeconds": 5
         },
+        "repocontext_wait_for_work": {
+            "repoId": "docs", "topic": "mcp", "owner": "w", "leaseSeconds": 5,
+            "timeoutSeconds": 0,
+        },
         "repocontext_claim_status": {"key": "repo/docs/mem/mcp/never"},
         "repocontext_recall": {"key": "repo/docs/mem/mcp/never"},
         "repocontext_list": {"repoId": "docs"},

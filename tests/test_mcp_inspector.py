@@ -7,6 +7,10 @@ back as tool errors. The Inspector exits 0 for a result and 5 (``TOOL_ERROR``)
 for a result with ``isError: true``; it also validates every structured content
 against the tool's output schema, error results included (a mismatch exits 1).
 
+It also waits for work (``repocontext_wait_for_work``) in a session whose claim,
+kept alive, lapses when the run ends, and lists and reads the changes resource
+(its ``--cli`` mode has no ``resources/subscribe``: an SDK client subscribes).
+
 It runs on Node >= 22 from the project-local prefix ``.ci/ensure-inspector``
 installs (``make inspector``). Without it these tests skip, except under CI
 (``CI`` set), where they fail: CI must have installed it.
@@ -18,16 +22,23 @@ import asyncio
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp import Client
+from mcp.shared.exceptions import MCPDeprecationWarning
+from mcp_types import ResourceUpdatedNotification
 
+from fencemark.client import AsyncClient
 from fencemark.mcp import MUTATING_TOOL_NAMES, READ_TOOL_NAMES
 from fencemark.node.api.server import NodeServer
+from tests.cluster import eventually
 from tests.conftest import StartNode
 from tests.test_mcp import clean_env, http_server, mcp_command
+from tests.test_mcp_feed import no_stream_left, waiting_in_line
 from tests.test_mcp_walkthrough import (
     KEY,
     Call,
@@ -244,3 +255,97 @@ async def test_the_walkthrough_through_the_inspector_over_http(
         tools = await inspector.list_tools("--transport", "http", url)
         assert {tool["name"] for tool in tools} == ALL_TOOLS
         await run_walkthrough(inspector.caller("--transport", "http", url), lease_seconds=5.0)
+
+
+# -- the change feed and keepalive (issue 18) -------------------------------------------------
+
+
+async def test_the_inspector_waits_for_work_and_its_session_s_keepalive_ends_with_it(
+    inspector: Inspector, node: NodeServer, client: AsyncClient
+) -> None:
+    """One Inspector run is one MCP session: the claim it kept alive lapses (is not
+    released) once the run is over. The wait itself is in the node's line."""
+    call = inspector.caller(*stdio_server(node.address))
+    args = {"repoId": "q", "topic": "later", "owner": "worker-a", "leaseSeconds": 2}
+    empty = expect_ok(await call("repocontext_wait_for_work", {**args, "timeoutSeconds": 0}))
+    assert empty == {"granted": False, "reason": "empty"}  # exit 0: an answer
+
+    async def wait() -> Outcome:
+        return await call(
+            "repocontext_wait_for_work", {**args, "timeoutSeconds": 60, "keepAlive": True}
+        )
+
+    waiting = asyncio.create_task(wait())
+
+    async def in_line() -> bool:
+        return waiting_in_line(node) == 1
+
+    await eventually(in_line, "the Inspector's wait in the node's line", within=INSPECTOR_LIMIT_S)
+    made = await client.remember("q", "later", "comes", title="Comes while it waits")
+    got = expect_ok(await waiting)
+    assert (got["granted"], got["record"]["key"]) == (True, made.record.key)
+    assert got["keepAlive"]["state"] == "holding"
+
+    async def lapsed() -> bool:
+        return (await client.history(made.record.key)).events[-1].kind == "lapsed"
+
+    await eventually(lapsed, "the claim lapsed once the Inspector's session ended")
+    assert "released" not in [e.kind for e in (await client.history(made.record.key)).events]
+
+
+async def test_the_inspector_lists_and_reads_the_changes_resource(
+    inspector: Inspector, node: NodeServer
+) -> None:
+    server = stdio_server(node.address)
+    code, listed, err = await inspector.run(
+        "--method", "resources/templates/list", "--format", "json", *server
+    )
+    assert code == EXIT_OK, err
+    templates = listed["result"]["resourceTemplates"]
+    assert [t["uriTemplate"] for t in templates] == ["fencemark://{repo}/{topic}/changes"]
+    assert templates[0]["mimeType"] == "application/json"
+    code, read, err = await inspector.run(
+        "--method", "resources/read", "--uri", "fencemark://q/t/changes", "--format", "json",
+        *server,
+    )  # fmt: skip
+    assert code == EXIT_OK, err
+    content = json.loads(read["result"]["contents"][0]["text"])
+    assert (content["following"], content["events"]) == (False, [])  # nobody subscribes
+    code, _, err = await inspector.run(
+        "--method", "resources/read", "--uri", "fencemark://q/t/nothing", "--format", "json",
+        *server,
+    )  # fmt: skip
+    assert code != EXIT_OK and "Unknown resource: fencemark://q/t/nothing" in err
+
+
+async def test_the_inspector_reads_what_another_session_follows_over_http(
+    inspector: Inspector, node: NodeServer, client: AsyncClient
+) -> None:
+    """One ``fencemark mcp --transport http``: the SDK's client subscribes (and is told of
+    the change); the Inspector, a session with no read position, gets every change kept."""
+    uri = "fencemark://q/followed/changes"
+    told = asyncio.Event()
+
+    async def on_message(message: object) -> None:
+        if isinstance(message, ResourceUpdatedNotification) and message.params.uri == uri:
+            told.set()
+
+    async with (
+        http_server(node.address) as url,
+        Client(url, mode="legacy", message_handler=on_message) as follower,
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MCPDeprecationWarning)
+            await follower.subscribe_resource(uri)
+        await client.remember("q", "followed", "one", title="One")
+        async with asyncio.timeout(INSPECTOR_LIMIT_S):
+            await told.wait()
+        code, read, err = await inspector.run(
+            "--method", "resources/read", "--uri", uri, "--format", "json",
+            "--transport", "http", url,
+        )  # fmt: skip
+    assert code == EXIT_OK, err
+    content = json.loads(read["result"]["contents"][0]["text"])
+    assert content["following"] is True
+    assert [(e["kind"], e["id"]) for e in content["events"]] == [("created", "one")]
+    await no_stream_left(node, ended=1)  # the follower's session closed: its Watch ended

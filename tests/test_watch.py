@@ -64,9 +64,13 @@ def key_of(id_: str, topic: str = TOPIC) -> str:
 
 async def started(client: AsyncClient, **filters: object) -> AsyncIterator[WatchEvent]:
     """A watch whose stream is open (its start is fixed) before the caller writes."""
-    events = client.watch(REPO, **filters)  # type: ignore[call-overload]
+    opened = asyncio.Event()
+    events = client.watch(REPO, on_start=lambda _: opened.set(), **filters)  # type: ignore[call-overload]
     first = asyncio.ensure_future(anext(events))
-    await asyncio.sleep(0.2)  # the stream is open and waiting for the first change
+    async with asyncio.timeout(WITHIN):
+        await asyncio.wait(
+            [first, asyncio.ensure_future(opened.wait())], return_when=asyncio.FIRST_COMPLETED
+        )
 
     async def rest() -> AsyncIterator[WatchEvent]:
         yield await first
@@ -111,6 +115,33 @@ async def test_each_change_is_one_event_in_commit_order_with_its_kind(
     cursors = [int(e.cursor.rpartition(".")[2]) for e in got]
     assert cursors == sorted(cursors) and len(set(cursors)) == len(cursors)
     assert all(e.committed_at is not None for e in got)
+
+
+async def test_on_start_names_where_the_watch_starts_once_its_stream_is_open(
+    node: NodeServer,
+) -> None:
+    """Whatever is committed after ``on_start`` is watched; its cursor resumes there."""
+    async with AsyncClient(node.address) as client:
+        await client.remember(REPO, TOPIC, "before")
+        starts: list[str] = []
+        opened = asyncio.Event()
+
+        def on_start(cursor: str) -> None:
+            starts.append(cursor)
+            opened.set()
+
+        events = client.watch(REPO, on_start=on_start)
+        first = asyncio.ensure_future(anext(events))
+        async with asyncio.timeout(WITHIN):
+            await opened.wait()
+        await client.remember(REPO, TOPIC, "after")
+        async with asyncio.timeout(WITHIN):
+            event = await first
+        await events.aclose()
+        again = await take(client.watch(REPO, cursor=starts[0]), 1)
+    assert len(starts) == 1 and starts[0]
+    assert (event.kind, event.key) == ("created", key_of("after"))
+    assert again[0].cursor == event.cursor
 
 
 async def test_a_watch_sees_only_records_with_every_tag_asked_for(node: NodeServer) -> None:

@@ -27,7 +27,7 @@ from fencemark.node.rules.admission import ANYONE, Caller
 from fencemark.node.rules.errors import Reason
 from fencemark.node.rules.validation import DEFAULT_LEASE_S
 from fencemark.node.store.storage import DB_FILE, Storage
-from tests.cluster import eventually
+from tests.cluster import Cluster, all_deciding, eventually
 from tests.conftest import StartNode
 from tests.test_claims import (
     LOOKS,
@@ -926,3 +926,16 @@ async def test_claim_next_defaults_to_the_nodes_lease_and_to_not_waiting(tmp_pat
         await made(claims, "defaults")
         picked = await work.claim_next("claims", "backlog", "w", caller=ANYONE)
         assert picked.outcome.expiry_ms == now + round(DEFAULT_LEASE_S * 1000)
+
+
+async def test_claim_next_only_at_target_leaves_the_other_regions_alone(tmp_path: Path) -> None:
+    """``only_target``: eu's item is not asked for (nor picked) from us."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        await all_deciding(*await cluster.start_all())
+        regions = dict(cluster.addresses)
+        async with AsyncClient(regions["us"], regions=regions) as us:
+            await us.remember(REPO, TOPIC, "eu-item", tags=["homeRegion:eu"])
+            alone = await us.claim_next(REPO, TOPIC, "w", lease_seconds=LONG, only_target=True)
+            routed = await us.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
+    assert (alone.granted, alone.reason) == (False, "empty")
+    assert routed.granted and routed.record is not None and routed.record.id == "eu-item"

@@ -355,6 +355,7 @@ class AsyncClient:
         cursor: str = "",
         reconnect_seconds: float = 0.5,
         progress: Literal[False] = False,
+        on_start: Callable[[str], object] | None = None,
     ) -> AsyncGenerator[WatchEvent, None]: ...
 
     @overload
@@ -367,6 +368,7 @@ class AsyncClient:
         cursor: str = "",
         reconnect_seconds: float = 0.5,
         progress: Literal[True],
+        on_start: Callable[[str], object] | None = None,
     ) -> AsyncGenerator[WatchEvent | WatchProgress, None]: ...
 
     async def watch(
@@ -378,6 +380,7 @@ class AsyncClient:
         cursor: str = "",
         reconnect_seconds: float = 0.5,
         progress: bool = False,
+        on_start: Callable[[str], object] | None = None,
     ) -> AsyncGenerator[WatchEvent | WatchProgress, None]:
         """Every change ``target``'s replica commits to the matching records, in commit
         order, from after ``cursor`` (``""``: from now), without end.
@@ -386,6 +389,11 @@ class AsyncClient:
         not want) move the cursor this resumes from; with ``progress=True`` they are
         yielded too, as :class:`WatchProgress`, for a caller that keeps its own
         cursor (else a rarely matching filter leaves it far behind the feed).
+
+        ``on_start`` is called once, with the cursor the feed starts from, when the
+        first stream is open: every change committed after that call is watched (so
+        a caller that looks at the records then, and watches for what changes next,
+        misses nothing).
 
         Resumes by itself after a disconnect, a restart of the node or being cut off
         as too slow, from the last event it yielded (or, before any, from where the
@@ -405,6 +413,9 @@ class AsyncClient:
             try:
                 started = dict(await call.initial_metadata() or ())
                 request.cursor = request.cursor or str(started.get(CURSOR_HEADER, ""))
+                if on_start is not None and CURSOR_HEADER in started:  # else it failed
+                    on_start(request.cursor)
+                    on_start = None
                 async for message in call:
                     event = convert.watch_event_from_proto(message)
                     request.cursor = event.cursor
@@ -547,6 +558,7 @@ class AsyncClient:
         lease_seconds: float = 0.0,
         wait_seconds: float = 0.0,
         tags: Iterable[str] = (),
+        only_target: bool = False,
     ) -> ClaimNextResult:
         """Claim the next eligible item of ``repo``/``topic``: nothing eligible is a
         value (reason ``empty``).
@@ -557,6 +569,10 @@ class AsyncClient:
         only when none answered); only if none has an item does it wait up to
         ``wait_seconds`` at ``target``. A grant whose reply was lost on the way is
         not retried at another region: it lapses there and counts one attempt.
+        ``only_target`` asks ``target`` alone, in one call that waits there: a
+        caller that learns of other regions' items otherwise (their changes on the
+        feed) may leave that wait early, and a caller that leaves ``target``'s line
+        is handed nothing.
         """
         request = claims_pb2.ClaimNextRequest(
             repo=convert.check_str("repo", repo),
@@ -567,6 +583,10 @@ class AsyncClient:
             tags=convert.check_strings("tags", tags),
         )
         wait = convert.check_seconds("wait_seconds", wait_seconds)
+        extra = wait if math.isfinite(wait) and 0 < wait <= MAX_WAIT_SECONDS else 0.0
+        if only_target:
+            request.wait_seconds = wait
+            return await self._next_at(self.target, request, extra_seconds=extra)
         addresses = [self.target, *sorted(set(self._router.regions.values()) - {self.target})]
         result: ClaimNextResult | None = None
         unreachable: list[Unavailable] = []
@@ -583,7 +603,6 @@ class AsyncClient:
         if wait == 0:
             return result
         request.wait_seconds = wait
-        extra = wait if math.isfinite(wait) and 0 < wait <= MAX_WAIT_SECONDS else 0.0
         return await self._next_at(self.target, request, extra_seconds=extra)
 
     async def _next_at(

@@ -184,6 +184,7 @@ class Client:
         cursor: str = "",
         reconnect_seconds: float = 0.5,
         progress: Literal[False] = False,
+        on_start: Callable[[str], object] | None = None,
     ) -> Generator[WatchEvent, None, None]: ...
 
     @overload
@@ -196,6 +197,7 @@ class Client:
         cursor: str = "",
         reconnect_seconds: float = 0.5,
         progress: Literal[True],
+        on_start: Callable[[str], object] | None = None,
     ) -> Generator[WatchEvent | WatchProgress, None, None]: ...
 
     def watch(
@@ -207,16 +209,19 @@ class Client:
         cursor: str = "",
         reconnect_seconds: float = 0.5,
         progress: bool = False,
+        on_start: Callable[[str], object] | None = None,
     ) -> Generator[WatchEvent | WatchProgress, None, None]:
         """``AsyncClient.watch`` as a blocking iterator: each event when it comes
-        (with ``progress=True``, each :class:`WatchProgress` too)."""
+        (with ``progress=True``, each :class:`WatchProgress` too; ``on_start`` is
+        called in the client's own thread)."""
         watch, again = self._async_client.watch, reconnect_seconds
         if progress:
             yield from self._iterate(watch(repo, topic=topic, tags=tags, cursor=cursor,
-                                           reconnect_seconds=again, progress=True))  # fmt: skip
+                                           reconnect_seconds=again, progress=True,
+                                           on_start=on_start))  # fmt: skip
         else:
             yield from self._iterate(watch(repo, topic=topic, tags=tags, cursor=cursor,
-                                           reconnect_seconds=again))  # fmt: skip
+                                           reconnect_seconds=again, on_start=on_start))  # fmt: skip
 
     def _iterate(self, items: AsyncGenerator[_T, None]) -> Iterator[_T]:
         try:

@@ -22,14 +22,18 @@ from fencemark.client.types import (
     Record,
     ReleaseResult,
     RenewResult,
+    WatchEvent,
 )
 
 __all__ = [
     "CONFLICT_EXCEPTION",
+    "ChangeOut",
+    "ChangesOut",
     "ClaimConflictOut",
     "ClaimNextOut",
     "ClaimOut",
     "ClaimStatusOut",
+    "KeepAliveOut",
     "ListOut",
     "LiveClaimOut",
     "RecordOut",
@@ -123,6 +127,24 @@ class ClaimConflictOut(_Out):
     message: str
 
 
+class KeepAliveOut(_Out):
+    """What this server's keepalive of a claim is doing (``keepAlive: true``)."""
+
+    fencing_token: int = Field(description="The token of the claim kept alive.")
+    state: Literal["holding", "lost", "stopped"] = Field(
+        description="holding: renewed for as long as this MCP session lasts; lost: the claim "
+        "is over (reason says why): stop working on the item; stopped: you released it."
+    )
+    reason: str | None = Field(
+        default=None,
+        description="Why it was lost: superseded (someone else holds the item now), expired, "
+        "released, missing, unreachable (the home did not answer until the lease ran out), "
+        "or a refusal such as not_holder.",
+    )
+    lease_seconds: float = Field(description="The lease each renewal asks for.")
+    renewals: int = Field(description="Renewals made so far.")
+
+
 class RememberOut(_Out):
     """The outcome of repocontext_remember: the record, or (isError) the claim conflict."""
 
@@ -141,6 +163,9 @@ class UpdateOut(_Out):
     record: RecordOut | None = Field(default=None, description="The record after the write.")
     error: ClaimConflictOut | None = Field(
         default=None, description="Present only when the write was refused (isError: true)."
+    )
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
     )
 
 
@@ -161,6 +186,9 @@ class ClaimOut(_Out):
         description="Why not granted: contended, timeout, missing or wrong_region.",
     )
     home_region: str | None = None
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, key: str, owner: str, result: ClaimResult) -> ClaimOut:
@@ -190,6 +218,9 @@ class ClaimNextOut(_Out):
     record: RecordOut | None = Field(
         default=None, description="The item claimed (its key is what the other tools take)."
     )
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, result: ClaimNextResult) -> ClaimNextOut:
@@ -215,6 +246,9 @@ class RenewOut(_Out):
         "missing, unknown_token or wrong_region.",
     )
     home_region: str | None = None
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, key: str, token: int, result: RenewResult) -> RenewOut:
@@ -241,6 +275,9 @@ class ReleaseOut(_Out):
     )
     fence: int
     home_region: str | None = None
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, key: str, result: ReleaseResult) -> ReleaseOut:
@@ -276,6 +313,9 @@ class ClaimStatusOut(_Out):
         description="Always false: only a write presenting the token proves ownership."
     )
     home_region: str
+    keep_alive: KeepAliveOut | None = Field(
+        default=None, description="Present while this session keeps the claim alive, or lost it."
+    )
 
     @classmethod
     def of(cls, key: str, status: ClaimStatus) -> ClaimStatusOut:
@@ -303,3 +343,41 @@ class ListOut(_Out):
     next_page_token: str | None = Field(
         default=None, description="Present when more records follow: pass it as pageToken."
     )
+
+
+class ChangeOut(_Out):
+    """One change of a followed topic, as the target node's feed told it."""
+
+    cursor: str = Field(description="Where the node's feed resumes right after this change.")
+    kind: str = Field(description="created, updated, claimed, released, lapsed, done, ...")
+    key: str
+    id: str
+    status: str
+    fence: int
+    home_region: str
+    committed_at_utc: datetime | None = None
+
+    @classmethod
+    def of(cls, event: WatchEvent) -> ChangeOut:
+        record = event.record
+        return cls(
+            cursor=event.cursor,
+            kind=event.kind,
+            key=event.key,
+            id=record.id,
+            status=record.status,
+            fence=record.fence,
+            home_region=record.home_region,
+            committed_at_utc=event.committed_at,
+        )
+
+
+class ChangesOut(_Out):
+    """What reading fencemark://{repo}/{topic}/changes returns."""
+
+    uri: str
+    repo_id: str
+    topic: str
+    following: bool = Field(description="Whether this server follows the topic now.")
+    events: list[ChangeOut] = Field(description="Oldest first; since your last read.")
+    missed: int = Field(description="Changes since your last read no longer kept here.")

@@ -33,7 +33,7 @@ from fencemark.client.errors import (
     Unimplemented,
     WrongRegion,
 )
-from fencemark.mcp.models import CONFLICT_EXCEPTION, ClaimConflictOut
+from fencemark.mcp.models import CONFLICT_EXCEPTION, ClaimConflictOut, KeepAliveOut
 
 __all__ = [
     "argument_name",
@@ -41,6 +41,7 @@ __all__ = [
     "error_result",
     "failure_result",
     "success",
+    "with_keep_alive",
 ]
 
 # Request fields (as the node names them in INVALID_ARGUMENT) -> tool arguments.
@@ -74,6 +75,32 @@ def success(out: BaseModel) -> CallToolResult:
     text = json.dumps(structured, indent=2, ensure_ascii=False)
     return CallToolResult(
         content=[TextContent(type="text", text=text)], structured_content=structured
+    )
+
+
+def with_keep_alive(result: CallToolResult, status: KeepAliveOut) -> CallToolResult:
+    """``result`` saying what the session's keepalive of its key is doing (``keepAlive``).
+
+    A result gets it in its structured content (and its text, which repeats it); an
+    error with structured content (a write's conflict) too, since the output schema
+    admits it there; any other error only in its text.
+    """
+    if result.is_error and result.structured_content is None:
+        structured = None
+    else:
+        structured = {**(result.structured_content or {}), "keepAlive": status.wire()}
+    if result.is_error or structured is None:
+        texts = [block.text for block in result.content if isinstance(block, TextContent)]
+        said = f" ({status.reason})" if status.reason else ""
+        text = " ".join(
+            [*texts, f"keepAlive of token {status.fencing_token}: {status.state}{said}."]
+        )
+    else:
+        text = json.dumps(structured, indent=2, ensure_ascii=False)
+    return CallToolResult(
+        content=[TextContent(type="text", text=text)],
+        structured_content=structured,
+        is_error=result.is_error,
     )
 
 

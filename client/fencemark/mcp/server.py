@@ -7,11 +7,17 @@ writes) are routed to the record's home region when ``regions`` names it.
 Fail-closed (SPEC §6): when the node reports ``writes_enabled: false`` at
 startup, the mutating tools are not registered at all, so they are not listed;
 the read tools stay.
+
+Besides the tools it serves one resource template, a topic's changes
+(``fencemark.mcp.feed``), with ``resources/subscribe`` on the handshake era and
+``subscriptions/listen`` on 2026-07-28; and it keeps state per MCP session
+(``fencemark.mcp.sessions``) for ``keepAlive`` and the feeds a session follows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import socket
 import sys
@@ -22,12 +28,30 @@ import grpc
 from mcp.server import MCPServer
 from mcp.server.mcpserver.context import Context
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
-from mcp_types import CallToolResult, InputRequiredResult
+from mcp.server.subscriptions import InMemorySubscriptionBus
+from mcp_types import (
+    CallToolResult,
+    InputRequiredResult,
+    SubscribeRequestParams,
+    SubscriptionsListenRequestParams,
+    UnsubscribeRequestParams,
+)
 from pydantic import ValidationError
 
 from fencemark.client import AsyncClient, FencemarkError
 from fencemark.mcp.arguments import invalid_arguments_text
-from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS, RepoContextTools
+from fencemark.mcp.feed import (
+    URI_TEMPLATE,
+    FeedHub,
+    listening,
+    on_subscribe,
+    on_unsubscribe,
+    read_changes,
+)
+from fencemark.mcp.holds import KeepAlives
+from fencemark.mcp.sessions import session_lifespan
+from fencemark.mcp.tools import MUTATING_TOOLS, READ_TOOLS
+from fencemark.mcp.work import WORK_TOOLS, WorkTools
 
 __all__ = [
     "INSTRUCTIONS",
@@ -45,12 +69,14 @@ DEFAULT_LISTEN = "127.0.0.1:7480"
 
 INSTRUCTIONS = """\
 Fencemark stores agent memory and backlog items as records that several agents can drain
-safely. To take work: repocontext_claim_next a topic (owner unique to you) to claim its next
-eligible item; pass the returned fencingToken to every repocontext_update of it;
-repocontext_renew_claim before leaseExpiresAtUtc (e.g. every leaseSeconds/3); finish with
-repocontext_release_claim and outcome done (the result in fields), failed or deferred.
-granted: false is an answer (reason empty: no work now; for repocontext_claim of one key:
-contended, timeout, missing, wrong_region): pick other work. If a renewal answers renewed:
+safely. To take work: repocontext_wait_for_work a topic (owner unique to you; or
+repocontext_claim_next, which does not wait) to claim its next eligible item, with keepAlive:
+true to have the claim renewed for you while this session lasts (else repocontext_renew_claim
+before leaseExpiresAtUtc, e.g. every leaseSeconds/3); pass the returned fencingToken to every
+repocontext_update of it; finish with repocontext_release_claim and outcome done (the result
+in fields), failed or deferred. granted: false is an answer (reason empty: no work now; for
+repocontext_claim of one key: contended, timeout, missing, wrong_region): pick other work. A
+keepAlive whose state is lost means the claim is over. If a renewal answers renewed:
 false with reason superseded, a release answers released: false, or a write fails with
 RepoContextClaimConflictException (superseded, expired, released), you lost the item: stop
 writing to it at once. repocontext_claim_status is never authoritative."""
@@ -74,22 +100,69 @@ class RepoContextServer(MCPServer[Any]):
                 raise ToolError(invalid_arguments_text(name, cause, schema)) from cause
             raise
 
+    def serve_feeds(self, hub: FeedHub) -> None:
+        """The changes resource, and subscriptions to it on both protocol eras.
 
-def create_server(client: AsyncClient, *, writes_enabled: bool) -> RepoContextServer:
+        ``MCPServer`` serves neither ``resources/subscribe`` nor a hook around its
+        ``subscriptions/listen``: both are registered on its lowlevel ``Server``, the
+        SDK's documented place for a method the 2026-07-28 revision removed.
+        """
+
+        async def changes(repo: str, topic: str, ctx: Context[Any, Any]) -> str:
+            return await read_changes(hub, repo, topic, ctx)
+
+        self.resource(
+            URI_TEMPLATE,
+            name="changes",
+            title="A topic's changes",
+            description="What changed in a topic (created, claimed, released, done, ...) since "
+            "you last read it, with feed cursors. Subscribe to it to be notified of each change "
+            "(notifications/resources/updated); it is followed only while someone subscribes.",
+            mime_type="application/json",
+        )(changes)
+        lowlevel = self._lowlevel_server
+        lowlevel.add_request_handler(
+            "resources/subscribe", SubscribeRequestParams, functools.partial(on_subscribe, hub)
+        )
+        lowlevel.add_request_handler(
+            "resources/unsubscribe",
+            UnsubscribeRequestParams,
+            functools.partial(on_unsubscribe, hub),
+        )
+        listen = lowlevel.get_request_handler("subscriptions/listen")
+        if listen is not None:
+            lowlevel.add_request_handler(
+                "subscriptions/listen",
+                SubscriptionsListenRequestParams,
+                listening(hub, listen.handler),
+            )
+
+
+def create_server(
+    client: AsyncClient, *, writes_enabled: bool, region: str = "", http: bool = False
+) -> RepoContextServer:
     """The tools over ``client``; without ``writes_enabled`` only the read tools exist.
 
     Each tool takes exactly the arguments, of exactly the JSON types, that its
-    input schema lists (``fencemark.mcp.arguments``).
+    input schema lists (``fencemark.mcp.arguments``). ``region`` is the target
+    node's (``repocontext_wait_for_work`` leaves the target's own items to its
+    line); ``http``: the server is served over streamable HTTP, whose 2026-07-28
+    requests share no session.
     """
-    tools = RepoContextTools(client)
-    specs = (*MUTATING_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
-    return RepoContextServer(
+    tools = WorkTools(client, KeepAlives(client), region)
+    specs = (*MUTATING_TOOLS, *WORK_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
+    bus = InMemorySubscriptionBus()
+    server = RepoContextServer(
         SERVER_NAME,
         instructions=INSTRUCTIONS,
         version=_version(),
         log_level="WARNING",
         tools=[spec.tool(tools) for spec in specs],
+        lifespan=session_lifespan(streams_are_sessions=not http),
+        subscriptions=bus,
     )
+    server.serve_feeds(FeedHub(client, bus))
+    return server
 
 
 async def open_server(client: AsyncClient) -> RepoContextServer:
@@ -98,7 +171,7 @@ async def open_server(client: AsyncClient) -> RepoContextServer:
     Raises ``FencemarkError`` (e.g. ``Unavailable``) when the node cannot say.
     """
     info = await client.info()
-    return create_server(client, writes_enabled=info.writes_enabled)
+    return create_server(client, writes_enabled=info.writes_enabled, region=info.region)
 
 
 def parse_regions(spec: str | None) -> dict[str, str]:
@@ -152,7 +225,12 @@ async def serve(
                 flush=True,
             )
             return 1
-        server = create_server(client, writes_enabled=info.writes_enabled)
+        server = create_server(
+            client,
+            writes_enabled=info.writes_enabled,
+            region=info.region,
+            http=transport == "http",
+        )
         tools = len(await server.list_tools())
         about = (
             f"node {info.node_id} of region {info.region!r} at {target}, writes"

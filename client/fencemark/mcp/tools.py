@@ -4,24 +4,22 @@ Each tool is a thin face over one ``AsyncClient`` method (the same rules,
 deadlines, retries and home-region routing) that turns its answer into
 structured content (``fencemark.mcp.models``) or a tool error
 (``fencemark.mcp.outcomes``). What each call guarantees is written once, in
-docs/consistency.md; the descriptions below are what an agent reads.
-
-About 430 lines on purpose: each tool's arguments (with the descriptions agents
-read) and its registration text sit in one file, where they are reviewed together.
+docs/consistency.md; the descriptions below are what an agent reads, next to each
+tool's registration text, so that they are reviewed together. Shared argument
+types: ``fencemark.mcp.schema``; keepAlive: ``fencemark.mcp.holds``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from mcp.server.mcpserver.tools import Tool
-from mcp_types import CallToolResult, ToolAnnotations
+from mcp.server.mcpserver.context import Context
+from mcp_types import CallToolResult
 from pydantic import Field
 
 from fencemark.client import AsyncClient, ClaimConflict, FencemarkError
-from fencemark.mcp.arguments import strict_tool
+from fencemark.mcp.holds import KeepAlives
 from fencemark.mcp.models import (
     ClaimNextOut,
     ClaimOut,
@@ -34,59 +32,28 @@ from fencemark.mcp.models import (
     UpdateOut,
 )
 from fencemark.mcp.outcomes import conflict_result, failure_result, success
+from fencemark.mcp.schema import (
+    MAX_RETRY_AFTER_S,
+    MAX_TOKEN,
+    KeepAlive,
+    Key,
+    LeaseSeconds,
+    Owner,
+    Token,
+    ToolSpec,
+    WaitSeconds,
+    hints,
+)
 
-__all__ = ["MUTATING_TOOLS", "READ_TOOLS", "RepoContextTools", "ToolSpec"]
-
-MAX_TOKEN = 2**64 - 1  # fencing tokens are uint64 on the wire
-# SPEC §2's limits, published in the input schemas; the node checks them as well.
-MIN_LEASE_S, MAX_LEASE_S, MAX_WAIT_S = 1, 3600, 300
-
-Key = Annotated[
-    str,
-    Field(
-        description="The record's key, repo/{repoId}/mem/{topic}/{id}, e.g. "
-        "repo/lattice/mem/backlog/issue-2101 (repocontext_remember returns it)."
-    ),
-]
-Token = Annotated[
-    int,
-    Field(ge=1, le=MAX_TOKEN, description="The fencingToken repocontext_claim granted you."),
-]
-LeaseSeconds = Annotated[
-    float,
-    Field(
-        ge=MIN_LEASE_S,
-        le=MAX_LEASE_S,
-        allow_inf_nan=False,
-        description="How long the lease lasts unless renewed: 1 to 3600 seconds.",
-    ),
-]
-
-Owner = Annotated[
-    str,
-    Field(
-        description="Who you are, unique per worker (e.g. worker-a-7f3c): two workers "
-        "sharing an owner name are one worker to Fencemark."
-    ),
-]
-WaitSeconds = Annotated[
-    float,
-    Field(
-        ge=0,
-        le=MAX_WAIT_S,
-        allow_inf_nan=False,
-        description="Wait up to this long (0 to 300 s) in a FIFO line: for the claim when "
-        "someone else holds it, or for an item when none is eligible; 0 answers at once.",
-    ),
-]
-MAX_RETRY_AFTER_S = 30 * 24 * 3600  # a deferral of at most 30 days
+__all__ = ["MUTATING_TOOLS", "READ_TOOLS", "RepoContextTools"]
 
 
 class RepoContextTools:
     """The tools, bound to the client they call through."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, keep_alives: KeepAlives) -> None:
         self.client = client
+        self.keep_alives = keep_alives
 
     async def _run(
         self,
@@ -96,15 +63,20 @@ class RepoContextTools:
         *,
         fenced_write: bool = False,
         applied_maybe: bool = False,
+        ctx: Context[Any, Any] | None = None,
     ) -> CallToolResult:
+        """``call``'s result or failure; with ``ctx``, saying what the session's
+        keepalive of ``key`` is doing (a loss included)."""
         try:
-            return await call()
+            result = await call()
         except FencemarkError as error:
             if fenced_write and isinstance(error, ClaimConflict):
-                return conflict_result(tool, key, error)
-            return failure_result(
-                tool, error, target=self.client.target, key=key, applied_maybe=applied_maybe
-            )
+                result = conflict_result(tool, key, error)
+            else:
+                result = failure_result(
+                    tool, error, target=self.client.target, key=key, applied_maybe=applied_maybe
+                )
+        return result if ctx is None else self.keep_alives.attach(result, ctx, key)
 
     async def remember(
         self,
@@ -155,13 +127,15 @@ class RepoContextTools:
                 "omit (or 0) for an unfenced write.",
             ),
         ] = None,
+        *,
+        ctx: Context[Any, Any],
     ) -> Annotated[CallToolResult, UpdateOut]:
         async def call() -> CallToolResult:
             record = await self.client.update(key, fields=fields, fencing_token=fencingToken or 0)
             return success(UpdateOut(record=RecordOut.of(record)))
 
         return await self._run(
-            "repocontext_update", key, call, fenced_write=True, applied_maybe=True
+            "repocontext_update", key, call, fenced_write=True, applied_maybe=True, ctx=ctx
         )
 
     async def claim(
@@ -170,23 +144,34 @@ class RepoContextTools:
         owner: Owner,
         leaseSeconds: LeaseSeconds,
         waitSeconds: WaitSeconds = 0.0,
+        keepAlive: KeepAlive = False,
+        *,
+        ctx: Context[Any, Any],
     ) -> Annotated[CallToolResult, ClaimOut]:
+        holds = self.keep_alives.holds_for("repocontext_claim", ctx, key) if keepAlive else None
+        if isinstance(holds, CallToolResult):
+            return holds
+
         async def call() -> CallToolResult:
             result = await self.client.claim(
                 key, owner, lease_seconds=leaseSeconds, wait_seconds=waitSeconds
             )
-            return success(ClaimOut.of(key, owner, result))
+            out = ClaimOut.of(key, owner, result)
+            if holds is not None and result.granted:
+                kept = await holds.start(key, result, leaseSeconds)
+                out = out.model_copy(update={"keep_alive": kept})
+            return success(out)
 
-        return await self._run("repocontext_claim", key, call)
+        return await self._run("repocontext_claim", key, call, ctx=ctx)
 
     async def renew_claim(
-        self, key: Key, fencingToken: Token, leaseSeconds: LeaseSeconds
+        self, key: Key, fencingToken: Token, leaseSeconds: LeaseSeconds, *, ctx: Context[Any, Any]
     ) -> Annotated[CallToolResult, RenewOut]:
         async def call() -> CallToolResult:
             result = await self.client.renew_claim(key, fencingToken, lease_seconds=leaseSeconds)
             return success(RenewOut.of(key, fencingToken, result))
 
-        return await self._run("repocontext_renew_claim", key, call)
+        return await self._run("repocontext_renew_claim", key, call, ctx=ctx)
 
     async def release_claim(
         self,
@@ -217,7 +202,13 @@ class RepoContextTools:
                 description="With outcome deferred: how long to keep the item back (seconds).",
             ),
         ] = None,
+        *,
+        ctx: Context[Any, Any],
     ) -> Annotated[CallToolResult, ReleaseOut]:
+        holds = self.keep_alives.found(ctx)
+        # The keepalive stops first: no renewal of it races the release.
+        stopped = await holds.stop(key, fencingToken) if holds is not None else None
+
         async def call() -> CallToolResult:
             result = await self.client.release_claim(
                 key,
@@ -226,9 +217,9 @@ class RepoContextTools:
                 fields=fields,
                 retry_after_seconds=retryAfterSeconds or 0.0,
             )
-            return success(ReleaseOut.of(key, result))
+            return success(ReleaseOut.of(key, result).model_copy(update={"keep_alive": stopped}))
 
-        return await self._run("repocontext_release_claim", key, call)
+        return await self._run("repocontext_release_claim", key, call, ctx=ctx)
 
     async def claim_next(
         self,
@@ -241,7 +232,15 @@ class RepoContextTools:
             list[str] | None,
             Field(description='Only items carrying every one of these tags, e.g. ["lang:go"].'),
         ] = None,
+        keepAlive: KeepAlive = False,
+        *,
+        ctx: Context[Any, Any],
     ) -> Annotated[CallToolResult, ClaimNextOut]:
+        tool = "repocontext_claim_next"
+        holds = self.keep_alives.holds_for(tool, ctx, "") if keepAlive else None
+        if isinstance(holds, CallToolResult):
+            return holds
+
         async def call() -> CallToolResult:
             result = await self.client.claim_next(
                 repoId,
@@ -251,15 +250,17 @@ class RepoContextTools:
                 wait_seconds=waitSeconds,
                 tags=tags or (),
             )
-            return success(ClaimNextOut.of(result))
+            return success(await self.keep_alives.next_out(result, holds, leaseSeconds))
 
-        return await self._run("repocontext_claim_next", "", call)
+        return await self._run(tool, "", call)
 
-    async def claim_status(self, key: Key) -> Annotated[CallToolResult, ClaimStatusOut]:
+    async def claim_status(
+        self, key: Key, *, ctx: Context[Any, Any]
+    ) -> Annotated[CallToolResult, ClaimStatusOut]:
         async def call() -> CallToolResult:
             return success(ClaimStatusOut.of(key, await self.client.claim_status(key)))
 
-        return await self._run("repocontext_claim_status", key, call)
+        return await self._run("repocontext_claim_status", key, call, ctx=ctx)
 
     async def recall(self, key: Key) -> Annotated[CallToolResult, RecordOut]:
         async def call() -> CallToolResult:
@@ -292,39 +293,6 @@ class RepoContextTools:
         return await self._run("repocontext_list", "", call)
 
 
-@dataclass(frozen=True)
-class ToolSpec:
-    """How one tool is registered: its method, description and behaviour hints."""
-
-    name: str
-    method: str
-    description: str
-    annotations: ToolAnnotations
-
-    def tool(self, tools: RepoContextTools) -> Tool:
-        """The tool over ``tools``, taking exactly what its input schema says."""
-        fn: Callable[..., Any] = getattr(tools, self.method)
-        return strict_tool(
-            Tool.from_function(
-                fn,
-                name=self.name,
-                title=self.annotations.title,
-                description=self.description,
-                annotations=self.annotations,
-            )
-        )
-
-
-def _hints(title: str, *, read_only: bool, idempotent: bool, destructive: bool) -> ToolAnnotations:
-    return ToolAnnotations(
-        title=title,
-        read_only_hint=read_only,
-        destructive_hint=None if read_only else destructive,
-        idempotent_hint=idempotent,
-        open_world_hint=False,
-    )
-
-
 MUTATING_TOOLS = (
     ToolSpec(
         "repocontext_remember",
@@ -337,7 +305,7 @@ MUTATING_TOOLS = (
         "progress on an item you claimed with repocontext_update and your fencingToken. While "
         "another worker holds a live claim the call is refused with "
         "RepoContextClaimConflictException (conflict: claimed).",
-        _hints("Remember a record", read_only=False, idempotent=True, destructive=False),
+        hints("Remember a record", read_only=False, idempotent=True, destructive=False),
     ),
     ToolSpec(
         "repocontext_update",
@@ -349,7 +317,7 @@ MUTATING_TOOLS = (
         "error.homeRegion in the structured content. conflict superseded, expired or released "
         "means your claim is over: stop working on the item and do not retry the write. "
         "Updates are not retried automatically.",
-        _hints("Update a record", read_only=False, idempotent=False, destructive=True),
+        hints("Update a record", read_only=False, idempotent=False, destructive=True),
     ),
     ToolSpec(
         "repocontext_claim",
@@ -362,7 +330,7 @@ MUTATING_TOOLS = (
         "claim with waitSeconds to queue); timeout: you waited in vain; missing: no such "
         "record; wrong_region: run the server with --regions naming homeRegion's node. Asking "
         "again as the owner who holds the claim returns the same token with a longer lease.",
-        _hints("Claim a record", read_only=False, idempotent=True, destructive=False),
+        hints("Claim a record", read_only=False, idempotent=True, destructive=False),
     ),
     ToolSpec(
         "repocontext_renew_claim",
@@ -371,7 +339,7 @@ MUTATING_TOOLS = (
         "authoritative answer that your claim is over: reason superseded means you lost the "
         "item to a higher token, so stop working on it immediately; expired or released mean "
         "your claim ended (claim again if you still want the item).",
-        _hints("Renew a claim", read_only=False, idempotent=True, destructive=False),
+        hints("Renew a claim", read_only=False, idempotent=True, destructive=False),
     ),
     ToolSpec(
         "repocontext_release_claim",
@@ -385,7 +353,7 @@ MUTATING_TOOLS = (
         "released: false with reason superseded, expired or released means your claim was "
         "over and nothing was recorded. Safe to repeat. It never lowers the fence: older "
         "tokens stay refused forever.",
-        _hints("Release a claim", read_only=False, idempotent=True, destructive=False),
+        hints("Release a claim", read_only=False, idempotent=True, destructive=False),
     ),
     ToolSpec(
         "repocontext_claim_next",
@@ -400,7 +368,7 @@ MUTATING_TOOLS = (
         "(--regions) are offered, its own region's first. Safe to repeat: while your owner "
         "holds an item of the topic, asking again gives you that item back (same token, "
         "lease extended); release it to get the next.",
-        _hints("Claim the next item", read_only=False, idempotent=True, destructive=False),
+        hints("Claim the next item", read_only=False, idempotent=True, destructive=False),
     ),
 )
 
@@ -412,14 +380,14 @@ READ_TOOLS = (
         "any, the fence (largest token ever granted) and queueDepth. authoritative is always "
         "false: this snapshot may already be stale and cannot prove you still own the item; "
         "only a write presenting your token (or repocontext_renew_claim) can.",
-        _hints("Claim status", read_only=True, idempotent=True, destructive=False),
+        hints("Claim status", read_only=True, idempotent=True, destructive=False),
     ),
     ToolSpec(
         "repocontext_recall",
         "recall",
         "Read one record by key: its kind, author, title, body, other fields, tags, "
         "homeRegion and fence.",
-        _hints("Recall a record", read_only=True, idempotent=True, destructive=False),
+        hints("Recall a record", read_only=True, idempotent=True, destructive=False),
     ),
     ToolSpec(
         "repocontext_list",
@@ -427,6 +395,6 @@ READ_TOOLS = (
         "List a repo's records in key order, optionally only one topic and/or only records "
         "carrying one tag (e.g. backlog, priority:P1). At most 100 per page; pass "
         "nextPageToken as pageToken for the next page.",
-        _hints("List records", read_only=True, idempotent=True, destructive=False),
+        hints("List records", read_only=True, idempotent=True, destructive=False),
     ),
 )
