@@ -14,17 +14,21 @@ import contextlib
 from asyncio import Task
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict, ClaimResult, FencemarkError
 from fencemark.node.api.server import NodeServer
+from fencemark.node.core.lapses import LapseWatcher
+from fencemark.node.rules.admission import ANYONE
+from fencemark.node.store.storage import Storage
 from fencemark.node.tools.process import NodeProcess
 from fencemark.v1 import claims_pb2, claims_pb2_grpc
 from tests.cluster import eventually
 from tests.conftest import StartNode
-from tests.test_claims import sleep_past, wait_for_queue_depth
+from tests.test_claims import claims_on_file, made, sleep_past, wait_for_queue_depth
 
 REPO, TOPIC = "regressions", "backlog"
 HOLD_S = 60.0  # a holder's lease: longer than any wait below, so only a release ends it
@@ -385,3 +389,88 @@ async def test_claim_that_times_out_leaves_no_waiter_behind(start_node: StartNod
         status = await client.claim_status(key)
         assert status.claim is not None and status.claim.owner == "newcomer"
         assert status.queue_depth == 0
+
+
+class LeavesMidCommit:
+    """Cancels ``victim`` the moment its write is queued for the group commit (through
+    the storage's own ``enqueue``): a caller leaving while its commit is in flight."""
+
+    def __init__(self, storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.victim: Task[Any] | None = None
+        self.left = False
+        enqueue = storage.enqueue
+
+        def leaving(*args: Any, **kwargs: Any) -> Any:
+            queued = enqueue(*args, **kwargs)
+            if self.victim is not None and asyncio.current_task() is self.victim:
+                self.victim.cancel()
+                self.victim, self.left = None, True
+            return queued
+
+        monkeypatch.setattr(storage, "enqueue", leaving)
+
+
+async def test_a_write_whose_caller_left_mid_commit_keeps_the_key_until_it_is_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a change whose caller was cancelled (a client gone, a deadline
+    passed) while its commit was queued let go of the record's lock at once; the commit
+    still happened, but the next change of the record read the state before it and
+    wrote over it (here: a field lost). Found with a kept claim whose renewal was
+    cancelled mid-commit: the renewal landed, yet nothing heard of it, so its lapse
+    was never recorded. The lock is held until the commit is on disk, and the
+    listeners hear of it, before the cancellation goes on."""
+    async with claims_on_file(tmp_path) as claims:
+        replica = claims.replica
+        key = await made(claims, "cancelled-mid-commit")
+        heard: list[str] = []
+        replica.on_change(heard.append)
+        leaves = LeavesMidCommit(replica.storage, monkeypatch)
+        first = asyncio.create_task(replica.update(key, fields={"a": "1"}, caller=ANYONE))
+        leaves.victim = first
+        second = asyncio.create_task(replica.update(key, fields={"b": "2"}, caller=ANYONE))
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert leaves.left, "premise: cancelled while its commit was queued"
+        await second
+        found = await replica.find(key)
+        assert found is not None
+        fields = found.record.fields
+        assert {name: fields[name].value for name in ("a", "b") if name in fields} == {
+            "a": "1",
+            "b": "2",
+        }
+        assert heard.count(key) == 2  # the cancelled write was heard of too
+
+
+async def test_a_renewal_whose_caller_left_mid_commit_still_lapses_on_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lapse watcher hears of a renewal that was committed for a caller that left,
+    and records the lapse of the renewed lease (before: never, until a restart)."""
+    async with claims_on_file(tmp_path) as claims:
+        watcher = LapseWatcher(claims.replica)
+        watcher.start()
+        try:
+            key = await made(claims, "renewed-for-nobody")
+            claim = await claims.claim(key, "holder", lease_seconds=1, caller=ANYONE)
+            leaves = LeavesMidCommit(claims.replica.storage, monkeypatch)
+            renewal = asyncio.create_task(
+                claims.renew(key, claim.token, lease_seconds=2, caller=ANYONE)
+            )
+            leaves.victim = renewal
+            with pytest.raises(asyncio.CancelledError):
+                await renewal
+            assert leaves.left, "premise: cancelled while its commit was queued"
+
+            async def lapse_recorded() -> bool:
+                events = await claims.replica.history(key)
+                return [e.kind for e in events][-2:] == ["renewed", "lapsed"]
+
+            async def history() -> str:
+                return str([e.kind for e in await claims.replica.history(key)])
+
+            await eventually(lapse_recorded, "the renewed lease's lapse recorded",
+                             within=SETTLE_S, explain=history)  # fmt: skip
+        finally:
+            await watcher.stop()

@@ -74,6 +74,23 @@ class Remembered:
     created: bool
 
 
+async def _through_cancellation(committed: asyncio.Future[None]) -> bool:
+    """Wait for ``committed`` even if the waiting task is cancelled meanwhile (any
+    number of times); True if it was. Raises the commit's error, if it failed."""
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(committed)
+            return cancelled
+        except asyncio.CancelledError:
+            if committed.cancelled():  # the storage closed under it: nothing to wait for
+                raise
+            if committed.done():
+                committed.result()  # the commit's own error, if any
+                return True
+            cancelled = True
+
+
 def _within_limits(changed: Record, known: tuple[Record, bytes] | None, *, local: bool) -> bytes:
     """``changed``'s canonical state, refused if over the limits of a client write."""
     # A merge that takes the remote state whole stores its bytes as they came:
@@ -280,7 +297,7 @@ class Replica:
                 if local and changed.home_region == self.region
                 else []
             )
-            stored = await self.storage.put(
+            stored, committed = self.storage.enqueue(
                 changed,
                 hlc=self.clock.last,
                 state=state,
@@ -288,6 +305,20 @@ class Replica:
                 change=changes.kind_of(current, changed),
                 at_ms=self.clock.wall_ms(),
             )
+            # Once queued, the write is committed whether the caller waits or not. A
+            # caller cancelled meanwhile (a client gone, a deadline) still holds the
+            # key's lock until it is, so the next change of the key reads it rather
+            # than the state before it, and the listeners hear of it; then the
+            # cancellation goes on.
+            cancelled = await _through_cancellation(committed)
+        self._committed(key, changed, local)
+        if cancelled:
+            raise asyncio.CancelledError
+        return stored, result
+
+    def _committed(self, key: str, changed: Record, local: bool) -> None:
+        """Tell whoever follows commits (lapses, waiters, the push) that ``changed`` is
+        on disk."""
         fence = changed.fence
         if self._lease_listeners and changed.home_region == self.region and fence.unreleased():
             for lease_listener in self._lease_listeners:
@@ -296,7 +327,6 @@ class Replica:
             change_listener(key)
         if local:
             self._written(key)
-        return stored, result
 
     async def merge(self, remote: Record, state: bytes | None = None) -> bool:
         """Join a remote state into the local one; True when that changed anything.

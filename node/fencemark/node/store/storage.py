@@ -335,14 +335,31 @@ class Storage:
         the claim events of the change, kept in the same commit; ``change`` is its
         kind for the change feed (``rules.changes``; ``""``: not fed), ``at_ms`` when.
         """
+        stored, done = self.enqueue(record, hlc=hlc, state=state, events=events,
+                                    change=change, at_ms=at_ms)  # fmt: skip
+        await done
+        return stored
+
+    def enqueue(
+        self,
+        record: Record,
+        *,
+        hlc: int,
+        state: bytes | None = None,
+        events: Sequence[Event] = (),
+        change: str = "",
+        at_ms: int = 0,
+    ) -> tuple[Stored, asyncio.Future[None]]:
+        """``put``'s first half: queue ``record`` for the next group commit, and return
+        it with the future its commit resolves. The write is committed whether or not
+        anyone awaits the future: a caller that may be cancelled awaits it shielded."""
         if state is None:
             state = codec.encode(record)
         stored = Stored(record, codec.digest(state), len(state))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._hlc_pending = max(self._hlc_pending, hlc)
-        await self._queue.put(_Pending(stored, state, done, events, change, at_ms))
-        await done
-        return stored
+        self._queue.put_nowait(_Pending(stored, state, done, events, change, at_ms))
+        return stored, done
 
     async def put_meta(self, name: str, value: str) -> None:
         """Persist a node setting (e.g. when it recovered); returns once on disk."""
