@@ -15,6 +15,7 @@ help:
 	@echo "make mutate      mutation testing of the rule modules; MODULE=fence for one (docs/testing.md)"
 	@echo "make proto       regenerate fencemark.v1 from proto/"
 	@echo "make image       build the fencemark:dev docker image air-gapped (docs/deploy.md)"
+	@echo "make prometheus-image  the compose stack's Prometheus image, air-gapped too"
 	@echo "make inspector   install Node 22 and the pinned MCP Inspector CLI into .tools/"
 
 $(STAMP): pyproject.toml
@@ -89,8 +90,9 @@ clean:
 # -- deployment (docs/deploy.md) ---------------------------------------------------
 FENCEMARK_IMAGE      ?= fencemark:dev
 FENCEMARK_BASE_IMAGE ?= fencemark/base:bookworm
+FENCEMARK_PROMETHEUS_IMAGE ?= fencemark/prometheus:dev
 
-.PHONY: docker-engine base-image image
+.PHONY: docker-engine base-image image prometheus-image
 
 # A Docker engine and the tools the deployment needs (installs and starts them as needed).
 docker-engine:
@@ -104,3 +106,10 @@ base-image: docker-engine
 image: $(STAMP) base-image
 	PYTHON=$(BIN)/python deploy/build-image.sh \
 	  --base-image $(FENCEMARK_BASE_IMAGE) --tag $(FENCEMARK_IMAGE)
+
+# The compose stack's Prometheus (profile "prometheus"): Debian's prometheus package on
+# the same base, the packages fetched here, docker build with no network; kept while
+# its recipe and base are unchanged.
+prometheus-image: base-image
+	deploy/build-prometheus-image.sh \
+	  --base-image $(FENCEMARK_BASE_IMAGE) --tag $(FENCEMARK_PROMETHEUS_IMAGE)
