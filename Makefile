@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard proto/fencemark/v1/*.proto)
 
-.PHONY: help venv proto proto-check lint typecheck test check demo bench clean inspector mutate
+.PHONY: help venv proto proto-check lint typecheck test check demo bench clean inspector buf mutate
 
 help:
 	@echo "make demo        the main job: agents in three local regions drain a backlog under faults"
@@ -17,6 +17,7 @@ help:
 	@echo "make image       build the fencemark:dev docker image air-gapped (docs/deploy.md)"
 	@echo "make prometheus-image  the compose stack's Prometheus image, air-gapped too"
 	@echo "make inspector   install Node 22 and the pinned MCP Inspector CLI into .tools/"
+	@echo "make buf         install the pinned buf CLI (a reflection client) into .tools/"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -83,6 +84,11 @@ mutate: $(STAMP)
 # for tests/test_mcp_inspector.py (which skips locally without them, fails in CI).
 inspector:
 	bash .ci/ensure-inspector
+
+# The pinned buf CLI, into .tools/buf (gitignored), for tests/test_reflection.py:
+# `buf curl` asks reflection v1 and v1alpha (skips locally without it, fails in CI).
+buf:
+	bash .ci/ensure-buf
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -5,13 +5,21 @@ Each test runs against both services. v1alpha is asked through grpcio-reflection
 own stub; v1 through the same method path under v1's name, with v1alpha's message
 classes: the two protos are wire-identical (the same fields under the same numbers),
 and grpcio ships no v1 classes. grpcio's reflection client,
-``ProtoReflectionDescriptorDatabase``, resolves descriptors over each.
+``ProtoReflectionDescriptorDatabase``, resolves descriptors over each, and so does
+``buf curl``, a client of another implementation (Go), told which one to use
+(.ci/ensure-buf installs it; without it those tests skip, except under CI, where
+they fail).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,8 +30,13 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from fencemark.client import AsyncClient
 from fencemark.node.api.server import NodeServer
 
+ROOT = Path(__file__).resolve().parent.parent
+BUF_INSTALLER = ROOT / ".ci" / "ensure-buf"
+BUF_PREFIX = Path(os.environ.get("FENCEMARK_BUF_PREFIX", ROOT / ".tools" / "buf"))
+BUF = BUF_PREFIX / "node_modules" / ".bin" / "buf"
 V1 = "grpc.reflection.v1.ServerReflection"
 V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
 VERSIONS = pytest.mark.parametrize("service", [V1, V1ALPHA])
@@ -156,3 +169,52 @@ async def test_grpcio_reflection_client_resolves_a_method(node: NodeServer, serv
     assert claim.output_type.full_name == "fencemark.v1.ClaimResponse"
     assert {"key", "owner", "lease_seconds"} <= set(claim.input_type.fields_by_name)
     assert reflection_method.input_type.full_name == "grpc.reflection.v1.ServerReflectionRequest"
+
+
+# -- buf curl ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def buf() -> Path:
+    """The pinned ``buf`` CLI (.ci/ensure-buf)."""
+    if not BUF.exists():
+        why = f"buf is not installed at {BUF}: run `make buf`"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{why} (.ci/run must run .ci/ensure-buf before the tests)")
+        pytest.skip(why)
+    pinned = re.search(r"^BUF_VERSION=(\S+)", BUF_INSTALLER.read_text(), re.MULTILINE)
+    assert pinned, f"{BUF_INSTALLER} pins no BUF_VERSION"
+    version = subprocess.run([BUF, "--version"], capture_output=True, text=True, timeout=30)
+    assert version.stdout.strip() == pinned.group(1)
+    return BUF
+
+
+async def buf_curl(buf: Path, protocol: str, *args: str) -> str:
+    """``buf curl`` over plaintext gRPC, its reflection told to use ``protocol`` only."""
+    command = [str(buf), "curl", "--protocol", "grpc", "--http2-prior-knowledge",
+               "--reflect-protocol", protocol, *args]  # fmt: skip
+    done = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["grpc-v1", "grpc-v1alpha"])
+async def test_buf_curl_lists_and_calls_through_reflection(
+    node: NodeServer, buf: Path, protocol: str
+) -> None:
+    """buf lists the services and methods, and calls ``Records.Get`` with no .proto
+    file: it resolves the request and response types through reflection."""
+    url = f"http://{node.address}"
+    services = await buf_curl(buf, protocol, "--list-services", url)
+    assert set(services.split()) == {*FENCEMARK_SERVICES, "grpc.health.v1.Health", V1, V1ALPHA}
+    methods = set((await buf_curl(buf, protocol, "--list-methods", url)).split())
+    assert {"fencemark.v1.Claims/Claim", f"{V1}/ServerReflectionInfo"} <= methods
+    async with AsyncClient(node.address) as client:
+        made = await client.remember("reflect", "t", "one", title="through buf")
+    request = json.dumps({"key": made.record.key})
+    answer = await buf_curl(buf, protocol, "-d", request, f"{url}/fencemark.v1.Records/Get")
+    record = json.loads(answer)["record"]
+    assert (record["key"], record["fields"]["title"]) == (made.record.key, "through buf")
