@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard proto/fencemark/v1/*.proto)
 
-.PHONY: help venv proto proto-check lint typecheck test check demo bench clean inspector mutate
+.PHONY: help venv proto proto-check lint typecheck test check demo bench clean inspector buf mutate
 
 help:
 	@echo "make demo        the main job: agents in three local regions drain a backlog under faults"
@@ -15,7 +15,9 @@ help:
 	@echo "make mutate      mutation testing of the rule modules; MODULE=fence for one (docs/testing.md)"
 	@echo "make proto       regenerate fencemark.v1 from proto/"
 	@echo "make image       build the fencemark:dev docker image air-gapped (docs/deploy.md)"
+	@echo "make prometheus-image  the compose stack's Prometheus image, air-gapped too"
 	@echo "make inspector   install Node 22 and the pinned MCP Inspector CLI into .tools/"
+	@echo "make buf         install the pinned buf CLI (a reflection client) into .tools/"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -83,14 +85,20 @@ mutate: $(STAMP)
 inspector:
 	bash .ci/ensure-inspector
 
+# The pinned buf CLI, into .tools/buf (gitignored), for tests/test_reflection.py:
+# `buf curl` asks reflection v1 and v1alpha (skips locally without it, fails in CI).
+buf:
+	bash .ci/ensure-buf
+
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # -- deployment (docs/deploy.md) ---------------------------------------------------
 FENCEMARK_IMAGE      ?= fencemark:dev
 FENCEMARK_BASE_IMAGE ?= fencemark/base:bookworm
+FENCEMARK_PROMETHEUS_IMAGE ?= fencemark/prometheus:dev
 
-.PHONY: docker-engine base-image image
+.PHONY: docker-engine base-image image prometheus-image
 
 # A Docker engine and the tools the deployment needs (installs and starts them as needed).
 docker-engine:
@@ -104,3 +112,10 @@ base-image: docker-engine
 image: $(STAMP) base-image
 	PYTHON=$(BIN)/python deploy/build-image.sh \
 	  --base-image $(FENCEMARK_BASE_IMAGE) --tag $(FENCEMARK_IMAGE)
+
+# The compose stack's Prometheus (profile "prometheus"): Debian's prometheus package on
+# the same base, the packages fetched here, docker build with no network; kept while
+# its recipe and base are unchanged.
+prometheus-image: base-image
+	deploy/build-prometheus-image.sh \
+	  --base-image $(FENCEMARK_BASE_IMAGE) --tag $(FENCEMARK_PROMETHEUS_IMAGE)

@@ -7,6 +7,8 @@ Nothing here mocks a Fencemark component: ``node`` is the gRPC server the
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -126,3 +128,20 @@ def docker_engine() -> None:
 def image(docker_engine: None) -> str:
     """The Fencemark image's tag, built air-gapped if ``make image`` has not built it."""
     return dockerenv.ensure_image()
+
+
+@pytest.fixture(scope="session")
+def compose(docker_engine: None) -> list[str]:
+    """The compose command: Debian's docker-compose (v1.29), else ``docker compose`` (v2)."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    dockerenv.missing("neither docker-compose nor docker compose is installed")
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def prometheus_image(docker_engine: None) -> str:
+    """The stack's Prometheus image, built air-gapped unless it is up to date."""
+    return dockerenv.ensure_prometheus_image()

@@ -12,9 +12,7 @@ nodes without Docker.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -28,23 +26,27 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fencemark.client import AsyncClient, tls_credentials
+from tests.compose import (
+    COMPOSE_FILE,
+    DATA_VARIABLE,
+    REGIONS,
+    Stack,
+    clean_env,
+    data_root,
+    published_ports,
+)
 from tests.conftest import StartNode
 from tests.dockerenv import (
     BASE_IMAGE,
     BUILD_LIMIT_S,
     DEPLOY,
-    IMAGE,
     IMAGE_UID,
     free_port,
     inspect,
-    missing,
     run,
     wait_until,
 )
 
-COMPOSE_FILE = DEPLOY / "docker-compose.yml"
-DATA_VARIABLE = "REPOCONTEXT_MEMORY_ARCHIVE_PATH"
-REGIONS = ("us", "eu", "ap")
 CLAIMS_SERVICE = "fencemark.v1.Claims"
 HEALTHY_LIMIT_S = 90.0
 CONVERGE_LIMIT_S = 30.0
@@ -56,30 +58,6 @@ CONVERGE_LIMIT_S = 30.0
 def fencemark(*args: str, limit_s: float = 60.0) -> subprocess.CompletedProcess[str]:
     """The host's ``fencemark`` command (this interpreter), exit code unchecked."""
     return run([sys.executable, "-m", "fencemark.node", *args], limit_s=limit_s, check=False)
-
-
-def clean_env(**settings: str) -> dict[str, str]:
-    """This environment without deployment settings, plus ``settings``."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FENCEMARK_", "COMPOSE_")) and k != DATA_VARIABLE
-    }
-    return {**env, **settings}
-
-
-# -- the compose command ------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def compose(docker_engine: None) -> list[str]:
-    """The compose command: Debian's docker-compose (v1.29), else ``docker compose`` (v2)."""
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    missing("neither docker-compose nor docker compose is installed")
-    raise AssertionError("unreachable")
 
 
 # -- fencemark health, without docker ------------------------------------------------
@@ -139,8 +117,9 @@ def test_every_compose_variable_is_documented_in_env_example() -> None:
 
 def test_compose_publishes_ports_on_loopback_only() -> None:
     text = COMPOSE_FILE.read_text()
-    published = re.findall(r'^\s*- "([^"]*:(?:7400|9400))"', text, flags=re.MULTILINE)
-    assert len(published) == 2 * len(REGIONS)  # the API and the metrics of each region
+    published = re.findall(r'^\s*- "([^"]*:\d+)"', text, flags=re.MULTILINE)
+    # The API and the metrics of each region, and Prometheus' UI and API.
+    assert len(published) == 2 * len(REGIONS) + 1
     assert all(mapping.startswith("127.0.0.1:") for mapping in published)
 
 
@@ -232,54 +211,6 @@ def test_a_data_directory_it_cannot_write_is_refused_in_words(
 # -- the compose stack ---------------------------------------------------------------
 
 
-class Stack:
-    """One compose project of deploy/docker-compose.yml, isolated from the host's .env."""
-
-    def __init__(self, compose: list[str], tmp_path: Path, settings: dict[str, str]) -> None:
-        self.project = f"fencemarktest{uuid.uuid4().hex[:10]}"
-        # An empty env file, so that a developer's deploy/.env changes nothing here.
-        env_file = tmp_path / "empty.env"
-        env_file.touch()
-        self.command = [*compose, "--env-file", str(env_file), "--file", str(COMPOSE_FILE),
-                        "--project-name", self.project]  # fmt: skip
-        self.env = clean_env(FENCEMARK_IMAGE=IMAGE, **settings)
-
-    def __call__(
-        self, *args: str, limit_s: float = 120.0, check: bool = True
-    ) -> subprocess.CompletedProcess[str]:
-        return run([*self.command, *args], limit_s=limit_s, env=self.env, check=check)
-
-    def containers(self) -> list[str]:
-        """Every container of this project, whatever its state."""
-        label = f"label=com.docker.compose.project={self.project}"
-        return run(["docker", "ps", "--all", "--quiet", "--filter", label]).stdout.split()
-
-    def container(self, service: str) -> str:
-        return self("ps", "-q", service).stdout.strip()
-
-    def health(self, service: str) -> str:
-        container = self.container(service)
-        if not container:
-            return "missing"
-        state = inspect("container", container)["State"]
-        assert isinstance(state, dict)
-        if state["Status"] != "running":
-            return str(state["Status"])
-        return str(state["Health"]["Status"])
-
-
-def data_root(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """One data directory per region, writable by the nodes' user, and that user."""
-    root = tmp_path / "archive"
-    for name in (*REGIONS, "certs"):  # certs/: the stack's CA and certificates
-        (root / name).mkdir(parents=True, mode=0o750)
-    if os.geteuid() == 0:
-        for path in (root, *(root / r for r in (*REGIONS, "certs"))):
-            os.chown(path, IMAGE_UID, IMAGE_UID)
-        return root, {}
-    return root, {"FENCEMARK_UID": str(os.getuid()), "FENCEMARK_GID": str(os.getgid())}
-
-
 def scrape(url: str) -> dict[str, float]:
     """A Prometheus endpoint's samples: 'name{label="value",...}' -> value."""
     with urllib.request.urlopen(url, timeout=5) as response:
@@ -328,18 +259,8 @@ def test_compose_stack_runs_the_walkthrough_and_converges(
     image: str, compose: list[str], tmp_path: Path
 ) -> None:
     root, user = data_root(tmp_path)
-    ports = {region: free_port() for region in REGIONS}
-    metrics_ports = {region: free_port() for region in REGIONS}
-    stack = Stack(
-        compose,
-        tmp_path,
-        {
-            DATA_VARIABLE: str(root),
-            **{f"FENCEMARK_{r.upper()}_PORT": str(p) for r, p in ports.items()},
-            **{f"FENCEMARK_{r.upper()}_METRICS_PORT": str(p) for r, p in metrics_ports.items()},
-            **user,
-        },
-    )
+    ports, metrics_ports, port_settings = published_ports()
+    stack = Stack(compose, tmp_path, {DATA_VARIABLE: str(root), **port_settings, **user})
     try:
         stack("up", "--detach")
         for region, port in ports.items():
@@ -385,9 +306,7 @@ def test_compose_stack_runs_the_walkthrough_and_converges(
         print(stack("logs", "--no-color", "--tail", "40", check=False).stdout)
         raise
     finally:
-        down = stack("down", "--volumes", "--remove-orphans", "--timeout", "20", check=False)
-        assert down.returncode == 0, down.stderr
-    assert not stack.containers()
+        stack.down()
 
 
 @pytest.mark.docker

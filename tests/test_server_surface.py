@@ -1,4 +1,6 @@
-"""SPEC §6/§7: what every node serves besides the API: health, reflection, Info, shutdown."""
+"""SPEC §6/§7: what every node serves besides the API: health, Info, shutdown.
+
+Reflection is in tests/test_reflection.py."""
 
 from __future__ import annotations
 
@@ -9,9 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fencemark.client import AsyncClient, ClaimResult, FencemarkError
 from fencemark.node.api.server import NodeServer
@@ -19,16 +19,6 @@ from fencemark.node.tools.process import NodeProcess
 from tests.conftest import StartNode
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-async def reflect(address: str, request: reflection_pb2.ServerReflectionRequest) -> object:
-    """One reflection request/response over the standard bidirectional stream."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        call = stub.ServerReflectionInfo(iter([request]), timeout=10)
-        responses = [response async for response in call]
-    assert len(responses) == 1
-    return responses[0]
 
 
 # -- health ------------------------------------------------------------------------------
@@ -59,43 +49,6 @@ async def test_a_read_only_node_is_healthy_too(start_node: StartNode) -> None:
     reader = await start_node(enable_writes=False)
     async with AsyncClient(reader.address) as client:
         assert await client.health() == "SERVING"
-
-
-# -- reflection --------------------------------------------------------------------------
-
-
-async def test_reflection_lists_the_fencemark_services_and_health(node: NodeServer) -> None:
-    """SPEC §6: server reflection is served and lists every service."""
-    response = await reflect(node.address, reflection_pb2.ServerReflectionRequest(list_services=""))
-    assert isinstance(response, reflection_pb2.ServerReflectionResponse)
-    names = {service.name for service in response.list_services_response.service}
-    assert {
-        "fencemark.v1.Records",
-        "fencemark.v1.Claims",
-        "fencemark.v1.Node",
-        "grpc.health.v1.Health",
-    } <= names
-
-
-async def test_reflection_describes_the_claims_service_methods(node: NodeServer) -> None:
-    """SPEC §7: the fixed method names are discoverable (e.g. by grpcurl) through reflection."""
-    response = await reflect(
-        node.address,
-        reflection_pb2.ServerReflectionRequest(file_containing_symbol="fencemark.v1.Claims"),
-    )
-    assert isinstance(response, reflection_pb2.ServerReflectionResponse)
-    files = [
-        descriptor_pb2.FileDescriptorProto.FromString(raw)
-        for raw in response.file_descriptor_response.file_descriptor_proto
-    ]
-    services = {
-        f"{file.package}.{service.name}": {method.name for method in service.method}
-        for file in files
-        for service in file.service
-    }
-    assert services["fencemark.v1.Claims"] == {
-        "Claim", "RenewClaim", "ReleaseClaim", "ClaimStatus", "ClaimNext", "Reopen", "ForceRelease"
-    }  # fmt: skip
 
 
 # -- Node.Info ---------------------------------------------------------------------------

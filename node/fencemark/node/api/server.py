@@ -22,7 +22,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
-from grpc_reflection.v1alpha import reflection
 
 from fencemark.node.api.authz import DEFAULT_ACCESS, Authorize, caller_of
 from fencemark.node.api.budgets import CallBudgets, give_back
@@ -32,6 +31,7 @@ from fencemark.node.api.config import default_data_dir as default_data_dir
 from fencemark.node.api.config import live_tls, transport
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
 from fencemark.node.api.interceptor import Chain, Interceptor
+from fencemark.node.api.reflection import enable as enable_reflection
 from fencemark.node.api.replication import ReplicationService
 from fencemark.node.api.service import NodeService, RecordsService, anyone
 from fencemark.node.api.telemetry import NodeMetrics, Telemetry
@@ -334,14 +334,7 @@ def _add_services(
     )
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [s.full_name for s in SERVICES]
-    reflection.enable_server_reflection(
-        [
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
+    enable_reflection(server, [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     return names
 
 

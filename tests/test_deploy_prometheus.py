@@ -1,0 +1,164 @@
+"""The compose stack's Prometheus (profile ``prometheus``), on a real engine.
+
+Its image is Debian's ``prometheus`` package on the air-gapped base
+(deploy/build-prometheus-image.sh); the stack is deploy/docker-compose.yml with the
+profile on, on fresh directories and free ports. The test asks Prometheus' own HTTP
+API, on its port published on 127.0.0.1, whether it scrapes every node, what the
+nodes report through it, and whether it loaded and evaluates the alert rules.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.compose import DATA_VARIABLE, REGIONS, Stack, data_root, published_ports
+from tests.dockerenv import BUILD_LIMIT_S, DEPLOY, free_port, inspect, wait_until
+
+RULES = DEPLOY / "prometheus" / "alerts.yml"
+NODE_TARGETS = {f"{region}:9400" for region in REGIONS}
+# Up, a first scrape (every 10 s), a first round of the rules (every 10 s), with room.
+READY_LIMIT_S = 120.0
+
+
+class Prometheus:
+    """Prometheus' HTTP API at ``base`` (http://127.0.0.1:PORT)."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def get(self, path: str, **query: str) -> Any:
+        url = f"{self.base}{path}?{urllib.parse.urlencode(query)}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            answer = json.loads(response.read())
+        assert answer["status"] == "success", answer
+        return answer["data"]
+
+    def answers(self) -> bool:
+        try:
+            self.get("/api/v1/status/buildinfo")
+        except OSError:
+            return False
+        return True
+
+    def node_targets(self) -> dict[str, dict[str, Any]]:
+        """The active targets of job ``fencemark``, by instance."""
+        targets = self.get("/api/v1/targets", state="active")["activeTargets"]
+        return {t["labels"]["instance"]: t for t in targets if t["labels"]["job"] == "fencemark"}
+
+    def query(self, expr: str) -> dict[str, tuple[dict[str, str], float]]:
+        """An instant query's series, keyed by instance (and peer, where there is one)."""
+        result = self.get("/api/v1/query", query=expr)["result"]
+        return {
+            "/".join(filter(None, (s["metric"]["instance"], s["metric"].get("peer")))): (
+                s["metric"],
+                float(s["value"][1]),
+            )
+            for s in result
+        }
+
+    def rules(self) -> list[dict[str, Any]]:
+        return [rule for group in self.get("/api/v1/rules")["groups"] for rule in group["rules"]]
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(2 * BUILD_LIMIT_S)
+def test_prometheus_scrapes_every_node_and_evaluates_the_alert_rules(
+    image: str, prometheus_image: str, compose: list[str], tmp_path: Path
+) -> None:
+    root, user = data_root(tmp_path)
+    port = free_port()
+    _, _, port_settings = published_ports()
+    stack = Stack(
+        compose,
+        tmp_path,
+        {
+            DATA_VARIABLE: str(root),
+            "COMPOSE_PROFILES": "prometheus",
+            "FENCEMARK_PROMETHEUS_IMAGE": prometheus_image,
+            "FENCEMARK_PROMETHEUS_PORT": str(port),
+            **port_settings,
+            **user,
+        },
+    )
+    prometheus = Prometheus(f"http://127.0.0.1:{port}")
+    try:
+        stack("up", "--detach")
+        published = stack("port", "prometheus", "9090").stdout.strip()
+        assert published == f"127.0.0.1:{port}", f"Prometheus is published on {published}"
+        assert inspect("container", stack.container("prometheus"))["Config"]["User"] == (  # type: ignore[index]
+            "10090:10090"
+        )
+        assert len(stack.volumes()) == 1  # its data; removed with the stack
+        wait_until("Prometheus answering", READY_LIMIT_S, prometheus.answers)
+        check_targets(prometheus)
+        check_what_the_nodes_report(prometheus)
+        check_rules(prometheus)
+    except BaseException:
+        print(stack("logs", "--no-color", "--tail", "40", check=False).stdout)
+        raise
+    finally:
+        stack.down()
+
+
+def check_targets(prometheus: Prometheus) -> None:
+    """Every node is a target of job ``fencemark``, and is up."""
+
+    def all_up() -> bool:
+        targets = prometheus.node_targets()
+        return set(targets) == NODE_TARGETS and all(t["health"] == "up" for t in targets.values())
+
+    try:
+        wait_until("every node scraped", READY_LIMIT_S, all_up)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {prometheus.node_targets()}") from None
+    up = prometheus.query('up{job="fencemark"}')
+    assert {instance: value for instance, (_, value) in up.items()} == dict.fromkeys(
+        NODE_TARGETS, 1.0
+    )
+
+
+def check_what_the_nodes_report(prometheus: Prometheus) -> None:
+    """Each node's own metrics, as Prometheus stored them: which region answers at each
+    target, and that every node reaches both its peers."""
+    info = prometheus.query("fencemark_node_info")
+    assert {instance: labels["region"] for instance, (labels, _) in info.items()} == {
+        f"{region}:9400": region for region in REGIONS
+    }
+    pairs = {f"{region}:9400/{peer}" for region in REGIONS for peer in REGIONS if peer != region}
+
+    def all_reachable() -> bool:
+        reachable = prometheus.query("fencemark_replication_reachable")
+        return set(reachable) == pairs and all(value == 1 for _, value in reachable.values())
+
+    wait_until("every node reaching both peers, as scraped", READY_LIMIT_S, all_reachable)
+    serving = prometheus.query("fencemark_claims_serving")
+    assert set(serving) == NODE_TARGETS
+
+
+def check_rules(prometheus: Prometheus) -> None:
+    """The alert rules of deploy/prometheus/alerts.yml are loaded and evaluate cleanly."""
+    expected = {
+        rule["alert"]: rule["expr"]
+        for group in yaml.safe_load(RULES.read_text())["groups"]
+        for rule in group["rules"]
+    }
+
+    def evaluated() -> bool:
+        rules = prometheus.rules()
+        return len(rules) == len(expected) and all(r["health"] == "ok" for r in rules)
+
+    try:
+        wait_until("every rule evaluated", READY_LIMIT_S, evaluated)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {prometheus.rules()}") from None
+    loaded = {rule["name"]: rule for rule in prometheus.rules()}
+    assert {name: rule["query"] for name, rule in loaded.items()} == expected
+    assert all(rule["type"] == "alerting" for rule in loaded.values())
+    assert all(not rule.get("lastError") for rule in loaded.values())
