@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
@@ -1114,3 +1115,26 @@ async def test_a_grant_for_a_waiter_that_left_stays_to_lapse_if_its_release_fail
         assert f"releasing {key}, granted to a caller that left, failed" in caplog.text
         status = await claims.status(key, caller=ANYONE)
         assert status.holder is not None and status.holder.owner == "waiter"
+
+
+async def test_a_waiter_that_leaves_during_a_refused_look_releases_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a token the head's attempt newly granted is released when its caller
+    leaves: an attempt refused (the holder still holds it) leaves the holder's claim
+    alone and nothing to release, so no error either."""
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        key = await made(claims, "still-held")
+        holder = await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        waiter = await wait_in_line(claims, key, "waiter", "")
+        await asyncio.sleep(0.05)  # its first look is over: it sleeps towards the lapse
+        wall.arm(waiter)
+        claims.wake(key)  # it looks again while the holder holds: refused, contended
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not wall.armed, "premise: cancelled during its look"
+        status = await claims.status(key, caller=ANYONE)
+        assert status.holder is not None and status.holder.owner == "holder"
+        assert status.token == holder.token
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
