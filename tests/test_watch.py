@@ -322,3 +322,32 @@ async def test_fencemark_watch_prints_one_json_line_per_event(node: NodeServer) 
         ("created", "three"),
     ]
     assert int(lines[0]["cursor"].rpartition(".")[2]) == int(first.cursor.rpartition(".")[2]) + 1
+
+
+async def test_a_watcher_cut_off_as_too_slow_resumes_by_itself_with_nothing_repeated(
+    start_node: StartNode,
+) -> None:
+    """Regression: the event whose send timed out may still reach the watcher before
+    the cut-off, whose cursor names the event before it; ``watch()`` resumed from the
+    node's cursor and gave that event twice. It resumes from the last event it gave."""
+    node = await start_node(watch_send_timeout=0.3)
+    body = "x" * 200_000
+    count = 60
+    got: list[WatchEvent] = []
+    async with AsyncClient(node.address) as client:
+        events = await started(client, reconnect_seconds=0.05)
+        for i in range(count):
+            await client.remember(REPO, TOPIC, f"big-{i}", body=body)
+        async with asyncio.timeout(60):
+            async for event in events:
+                got.append(event)
+                if len(got) == count:
+                    break
+                if len(got) % 12 == 0:
+                    await asyncio.sleep(1.0)  # leaves the next event untaken: cut off
+
+    async def cut_off() -> bool:
+        return refusals(node).get(("Watch", "watcher_too_slow"), 0) >= 1
+
+    await eventually(cut_off, "the watcher cut off as too slow")
+    assert [e.key for e in got] == [key_of(f"big-{i}") for i in range(count)]
