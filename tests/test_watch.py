@@ -273,6 +273,25 @@ async def test_the_blocking_client_watches_too(node: NodeServer) -> None:
     assert (event.kind, event.key) == ("created", key_of("seen"))
 
 
+async def test_a_node_stopping_ends_its_watch_streams_at_once_instead_of_waiting_out_its_grace(
+    start_node: StartNode,
+) -> None:
+    """Regression: a watch stream never ends by itself, so a graceful stop waited its
+    whole grace for it (5 s by default, refusing every new call meanwhile). The
+    stream now ends UNAVAILABLE at the stop's start, and the watcher resumes."""
+    node = await start_node()
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        stream = records_pb2_grpc.RecordsStub(channel).Watch(records_pb2.WatchRequest(repo=REPO))
+        await stream.initial_metadata()
+        async with asyncio.timeout(WITHIN):  # far less than the grace it was given
+            await node.stop(grace=60.0)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for _ in stream:
+                    pass
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "stopping" in (ended.value.details() or "")
+
+
 # -- slow watchers -------------------------------------------------------------------------
 
 

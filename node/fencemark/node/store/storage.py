@@ -107,6 +107,7 @@ class Storage:
         self.feed_window = feed_window
         self.feed_last = feed_last  # the feed's last committed seq
         self._fed = asyncio.Event()  # set (and replaced) by each commit that grew the feed
+        self.feed_ended = False  # end_feed(): the node is stopping, watchers are let go
         self._writer_task = asyncio.create_task(self._write_loop(), name="storage-writer")
 
     @classmethod
@@ -252,9 +253,14 @@ class Storage:
         return self.feed_last + 1 if first is None else int(first)
 
     async def feed_grew(self, after: int) -> None:
-        """Return once the feed holds a ``seq`` past ``after``."""
-        while self.feed_last <= after:
+        """Return once the feed holds a ``seq`` past ``after``, or has been ended."""
+        while self.feed_last <= after and not self.feed_ended:
             await self._fed.wait()
+
+    def end_feed(self) -> None:
+        """Let every watcher go (the node is stopping): ``feed_grew`` returns at once."""
+        self.feed_ended = True
+        self._fed.set()
 
     async def events(self, key: str) -> list[Event]:
         """``key``'s claim events kept here, oldest first."""
