@@ -9,7 +9,9 @@ run on the writer connection's own thread: one hand-off from the event loop per
 group, not one per statement (docs/performance.md, *Claim path*). Reads use a
 second connection through aiosqlite (WAL lets it read while the writer commits)
 and an LRU cache of decoded states that is updated only after a commit, so
-nothing not yet durable is ever served.
+nothing not yet durable is ever served. Each read is one trip to that connection
+(``execute_fetchall``): a statement left open across trips would hold its read
+transaction, and every read run meanwhile would miss the commits made since.
 
 The writer connection, the schema, its migrations and the body of one commit are
 ``writer``; this module keeps what is cached exactly what committed. About 430
@@ -161,11 +163,13 @@ class Storage:
             self._cache.move_to_end(key)
             return hit
         seq = self._commit_seq
-        cursor = await self._reader.execute(
+        # One trip (execute and fetch together): a statement left open between two
+        # trips holds the reader's read transaction, and every read other tasks run
+        # meanwhile would see the file as it was when this one began.
+        rows = await self._reader.execute_fetchall(
             "SELECT state, digest FROM records WHERE key = ?", (key,)
         )
-        row = await cursor.fetchone()
-        await cursor.close()
+        row = next(iter(rows), None)
         if row is None:
             return None
         stored = Stored(codec.decode(row[0]), bytes(row[1]), len(row[0]))
