@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape
+from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape, awaited
 from fencemark.node.api.service import refuse
 from fencemark.node.rules.admission import Caller
 from fencemark.node.rules.errors import ACT_FOR_OTHERS as ACTING_FOR_OTHERS
@@ -217,8 +217,8 @@ class Authorize(Interceptor):
         method = details.method
         if not method.startswith(PACKAGE):
             return None  # health, reflection: any authenticated caller
-        if shape is not Shape.UNARY:  # fencemark.v1 has only unary methods
-            raise RuntimeError(f"{method}: authorization covers unary methods only")
+        if not awaited(shape, behaviour):  # fencemark.v1 streams only by writing (Watch)
+            raise RuntimeError(f"{method}: authorization covers awaited methods only")
         inner: Handler = behaviour
         access, revocations = self.access, self.revocations
 
