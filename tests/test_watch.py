@@ -2,7 +2,7 @@
 SQLite files — kinds in commit order, filters, resuming from a cursor across
 disconnects and restarts with nothing skipped or repeated, cursors the node can no
 longer resume refused ``CURSOR_EXPIRED``, and a slow watcher cut off while writes
-go on.
+go on (test_watch_slow.py).
 
 Every wait is bounded: watchers stop after the events a test expects, within
 ``asyncio.timeout``.
@@ -33,11 +33,9 @@ from fencemark.node.rules import changes
 from fencemark.v1 import records_pb2, records_pb2_grpc
 from tests.cluster import Cluster, all_deciding, eventually
 from tests.conftest import StartNode
-from tests.metrics import refusals
 from tests.test_cli import fencemark
 
 REPO, TOPIC = "feed", "work"
-WRITES = 150  # of 200 kB each: far more than the stream's flow-control windows hold
 WITHIN = 10.0
 
 
@@ -292,38 +290,6 @@ async def test_a_node_stopping_ends_its_watch_streams_at_once_instead_of_waiting
     assert "stopping" in (ended.value.details() or "")
 
 
-# -- slow watchers -------------------------------------------------------------------------
-
-
-async def test_a_watcher_that_stops_reading_is_cut_off_with_its_cursor_while_writes_go_on(
-    start_node: StartNode,
-) -> None:
-    """It never slows writes: the feed is in the file, and the one stalled send is
-    bounded by --watch-send-timeout, then the stream ends WATCHER_TOO_SLOW naming the
-    cursor of the last event taken."""
-    node = await start_node(watch_send_timeout=0.5)
-    body = "x" * 200_000
-    async with (
-        AsyncClient(node.address) as client,
-        grpc.aio.insecure_channel(node.address) as channel,
-    ):
-        stream = records_pb2_grpc.RecordsStub(channel).Watch(records_pb2.WatchRequest(repo=REPO))
-        await stream.initial_metadata()
-        async with asyncio.timeout(60):  # every write acknowledged, none held up for long
-            for i in range(WRITES):
-                await client.remember(REPO, TOPIC, f"big-{i}", body=body)
-            with pytest.raises(grpc.aio.AioRpcError) as cut:
-                async for _ in stream:
-                    pass
-    assert cut.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "resume from cursor" in (cut.value.details() or "")
-
-    async def counted() -> bool:  # once the node has finished the call on its side
-        return refusals(node).get(("Watch", "watcher_too_slow")) == 1
-
-    await eventually(counted, "the cut-off counted as a refusal")
-
-
 async def test_fencemark_watch_prints_one_json_line_per_event(node: NodeServer) -> None:
     async with AsyncClient(node.address) as client:
         events = await started(client)
@@ -341,32 +307,3 @@ async def test_fencemark_watch_prints_one_json_line_per_event(node: NodeServer) 
         ("created", "three"),
     ]
     assert int(lines[0]["cursor"].rpartition(".")[2]) == int(first.cursor.rpartition(".")[2]) + 1
-
-
-async def test_a_watcher_cut_off_as_too_slow_resumes_by_itself_with_nothing_repeated(
-    start_node: StartNode,
-) -> None:
-    """Regression: the event whose send timed out may still reach the watcher before
-    the cut-off, whose cursor names the event before it; ``watch()`` resumed from the
-    node's cursor and gave that event twice. It resumes from the last event it gave."""
-    node = await start_node(watch_send_timeout=0.3)
-    body = "x" * 200_000
-    count = 60
-    got: list[WatchEvent] = []
-    async with AsyncClient(node.address) as client:
-        events = await started(client, reconnect_seconds=0.05)
-        for i in range(count):
-            await client.remember(REPO, TOPIC, f"big-{i}", body=body)
-        async with asyncio.timeout(60):
-            async for event in events:
-                got.append(event)
-                if len(got) == count:
-                    break
-                if len(got) % 12 == 0:
-                    await asyncio.sleep(1.0)  # leaves the next event untaken: cut off
-
-    async def cut_off() -> bool:
-        return refusals(node).get(("Watch", "watcher_too_slow"), 0) >= 1
-
-    await eventually(cut_off, "the watcher cut off as too slow")
-    assert [e.key for e in got] == [key_of(f"big-{i}") for i in range(count)]
