@@ -52,6 +52,7 @@ FAULTS = ("SIGKILL", "SIGTERM", "SIGKILL", "SIGTERM")  # spread evenly over the 
 LEASE_S = 3.0
 WITHIN_S = 60.0  # the bound of every wait
 MARK = "the-end"  # the last change of the topic: both watchers read up to it
+SMALL_CACHE = ("--cache-size", "16")  # most reads go to the file, as in a large store
 KINDS = {"created", "updated", "claimed", "released", "done", "failed", "deferred", "parked",
          "reopened", "deleted"}  # fmt: skip
 # A grant that takes over a lapsed lease ends that claim in the same commit: its word
@@ -304,7 +305,7 @@ async def write_through_faults(
             at_fault.append(len(followed))
             await watcher.kill()  # mid-stream, with what it printed so far
             await (nodes[-1].kill() if signal == "SIGKILL" else nodes[-1].stop())
-            nodes.append(await NodeProcess.start(data, listen=address))
+            nodes.append(await NodeProcess.start(data, listen=address, extra_args=SMALL_CACHE))
             await watcher.start()  # from the cursor the killed one saved
         async with asyncio.timeout(WITHIN_S):
             await asyncio.gather(*running)
@@ -339,7 +340,8 @@ async def test_watchers_resume_across_restarts_and_kill_9_with_no_gap_and_no_rep
     tmp_path: Path,
 ) -> None:
     (port,) = free_ports(1)
-    nodes = [await NodeProcess.start(tmp_path / "node", listen=f"{LOOPBACK}:{port}")]
+    nodes = [await NodeProcess.start(tmp_path / "node", listen=f"{LOOPBACK}:{port}",
+                                     extra_args=SMALL_CACHE)]  # fmt: skip
     address = nodes[0].address
     writers = [Writer(f"w{i}", random.Random(i)) for i in range(WRITERS)]
     followed: list[Seen] = []
