@@ -347,3 +347,9 @@ async def test_node_on_a_port_taken_by_another_node_fails_clearly(
     """Two nodes must never share one address: clients would reach either at random."""
     ran = await second_node(node.address, tmp_path / "second")
     assert_refused_to_listen(ran, node.address)
+
+
+async def test_a_node_refuses_a_cache_of_no_records(tmp_path: Path) -> None:
+    ran = await fencemark("node", "--insecure", "--data", str(tmp_path), "--cache-size", "0")
+    assert ran.code != 0
+    assert "--cache-size" in ran.stderr

@@ -357,3 +357,40 @@ async def test_preloaded_states_are_the_stored_ones(db: Path) -> None:
     finally:
         await cold.close()
         await fresh.close()
+
+
+async def test_a_read_sees_every_commit_made_before_it_while_other_reads_are_under_way(
+    db: Path,
+) -> None:
+    """Regression: ``get`` of a state not in the cache took two trips to the reader
+    (execute, then fetch) and left its statement open between them, which kept the
+    reader's read transaction open: a read other tasks ran meanwhile saw the file as
+    it was before commits that had already returned. A watcher then jumped past feed
+    rows it could not see (``watch.follow`` trusts ``feed_last``)."""
+    storage = await Storage.open(db, cache_size=1)  # nearly every get reads the file
+    keys = [key(i) for i in range(40)]
+    stop = asyncio.Event()
+
+    async def getting(offset: int) -> None:
+        n = offset
+        while not stop.is_set():
+            await storage.get(keys[n % len(keys)])
+            n += 7
+
+    try:
+        for n, k in enumerate(keys):
+            await storage.put(record(k, n + 1), hlc=pack(BASE_MS, n + 1))
+        getters = [asyncio.create_task(getting(i)) for i in range(4)]
+        unseen = []
+        for n in range(300):
+            k = keys[n % len(keys)]
+            await storage.put(record(k, n + 100), hlc=pack(BASE_MS, n + 100), change="updated")
+            last = storage.feed_last  # this commit's row: committed before the read below
+            rows = await storage.changes(last - 1, "repo/", "repo0", limit=10)
+            if [row.seq for row in rows] != [last]:
+                unseen.append(last)
+        stop.set()
+        await asyncio.gather(*getters)
+    finally:
+        await storage.close()
+    assert not unseen, f"{len(unseen)} of 300 committed feed rows not seen by the next read"

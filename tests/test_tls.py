@@ -249,6 +249,29 @@ async def test_a_read_only_identity_reads_but_cannot_write_or_claim(
     assert refused[("Claim", "missing_right")] == 1
 
 
+async def test_a_reader_watches_the_change_feed_and_a_stranger_is_refused_under_tls(
+    start_node: StartNode, certs: Path, tmp_path: Path
+) -> None:
+    """Regression: the authorization interceptor took only unary methods and failed
+    every Records.Watch (a stream written to the context) with UNKNOWN, so under
+    mutual TLS, as deployed, the change feed could not be watched at all."""
+    access = tmp_path / "access.toml"
+    access.write_text('[clients]\nalice = ["read", "write"]\nreader = ["read"]\n')
+    node = await start_node("us", tls=files(certs, "us"), access=load_access(access))
+    async with client(node, certs, "reader") as reader, client(node, certs, "alice") as alice:
+        events = reader.watch("lattice", cursor=f"{(await reader.info()).node_id}.0")
+        made = await alice.remember("lattice", "backlog", "fed", title="seen")
+        async with asyncio.timeout(10):
+            event = await anext(events)
+        await events.aclose()
+    assert (event.kind, event.key) == ("created", made.record.key)
+    async with client(node, certs, "stranger") as stranger:
+        with pytest.raises(PermissionDenied) as refused:
+            async with asyncio.timeout(10):
+                await anext(stranger.watch("lattice"))
+    assert (refused.value.reason, refused.value.right) == ("missing_right", "read")
+
+
 async def test_without_an_access_map_every_client_of_the_ca_may_read_write_and_claim(
     start_node: StartNode, certs: Path
 ) -> None:

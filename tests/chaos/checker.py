@@ -1,4 +1,5 @@
-"""The chaos tier's checker: twelve invariants over the history and the final states.
+"""The chaos tier's checker: twelve invariants over the history and the final states
+(the thirteenth, over what the watchers received, is ``watch_invariants.py``'s).
 
 Each invariant is judged on its own and reported separately (docs/chaos.md says
 what each means and what it does not promise); those about claims are in
@@ -38,7 +39,10 @@ work queue's in ``queue_invariants.py``:
     out again after an acknowledged done, without an operator's reopen that could
     have come between; an item acknowledged done is done in every final state unless
     reopened after, and one done there was made so by a done; a poison item is never
-    handed out while parked (``queue_invariants.py``).
+    handed out while parked (``queue_invariants.py``);
+13. watchers miss nothing — each region's watcher of the change feed, resumed across
+    every fault, received every change its node committed, in commit order, once
+    (``watch_invariants.watched_in_order``, judged beside ``check``).
 """
 
 from __future__ import annotations

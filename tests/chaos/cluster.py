@@ -73,6 +73,12 @@ PROXY_ALIAS = "proxy"
 LABEL = "fencemark.chaos"
 STOP_LIMIT_S = 30.0
 OPERATOR = "operator"  # the one client identity with the operator's right
+# The change feed (watchers.py): every change of a run kept, so that no watcher's
+# cursor expires but with a lost disk. And a record cache far smaller than the
+# records, so that most reads go to the data file, as in a large store: reads of the
+# file racing commits are what once made watchers skip changes.
+FEED_WINDOW = 500_000
+CACHE_SIZE = 64
 ACCESS_FILE = "access.toml"
 # What a deployment's map would say: agents read, write and claim; the operator may
 # also reopen parked items and take claims back.
@@ -168,6 +174,8 @@ class ChaosCluster:
                         if peer != name
                     ),
                     "FENCEMARK_ANTI_ENTROPY_INTERVAL": str(self.anti_entropy_interval),
+                    "FENCEMARK_FEED_WINDOW": str(FEED_WINDOW),
+                    "FENCEMARK_CACHE_SIZE": str(CACHE_SIZE),
                     "FENCEMARK_LOG_LEVEL": "WARNING",
                 },
                 volumes=[

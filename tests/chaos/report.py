@@ -3,7 +3,9 @@
 Written under the results folder (``tests/chaos/results/<run>/`` unless
 ``FENCEMARK_CHAOS_RESULTS`` names another), beside ``history.jsonl`` (every
 event) and ``logs/`` (each container's log); ``results/latest`` points at the
-newest run. docs/chaos.md explains how to read them.
+newest run; ``watch-<region>.jsonl`` holds what each region's watcher received
+(one line per event, a line per segment's end). docs/chaos.md explains how to read
+them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from matplotlib import pyplot
 from fencemark.node.tools.workload import History
 from tests.chaos.checker import Verdict
 from tests.chaos.nemesis import Played
+from tests.chaos.watch_invariants import WatchLog
 from tests.chaos.workload import Sample
 
 MAX_LABELLED_FAULTS = 30
@@ -51,6 +54,7 @@ def write(
     samples: Sequence[Sample],
     history: History,
     heal_at: float,
+    watched: Sequence[WatchLog] = (),
 ) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     passed = all(v.ok for v in verdicts)
@@ -70,6 +74,7 @@ def write(
         ),
         "convergence_timeline": [asdict(s) for s in samples],
         "final_heal_at": round(heal_at, 3),
+        "watchers": [watcher_summary(log, played) for log in watched],
     }
     (folder / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     with (folder / "history.jsonl").open("w") as out:
@@ -80,6 +85,8 @@ def write(
             if event.expires:
                 row["expires"] = round(event.expires - history.started, 4)
             out.write(json.dumps(row) + "\n")
+    for log in watched:
+        write_watch_log(folder / f"watch-{log.region}.jsonl", log)
     (folder / "report.md").write_text(markdown(report))
     timeline(folder / "timeline.png", played, samples, heal_at, settings)
     return report
@@ -113,6 +120,7 @@ def markdown(report: Mapping[str, Any]) -> str:
         ),
         "",
         *forgeries(report["nemesis"]),
+        *watchers(report["watchers"]),
         "## Operations",
         "",
         "| operation:outcome | count |",
@@ -159,6 +167,56 @@ def forgeries(nemesis: Sequence[Mapping[str, Any]]) -> list[str]:
             f"| {forgery} | {rule} | {seen['pushed']} | {seen['by its rule']} |"
             f" {seen['merged']} | {other} |"
         )
+    return [*lines, ""]
+
+
+NODE_FAULTS = ("kill", "wipe", "wipe-restart", "pause")  # what a watcher's own node went through
+
+
+def watcher_summary(log: WatchLog, played: Sequence[Played]) -> dict[str, Any]:
+    """A region's watcher in numbers: events, segments, feeds, and its node's faults."""
+    lived = Counter(p.kind for p in played if p.kind in NODE_FAULTS and p.targets[0] == log.region)
+    return {
+        "region": log.region,
+        "events": sum(len(s.events) for s in log.segments),
+        "segments": len(log.segments),
+        "feeds": len(dict.fromkeys(s.feed for s in log.segments)),
+        "node faults": dict(sorted(lived.items())),
+        "ended": dict(Counter(s.ended.split(":")[0] for s in log.segments if s.ended)),
+        "re-read": len(log.reread),
+        "problems": log.problems,
+    }
+
+
+def write_watch_log(path: Path, log: WatchLog) -> None:
+    with path.open("w") as out:
+        for number, segment in enumerate(log.segments):
+            for e in segment.events:
+                row = {"segment": number, "cursor": e.cursor, "kind": e.kind, "key": e.key,
+                       "digest": e.digest.hex(), "fence": e.fence}  # fmt: skip
+                out.write(json.dumps(row) + "\n")
+            out.write(json.dumps({"segment": number, "start": segment.start,
+                                  "ended": segment.ended}) + "\n")  # fmt: skip
+
+
+def watchers(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Invariant 13's watchers: what each received, and what its node went through."""
+    if not rows:
+        return []
+    lines = [
+        "## Watchers",
+        "",
+        "One per region, of the whole repository at its own node, for the whole run",
+        "(`watch-<region>.jsonl`: every event, and where each segment ended).",
+        "",
+        "| region | events | segments | feeds | its node's faults | segments ended |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for row in rows:
+        faults = ", ".join(f"{k} {n}" for k, n in row["node faults"].items()) or "none"
+        ended = ", ".join(f"{k} {n}" for k, n in row["ended"].items()) or "none"
+        lines.append(f"| {row['region']} | {row['events']} | {row['segments']} |"
+                     f" {row['feeds']} | {faults} | {ended} |")  # fmt: skip
     return [*lines, ""]
 
 

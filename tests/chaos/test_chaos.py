@@ -1,4 +1,4 @@
-"""The replication chaos tier: three region containers, a seeded nemesis, twelve invariants.
+"""The replication chaos tier: three region containers, a seeded nemesis, thirteen invariants.
 
 The nodes run mutual TLS, as deployed (cluster.py); every client of the test has a
 certificate of the run's CA.
@@ -39,6 +39,8 @@ from tests.chaos.forger import Forger
 from tests.chaos.nemesis import KINDS, Nemesis, schedule, wait_for
 from tests.chaos.queue_work import QueueWork
 from tests.chaos.shapes import SPLIT_MEET_LIMIT_S, Shapes
+from tests.chaos.watch_invariants import watched_in_order
+from tests.chaos.watchers import MARKS, Watchers
 from tests.chaos.workload import SAMPLE_TIMEOUT_S, Workload, all_records, divergence
 
 REGIONS = ("us", "eu", "ap")
@@ -114,6 +116,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
     )
     mesh: ProxyMesh | None = None
     workload: Workload | None = None
+    followers: Watchers | None = None
     try:
         await asyncio.to_thread(cluster.up)
         addresses = {r: cluster.regions[r].address for r in REGIONS}
@@ -145,6 +148,8 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         queue = QueueWork(workload)
         await queue.prepare()
         nemesis = Nemesis(cluster, mesh, workload.agents, workload.now, log, shapes, forger)
+        followers = Watchers(workload)  # a watcher of the queue's topic at every node
+        followers.start()
         stop = asyncio.Event()
         tasks = [*workload.tasks(stop), *shapes.tasks(stop), *queue.tasks(stop)]
         await asyncio.sleep(WARM_UP_S)
@@ -190,6 +195,8 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         except TimeoutError as exc:
             log(str(exc))
             finals = {r: await all_records(c) for r, c in readers.items()}
+        await followers.finish()  # after the final states: its marks are no part of them
+        watched = list(followers.logs.values())
         verdicts = check(
             history,
             nemesis.played,
@@ -198,6 +205,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
             convergence,
             lease_seconds=LEASE_SECONDS,
         )
+        verdicts.append(watched_in_order(watched, history, nemesis.played, workload.homes, MARKS))
         written = report.write(
             folder,
             settings={
@@ -215,8 +223,11 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
             samples=workload.samples,
             history=history,
             heal_at=heal_at,
+            watched=watched,
         )
     finally:
+        if followers is not None:
+            await followers.stop()
         await asyncio.to_thread(cluster.close, folder / "logs")
         if mesh is not None:
             await mesh.close()

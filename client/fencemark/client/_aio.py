@@ -424,7 +424,10 @@ class AsyncClient:
             except grpc.RpcError as error:
                 failure = from_rpc_error(error)
                 if isinstance(failure, WatcherTooSlow):
-                    request.cursor = failure.cursor or request.cursor
+                    # Resume from the last event yielded, not from the node's cursor:
+                    # that names the last event whose send completed, and the one
+                    # whose send timed out may still have arrived before the error.
+                    request.cursor = request.cursor or failure.cursor
                     continue
                 if error.code() not in _WATCH_RECONNECTS:
                     raise failure from error

@@ -130,7 +130,9 @@ class CursorExpired(FencemarkError):
 
 class WatcherTooSlow(FencemarkError):
     """The node cut a watcher off that left an event untaken too long; ``cursor`` is
-    the last event it took. ``watch()`` resumes from it by itself."""
+    the last event whose send completed (the one whose send timed out may still have
+    arrived before this error: resume from the last event received). ``watch()``
+    resumes by itself, from the last event it gave."""
 
     def __init__(self, code: grpc.StatusCode, message: str, *, cursor: str) -> None:
         super().__init__(code, message)

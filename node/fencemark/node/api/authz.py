@@ -26,7 +26,6 @@ handshake already refused everyone else. docs/security.md has the model.
 
 from __future__ import annotations
 
-import inspect
 import json
 import tomllib
 from collections.abc import Callable, Mapping
@@ -37,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape
+from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape, awaited
 from fencemark.node.api.service import refuse
 from fencemark.node.rules.admission import Caller
 from fencemark.node.rules.errors import ACT_FOR_OTHERS as ACTING_FOR_OTHERS
@@ -215,12 +214,8 @@ class Authorize(Interceptor):
     def wrap(self, method: str, behaviour: Behaviour, shape: Shape) -> Behaviour | None:
         if not method.startswith(PACKAGE):
             return None  # health, reflection: any authenticated caller
-        # fencemark.v1 has unary methods and one server stream (Records.Watch), which
-        # its servicer serves by writing to the context: both are awaited whole.
-        if shape not in (Shape.UNARY, Shape.SERVER_STREAMING) or inspect.isasyncgenfunction(
-            behaviour
-        ):
-            raise RuntimeError(f"{method}: authorization covers unary methods and Watch only")
+        if not awaited(shape, behaviour):  # fencemark.v1 streams only by writing (Watch)
+            raise RuntimeError(f"{method}: authorization covers awaited methods only")
         inner: Handler = behaviour
         access, revocations = self.access, self.revocations
 

@@ -9,6 +9,7 @@ gRPC's four shapes, keeping the method's (de)serializers, and keeps the result.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Any
@@ -36,6 +37,15 @@ _HANDLER_OF = {
     Shape.CLIENT_STREAMING: grpc.stream_unary_rpc_method_handler,
     Shape.BIDI_STREAMING: grpc.stream_stream_rpc_method_handler,
 }
+
+
+def awaited(shape: Shape, behaviour: Behaviour) -> bool:
+    """Whether ``behaviour`` is one coroutine to await: a unary method's, or a server
+    stream that writes its responses to the context (``Records.Watch``) rather than
+    yielding them."""
+    if shape is Shape.UNARY:
+        return True
+    return shape is Shape.SERVER_STREAMING and not inspect.isasyncgenfunction(behaviour)
 
 
 class Interceptor:

@@ -184,6 +184,7 @@ class NodeServer:
         if self._tls_watch is not None:
             self._tls_watch.cancel()
         await self.health.enter_graceful_shutdown()
+        self.replica.end_feed()  # watch streams end now: they resume from their cursor
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
         await self.replicator.stop()
         await self.lapses.stop()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape
+from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape, awaited
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -276,10 +275,7 @@ class Telemetry(Interceptor):
         self.metrics = metrics
 
     def wrap(self, path: str, behaviour: Behaviour, shape: Shape) -> Behaviour | None:
-        streams_by_writing = shape is Shape.SERVER_STREAMING and not inspect.isasyncgenfunction(
-            behaviour
-        )
-        if shape is not Shape.UNARY and not streams_by_writing:
+        if not awaited(shape, behaviour):
             return None
         method = path.rsplit("/", 1)[-1]
         inner: Handler = behaviour

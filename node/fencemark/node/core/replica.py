@@ -221,6 +221,14 @@ class Replica:
     async def feed_grew(self, after: int) -> None:
         await self.storage.feed_grew(after)
 
+    @property
+    def feed_ended(self) -> bool:
+        return self.storage.feed_ended
+
+    def end_feed(self) -> None:
+        """The node is stopping: its watchers are told now, not after the grace."""
+        self.storage.end_feed()
+
     async def next_pickable_ms(self, scope: str, now_ms: int) -> int | None:
         """When a deferral or lease of ``scope``'s items homed here next ends."""
         return await self.storage.next_pickable_ms(scope, self.region, now_ms)

@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import Record, codec
 from fencemark.node.rules import validation
-from fencemark.node.rules.errors import CursorExpired, InvalidInput
+from fencemark.node.rules.errors import CursorExpired, InvalidInput, NotServing
 from fencemark.node.store import feed
 from fencemark.node.store.feed import Change
 from fencemark.node.store.storage import Stored
@@ -131,6 +131,10 @@ async def follow(
     told, told_at = after, 0.0  # the seq the watcher last heard of, and when
     loop = asyncio.get_running_loop()
     while True:
+        if replica.feed_ended:
+            # The node is stopping: a stream that never ends would hold up the stop
+            # for its whole grace (and the node refuses every new call meanwhile).
+            raise NotServing("this node is stopping: watch again from the last cursor taken")
         last = replica.feed_last  # read before the page: every change up to it is in the file
         page = await replica.feed_changes(after, lower, upper, limit=PAGE)
         if after + 1 < await replica.feed_first():

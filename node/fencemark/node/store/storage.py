@@ -9,7 +9,9 @@ run on the writer connection's own thread: one hand-off from the event loop per
 group, not one per statement (docs/performance.md, *Claim path*). Reads use a
 second connection through aiosqlite (WAL lets it read while the writer commits)
 and an LRU cache of decoded states that is updated only after a commit, so
-nothing not yet durable is ever served.
+nothing not yet durable is ever served. Each read is one trip to that connection
+(``execute_fetchall``): a statement left open across trips would hold its read
+transaction, and every read run meanwhile would miss the commits made since.
 
 The writer connection, the schema, its migrations and the body of one commit are
 ``writer``; this module keeps what is cached exactly what committed. About 430
@@ -109,6 +111,7 @@ class Storage:
         self.feed_last = feed_last  # the feed's last committed seq
         self._tail = feed_table.Tail(feed_first, feed_last, feed_window)
         self._fed = asyncio.Event()  # set (and replaced) by each commit that grew the feed
+        self.feed_ended = False  # end_feed(): the node is stopping, watchers are let go
         self._writer_task = asyncio.create_task(self._write_loop(), name="storage-writer")
 
     @classmethod
@@ -164,11 +167,13 @@ class Storage:
             self._cache.move_to_end(key)
             return hit
         seq = self._commit_seq
-        cursor = await self._reader.execute(
+        # One trip (execute and fetch together): a statement left open between two
+        # trips holds the reader's read transaction, and every read other tasks run
+        # meanwhile would see the file as it was when this one began.
+        rows = await self._reader.execute_fetchall(
             "SELECT state, digest FROM records WHERE key = ?", (key,)
         )
-        row = await cursor.fetchone()
-        await cursor.close()
+        row = next(iter(rows), None)
         if row is None:
             return None
         stored = Stored(codec.decode(row[0]), bytes(row[1]), len(row[0]))
@@ -256,9 +261,14 @@ class Storage:
         return self._tail.first
 
     async def feed_grew(self, after: int) -> None:
-        """Return once the feed holds a ``seq`` past ``after``."""
-        while self.feed_last <= after:
+        """Return once the feed holds a ``seq`` past ``after``, or has been ended."""
+        while self.feed_last <= after and not self.feed_ended:
             await self._fed.wait()
+
+    def end_feed(self) -> None:
+        """Let every watcher go (the node is stopping): ``feed_grew`` returns at once."""
+        self.feed_ended = True
+        self._fed.set()
 
     async def events(self, key: str) -> list[Event]:
         """``key``'s claim events kept here, oldest first."""

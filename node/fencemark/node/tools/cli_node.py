@@ -60,10 +60,10 @@ def cmd_node(args: argparse.Namespace) -> int:
             " checks have budgets of their own (docs/operations.md)",
             file=sys.stderr,
         )
-    if args.feed_window < 1 or not args.watch_send_timeout > 0:
+    if args.feed_window < 1 or args.cache_size < 1 or not args.watch_send_timeout > 0:
         raise SystemExit(
-            "fencemark node: --feed-window takes 1 or more changes, --watch-send-timeout"
-            " more than 0 seconds"
+            "fencemark node: --feed-window and --cache-size take 1 or more,"
+            " --watch-send-timeout more than 0 seconds"
         )
     if not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
         raise SystemExit(
@@ -89,6 +89,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_token_jump=args.max_token_jump,
         feed_window=args.feed_window,
         watch_send_timeout=args.watch_send_timeout,
+        cache_size=args.cache_size,
         tls=tls_files,
         access=access,
         tls_reload_interval=args.tls_reload_interval,
@@ -191,7 +192,8 @@ def add_node_command(
 def _add_feed_flags(
     node: argparse.ArgumentParser, config: Mapping[str, Any], defaults: NodeConfig
 ) -> None:
-    """The change feed's (Records.Watch) window and its watchers' send deadline."""
+    """The change feed's (Records.Watch) window and its watchers' send deadline, and
+    the record cache in front of the file both read."""
     node.add_argument(
         "--feed-window",
         type=int,
@@ -204,6 +206,13 @@ def _add_feed_flags(
         type=float,
         default=_setting(config, "watch_send_timeout", defaults.watch_send_timeout),
         help="seconds a watcher may leave an event untaken before it is cut off",
+    )
+    node.add_argument(
+        "--cache-size",
+        type=int,
+        default=_setting(config, "cache_size", defaults.cache_size),
+        help="records whose decoded state is kept in memory; reads of the others go to"
+        " the data file",
     )
 
 
