@@ -197,3 +197,15 @@ async def test_a_run_of_some_scenarios_rewrites_only_their_part_of_the_headline(
     after = parse(docs.read_text().split(DOCS_BEGIN)[1])
     assert list(after) == ["lag", "drain"] and after["drain"] == before["drain"]
     assert after["lag"].targets == ["| replication lag p99 | ≤ 50 ms | 13.00 ms | **met** |"]
+
+
+async def test_the_shard_measurement_runs_one_and_two_processes_without_errors() -> None:
+    """``python -m fencemark.bench.shards`` (docs/scaling.md), one short repeat: the
+    claim cycles run on one node process and split over two, every cycle completes,
+    and the CPU it reports is the node processes' own."""
+    from fencemark.bench.shards import compare
+
+    ((one, two),) = await compare(clients=4, seconds=1.5, repeats=1)
+    for run, processes in ((one, 1), (two, 2)):
+        assert (run.processes, run.clients, run.errors) == (processes, 4, 0), run
+        assert run.cycles_per_s > 0 and run.node_cores > 0 and run.cpu_ms_per_cycle > 0, run
