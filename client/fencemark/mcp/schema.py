@@ -59,6 +59,12 @@ LeaseSeconds = Annotated[
         description="How long the lease lasts unless renewed: 1 to 3600 seconds.",
     ),
 ]
+RepoId = Annotated[str, Field(description="Repository name, e.g. lattice.")]
+Topic = Annotated[str, Field(description="Topic of the items, e.g. backlog.")]
+ItemTags = Annotated[
+    list[str] | None,
+    Field(description='Only items carrying every one of these tags, e.g. ["lang:go"].'),
+]
 Owner = Annotated[
     str,
     Field(

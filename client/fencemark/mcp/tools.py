@@ -35,12 +35,15 @@ from fencemark.mcp.outcomes import conflict_result, failure_result, success
 from fencemark.mcp.schema import (
     MAX_RETRY_AFTER_S,
     MAX_TOKEN,
+    ItemTags,
     KeepAlive,
     Key,
     LeaseSeconds,
     Owner,
+    RepoId,
     Token,
     ToolSpec,
+    Topic,
     WaitSeconds,
     hints,
 )
@@ -80,7 +83,7 @@ class RepoContextTools:
 
     async def remember(
         self,
-        repoId: Annotated[str, Field(description="Repository name, e.g. lattice.")],
+        repoId: RepoId,
         topic: Annotated[str, Field(description="Topic within the repo, e.g. backlog.")],
         id: Annotated[
             str,
@@ -223,15 +226,12 @@ class RepoContextTools:
 
     async def claim_next(
         self,
-        repoId: Annotated[str, Field(description="Repository name, e.g. lattice.")],
-        topic: Annotated[str, Field(description="Topic of the items, e.g. backlog.")],
+        repoId: RepoId,
+        topic: Topic,
         owner: Owner,
         leaseSeconds: LeaseSeconds,
         waitSeconds: WaitSeconds = 0.0,
-        tags: Annotated[
-            list[str] | None,
-            Field(description='Only items carrying every one of these tags, e.g. ["lang:go"].'),
-        ] = None,
+        tags: ItemTags = None,
         keepAlive: KeepAlive = False,
         *,
         ctx: Context[Any, Any],
@@ -270,7 +270,7 @@ class RepoContextTools:
 
     async def list_records(
         self,
-        repoId: Annotated[str, Field(description="Repository name, e.g. lattice.")],
+        repoId: RepoId,
         topic: Annotated[str | None, Field(description="Only this topic, e.g. backlog.")] = None,
         tag: Annotated[
             str | None, Field(description="Only records with this tag, e.g. priority:P1.")

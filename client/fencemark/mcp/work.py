@@ -48,10 +48,13 @@ from fencemark.mcp.outcomes import success
 from fencemark.mcp.schema import (
     MAX_WAIT_FOR_WORK_S,
     MAX_WAIT_S,
+    ItemTags,
     KeepAlive,
     LeaseSeconds,
     Owner,
+    RepoId,
     ToolSpec,
+    Topic,
     hints,
 )
 from fencemark.mcp.tools import RepoContextTools
@@ -154,15 +157,12 @@ class WorkTools(RepoContextTools):
 
     async def wait_for_work(
         self,
-        repoId: Annotated[str, Field(description="Repository name, e.g. lattice.")],
-        topic: Annotated[str, Field(description="Topic of the items, e.g. backlog.")],
+        repoId: RepoId,
+        topic: Topic,
         owner: Owner,
         leaseSeconds: LeaseSeconds,
         timeoutSeconds: TimeoutSeconds = 60.0,
-        tags: Annotated[
-            list[str] | None,
-            Field(description='Only items carrying every one of these tags, e.g. ["lang:go"].'),
-        ] = None,
+        tags: ItemTags = None,
         keepAlive: KeepAlive = False,
         *,
         ctx: Context[Any, Any],
