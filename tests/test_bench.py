@@ -108,10 +108,12 @@ async def test_the_quick_feed_scenario_delivers_every_write_to_every_watcher(
         assert (row["delivered"], row["undelivered"]) == (writes, 0), (region, row)
         # A region that merged two writes of a record shows one event for both.
         assert row["events"] + row["merged"] == writes, (region, row)
-        assert row["p50_ms"] <= row["p99_ms"] <= row["max_ms"] and row["max_ms"] > 0, row
+        assert row["p50_ms"] <= row["p99_ms"] <= row["max_ms"], row
     assert delivery["us"]["merged"] == 0  # the writer's own node commits each write alone
     assert delivery["cross_region"]["delivered"] == 2 * writes
-    assert delivery["cross_region"]["p50_ms"] > 0  # a push follows the commit it carries
+    # A push follows the commit it carries; at the writer's own node the event may
+    # come before the writer hears its acknowledgement (a latency of 0 or less).
+    assert delivery["cross_region"]["p50_ms"] > 0 and delivery["cross_region"]["max_ms"] > 0
     for watchers in ("0", "1", "100"):
         row = data["cost"][watchers]
         assert row["writes"] > 0 and row["errors"] == 0, (watchers, row)
