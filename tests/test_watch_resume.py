@@ -120,6 +120,7 @@ class Writer:
     keys: list[str] = field(default_factory=list)
     granted: dict[str, int] = field(default_factory=dict)  # key -> the last token it got
     acked: list[Acked] = field(default_factory=list)
+    unsure: set[str] = field(default_factory=set)  # keys whose claim's answer was lost
     steps: int = 0
     made: int = 0
 
@@ -163,12 +164,20 @@ class Writer:
         self.acked.append(Acked(made.record.key, frozenset({"created"}), made.record.digest))
 
     async def _claim_and_end(self, client: AsyncClient, key: str) -> None:
-        claim = await client.claim(key, self.name, lease_seconds=LEASE_S)
+        try:
+            claim = await client.claim(key, self.name, lease_seconds=LEASE_S)
+        except FencemarkError:
+            self.unsure.add(key)  # it may have been granted: the node went away first
+            raise
         if not claim.granted:  # held by a claim whose answer was lost: it lapses
             return
         token = claim.fencing_token
         if self.granted.get(key) != token:  # not its own claim again (its release was lost)
-            self.acked.append(Acked(key, GRANTED, fence=token))
+            # A claim whose answer was lost, asked again, is the same claim extended
+            # (SPEC §4's retry): an ``updated`` at its token, after the grant.
+            kinds = GRANTED | {"updated"} if key in self.unsure else GRANTED
+            self.acked.append(Acked(key, kinds, fence=token))
+        self.unsure.discard(key)
         self.granted[key] = token
         outcome = self.rng.choice(sorted(ENDINGS))
         name, value = f"end.{token}", outcome or "released"
