@@ -502,11 +502,7 @@ async def test_an_item_picked_for_a_waiter_that_left_meanwhile_is_released(
     wall = CancellingWall()
     async with claims_on_file(tmp_path, wall) as claims:
         work = WorkQueue(claims)
-        waiter = asyncio.create_task(
-            work.claim_next("claims", "backlog", "waiter", wait_seconds=WAIT, caller=ANYONE)
-        )
-        await eventually(lambda: _idle(claims), "the waiter in line")
-        await asyncio.sleep(0.05)  # its first look (nothing there) is over: it sleeps
+        waiter = await asleep_at_the_head(work)
         wall.arm(waiter)  # cancelled by the clock read of its next pick
         key = await made(claims, "picked-for-nobody")  # wakes the head: it picks this
         with pytest.raises(asyncio.CancelledError):
@@ -524,6 +520,17 @@ async def test_an_item_picked_for_a_waiter_that_left_meanwhile_is_released(
 
 async def _idle(claims: Claims) -> bool:
     return claims.waiting == 1
+
+
+async def asleep_at_the_head(work: WorkQueue) -> asyncio.Task[object]:
+    """A ``ClaimNext`` that waits at the head of the empty topic's line, its first look
+    (nothing there) over: it sleeps until a change of the topic wakes it."""
+    waiter = asyncio.create_task(
+        work.claim_next("claims", "backlog", "waiter", wait_seconds=WAIT, caller=ANYONE)
+    )
+    await eventually(lambda: _idle(work.claims), "the waiter in line")
+    await asyncio.sleep(0.05)
+    return waiter
 
 
 async def test_a_picked_lease_is_exactly_the_lease_asked_for(tmp_path: Path) -> None:
@@ -773,11 +780,7 @@ async def test_an_item_picked_for_a_waiter_that_left_stays_to_lapse_if_its_relea
     wall = CancellingWall()
     async with claims_on_file(tmp_path, wall) as claims:
         work = WorkQueue(claims)
-        waiter = asyncio.create_task(
-            work.claim_next("claims", "backlog", "waiter", wait_seconds=WAIT, caller=ANYONE)
-        )
-        await eventually(lambda: _idle(claims), "the waiter in line")
-        await asyncio.sleep(0.05)  # its first look (nothing there) is over: it sleeps
+        waiter = await asleep_at_the_head(work)
 
         async def failing_release(*args: object, **kwargs: object) -> object:
             raise OSError("the disk is gone")
@@ -902,11 +905,7 @@ async def test_a_caller_that_leaves_while_its_look_finds_nothing_leaves_no_error
     wall = CancellingWall()
     async with claims_on_file(tmp_path, wall) as claims:
         work = WorkQueue(claims)
-        waiter = asyncio.create_task(
-            work.claim_next("claims", "backlog", "waiter", wait_seconds=WAIT, caller=ANYONE)
-        )
-        await eventually(lambda: _idle(claims), "the waiter in line")
-        await asyncio.sleep(0.05)  # its first look (nothing there) is over: it sleeps
+        waiter = await asleep_at_the_head(work)
         wall.arm(waiter)
         # A change in the topic wakes the head; nothing in it can be had.
         await claims.replica.remember("claims", "backlog", "blocked", fields={"title": "b"},
