@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fencemark.bench.load import Calls, Operation
@@ -63,6 +63,17 @@ async def _seed(client: AsyncClient, topic: str, count: int, home: str) -> list[
         )
         keys.append(made.record.key)
     return keys
+
+
+@contextlib.asynccontextmanager
+async def region_clients(addresses: Mapping[str, str]) -> AsyncIterator[dict[str, AsyncClient]]:
+    """One client per region (``region -> address``), without retries: a measurement
+    counts what failed rather than hide it behind a retry."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield {
+            region: await stack.enter_async_context(AsyncClient(address, retries=0))
+            for region, address in addresses.items()
+        }
 
 
 @contextlib.asynccontextmanager

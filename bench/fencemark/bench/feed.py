@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fencemark.bench import drivers
 from fencemark.bench.feed_cost import measure_cost
 from fencemark.bench.feed_report import Delivered, report
 from fencemark.bench.progress import Progress
@@ -44,11 +44,7 @@ WARM_UP_TRY_S = 1.0  # for one warm-up write to reach every watcher
 async def run_feed(settings: Settings, progress: Progress, work: Path, out: Path) -> ScenarioResult:
     cluster = await LocalCluster.start(REGIONS, work / "feed")
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            clients = {
-                r: await stack.enter_async_context(AsyncClient(a, retries=0))
-                for r, a in cluster.addresses.items()
-            }
+        async with drivers.region_clients(cluster.addresses) as clients:
             delivered = await measure_delivery(clients, settings, progress)
         node = cluster.nodes[WRITER]
         costs = await measure_cost(node.address, node.proc.pid, WRITER, settings, progress)

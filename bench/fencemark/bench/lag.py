@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fencemark.bench import plots
+from fencemark.bench import drivers, plots
 from fencemark.bench.progress import Progress
 from fencemark.bench.records import REPO, typical_tags
 from fencemark.bench.results import ScenarioResult, Settings, Table, at_most, fmt
@@ -40,11 +40,7 @@ WARM_UP_LIMIT_S = 30.0
 async def run_lag(settings: Settings, progress: Progress, work: Path, out: Path) -> ScenarioResult:
     cluster = await LocalCluster.start(REGIONS, work / "lag")
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            clients = {
-                r: await stack.enter_async_context(AsyncClient(a, retries=0))
-                for r, a in cluster.addresses.items()
-            }
+        async with drivers.region_clients(cluster.addresses) as clients:
             samples = await _measure(clients, settings, progress)
     finally:
         await cluster.stop()
