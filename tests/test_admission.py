@@ -35,6 +35,7 @@ from fencemark.node.rules.admission import (
     acts_for,
     admit_write,
     decide_claim,
+    decide_fenced_release,
     decide_release,
     decide_renew,
     lapse_due,
@@ -779,3 +780,82 @@ def test_a_grant_made_at_the_recovery_moment_is_this_lifes() -> None:
     _, very_first = decide_claim(fresh, "w", caller=ANYONE, lease_ms=1_000, now_ms=NOW_MS,
                                  hlc=pack(NOW_MS), region="local", queued_ahead=False)  # fmt: skip
     assert very_first.token == 1
+
+
+# -- a release that writes: the holder's last fenced write (SPEC §8) -------------------------
+
+
+def fenced_release(
+    record: Record, token: int, *, caller: Caller = ANYONE, region: str = "local", now: int = NOW_MS
+) -> Outcome | None:
+    return decide_fenced_release(record, token, caller=caller, region=region, now_ms=now)
+
+
+def test_a_release_with_an_outcome_goes_ahead_only_for_the_live_claim() -> None:
+    """SPEC §8: a release that records an outcome (or final fields) is refused, as a
+    value, for every token that is not the live claim — a superseded worker can never
+    mark an item done — by the same words a fenced write gets; the live claim's token
+    goes ahead (None). A refusal names the home and the fence it saw."""
+    expiry = NOW_MS + 60_000
+    record = claimed_at_home(expiry)
+    assert fenced_release(record, 1) is None
+    assert fenced_release(record, 1, now=expiry - 1) is None
+
+    def refused(reason: Reason, fence: int = 1) -> Outcome:
+        return Outcome(False, reason, home_region="local", fence=fence)
+
+    assert fenced_release(record, 1, now=expiry) == refused(Reason.EXPIRED)
+    assert fenced_release(record, 2) == refused(Reason.UNKNOWN_TOKEN)
+    lapsed = record.with_fence(record.fence.lapse(1))
+    assert fenced_release(lapsed, 1) == refused(Reason.EXPIRED)
+    released = record.with_fence(record.fence.release(1))
+    assert fenced_release(released, 1) == refused(Reason.RELEASED)
+    successor = Grant(pack(NOW_MS, 5), "worker-b", "local")
+    superseded = record.with_fence(record.fence.grant(2, successor, expiry))
+    assert fenced_release(superseded, 1) == refused(Reason.SUPERSEDED, fence=2)
+    assert fenced_release(superseded, 2) is None
+    moved = record.with_fence(record.fence.move(3))
+    assert fenced_release(moved, 3) == refused(Reason.UNKNOWN_TOKEN, fence=3)
+
+
+def test_a_release_with_an_outcome_is_decided_only_at_a_live_home_record() -> None:
+    """Away from the home it answers ``wrong_region``; a record that does not exist, or
+    a tombstone (unlike a plain release), ``missing``; a token the record was granted
+    by another birth region, live in its fence but not the home's claim, ``superseded``
+    (as ``admit_write`` says at the meet); another identity is refused ``not_holder``."""
+    record = granted_to("client/alice")
+    away = fenced_release(record, 1, region="eu")
+    assert away == Outcome(False, Reason.WRONG_REGION, home_region="local", fence=1)
+    assert fenced_release(Record(key_of("none")), 1) == Outcome(False, Reason.MISSING)
+    tombstone = record.set_deleted(True, Stamp(1, pack(NOW_MS, 2), "n1"))
+    assert fenced_release(tombstone, 1, caller=ALICE) == Outcome(
+        False, Reason.MISSING, home_region="local", fence=1
+    )
+    assert fenced_release(record, 1, caller=ALICE) is None
+    assert fenced_release(record, 1, caller=OPERATOR) is None
+    with pytest.raises(PermissionDenied) as refused:
+        fenced_release(record, 1, caller=BOB)
+    assert refused.value.denial is Denial.NOT_HOLDER
+    split = born_in_two((1, "eu"))
+    assert split.fence.is_live(NOW_MS) and not split.claim_live(NOW_MS)
+    assert fenced_release(split, 1, region="us") == Outcome(
+        False, Reason.SUPERSEDED, home_region="us", fence=1
+    )
+
+
+def test_a_plain_release_of_a_token_above_the_fence_changes_nothing() -> None:
+    """SPEC §4: a release is idempotent up to the fence: a token below it answers ok and
+    changes nothing, the fence's own token is released; a token above it was never
+    granted, ``unknown_token``, and is not checked for its identity (it has none)."""
+    record = granted_to("client/alice")
+    fence, above = decide_release(record, 2, caller=BOB, region="local")
+    assert above == Outcome(False, Reason.UNKNOWN_TOKEN, home_region="local", fence=1)
+    assert fence == record.fence
+    successor = Grant(pack(NOW_MS, 5), "worker-b", "local")
+    record = record.with_fence(record.fence.grant(2, successor, NOW_MS + 60_000))
+    fence, below = decide_release(record, 1, caller=ALICE, region="local")
+    assert below == Outcome(True, None, 1, home_region="local", fence=2)
+    assert fence == record.fence
+    fence, current = decide_release(record, 2, caller=ALICE, region="local")
+    assert current == Outcome(True, None, 2, home_region="local", fence=2)
+    assert fence.released == record.fence.released | {2}

@@ -38,8 +38,10 @@ from fencemark.node.api.server import NodeConfig, NodeServer
 from fencemark.node.crdt import Grant, Stamp, codec
 from fencemark.node.crdt import Record as NodeRecord
 from fencemark.node.crdt.hlc import pack
+from fencemark.node.crdt.record import ATTEMPTS, ENDINGS, NOT_BEFORE, OUTCOME, STATUS, STATUSES
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
+from fencemark.node.rules.queue import MAX_AFTER_TAGS, MAX_ATTEMPTS_LIMIT
 
 REPO, TOPIC = "lattice", "backlog"
 HOLDER = "worker-a"
@@ -697,3 +699,60 @@ def test_a_record_a_write_would_leave_holds_at_most_256_fields_and_256_tags() ->
     assert refused_field(lambda: validation.record_size(over, "fields")) == "fields"
     over = full.add_tags(["one-more"], STAMP)
     assert refused_field(lambda: validation.record_size(over, "fields", "add_tags")) == "add_tags"
+
+
+def test_a_replicated_states_queue_registers_are_the_four_the_home_writes() -> None:
+    """SPEC §8: a record's queue state is ``status`` (a status word), ``outcome`` (an
+    ending word), ``attempts`` and ``not_before`` (canonical decimals below 2**64), and
+    nothing else; a peer's state with any other is refused naming the register,
+    ``queue.<name>``, its name cut to 64 characters."""
+    made = NodeRecord("repo/r/mem/t/i").create("us", STAMP)
+    top = str((1 << 64) - 1)
+    for status, outcome, count in zip(STATUSES, ENDINGS, ("0", "7", top), strict=False):
+        good = {STATUS: status, OUTCOME: outcome, ATTEMPTS: count, NOT_BEFORE: count}
+        state_of(made.set_queue(good, STAMP))
+    for outcome in ENDINGS:
+        state_of(made.set_queue({OUTCOME: outcome}, STAMP))
+    bad_numbers = ("", "01", "-1", "+1", "1.0", "1e3", str(1 << 64), "9" * 20, "1" * 21)
+    for name, values in (
+        (STATUS, ("closed", "", "Open", *ENDINGS[1:])),
+        (OUTCOME, ("ok", "", "open", "parked")),
+        (ATTEMPTS, bad_numbers),
+        (NOT_BEFORE, bad_numbers),
+    ):
+        for value in values:
+            bad = made.set_queue({name: value}, STAMP)
+            assert refused_field(partial(state_of, bad)) == f"queue.{name}", (name, value)
+    for name in ("priority", "Status", "q" * 100):
+        bad = made.set_queue({name: "0"}, STAMP)
+        assert refused_field(partial(state_of, bad)) == f"queue.{name[:64]}"
+
+
+def test_queue_tags_name_1_to_1000_attempts_and_wait_on_at_most_16_valid_ids() -> None:
+    """SPEC §8, on a client's write: ``maxAttempts:N`` with N from 1 to
+    MAX_ATTEMPTS_LIMIT, ``after:<id>`` naming a valid id, at most MAX_AFTER_TAGS of
+    them; a refused tag is named by its index, too many ``after:`` tags by the list."""
+    assert (MAX_ATTEMPTS_LIMIT, MAX_AFTER_TAGS) == (1000, 16)
+    waits = [f"after:item-{i}" for i in range(16)]
+    validation.queue_tags(["x", "maxAttempts:1", "maxAttempts:1000", *waits, "priority:P10"])
+    assert refused_field(lambda: validation.queue_tags([*waits, "after:one-more"])) == "tags"
+    validation.queue_tags(["after:a", "after:a"], "add_tags")  # a repeat still counts once each
+    for bad in ("maxAttempts:0", "maxAttempts:1001", "maxAttempts:", "maxAttempts:-1",
+                "maxAttempts:x", "after:", "after:a b", "after:a/b"):  # fmt: skip
+        refused = partial(validation.queue_tags, ["ok", "after:a", bad])
+        assert refused_field(refused) == "tags[2]"
+        assert refused_field(partial(validation.queue_tags, [bad], "add_tags")) == "add_tags[0]"
+
+
+def test_a_key_range_holds_exactly_the_keys_under_its_prefix() -> None:
+    """``key_range``: ``[lower, upper)`` holds a key exactly when the key starts with
+    ``repo/<repo>/mem/`` (``…/<topic>/`` with a topic), however it goes on."""
+    for repo, topic in (("r", ""), ("r", "t")):
+        lower, upper = validation.key_range(repo, topic)
+        prefix = f"repo/{repo}/mem/" + (f"{topic}/" if topic else "")
+        assert lower == prefix
+        around = (prefix[:-1] + "0", prefix[:-1] + ".", prefix[:-1], f"repo/{repo}x/mem/")
+        for key in (prefix, prefix + "x", prefix + "\U0010ffff" * 3, *around):
+            assert (lower <= key < upper) is key.startswith(prefix), key
+    assert refused_field(lambda: validation.key_range("a b")) == "repo"
+    assert refused_field(lambda: validation.key_range("r", "a/b")) == "topic"

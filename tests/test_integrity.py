@@ -23,6 +23,7 @@ from fencemark.client import AsyncClient
 from fencemark.node.crdt import Birth, Record, Stamp, codec
 from fencemark.node.crdt.fence import HISTORY, Grant
 from fencemark.node.crdt.hlc import pack
+from fencemark.node.crdt.record import ATTEMPTS, DONE, OUTCOME, PARKED, STATUS
 from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.rules.integrity import Bounds, MergeRefused, check
 from fencemark.node.security.signing import Keyring
@@ -329,6 +330,27 @@ def test_another_birth_region_writes_under_a_claim_only_while_it_is_a_split_time
     assert refused_signed(later, intrusion) == "signer_not_home"
     end = OTHER_SIGNER.seal(KEY, later.fence.release(3), end=True, move=False)
     assert refused_signed(later, later.with_fence(end)) == "signer_not_home"
+
+
+def test_queue_state_is_written_only_by_a_region_that_created_the_record() -> None:
+    """SPEC §8: only a birth region writes an item's status, outcome, attempts and
+    not_before, with or without a claim, and signs them: a peer cannot mark an item
+    done, park it or reopen it (``unsigned_write``; another region's signature is not
+    a birth's). What this node already holds is not asked for again."""
+    for fence in (signed().fence, signed().fence.release(1)):
+        held = signed().with_fence(SIGNERS[0].seal(KEY, fence, end=True, move=False))
+        at = stamp(EPOCH_MS + 20, epoch=1)
+        done = held.set_queue({STATUS: DONE, OUTCOME: DONE, ATTEMPTS: "1"}, at)
+        assert refused_signed(held, done) == "unsigned_write"
+        by_home = SIGNERS[0].sign_writes(done, at)
+        merged = check(held, by_home, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+        assert merged.queue[STATUS].value == DONE
+        assert check(merged, by_home, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING) == merged
+        at_eu = stamp(EPOCH_MS + 30, epoch=1, node="n-eu")
+        parked = OTHER_SIGNER.sign_writes(merged.set_queue({STATUS: PARKED}, at_eu), at_eu)
+        assert refused_signed(merged, parked) == "signer_not_home"
+        # Held unsigned (written before queue registers were signed): not asked again.
+        assert check(done, done, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING) == done
 
 
 # -- the bounds, at their boundaries -----------------------------------------------------------
