@@ -3,8 +3,12 @@
 #
 # A node's data directory is usually a bind mount prepared on the host. If this
 # user cannot write there, say so in words an operator can act on and exit 78
-# (EX_CONFIG), instead of a traceback from SQLite. Then exec: fencemark replaces
-# this shell as PID 1 and receives SIGTERM itself (graceful stop, exit 0).
+# (EX_CONFIG), instead of a traceback from SQLite. A node given its certificates
+# by FENCEMARK_TLS_DIR and FENCEMARK_TLS_NAME waits for them, up to
+# FENCEMARK_TLS_WAIT_S seconds (60): the stack's one-shot certs service may still be
+# writing them (compose starts the nodes after it, not after it finished; a swarm
+# starts everything at once). Then exec: fencemark replaces this shell as PID 1 and
+# receives SIGTERM itself (graceful stop, exit 0).
 set -eu
 
 if [ "${1:-}" = node ]; then
@@ -28,6 +32,21 @@ fencemark: cannot write the data directory $dir as user $me
   owner (docker run --user UID:GID; compose: FENCEMARK_UID, FENCEMARK_GID). See docs/deploy.md.
 EOF
     exit 78
+  fi
+  if [ -n "${FENCEMARK_TLS_DIR:-}" ] && [ -n "${FENCEMARK_TLS_NAME:-}" ]; then
+    tls=$FENCEMARK_TLS_DIR
+    left=${FENCEMARK_TLS_WAIT_S:-60}
+    said=
+    until [ -s "$tls/ca.pem" ] && [ -s "$tls/$FENCEMARK_TLS_NAME.pem" ] \
+        && [ -s "$tls/$FENCEMARK_TLS_NAME-key.pem" ]; do
+      if [ "$left" -le 0 ]; then
+        echo "fencemark: no certificate for $FENCEMARK_TLS_NAME in $tls after ${FENCEMARK_TLS_WAIT_S:-60} s; starting anyway" >&2
+        break
+      fi
+      [ -n "$said" ] || { echo "fencemark: waiting for ca.pem, $FENCEMARK_TLS_NAME.pem and $FENCEMARK_TLS_NAME-key.pem in $tls" >&2; said=1; }
+      sleep 1
+      left=$((left - 1))
+    done
   fi
 fi
 exec fencemark "$@"

@@ -15,6 +15,7 @@ from pathlib import Path
 from tests.dockerenv import DEPLOY, IMAGE, IMAGE_UID, free_port, inspect, run
 
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+PROMETHEUS_FILE = DEPLOY / "docker-compose.prometheus.yml"  # the opt-in Prometheus
 DATA_VARIABLE = "REPOCONTEXT_MEMORY_ARCHIVE_PATH"
 REGIONS = ("us", "eu", "ap")
 
@@ -32,13 +33,21 @@ def clean_env(**settings: str) -> dict[str, str]:
 class Stack:
     """One compose project of deploy/docker-compose.yml, isolated from the host's .env."""
 
-    def __init__(self, compose: list[str], tmp_path: Path, settings: dict[str, str]) -> None:
+    def __init__(
+        self,
+        compose: list[str],
+        tmp_path: Path,
+        settings: dict[str, str],
+        files: tuple[Path, ...] = (COMPOSE_FILE,),
+    ) -> None:
         self.project = f"fencemarktest{uuid.uuid4().hex[:10]}"
         # An empty env file, so that a developer's deploy/.env changes nothing here.
         env_file = tmp_path / "empty.env"
         env_file.touch()
-        self.command = [*compose, "--env-file", str(env_file), "--file", str(COMPOSE_FILE),
-                        "--project-name", self.project]  # fmt: skip
+        self.command = [*compose, "--env-file", str(env_file)]
+        for file in files:
+            self.command += ["--file", str(file)]
+        self.command += ["--project-name", self.project]
         self.env = clean_env(FENCEMARK_IMAGE=IMAGE, **settings)
 
     def __call__(

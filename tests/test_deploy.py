@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fencemark.client import AsyncClient, tls_credentials
 from tests.compose import (
     COMPOSE_FILE,
+    PROMETHEUS_FILE,
     DATA_VARIABLE,
     REGIONS,
     Stack,
@@ -108,7 +109,8 @@ def test_health_exits_1_when_nothing_listens() -> None:
 
 
 def test_every_compose_variable_is_documented_in_env_example() -> None:
-    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE_FILE.read_text()))
+    text = COMPOSE_FILE.read_text() + PROMETHEUS_FILE.read_text()
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", text))
     example = (DEPLOY / ".env.example").read_text()
     documented = set(re.findall(r"^([A-Z0-9_]+)=", example, flags=re.MULTILINE))
     assert DATA_VARIABLE in used
@@ -116,7 +118,7 @@ def test_every_compose_variable_is_documented_in_env_example() -> None:
 
 
 def test_compose_publishes_ports_on_loopback_only() -> None:
-    text = COMPOSE_FILE.read_text()
+    text = COMPOSE_FILE.read_text() + PROMETHEUS_FILE.read_text()
     published = re.findall(r'^\s*- "([^"]*:\d+)"', text, flags=re.MULTILINE)
     # The API and the metrics of each region, and Prometheus' UI and API.
     assert len(published) == 2 * len(REGIONS) + 1

@@ -1,8 +1,8 @@
-"""The compose stack's Prometheus (profile ``prometheus``), on a real engine.
+"""The compose stack's Prometheus (deploy/docker-compose.prometheus.yml), on a real engine.
 
 Its image is Debian's ``prometheus`` package on the air-gapped base
-(deploy/build-prometheus-image.sh); the stack is deploy/docker-compose.yml with the
-profile on, on fresh directories and free ports. The test asks Prometheus' own HTTP
+(deploy/build-prometheus-image.sh); the stack is deploy/docker-compose.yml with
+docker-compose.prometheus.yml given after it, on fresh directories and free ports. The test asks Prometheus' own HTTP
 API, on its port published on 127.0.0.1, whether it scrapes every node, what the
 nodes report through it, and whether it loaded and evaluates the alert rules.
 """
@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.compose import DATA_VARIABLE, REGIONS, Stack, data_root, published_ports
+from tests.compose import (
+    COMPOSE_FILE,
+    DATA_VARIABLE,
+    PROMETHEUS_FILE,
+    REGIONS,
+    Stack,
+    data_root,
+    published_ports,
+)
 from tests.dockerenv import BUILD_LIMIT_S, DEPLOY, free_port, inspect, wait_until
 
 RULES = DEPLOY / "prometheus" / "alerts.yml"
@@ -80,12 +88,12 @@ def test_prometheus_scrapes_every_node_and_evaluates_the_alert_rules(
         tmp_path,
         {
             DATA_VARIABLE: str(root),
-            "COMPOSE_PROFILES": "prometheus",
             "FENCEMARK_PROMETHEUS_IMAGE": prometheus_image,
             "FENCEMARK_PROMETHEUS_PORT": str(port),
             **port_settings,
             **user,
         },
+        files=(COMPOSE_FILE, PROMETHEUS_FILE),
     )
     prometheus = Prometheus(f"http://127.0.0.1:{port}")
     try:

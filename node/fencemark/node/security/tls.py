@@ -222,11 +222,20 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _write(path: Path, data: bytes, *, secret: bool = False) -> None:
-    """Write a new file (never overwrite: FileExistsError); keys readable by the owner only."""
+    """Write a new file (never overwrite: FileExistsError); keys readable by the owner only.
+
+    Whole or not at all: written beside it, then linked into place (a link never
+    replaces a file), so a node waiting for its certificate (the image's entrypoint)
+    never reads half of one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    fd = os.open(path, flags, 0o600 if secret else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    fd = os.open(partial, flags, 0o600 if secret else 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.link(partial, path)
+    finally:
+        partial.unlink()
 
 
 def _key_usage(*, key_cert_sign: bool = False, crl_sign: bool = False) -> x509.KeyUsage:
