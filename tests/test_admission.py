@@ -259,6 +259,10 @@ def test_fenced_write_away_from_home_is_refused_wrong_region_by_the_rule() -> No
         admit_write(record, 1, caller=ANYONE, home="us", region="eu", now_ms=now)
     assert refused.value.conflict is Reason.WRONG_REGION
     assert (refused.value.fence, refused.value.home_region) == (1, "us")
+    # It says why in words for a fenced write, not for a new record's birth.
+    assert str(refused.value) == (
+        "fenced writes are decided by the record's home region 'us': send the call there"
+    )
     # Unfenced writes away from home: refused while the grant is unreleased, even
     # past its expiry — only the home decides a lapse (issue 13, hole 3a) ...
     for at in (now, now + 60_000, now + 3_600_000):
