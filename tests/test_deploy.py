@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from fencemark.client import AsyncClient, tls_credentials
 from tests.compose import (
     COMPOSE_FILE,
-    PROMETHEUS_FILE,
     DATA_VARIABLE,
+    PROMETHEUS_FILE,
     REGIONS,
     Stack,
     clean_env,
@@ -269,10 +269,20 @@ def test_compose_stack_runs_the_walkthrough_and_converges(
             published = stack("port", region, "7400").stdout.strip()
             assert published == f"127.0.0.1:{port}", f"{region} is published on {published}"
         wait_until(
-            "every region healthy (deciding claims)",
+            "every region healthy (serving)",
             HEALTHY_LIMIT_S,
             lambda: all(stack.health(r) == "healthy" for r in REGIONS),
         )
+        # Healthy is not yet deciding: new disks, so each catches up with its peers first.
+        wait_until(
+            "every region deciding claims",
+            HEALTHY_LIMIT_S,
+            lambda: all(
+                fencemark("health", "--target", f"127.0.0.1:{port}", "--service",
+                          CLAIMS_SERVICE, *tls_flags(root)).returncode == 0
+                for port in ports.values()
+            ),
+        )  # fmt: skip
 
         walkthrough = fencemark(
             "walkthrough", "--target", f"127.0.0.1:{ports['us']}", *tls_flags(root)

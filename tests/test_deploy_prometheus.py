@@ -2,9 +2,10 @@
 
 Its image is Debian's ``prometheus`` package on the air-gapped base
 (deploy/build-prometheus-image.sh); the stack is deploy/docker-compose.yml with
-docker-compose.prometheus.yml given after it, on fresh directories and free ports. The test asks Prometheus' own HTTP
-API, on its port published on 127.0.0.1, whether it scrapes every node, what the
-nodes report through it, and whether it loaded and evaluates the alert rules.
+docker-compose.prometheus.yml given after it, on fresh directories and free ports.
+The test asks Prometheus' own HTTP API, on its port published on 127.0.0.1, whether
+it scrapes every node, what the nodes report through it, and whether it loaded and
+evaluates the alert rules.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The compose file as a Docker Swarm stack, on a real single-node swarm.
 
 ``docker stack deploy`` of deploy/docker-compose.yml with docker-stack.yml (and
-docker-compose.prometheus.yml), from the air-gapped images, onto this engine in swarm mode (``docker swarm init``
-when it is not in one, ``swarm leave`` after), with the three region labels on its one
-node (docs/deploy.md, *Docker Swarm*). Through every region: create, claim and write
-under the claim; then a rolling update of one region's service, which stops its task
-and starts another on the same data; then nothing acknowledged is lost, the claim
-made before the update is still the live one (its token still writes, a rival is
-refused), every region holds the same records, and Prometheus scrapes all three.
-The stack and the labels are removed whatever happened.
+docker-compose.prometheus.yml), from the air-gapped images, onto this engine in swarm
+mode (``docker swarm init`` when it is not in one, ``swarm leave`` after), with the
+three region labels on its one node (docs/deploy.md, *Docker Swarm*). Through every
+region: create, claim and write under the claim; then a rolling update of one region's
+service, which stops its task and starts another on the same data; then nothing
+acknowledged is lost, the claim made before the update is still the live one (its
+token still writes, a rival is refused), every region holds the same records, and
+Prometheus scrapes all three. The stack and the labels are removed whatever happened.
 """
 
 from __future__ import annotations
@@ -203,8 +203,12 @@ def test_the_stack_deploys_on_a_swarm_and_rolls_a_region_without_losing_claims(
     settings = {**port_settings, **user, "FENCEMARK_PROMETHEUS_IMAGE": prometheus_image,
                 "FENCEMARK_PROMETHEUS_PORT": str(free_port())}  # fmt: skip
 
-    refused = SwarmStack(tmp_path, settings).deploy(COMPOSE_FILE, check=False)
+    unset = SwarmStack(tmp_path, settings)
+    refused = unset.deploy(COMPOSE_FILE, STACK_FILE, check=False)
     assert refused.returncode != 0 and DATA_VARIABLE in refused.stderr, refused.stderr
+    label = f"label=com.docker.stack.namespace={unset.name}"
+    assert not docker("service", "ls", "--quiet", "--filter", label).strip()
+    assert not docker("network", "ls", "--quiet", "--filter", label).strip()
 
     stack = SwarmStack(tmp_path, {DATA_VARIABLE: str(root), **settings})
     try:
