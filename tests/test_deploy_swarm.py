@@ -27,14 +27,13 @@ from fencemark.client import AsyncClient, tls_credentials
 from tests.compose import (
     COMPOSE_FILE,
     DATA_VARIABLE,
-    DEPLOY,
     PROMETHEUS_FILE,
     REGIONS,
     clean_env,
     data_root,
     published_ports,
 )
-from tests.dockerenv import BUILD_LIMIT_S, IMAGE, free_port, run, wait_until
+from tests.dockerenv import BUILD_LIMIT_S, DEPLOY, IMAGE, free_port, run, wait_until
 from tests.test_deploy_prometheus import NODE_TARGETS
 
 STACK_FILE = DEPLOY / "docker-stack.yml"

@@ -45,6 +45,7 @@ class NodeConfig:
     peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
     anti_entropy_interval: float = 1.0
     metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" serves none
+    dashboard_listen: str = ""  # HOST:PORT for the read-only web dashboard; "" serves none
     # Floods: calls in flight beyond their class's budget are refused
     # RESOURCE_EXHAUSTED (fencemark.node.api.budgets); claims waiting in line hold no
     # call slot and are bounded in all and per client (fencemark.node.core.claims).

@@ -23,12 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 # grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
+from fencemark.node.api import dashboard
 from fencemark.node.api.authz import DEFAULT_ACCESS, Authorize, caller_of
 from fencemark.node.api.budgets import CallBudgets, give_back
 from fencemark.node.api.claims_service import ClaimsService
 from fencemark.node.api.config import NodeConfig as NodeConfig  # re-exported: what start() takes
 from fencemark.node.api.config import default_data_dir as default_data_dir
 from fencemark.node.api.config import live_tls, transport
+from fencemark.node.api.dashboard import Dashboard
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
 from fencemark.node.api.interceptor import Chain, Interceptor
 from fencemark.node.api.reflection import enable as enable_reflection
@@ -98,6 +100,9 @@ class NodeServer:
         self.stopped = False
         self.tls = tls
         self._tls_watch: asyncio.Task[None] | None = None
+        self.dashboard_port = 0  # where the dashboard is served, if it is
+        self._stop_dashboard: Callable[[], None] | None = None
+        self._dashboard: Dashboard | None = None
         if tls is not None and config.tls_reload_interval > 0:
             self._tls_watch = asyncio.create_task(self._watch_tls(config.tls_reload_interval))
 
@@ -165,6 +170,11 @@ class NodeServer:
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
         node = cls(config, storage, replica, claims, work, server, health_servicer, port,
                    replicator, metrics, stop_metrics, lapses, tls)  # fmt: skip
+        if config.dashboard_listen:
+            node._dashboard = Dashboard(replica, claims, peers, metrics.recent_refusals)
+            node.dashboard_port, node._stop_dashboard = dashboard.serve(
+                node._dashboard, config.dashboard_listen, config.tls, config.access
+            )
         log.info(
             "region %s node %s listening on %s (%s, writes %s, data %s)",
             config.region,
@@ -188,6 +198,9 @@ class NodeServer:
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
         await self.replicator.stop()
         await self.lapses.stop()
+        if self._stop_dashboard is not None and self._dashboard is not None:
+            await asyncio.to_thread(self._stop_dashboard)
+            await self._dashboard.stop()
         await self.storage.close()
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)

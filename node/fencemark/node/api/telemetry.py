@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import json
 import logging
@@ -63,12 +64,27 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
+class RecentRefusals:
+    """The latest refusals this node answered, newest last (the dashboard lists them)."""
+
+    def __init__(self, size: int = 50) -> None:
+        self._items: collections.deque[dict[str, Any]] = collections.deque(maxlen=size)
+
+    def add(self, method: str, reason: str) -> None:
+        self._items.append({"at_ms": round(time.time() * 1000), "method": method,
+                            "reason": reason, "request_id": request_id()})  # fmt: skip
+
+    def items(self) -> list[dict[str, Any]]:
+        return list(self._items)
+
+
 class NodeMetrics:
     """The metrics of one node, in a registry of its own."""
 
     def __init__(self, region: str) -> None:
         self.region = region
         self.port = 0  # where /metrics is served, once serve() has bound it
+        self.recent_refusals = RecentRefusals()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -311,6 +327,7 @@ class Telemetry(Interceptor):
                     if refused is None:
                         refused = refusals[reason] = metrics.refusals.labels(method, reason)
                     refused.inc()
+                    metrics.recent_refusals.add(method, reason)
                 if access_log.isEnabledFor(logging.INFO):  # off by default: no cost per call
                     access_log.info(
                         "%s %s in %.1f ms%s", method, code.name, took * 1000,

@@ -79,6 +79,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         peers=peers,
         anti_entropy_interval=args.anti_entropy_interval,
         metrics_listen=args.metrics_listen,
+        dashboard_listen=args.dashboard_listen,
         max_concurrent_reads=args.max_concurrent_rpcs or args.max_concurrent_reads,
         max_concurrent_writes=args.max_concurrent_rpcs or args.max_concurrent_writes,
         max_concurrent_replication=args.max_concurrent_replication,
@@ -175,6 +176,13 @@ def add_node_command(
         default=_setting(config, "metrics_listen", ""),
         metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
+    )
+    node.add_argument(
+        "--dashboard-listen",
+        default=_setting(config, "dashboard_listen", ""),
+        metavar="HOST:PORT",
+        help="serve the read-only web dashboard at http://HOST:PORT/ (https, asking for a"
+        " client certificate, when the node serves TLS; default: none)",
     )
     defaults = NodeConfig()
     _add_bound_flags(node, config, defaults)

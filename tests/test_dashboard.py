@@ -1,0 +1,195 @@
+"""The node's read-only web dashboard, in a real browser.
+
+Two peered in-process nodes (us, eu), us serving the dashboard on loopback; Debian's
+``chromium`` driven by Playwright (``executable_path``: no browser is downloaded).
+The page must show what the node holds — the backlog by topic and status, the live
+claim with its owner, token and time left, the peers, a refusal just answered — and
+follow changes live, from the change feed, without a reload. It offers nothing that
+changes anything, and the listener refuses every method but GET and HEAD. Under TLS
+it serves HTTPS with the node's certificate and asks for a client certificate of the
+cluster's CA, as the gRPC port does.
+
+``FENCEMARK_DASHBOARD_SHOT=docs/images/dashboard.png`` keeps the test's screenshot
+there (docs/operations.md shows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.async_api import Page, async_playwright, expect
+
+from fencemark.client import AsyncClient, ClaimConflict, tls_credentials
+from fencemark.node.api.server import NodeServer
+from fencemark.node.security.tls import TlsFiles, init_dir
+from tests.cluster import Cluster, all_deciding
+from tests.conftest import StartNode
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+REPO = "dash"
+
+
+def needs_chromium() -> None:
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"Debian's chromium is not installed ({CHROMIUM}): apt-get install chromium")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async with Cluster(tmp_path, ["us", "eu"]) as c:
+        await c.start("us", dashboard_listen="127.0.0.1:0")
+        await c.start("eu")
+        await all_deciding(c["us"], c["eu"])
+        yield c
+
+
+async def fill_backlog(client: AsyncClient) -> tuple[str, int]:
+    """Topic ``build``: one open, one claimed (by agent-7), one done; topic ``triage``:
+    one parked (it failed its one attempt). Returns the claimed key and its token."""
+    for id_ in ("open-1", "claimed-1", "done-1"):
+        await client.remember(REPO, "build", id_, title=id_, tags=["homeRegion:us"])
+    await client.remember(REPO, "triage", "poison", title="poison",
+                          tags=["homeRegion:us", "maxAttempts:1"])  # fmt: skip
+    for id_, owner, outcome in (("build/done-1", "agent-1", "done"),
+                                ("triage/poison", "agent-2", "failed")):  # fmt: skip
+        item = f"repo/{REPO}/mem/{id_}"
+        claim = await client.claim(item, owner, lease_seconds=60)
+        assert claim.granted, claim
+        await client.release_claim(item, claim.fencing_token, outcome=outcome)
+    key = f"repo/{REPO}/mem/build/claimed-1"
+    claimed = await client.claim(key, "agent-7", lease_seconds=600)
+    assert claimed.granted
+    return key, claimed.fencing_token
+
+
+def counts(page: Page, topic: str, status: str) -> Any:
+    return page.locator(f'#backlog tr[data-topic="{REPO}/{topic}"] td.{status}')
+
+
+@pytest.mark.timeout(120)
+async def test_the_dashboard_shows_the_node_and_follows_it_live(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    needs_chromium()
+    us = cluster["us"]
+    async with AsyncClient(us.address, timeout=5) as client:
+        key, token = await fill_backlog(client)
+        url = f"http://127.0.0.1:{us.dashboard_port}/"
+        async with async_playwright() as playwright:
+            browser = await playwright.chromium.launch(executable_path=CHROMIUM)
+            try:
+                page = await browser.new_page(viewport={"width": 1280, "height": 900})
+                errors: list[str] = []
+                page.on("pageerror", lambda error: errors.append(str(error)))
+                await page.goto(url)
+                await expect(page.locator("#connection")).to_have_text("live")
+                await expect(page.locator("#region")).to_contain_text("us")
+                shown = (("build", "open"), ("build", "claimed"), ("build", "done"),
+                         ("triage", "parked"))  # fmt: skip
+                for topic, status in shown:
+                    await expect(counts(page, topic, status)).to_have_text("1")
+                row = page.locator(f'#claims tr[data-key="{key}"]')
+                await expect(row.locator("td.owner")).to_have_text("agent-7")
+                await expect(row.locator("td.token")).to_have_text(str(token))
+                assert (await row.locator("td.left").inner_text()).endswith(" s")
+                await expect(page.locator("#peers tbody tr")).to_have_count(1)
+                await expect(page.locator("#peers tbody td").first).to_have_text("eu")
+
+                # Live: a new item and a refusal appear without a reload.
+                await client.remember(REPO, "build", "open-2", title="new", tags=["homeRegion:us"])
+                await expect(counts(page, "build", "open")).to_have_text("2")
+                with pytest.raises(ClaimConflict):
+                    await client.update(key, fields={"body": "unfenced"})  # while claimed
+                refusal = page.locator("#refusals tbody tr").first
+                await expect(refusal.locator("td.reason")).to_have_text("claimed")
+                await expect(refusal).to_contain_text("Update")
+                # The chart has samples (one a second).
+                await expect(page.locator("#changes-line")).not_to_have_attribute("points", "")
+
+                # Read-only: nothing on the page to act with.
+                assert await page.locator("form, input, button, select, textarea").count() == 0
+                shot = tmp_path / "dashboard.png"
+                await page.screenshot(path=str(shot), full_page=True)
+                if target := os.environ.get("FENCEMARK_DASHBOARD_SHOT"):
+                    shutil.copyfile(shot, target)
+                assert errors == []
+            finally:
+                await browser.close()
+
+
+async def test_every_method_but_get_and_head_is_refused(cluster: Cluster) -> None:
+    await asyncio.to_thread(refusals_of_methods, f"http://127.0.0.1:{cluster['us'].dashboard_port}")
+
+
+def refusals_of_methods(base: str) -> None:
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        request = urllib.request.Request(f"{base}/api/snapshot", data=b"{}", method=method)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=5)
+        assert refused.value.code == 405, method
+        assert refused.value.headers["Allow"] == "GET, HEAD"
+    with urllib.request.urlopen(f"{base}/", timeout=5) as page:
+        assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+        html = page.read().decode()
+    assert "http" not in html.replace('lang="en"', "")  # nothing fetched from elsewhere
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(f"{base}/../etc/passwd", timeout=5)
+    assert missing.value.code == 404
+
+
+async def test_without_the_option_nothing_listens(start_node: StartNode) -> None:
+    node: NodeServer = await start_node()
+    assert node.dashboard_port == 0
+
+
+async def test_under_tls_it_serves_https_to_the_clusters_client_certificates_only(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """HTTPS with the node's certificate; no page without a client certificate of the
+    cluster's CA; a claim's token only to its holder's identity (or one that acts for
+    others), as ``ClaimStatus`` answers; no plain HTTP beside it."""
+    certs = tmp_path / "certs"
+    init_dir(certs, regions=["us"], clients=["operator", "alice"])
+    node = await start_node("us", tls=TlsFiles.in_dir(certs, "us"), dashboard_listen="127.0.0.1:0")
+    async with AsyncClient(node.address, credentials=tls_credentials(certs, "operator")) as c:
+        await c.remember(REPO, "build", "tls-1", title="t", tags=["homeRegion:us"])
+        await c.remember(REPO, "build", "tls-2", title="t", tags=["homeRegion:us"])
+        claim = await c.claim(f"repo/{REPO}/mem/build/tls-2", "op-worker", lease_seconds=600)
+        assert claim.granted
+    url = f"https://localhost:{node.dashboard_port}/api/snapshot"
+    # urllib blocks: off the event loop, which serves the node (and the snapshot).
+    seen = await asyncio.to_thread(https_checks, url, certs, node.dashboard_port)
+    assert seen == {"operator": claim.fencing_token, "alice": 0}
+
+
+def https_checks(url: str, certs: Path, port: int) -> dict[str, int]:
+    """What each client sees of the claim's token."""
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionResetError)):
+        urllib.request.urlopen(url, context=context, timeout=5).read()  # no client certificate
+    with pytest.raises((urllib.error.URLError, ConnectionResetError, TimeoutError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read()  # no plain HTTP
+    tokens = {}
+    for name in ("operator", "alice"):
+        context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        context.load_cert_chain(str(certs / f"{name}.pem"), str(certs / f"{name}-key.pem"))
+        with urllib.request.urlopen(url, context=context, timeout=5) as answer:
+            snapshot = json.loads(answer.read())
+        assert snapshot["region"] == "us"
+        assert snapshot["backlog"] == [
+            {"topic": f"{REPO}/build", "open": 1, "claimed": 1, "done": 0, "parked": 0}
+        ]
+        [shown] = snapshot["claims"]
+        assert shown["owner"] == "op-worker"
+        tokens[name] = shown["token"]
+    return tokens
