@@ -863,3 +863,57 @@ def test_a_plain_release_of_a_token_above_the_fence_changes_nothing() -> None:
     fence, current = decide_release(record, 2, caller=ALICE, region="local")
     assert current == Outcome(True, None, 2, home_region="local", fence=2)
     assert fence.released == record.fence.released | {2}
+
+
+# -- a data file that went back in time: every life of a file is a new era of tokens ---
+
+
+@given(
+    fence_token=st.integers(min_value=0, max_value=2**40),
+    since_ms=st.integers(min_value=0, max_value=10_000),
+)
+@example(fence_token=0, since_ms=0)
+@example(fence_token=NOW_MS * 2**10, since_ms=0)  # a fence at the era's floor already
+def test_the_first_grant_of_a_life_is_above_every_token_an_earlier_life_can_have_granted(
+    fence_token: int, since_ms: int
+) -> None:
+    """A restarted node's file may have forgotten grants (a reverted snapshot, a
+    lost fsync): its first grant on a record whose holder it did not grant in this
+    life is at least the time ceiling of the life's start, and above the fence. An
+    earlier life granted its tokens before that millisecond, at most 2**10 a
+    millisecond above its own floor, so none of them is handed out again
+    (docs/replication.md, *A disk that goes back in time*)."""
+    life = pack(NOW_MS + since_ms)
+    earlier = pack(NOW_MS - 1)
+    fence = FenceState()
+    if fence_token:
+        fence = fence.grant(fence_token, Grant(earlier, "w", "local"), NOW_MS + 60_000)
+    token = next_token(fence, life_hlc=life, region="local")
+    assert token == max(fence_token + 1, (NOW_MS + since_ms) * 2**10)
+    assert token > fence_token
+
+
+def test_a_life_continues_its_own_tokens_one_by_one() -> None:
+    """Once this life granted a record's fence, the next token is ``fence + 1``; a
+    holder granted before the life began, or by another region (two births), gets
+    the floor; without a life (a brand-new file) no floor at all."""
+    life = pack(NOW_MS)
+    mine = FenceState().grant(NOW_MS * 2**10, Grant(life, "w", "local"), NOW_MS + 60_000)
+    assert next_token(mine, life_hlc=life, region="local") == NOW_MS * 2**10 + 1
+    at_start = FenceState().grant(7, Grant(life - 1, "w", "local"), NOW_MS + 60_000)
+    assert next_token(at_start, life_hlc=life, region="local") == NOW_MS * 2**10
+    theirs = FenceState().grant(7, Grant(life + 5, "w", "eu"), NOW_MS + 60_000)
+    assert next_token(theirs, life_hlc=life, region="local") == NOW_MS * 2**10
+    assert next_token(theirs, region="local") == 8
+    assert next_token(FenceState(), region="local") == 1
+    # A recovery's floor (lost disk) still adds its gap on top.
+    recovered = pack(NOW_MS + 1)
+    assert next_token(at_start, recovered_hlc=recovered, life_hlc=life, region="local") == max(
+        7 + 1 + RECOVERY_GAP, (NOW_MS + 1) * 2**10
+    )
+    _, first = decide_claim(
+        Record(key_of("life")).create("local", Stamp(0, life - 1, "n1")),
+        "w", caller=ANYONE, lease_ms=1_000, now_ms=NOW_MS, hlc=life + 1, region="local",
+        queued_ahead=False, life_hlc=life,
+    )  # fmt: skip
+    assert first.token == NOW_MS * 2**10

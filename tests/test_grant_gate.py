@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fencemark.node.core.grant_gate import GrantGate
-from fencemark.node.crdt import HybridClock
+from fencemark.node.crdt import FenceState, Grant, HybridClock, Record, Stamp
 from fencemark.node.rules.errors import NotServing
 from fencemark.node.store.storage import DB_FILE, Storage
 
@@ -91,3 +91,117 @@ async def test_a_deciding_node_owes_no_gap_for_what_it_merges(tmp_path: Path) ->
     assert not gate.gap_owed
     await storage.close()
     assert not (await reopened(db)).gap_owed
+
+
+# -- a file that went back in time (a reverted snapshot, a lost fsync, an old copy) ----
+
+
+async def written_file(db: Path) -> tuple[str, int]:
+    """A file a node wrote a record into: its node id and clock high-water mark."""
+    storage = await Storage.open(db)
+    clock = HybridClock()
+    record = Record(KEY).create("us", Stamp(0, clock.now(), storage.node_id))
+    await storage.put(record, hlc=clock.last)
+    node_id, high = storage.node_id, storage.hlc_high
+    await storage.close()
+    return node_id, high
+
+
+KEY = "repo/r/mem/t/item"
+
+
+async def test_a_brand_new_file_has_no_earlier_life_to_wait_for(tmp_path: Path) -> None:
+    """Tokens of a brand-new file start at 1 and it owes its catch-up, not a
+    restart's wait; a file that holds writes starts a new era of tokens and waits
+    for its peers (bounded: ``waited``), without owing anything durably."""
+    db = tmp_path / DB_FILE
+    storage = await Storage.open(db)
+    new = GrantGate(storage, HybridClock(), region="us")
+    assert (new.life_hlc, new.starting) == (0, False)
+    await storage.close()
+    _, high = await written_file(db)
+    storage = await Storage.open(db)
+    clock = HybridClock(last=high)
+    gate = GrantGate(storage, clock, region="us")
+    await gate.caught_up()  # the new file's catch-up, done
+    await storage.close()
+
+    storage = await Storage.open(db)
+    gate = GrantGate(storage, HybridClock(last=storage.hlc_high), region="us")
+    assert gate.life_hlc > gate.opened_hlc == storage.hlc_high > 0
+    assert gate.starting and not gate.owed
+    with pytest.raises(NotServing, match="just started"):
+        gate.check()
+    assert gate.waited()
+    gate.check()  # deciding now
+    assert not gate.waited(), "once"
+    await storage.close()
+    storage = await Storage.open(db)
+    gate = GrantGate(storage, HybridClock(last=storage.hlc_high), region="us")
+    await gate.caught_up()  # a round with every peer ends the wait as well
+    assert gate.deciding and not gate.waited() and gate.recovered_hlc == 0
+    await storage.close()
+
+
+async def test_a_state_holding_writes_the_file_forgot_is_seen_as_a_rollback(
+    tmp_path: Path,
+) -> None:
+    """``forgets``: a stamp of this node's own, or a grant of its region, after what
+    the file remembers and before this life began. Nothing else: another node's
+    stamps, this life's own, what the file remembers, another region's grants."""
+    db = tmp_path / DB_FILE
+    node_id, high = await written_file(db)
+    storage = await Storage.open(db)
+    await GrantGate(storage, HybridClock(last=high)).caught_up()
+    await storage.close()
+    storage = await Storage.open(db)
+    gate = GrantGate(storage, HybridClock(last=high), region="us")
+    lost, life = high + 1, gate.life_hlc
+
+    def stamped(node: str, hlc: int) -> Record:
+        return Record(KEY).create("us", Stamp(0, hlc, node))
+
+    def granted(region: str, hlc: int) -> Record:
+        fence = FenceState().grant(3, Grant(hlc, "w", region), 10**13)
+        return stamped("other", high).with_fence(fence)
+
+    assert gate.forgets(stamped(node_id, lost))
+    assert gate.forgets(stamped(node_id, life - 1))
+    assert not gate.forgets(stamped(node_id, high)), "what the file remembers"
+    assert not gate.forgets(stamped(node_id, life)), "this life's own"
+    assert not gate.forgets(stamped("other", lost)), "another node's"
+    assert gate.forgets(granted("us", lost))
+    assert not gate.forgets(granted("eu", lost)), "another region's grant"
+    assert not gate.forgets(granted("us", life))
+    await storage.close()
+
+
+async def test_a_rollback_owes_a_catch_up_and_the_gap_durably(tmp_path: Path) -> None:
+    """``rolled_back``: the node stops deciding, owes a complete pass with every peer
+    and the recovery gap — across restarts — and tells whoever follows the gate."""
+    db = tmp_path / DB_FILE
+    _, high = await written_file(db)
+    storage = await Storage.open(db)
+    await GrantGate(storage, HybridClock(last=high)).caught_up()
+    await storage.close()
+    storage = await Storage.open(db)
+    gate = GrantGate(storage, HybridClock(last=high), region="us")
+    gate.waited()
+    heard: list[str] = []
+    gate.on_owed(lambda: heard.append("owed"))
+    await gate.rolled_back()
+    assert (gate.owed, gate.gap_owed, gate.deciding, gate.rollbacks) == (True, True, False, 1)
+    assert heard == ["owed"]
+    assert not gate.forgets(Record(KEY).create("us", Stamp(0, high + 1, storage.node_id)))
+    await gate.rolled_back()  # more proof changes nothing but the count
+    assert (gate.rollbacks, heard) == (2, ["owed"])
+    await storage.close()
+    again = await reopened(db)
+    assert again.owed and again.gap_owed and not again.deciding
+    storage = await Storage.open(db)
+    clock = HybridClock(last=storage.hlc_high)
+    gate = GrantGate(storage, clock, region="us")
+    before = clock.now()
+    await gate.caught_up()
+    assert gate.deciding and gate.recovered_hlc > before
+    await storage.close()

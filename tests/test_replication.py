@@ -371,7 +371,9 @@ async def test_a_round_stops_listing_once_the_differences_are_all_the_peers_to_p
             """us on its data with ``tuning`` (no push queue for eu), once the round
             its loop runs at start (the next in an hour) is done."""
             await cluster.stop("us")
-            us = await cluster.start("us", replication=Tuning(**tuning))
+            # Deciding at once: its rounds are a deciding node's, not a restart's
+            # comparison with every peer (which takes everything that differs).
+            us = await cluster.start("us", replication=Tuning(**tuning), start_wait_s=0)
 
             async def first_round_done() -> bool:
                 return us.replicator.peer_stats("eu").last_sync is not None
@@ -480,7 +482,7 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
         # A large difference is repaired by several bounded rounds, not one huge one.
         big, bound = 600, 200
         await cluster.stop("eu")
-        eu = await cluster.start("eu", replication=Tuning(max_round_records=bound))
+        eu = await cluster.start("eu", replication=Tuning(max_round_records=bound), start_wait_s=0)
 
         async def eu_compared() -> bool:  # its loop's round at start; the next in an hour
             return eu.replicator.peer_stats("us").last_sync is not None
@@ -507,7 +509,7 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
             for i in range(5):
                 await client.update(key_of("bulk", f"r{i * 7:05d}"), fields={"body": "ahead"})
         await cluster.stop("us")
-        us = await cluster.start("us")
+        us = await cluster.start("us", start_wait_s=0)  # a deciding node's round, as above
         ahead, _, _ = await one_round(us, "eu")
         assert (ahead.in_sync, ahead.pulled, ahead.divergence) == (False, 0, 5), ahead
         behind, _, _ = await one_round(eu, "us")

@@ -20,7 +20,7 @@ import pytest
 from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.node.api.server import NodeServer
 from fencemark.node.core.restore import RestoreError, mark_restored
-from fencemark.node.rules.admission import RECOVERY_GAP
+from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.store.storage import DB_FILE
 from fencemark.node.tools.cli import main
 from tests.cluster import Cluster, eventually, wait_converged
@@ -85,21 +85,24 @@ async def test_a_restored_cluster_never_reissues_a_token_the_backup_forgot(
         us, eu = await cluster.start_all()
         assert us.storage.node_id != eu.storage.node_id or not restore_mode
         assert await fence_at(us) == first.fencing_token  # the backup's fence
-        # A restored file owes a catch-up with the peers before its node decides.
-        assert us.replica.deciding != restore_mode
+        # A restored file owes a catch-up with the peers before its node decides; a
+        # plain copy is a file that went back in time: it compares states first too.
+        assert not us.replica.deciding
         await eventually(deciding, "the restored cluster deciding claims")
 
         async with AsyncClient(us.address, retries=0) as c:
             fresh = await c.claim(KEY, "worker-c", lease_seconds=60)
             assert fresh.granted
-            if not restore_mode:
-                # The hazard: the forgotten token is granted again, and the stale
-                # worker's writes get through as if it held the claim.
-                assert fresh.fencing_token == stale.fencing_token
-                await c.update(KEY, fields={"body": "stale"}, fencing_token=stale.fencing_token)
-                return
-            # The mode: the new grant is above every token granted before the restore ...
-            assert fresh.fencing_token >= first.fencing_token + 1 + RECOVERY_GAP
+            if restore_mode:
+                # The mode: the new grant is above every token granted before the
+                # restore, by the recovery gap ...
+                assert fresh.fencing_token >= first.fencing_token + 1 + RECOVERY_GAP
+            else:
+                # A plain copy (once the hazard: the forgotten token granted again, the
+                # stale worker's writes getting through): a new life of the file starts
+                # a new era of tokens (docs/replication.md, *A disk that goes back in
+                # time*).
+                assert fresh.fencing_token >= token_ceiling(us.replica.life_hlc)
             assert fresh.fencing_token > stale.fencing_token
             # ... so the stale worker is told it lost the item.
             with pytest.raises(ClaimConflict) as refused:
@@ -116,13 +119,19 @@ async def test_a_restored_cluster_never_reissues_a_token_the_backup_forgot(
         async with AsyncClient(eu.address, retries=0) as c:
             assert all(p.merges_refused == 0 for p in (await c.info()).peers)
 
-        # Only the first grant after the restore jumps, and a restart does not jump again.
+        # The recovery gap is not owed again: a restart starts its life's era (the
+        # time floor), and the next grants follow one by one.
         await cluster.stop("us")
         us = await cluster.start("us")
+        await eventually(deciding, "us deciding after its restart")
         async with AsyncClient(us.address, retries=0) as c:
             assert (await c.release_claim(KEY, fresh.fencing_token)).released
             after = await c.claim(KEY, "worker-d", lease_seconds=60)
-            assert after.fencing_token == fresh.fencing_token + 1
+            floor = max(fresh.fencing_token + 1, token_ceiling(us.replica.life_hlc))
+            assert after.fencing_token == floor
+            assert (await c.release_claim(KEY, after.fencing_token)).released
+            then = await c.claim(KEY, "worker-e", lease_seconds=60)
+            assert then.fencing_token == after.fencing_token + 1
 
 
 async def test_restore_refuses_a_running_node_and_a_file_it_would_overwrite(

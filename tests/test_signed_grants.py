@@ -29,7 +29,7 @@ from fencemark.node.crdt.fence import Grant
 from fencemark.node.security.signing import KEY_ID_SIZE, Keyring, Signer, key_id
 from fencemark.node.security.tls import Identity, TlsFiles, init_dir, issue_into
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
-from tests.cluster import Cluster, eventually, wait_converged
+from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 from tests.conftest import StartNode
 
 REGIONS = ["us", "eu", "ap"]
@@ -468,6 +468,7 @@ async def test_a_file_from_before_signed_grants_is_upgraded_and_its_fences_signe
         await wait_converged([us, eu])
         assert (await state_of(eu, key)) == upgraded
         assert eu.replicator.peer_stats("us").merges_refused == 0
+        await all_deciding(us)  # restarted: it has compared states with eu
         async with client(us, certs) as alice:
             assert (await alice.renew_claim(key, token)).renewed
 
@@ -503,6 +504,7 @@ async def test_writes_and_ends_made_without_tls_are_signed_at_the_homes_first_tl
         await wait_converged([us, eu])
         assert eu.replicator.peer_stats("us").merges_refused == 0
         assert (await state_of(eu, held)) == (await state_of(us, held))
+        await all_deciding(us)  # restarted: it has compared states with eu
         async with client(us, certs) as alice:
             await alice.update(held, fields={"body": "done"}, fencing_token=token)
 

@@ -44,6 +44,10 @@ class NodeConfig:
     grace_seconds: float = 5.0
     peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
     anti_entropy_interval: float = 1.0
+    # A restarted node compares its states with every peer before it decides claims,
+    # for at most this many seconds (fencemark.node.core.grant_gate: a data file that
+    # went back in time); 0 decides at once, on the new era of tokens alone.
+    start_wait_s: float = 10.0
     metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" serves none
     dashboard_listen: str = ""  # HOST:PORT for the read-only web dashboard; "" serves none
     # Floods: calls in flight beyond their class's budget are refused

@@ -103,6 +103,7 @@ class NodeServer:
         self.dashboard_port = 0  # where the dashboard is served, if it is
         self._stop_dashboard: Callable[[], None] | None = None
         self._dashboard: Dashboard | None = None
+        self._start_wait: asyncio.Task[None] | None = None  # a restart's bounded wait
         if tls is not None and config.tls_reload_interval > 0:
             self._tls_watch = asyncio.create_task(self._watch_tls(config.tls_reload_interval))
 
@@ -130,10 +131,13 @@ class NodeServer:
         work = WorkQueue(claims)  # ClaimNext, Reopen, ForceRelease (SPEC §8)
         peers = _peers(config, tls, replica)
         # A node on a new, emptied or restored data directory decides nothing
-        # before a complete pass with every peer (fencemark.node.core.grant_gate).
+        # before a complete pass with every peer; a restarted one waits for one round
+        # with each, for a bounded time (fencemark.node.core.grant_gate).
         if not peers:
             await replica.gate.caught_up()  # nobody to learn from
-        catching_up = replica.gate.owed
+        if config.start_wait_s <= 0:
+            replica.gate.waited()  # a restart decides at once, on its era of tokens
+        catching_up = not replica.gate.deciding
         health_servicer = health_aio.HealthServicer()
 
         async def caught_up() -> None:
@@ -165,11 +169,16 @@ class NodeServer:
             raise
         await server.start()
         await _serve_health(health_servicer, names, catching_up=catching_up)
+        _follow_gate(replica, replicator, health_servicer)
         replicator.start()
         lapses.start()
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
         node = cls(config, storage, replica, claims, work, server, health_servicer, port,
                    replicator, metrics, stop_metrics, lapses, tls)  # fmt: skip
+        if replica.gate.starting:
+            node._start_wait = asyncio.create_task(
+                _wait_for_peers(replica, replicator, health_servicer, config.start_wait_s)
+            )
         if config.dashboard_listen:
             node._dashboard = Dashboard(replica, claims, peers, metrics.recent_refusals)
             node.dashboard_port, node._stop_dashboard = dashboard.serve(
@@ -193,6 +202,8 @@ class NodeServer:
         self.stopped = True
         if self._tls_watch is not None:
             self._tls_watch.cancel()
+        if self._start_wait is not None:
+            self._start_wait.cancel()
         await self.health.enter_graceful_shutdown()
         self.replica.end_feed()  # watch streams end now: they resume from their cursor
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
@@ -350,6 +361,41 @@ def _add_services(
     names = [s.full_name for s in SERVICES]
     enable_reflection(server, [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     return names
+
+
+def _follow_gate(replica: Replica, replicator: Replicator, health: Any) -> None:
+    """When a deciding node comes to owe a catch-up again (its data file went back in
+    time: ``grant_gate.rolled_back``), the replicator asks every peer anew and
+    health stops serving claims until it has."""
+    pending: set[asyncio.Task[None]] = set()
+
+    def owed() -> None:
+        replicator.catch_up_again()
+        task = asyncio.create_task(
+            health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    replica.gate.on_owed(owed)
+
+
+async def _wait_for_peers(
+    replica: Replica, replicator: Replicator, health: Any, seconds: float
+) -> None:
+    """A restarted node decides once every peer gave it a round, or after ``seconds``
+    (``grant_gate``): then on its new era of tokens alone, saying who was not heard."""
+    await asyncio.sleep(seconds)
+    if replica.gate.waited():
+        replicator.catching_up = False
+        log.warning(
+            "deciding claims %.0f s after the start without a round with every peer"
+            " (%s); what this node's file may have forgotten and only they hold is"
+            " learnt when they answer",
+            seconds,
+            ", ".join(replicator.unsynced()) or "none",
+        )
+        await health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
 
 async def _serve_health(health: Any, names: list[str], *, catching_up: bool) -> None:

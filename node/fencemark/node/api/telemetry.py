@@ -197,6 +197,12 @@ class _StateCollector(Collector):
             "fencemark_claims_serving", "1 when this node decides claims (0 while catching up)",
             value=1 if self.claims.deciding else 0,
         )  # fmt: skip
+        yield CounterMetricFamily(
+            "fencemark_data_rollbacks",
+            "Peer states proving this node's data file forgot writes it made"
+            " (went back in time: a reverted snapshot, a lost fsync), this life",
+            value=self.replica.gate.rollbacks,
+        )  # fmt: skip
         yield GaugeMetricFamily(
             "fencemark_claim_waiters", "Callers waiting in claim queues", value=self.claims.waiting
         )

@@ -218,6 +218,7 @@ class Claims:
                 region=replica.region,
                 queued_ahead=queued_ahead,
                 recovered_hlc=replica.recovered_hlc,
+                life_hlc=replica.life_hlc,
             )
             granted = fence.fence != current.fence.fence
             if not granted:

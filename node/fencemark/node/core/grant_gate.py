@@ -22,11 +22,35 @@ Meanwhile it takes unfenced writes by the rule of a node that is not the home
 (refused while it sees an unreleased grant): what it has not seen yet is stamped
 under an older epoch and never overrides work done under a claim
 (docs/consistency.md, *Catch-up*).
+
+A file can also go back in time without being lost: a virtual machine reverted to a
+snapshot, a disk that acknowledged an fsync and lost the write, an old copy put back
+by hand. Such a file holds no sign of it, so every start of a file that was written
+before is treated as if it might be one (docs/replication.md, *A disk that goes back
+in time*):
+
+- **A new era of tokens.** ``life_hlc`` is the HLC at which this life of the file
+  began. The first token this life grants on a record whose holder it did not
+  grant itself is at least ``token_ceiling(life_hlc)`` (``admission.next_token``):
+  above every token an earlier life granted, replicated or not, whatever the file
+  forgot.
+- **A round with every peer first.** The node does not decide until each peer has
+  given it one complete round (``starting``), or ``start_wait_s`` has passed: what
+  the file forgot and a peer holds (a done item, a live claim) is learnt before
+  the work queue hands anything out. Unlike a lost disk's, this wait is bounded, so
+  a restart while a peer is down costs seconds of claims, not the peer's absence.
+- **Detected from the peers.** A state holding a stamp of this node's own, or a
+  grant of its region, issued after what the file remembers (``opened_hlc``) and
+  before this life began is proof that the file lost writes (``forgets``). The node
+  then owes a full catch-up and the recovery gap, durably, as after a lost disk
+  (``rolled_back``), and says so in its log and metrics.
 """
 
 from __future__ import annotations
 
-from fencemark.node.crdt import HybridClock
+from collections.abc import Callable
+
+from fencemark.node.crdt import HybridClock, Record
 from fencemark.node.rules.errors import NotServing
 from fencemark.node.store.storage import Storage
 
@@ -38,27 +62,86 @@ RECOVERED_HLC = "recovered_hlc"  # meta: grants below this HLC are of an earlier
 class GrantGate:
     """The node's one answer to "may I decide now, and which token comes next?"."""
 
-    def __init__(self, storage: Storage, clock: HybridClock) -> None:
+    def __init__(self, storage: Storage, clock: HybridClock, *, region: str = "") -> None:
         self._storage = storage
         self._clock = clock
+        self._region = region
+        self._node_id = storage.node_id
         meta = storage.meta
         self.owed = meta.get(CATCH_UP) == "owed"
         self.gap_owed = meta.get(GAP_OWED) == "1"
         self.recovered_hlc = int(meta.get(RECOVERED_HLC) or 0)
+        # What the file remembers of its own clock; nothing of this life is in it yet.
+        self.opened_hlc = storage.hlc_high
+        # A file that holds writes had an earlier life, which the file may not fully
+        # remember: this life's tokens start a new era, and it hears from its peers
+        # before it decides. A brand-new file has no earlier life (its tokens start
+        # at 1); a new, emptied or restored one owes the full catch-up instead.
+        earlier = self.opened_hlc > 0
+        self.life_hlc = clock.now() if earlier else 0
+        self.starting = earlier and not self.owed
+        self.rollbacks = 0  # states seen that prove the file forgot writes
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def deciding(self) -> bool:
         """Whether this node decides claims and admits writes now."""
-        return not self.owed
+        return not (self.owed or self.starting)
 
     def check(self) -> None:
-        """Raise :class:`NotServing` while catch-up is owed."""
+        """Raise :class:`NotServing` while catch-up is owed, or while a restarted node
+        waits for its first round with each peer."""
         if self.owed:
             raise NotServing(
                 "this node is catching up with its peers after starting on a new or"
-                " restored data directory: it decides no claims and no fenced writes"
-                " until it has seen their states"
+                " restored data directory, or on one that lost writes: it decides no"
+                " claims and no fenced writes until it has seen their states"
             )
+        if self.starting:
+            raise NotServing(
+                "this node has just started and is comparing its states with its peers'"
+                " before it decides claims and fenced writes (a few seconds at most)"
+            )
+
+    def on_owed(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` when a deciding node comes to owe a catch-up again
+        (``rolled_back``): the replicator starts over, health stops serving claims."""
+        self._listeners.append(listener)
+
+    def forgets(self, remote: Record) -> bool:
+        """Whether ``remote`` holds something this node's earlier life wrote and its
+        file does not remember: a stamp of this node's, or a grant of this region,
+        after the file's clock high-water mark and before this life began. Only a
+        file that went back in time lacks its own earlier writes (a restored or new
+        file has a new node id; a lost one owes a catch-up already)."""
+        if self.owed or not self.life_hlc:
+            return False  # owing a catch-up already, or no earlier life to forget
+        lost = range(self.opened_hlc + 1, self.life_hlc)
+        if any(s.node == self._node_id and s.hlc in lost for s in remote.stamps()):
+            return True
+        grants = remote.fence.grants.values()
+        return any(g.region == self._region and g.granted_hlc in lost for g in grants)
+
+    async def rolled_back(self) -> None:
+        """The file lost writes this node made (``forgets``): owe a complete pass with
+        every peer and the recovery gap, durably, before the state that proved it is
+        merged — as a node that lost its disk does. Once per life is enough."""
+        self.rollbacks += 1
+        if self.owed:
+            return
+        await self._storage.put_meta(GAP_OWED, "1")
+        self.gap_owed = True
+        await self._storage.put_meta(CATCH_UP, "owed")
+        self.owed = True
+        self.starting = False
+        for listener in self._listeners:
+            listener()
+
+    def waited(self) -> bool:
+        """A restarted node waited ``start_wait_s`` for its peers: it decides now,
+        on its token era (``life_hlc``) alone. True if it was still waiting."""
+        was, self.starting = self.starting, False
+        return was and not self.owed
 
     async def merging(self) -> None:
         """Before a peer's state is merged: while catch-up is owed, that state says
@@ -71,6 +154,7 @@ class GrantGate:
     async def caught_up(self) -> None:
         """A complete pass with every peer is done: decide again (above the gap if
         one is owed). The gap's mark is durable before the obligation ends."""
+        self.starting = False
         if not self.owed:
             return
         if self.gap_owed:

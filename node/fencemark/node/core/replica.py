@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -40,6 +41,7 @@ from fencemark.node.store.picks import Pickable
 from fencemark.node.store.storage import Storage, Stored
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 MAX_PAGE_BYTES = validation.MAX_RECORD_BYTES  # a page stops early rather than exceed this
 
 
@@ -131,7 +133,7 @@ class Replica:
         self._lease_listeners: list[Callable[[str, int], None]] = []
         self._change_listeners: list[Callable[[str], None]] = []
         # Whether this node may decide yet (catch-up after a new or lost disk).
-        self.gate = GrantGate(storage, clock)
+        self.gate = GrantGate(storage, clock, region=region)
         # What merges may bring (fencemark.node.rules.integrity).
         self.bounds = bounds or integrity.Bounds(max_offset_ms=clock.max_offset_ms)
         # With TLS (both, or neither): this node signs what it grants and writes under
@@ -253,6 +255,10 @@ class Replica:
     def recovered_hlc(self) -> int:
         return self.gate.recovered_hlc
 
+    @property
+    def life_hlc(self) -> int:
+        return self.gate.life_hlc
+
     def on_lease(self, listener: Callable[[str, int], None]) -> None:
         """Call ``listener(key, expiry_ms)`` after each commit that leaves a record
         homed here with an unreleased grant (``lapses.LapseWatcher``)."""
@@ -347,6 +353,16 @@ class Replica:
         local write always wins over what was merged (SPEC §3).
         """
         validation.key(remote.key)
+        if self.gate.forgets(remote):
+            # This node's data file went back in time (docs/replication.md): catch
+            # up again, durably, before the state that proves it is merged.
+            log.error(
+                "the state of %s holds writes this node made that its data file does"
+                " not remember: the file went back in time (a reverted snapshot, a"
+                " lost fsync, an old copy); deciding no claims until caught up again",
+                remote.key,
+            )
+            await self.gate.rolled_back()
         self.clock.observe(remote.max_hlc())
         await self.gate.merging()
         share = False

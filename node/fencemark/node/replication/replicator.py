@@ -79,6 +79,7 @@ class Replicator(Rounds):
             for region, stats in peers.items()
         }
         self._tasks: list[asyncio.Task[None]] = []
+        self._synced: set[str] = set()  # while catching up: peers that gave a complete round
         self.rounds = 0
 
     # -- lifecycle ---------------------------------------------------------------
@@ -223,9 +224,19 @@ class Replicator(Rounds):
 
     # -- anti-entropy ----------------------------------------------------------------
 
+    def unsynced(self) -> list[str]:
+        """The peers that have not given a complete round since catch-up began."""
+        return sorted(set(self._peers) - self._synced)
+
+    def catch_up_again(self) -> None:
+        """The node owes a catch-up again (its data file went back in time,
+        ``grant_gate``): every peer owes it a complete round anew."""
+        self._synced = set()
+        self.catching_up = True
+
     async def _anti_entropy_loop(self) -> None:
-        synced: set[str] = set()  # while catching up: peers that gave a complete round
         while True:
+            synced = self._synced
             now = time.monotonic()
             ready = [p for p in self._peers.values() if max(p.retry_at, p.behind_until) <= now]
             owed = self.catching_up and len(synced) < len(self._peers)

@@ -194,11 +194,14 @@ def token_ceiling(hlc: int) -> int:
     return physical_ms(hlc) << TOKENS_PER_MS_BITS
 
 
-def next_token(fence: FenceState, recovered_hlc: int = 0) -> int:
+def next_token(
+    fence: FenceState, recovered_hlc: int = 0, *, life_hlc: int = 0, region: str = ""
+) -> int:
     """The token a grant gets: ``fence + 1``; for the first grant a recovered node
-    makes on a record (one whose holder it did not grant), past a floor.
+    makes on a record (one whose holder it did not grant), past a floor; for the
+    first grant of a life of the data file, past that life's floor.
 
-    The floor is ``fence + 1 + RECOVERY_GAP``, and at least ``token_ceiling`` of the
+    The recovery floor is ``fence + 1 + RECOVERY_GAP``, and at least ``token_ceiling`` of the
     moment it recovered. A grant its earlier life made and never replicated is
     below the first: that life can have granted fewer than 2**20 tokens unseen. A
     life before that one recovered earlier, so every token it granted is below
@@ -207,10 +210,19 @@ def next_token(fence: FenceState, recovered_hlc: int = 0) -> int:
     millisecond (each grant is an fsync'd transaction at its home) or the
     recovered node's clock (which has observed every stamp its peers hold) is
     behind its earlier life's (docs/replication.md, catch-up after disk loss).
+
+    The life floor, ``token_ceiling(life_hlc)``, is the same time floor for a file
+    that may have gone back in time (a reverted snapshot, a lost fsync): unless the
+    holder is a grant of this ``region`` made in this life, every token an earlier
+    life granted — remembered by the file or not — is below it, on the same two
+    assumptions (docs/replication.md, *A disk that goes back in time*).
     """
     holder = fence.holder()
     if recovered_hlc and (holder is None or holder.granted_hlc < recovered_hlc):
         return max(fence.fence + 1 + RECOVERY_GAP, token_ceiling(recovered_hlc))
+    ours = holder is not None and holder.region == region and holder.granted_hlc >= life_hlc
+    if life_hlc and not ours:
+        return max(fence.fence + 1, token_ceiling(life_hlc))
     return fence.fence + 1
 
 
@@ -241,6 +253,7 @@ def decide_claim(
     region: str,
     queued_ahead: bool,
     recovered_hlc: int = 0,
+    life_hlc: int = 0,
 ) -> tuple[FenceState, Outcome]:
     """Grant, retry or refuse a claim; returns the new fence state and the outcome.
 
@@ -266,7 +279,7 @@ def decide_claim(
         return fence, Outcome(False, Reason.CONTENDED, home_region=home, fence=fence.fence)
     if queued_ahead:
         return fence, Outcome(False, Reason.CONTENDED, home_region=home, fence=fence.fence)
-    token = next_token(fence, recovered_hlc)
+    token = next_token(fence, recovered_hlc, life_hlc=life_hlc, region=region)
     granted = fence.grant(token, Grant(hlc, owner, region, identity=caller.identity), expiry)
     return granted, Outcome(True, None, token, expiry, home, token)
 

@@ -65,6 +65,10 @@ def cmd_node(args: argparse.Namespace) -> int:
             "fencemark node: --feed-window and --cache-size take 1 or more,"
             " --watch-send-timeout more than 0 seconds"
         )
+    if not 0 <= args.start_wait <= 3600:
+        raise SystemExit(
+            f"fencemark node: --start-wait takes 0 to 3600 seconds, got {args.start_wait}"
+        )
     if not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
         raise SystemExit(
             f"fencemark node: --max-attempts takes 1 to {MAX_ATTEMPTS_LIMIT},"
@@ -78,6 +82,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_clock_offset_ms=args.max_clock_offset_ms,
         peers=peers,
         anti_entropy_interval=args.anti_entropy_interval,
+        start_wait_s=args.start_wait,
         metrics_listen=args.metrics_listen,
         dashboard_listen=args.dashboard_listen,
         max_concurrent_reads=args.max_concurrent_rpcs or args.max_concurrent_reads,
@@ -170,6 +175,15 @@ def add_node_command(
         type=float,
         default=_setting(config, "anti_entropy_interval", 1.0),
         help="mean seconds between anti-entropy rounds (jittered ±50%%)",
+    )
+    node.add_argument(
+        "--start-wait",
+        type=float,
+        default=_setting(config, "start_wait", 10.0),
+        metavar="SECONDS",
+        help="after a restart, decide claims once every peer gave one anti-entropy round,"
+        " or after this many seconds (a data file that went back in time learns what it"
+        " forgot first; docs/replication.md); 0: at once",
     )
     node.add_argument(
         "--metrics-listen",
