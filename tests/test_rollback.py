@@ -15,11 +15,14 @@ another owner: two workers held token 2 of one record.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
-from fencemark.client import AsyncClient
+from fencemark.client import AsyncClient, WatchEvent
 from fencemark.node.api.server import NodeServer
+from fencemark.node.store import feed
 from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 from tests.metrics import counters
 
@@ -142,3 +145,51 @@ async def test_a_restart_with_a_peer_down_decides_after_its_bounded_wait(tmp_pat
 
 async def _deciding(node: NodeServer) -> bool:
     return node.replica.deciding
+
+
+async def test_a_watcher_of_a_reverted_feed_skips_none_of_its_new_changes(tmp_path: Path) -> None:
+    """The change feed forgets with its file: a watcher may hold a cursor of a change
+    the file no longer has. Each life of a feed starts a new era of ``seq``s, so the
+    changes made after the revert are above that cursor, and resuming from it
+    delivers every one of them (regression: the new changes took the forgotten
+    ``seq``s, and a watcher resuming from one skipped them silently)."""
+    async with Cluster(tmp_path, ["us"]) as cluster:
+        us = await cluster.start("us")
+        async with AsyncClient(us.address) as client:
+            for index in range(3):
+                await client.remember(REPO, TOPIC, f"before-{index}")
+        await cluster.stop("us")
+        snapshot(cluster, "us", tmp_path / "snapshot")
+        us = await cluster.start("us")
+        start = feed.cursor(us.replica.feed_id, us.replica.feed_last)
+        async with AsyncClient(us.address) as client:
+            for index in range(3):
+                await client.remember(REPO, TOPIC, f"forgotten-{index}")
+            seen = await take(client.watch(REPO, topic=TOPIC, cursor=start), 3)
+        cursor = seen[-1].cursor
+
+        await cluster.stop("us")
+        revert(cluster, "us", tmp_path / "snapshot")
+        us = await cluster.start("us")
+        async with AsyncClient(us.address) as client:
+            for index in range(2):
+                await client.remember(REPO, TOPIC, f"after-{index}")
+            resumed = await take(client.watch(REPO, topic=TOPIC, cursor=cursor), 2)
+        assert [e.key.rpartition("/")[2] for e in resumed] == ["after-0", "after-1"]
+        assert all(seq_of(e.cursor) > seq_of(cursor) for e in resumed)
+
+
+def seq_of(cursor: str) -> int:
+    return int(cursor.rpartition(".")[2])
+
+
+async def take(events: AsyncGenerator[WatchEvent, None], count: int) -> list[WatchEvent]:
+    """The next ``count`` events of ``events``, within 10 s."""
+    got: list[WatchEvent] = []
+    async with asyncio.timeout(10):
+        async for event in events:
+            got.append(event)
+            if len(got) == count:
+                break
+    await events.aclose()
+    return got

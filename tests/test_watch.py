@@ -416,7 +416,7 @@ def test_what_watchers_share_is_made_once_per_change_and_bounded() -> None:
     ),
     window=st.integers(1, 30),
     size=st.integers(1, 12),
-    after=st.integers(0, 120),
+    after=st.integers(0, 6000),
     limit=st.integers(1, 8),
 )
 @example(commits=[["a/1"]] * 20, window=5, size=3, after=14, limit=8)
@@ -425,18 +425,22 @@ def test_the_feeds_tail_in_memory_answers_as_the_file_would(
     commits: list[list[str]], window: int, size: int, after: int, limit: int
 ) -> None:
     """``store.feed.Tail`` against a model of the table (every row, trimmed to the
-    window at each commit): where it says it covers a cursor, its answer is the
-    table's; and the oldest ``seq`` it names is the table's."""
+    window at each commit, with a jump of the seqs where an era begins): where it
+    says it covers a cursor, its answer is the table's; and the oldest ``seq`` it
+    names is the table's."""
     tail = feed.Tail(first=1, last=0, window=window, size=size)
     table: list[Change] = []
-    for keys in commits:
-        start = (table[-1].seq if table else 0) + 1
+    last = 0
+    for index, keys in enumerate(commits):
+        # Now and then a commit starts a new era of seqs (a new life of the file).
+        start = last + 1 + (1000 if index % 7 == 3 else 0)
         rows = [(key, "updated", 0, key.encode()) for key in keys]
         table += [Change(start + i, *row) for i, row in enumerate(rows)]
         if rows:
-            table = [row for row in table if row.seq > table[-1].seq - window]
-        tail.extend(table[-1].seq if table else 0, rows)
-        assert tail.first == (table[0].seq if table else 1)
+            last = table[-1].seq
+            table = table[-window:]  # the window counts rows
+        tail.extend(last, table[0].seq if table else last + 1, rows)
+        assert tail.first == (table[0].seq if table else last + 1)
         for lower, upper in (("a/", "a0"), ("", "~")):
             if tail.covers(after):
                 wanted = [r for r in table if r.seq > after and lower <= r.key < upper][:limit]

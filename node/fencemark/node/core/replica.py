@@ -213,6 +213,12 @@ class Replica:
     def feed_last(self) -> int:
         return self.storage.feed_last
 
+    @property
+    def feed_era(self) -> int:
+        """The first ``seq`` of this life of the feed (``store.feed.era_start``; 0: the
+        feed's first life): a ``seq`` below it that the file does not hold, it forgot."""
+        return self.storage.feed_era
+
     async def feed_first(self) -> int:
         return await self.storage.feed_first()
 

@@ -104,8 +104,10 @@ async def start(replica: Replica, watch: Watch) -> int:
     feed_id, seq = parsed
     if feed_id != replica.feed_id:
         raise CursorExpired(watch.cursor, "is of another feed (another node, or a lost disk)")
-    if seq > replica.feed_last:
+    if seq > replica.feed_last and seq >= replica.feed_era:
         raise InvalidInput.field("cursor", "names a change this node's feed has not made")
+    # A seq above the last but below this life's era is one the file forgot (it went
+    # back in time): every change the feed makes now comes after it, none is skipped.
     if seq + 1 < await replica.feed_first():
         raise CursorExpired(watch.cursor, "is older than the changes this node keeps")
     return seq

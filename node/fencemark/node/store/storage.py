@@ -89,6 +89,8 @@ class Storage:
         feed_window: int = feed_table.DEFAULT_WINDOW,
         feed_last: int = 0,
         feed_first: int = 1,
+        feed_rows: int = 0,
+        feed_era: int = 0,
     ) -> None:
         self.path = path
         self.tree = tree
@@ -109,6 +111,11 @@ class Storage:
         self.meta: dict[str, str] = {}
         self.feed_window = feed_window
         self.feed_last = feed_last  # the feed's last committed seq
+        self._feed_rows = feed_rows  # rows the feed keeps (at most feed_window after a commit)
+        # This life's era of seqs (feed.era_start): its first row's seq, until it is
+        # written; every seq below it that the file does not hold, it forgot.
+        self.feed_era = feed_era
+        self._era_pending = feed_era
         self._tail = feed_table.Tail(feed_first, feed_last, feed_window)
         self._fed = asyncio.Event()  # set (and replaced) by each commit that grew the feed
         self.feed_ended = False  # end_feed(): the node is stopping, watchers are let go
@@ -116,9 +123,15 @@ class Storage:
 
     @classmethod
     async def open(
-        cls, path: Path, *, cache_size: int = 10_000, feed_window: int = feed_table.DEFAULT_WINDOW
+        cls,
+        path: Path,
+        *,
+        cache_size: int = 10_000,
+        feed_window: int = feed_table.DEFAULT_WINDOW,
+        wall_ms: int | None = None,
     ) -> Storage:
-        """Open (creating if needed) the node's database file."""
+        """Open (creating if needed) the node's database file; ``wall_ms`` (the clock's,
+        by default) starts the feed's new era (``feed.era_start``)."""
         writer = Writer()
         reader: aiosqlite.Connection | None = None
         try:
@@ -129,9 +142,13 @@ class Storage:
             tree = DigestTree()
             rows = list(await reader.execute_fetchall("SELECT key, digest FROM records"))
             tree.load((key, bytes(digest)) for key, digest in rows)
-            feed_rows = await reader.execute_fetchall("SELECT min(seq), max(seq) FROM feed")
-            first, last = next(iter(feed_rows))
-            last = last or 0
+            ends = await reader.execute_fetchall("SELECT min(seq), max(seq), count(*) FROM feed")
+            first, last, kept = next(iter(ends))
+            # AUTOINCREMENT's own record: the last seq ever made, even if all trimmed.
+            made = await reader.execute_fetchall(
+                "SELECT seq FROM sqlite_sequence WHERE name = 'feed'"
+            )
+            last = max([last or 0, *(int(row[0]) for row in made)])
             first = first or last + 1
         except BaseException:
             if reader is not None:
@@ -139,8 +156,10 @@ class Storage:
             await writer.close()
             raise
         hlc_high = int(meta.get("hlc_high", 0))
+        now_ms = time.time_ns() // 1_000_000 if wall_ms is None else wall_ms
+        era = feed_table.era_start(int(last), now_ms)
         storage = cls(path, writer, reader, meta["node_id"], hlc_high, cache_size, tree, len(rows),
-                      feed_window, int(last), int(first))  # fmt: skip
+                      feed_window, int(last), int(first), int(kept), era)  # fmt: skip
         storage.meta = meta
         return storage
 
@@ -423,8 +442,10 @@ class Storage:
         meta, self._meta_pending = {**self._meta_pending, "hlc_high": str(hlc_high)}, {}
         started = time.perf_counter()
         try:
-            before, feed_last = await self._writer.run(
-                commit_rows, self._writer.conn, rows, picks, events, meta, feed, self.feed_window
+            excess = self._feed_rows + len(feed) - self.feed_window
+            era = self._era_pending if feed else 0
+            before, (feed_last, feed_first) = await self._writer.run(
+                commit_rows, self._writer.conn, rows, picks, events, meta, feed, excess, era
             )
         except Exception as exc:
             log.exception("commit of %d writes failed", len(batch))
@@ -434,7 +455,10 @@ class Storage:
             return
         self.hlc_high = hlc_high
         self.meta.update(meta)
-        self._tail.extend(feed_last, feed)
+        self._tail.extend(feed_last, feed_first, feed)
+        if feed:
+            self._era_pending = 0
+            self._feed_rows = min(self._feed_rows + len(feed), self.feed_window)
         if feed_last != self.feed_last:
             self.feed_last = feed_last
             fed, self._fed = self._fed, asyncio.Event()

@@ -122,10 +122,11 @@ def commit_rows(
     events: list[tuple[str, Event]],
     meta: dict[str, str],
     feed: list[tuple[str, str, int, bytes]],
-    window: int,
-) -> tuple[dict[str, bytes], int]:
+    excess: int,
+    era: int = 0,
+) -> tuple[dict[str, bytes], tuple[int, int]]:
     """One group commit, on the writer's thread; returns the digests it replaced and
-    the feed's last ``seq`` after it (0: the feed is empty).
+    the feed's last and oldest ``seq`` after it (``_feed``).
 
     Rows go in as multi-row upserts (one statement, one step, per up to
     ROWS_PER_STATEMENT rows) rather than one step per row: each step gives up the
@@ -152,7 +153,7 @@ def commit_rows(
             )
         _index_picks(conn, picks)
         _keep_events(conn, events)
-        last = _feed(conn, feed, window)
+        ends = _feed(conn, feed, excess, era)
         pairs = ",".join(["(?, ?)"] * len(meta))
         conn.execute(
             f"INSERT INTO meta VALUES {pairs}"
@@ -164,18 +165,31 @@ def commit_rows(
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
         raise
-    return before, last
+    return before, ends
 
 
-def _feed(conn: sqlite3.Connection, feed: list[tuple[str, str, int, bytes]], window: int) -> int:
-    """Append the commit's changes to the feed, keep its newest ``window`` rows;
-    returns the last ``seq``."""
+def _feed(
+    conn: sqlite3.Connection,
+    feed: list[tuple[str, str, int, bytes]],
+    excess: int,
+    era: int = 0,
+) -> tuple[int, int]:
+    """Append the commit's changes to the feed (the first at ``seq`` ``era`` when a new
+    era starts with it: ``feed.era_start``) and drop its ``excess`` oldest rows (the
+    window is counted in rows: an era's first ``seq`` jumps, so ``seq`` arithmetic
+    would trim every row of the lives before it); returns the last ``seq`` and the
+    oldest kept (``last + 1``: none)."""
     if feed:
-        conn.executemany("INSERT INTO feed (key, kind, at_ms, state) VALUES (?, ?, ?, ?)", feed)
-    last = int(conn.execute("SELECT coalesce(max(seq), 0) FROM feed").fetchone()[0])
-    if feed:
-        conn.execute("DELETE FROM feed WHERE seq <= ?", (last - window,))
-    return last
+        insert = "INSERT INTO feed (seq, key, kind, at_ms, state) VALUES (?, ?, ?, ?, ?)"
+        conn.execute(insert, (era or None, *feed[0]))
+        conn.executemany(insert, [(None, *row) for row in feed[1:]])
+    if excess > 0:
+        conn.execute(
+            "DELETE FROM feed WHERE seq IN (SELECT seq FROM feed ORDER BY seq LIMIT ?)", (excess,)
+        )
+    first, last = conn.execute("SELECT min(seq), coalesce(max(seq), 0) FROM feed").fetchone()
+    last = int(last)
+    return last, int(first) if first is not None else last + 1
 
 
 def _index_picks(conn: sqlite3.Connection, picks: list[tuple[str, Pickable | None]]) -> None:
