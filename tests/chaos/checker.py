@@ -61,7 +61,15 @@ from tests.chaos.claim_invariants import (
     one_live_claim,
     token_order,
 )
-from tests.chaos.claims import DISK_LOSS_GRACE_S, Claim, Split, claims_of, lost_with_disk, splits_of
+from tests.chaos.claims import (
+    DISK_LOSS_GRACE_S,
+    LOST_WITH_DISK,
+    Claim,
+    Split,
+    claims_of,
+    lost_with_disk,
+    splits_of,
+)
 from tests.chaos.forger import RULES
 from tests.chaos.nemesis import PARTITIONS, Played
 from tests.chaos.queue_invariants import no_item_done_twice
@@ -152,7 +160,7 @@ def acknowledged_writes(
             )
     detail = "; ".join(missing[:3]) or (
         f"{len(acked)} acknowledged unfenced writes and creations, in all {len(finals)} regions"
-        + (f" ({len(exempt)} lost with a wiped disk before they could replicate)" if exempt else "")
+        + (f" ({len(exempt)} {LOST_WITH_DISK})" if exempt else "")
     )
     return Verdict(
         "3. no acknowledged write lost",

@@ -16,6 +16,7 @@ from tests.chaos.claims import (
     CLOCK_SLACK_S,
     FENCED_WRITES,
     INF,
+    LOST_WITH_DISK,
     RENEWALS,
     Claim,
     Span,
@@ -24,7 +25,7 @@ from tests.chaos.claims import (
     exempt,
     lost_with_disk,
 )
-from tests.chaos.nemesis import DISK_LOSSES, Played
+from tests.chaos.nemesis import DISK_LOSSES, ROLLBACK, Played
 
 # Fenced writes a holder made (a stalled worker's must be refused): a write, the
 # ``status=done`` of a finish, and a queue agent's ``result`` written with its release.
@@ -110,9 +111,10 @@ def token_order(
 ) -> Verdict:
     """Per record, a grant that completed before another was sent has the smaller token
     (calls that overlapped may complete in either order); and how often that was put to
-    the test: records granted both before and after their home was killed or lost its disk."""
+    the test: records granted both before and after their home was killed, lost its disk,
+    or had its disk put back to an older copy."""
     violations = []
-    crossed = {"kill": 0, "wipe": 0}
+    crossed = {"kill": 0, "wipe": 0, ROLLBACK: 0}
     grouped = by_key(claims)
     for key, records in grouped.items():
         grants = [(claim, span) for claim in records for span in claim.grants]
@@ -124,14 +126,20 @@ def token_order(
         times = [done for _, (_, done) in grants]
         for fault in played:
             kind = "wipe" if fault.kind in DISK_LOSSES else fault.kind
-            if kind in crossed and fault.targets[0] == homes.get(key):
+            if kind not in crossed or fault.targets[0] != homes.get(key):
+                continue
+            if kind == ROLLBACK:  # granted in what its file then forgot, and again after
+                before = any(fault.copied_at <= t < fault.down_at for t in times)
+                after = any(t > fault.down_at for t in times)
+            else:
                 before = any(t < fault.started for t in times)
                 after = any(t > fault.ended for t in times)
-                crossed[kind] += before and after
+            crossed[kind] += before and after
     count = sum(len(c.grants) for c in claims.values())
     detail = "; ".join(violations[:3]) or (
         f"{count} grants, in order; {crossed['kill']} records granted again after their home"
         f" was killed, {crossed['wipe']} after it lost its disk"
+        + (f", {crossed[ROLLBACK]} after its disk went back in time" if crossed[ROLLBACK] else "")
     )
     return Verdict(
         "2. tokens strictly increase",
@@ -141,6 +149,7 @@ def token_order(
             "grants": count,
             "records granted across a kill -9": crossed["kill"],
             "records granted across a disk loss": crossed["wipe"],
+            "records granted across a rollback": crossed[ROLLBACK],
         },
     )
 
@@ -308,7 +317,7 @@ def fenced_writes_survive(
     detail = "; ".join(violations[:3]) or (
         f"{len(acked)} acknowledged fenced writes: {kept} in every region's final state,"
         f" {overwritten} overwritten under a newer claim or after theirs ended"
-        + (f", {lost} lost with a wiped disk before they could replicate" if lost else "")
+        + (f", {lost} {LOST_WITH_DISK}" if lost else "")
     )
     return Verdict(
         "9. fenced writes survive",

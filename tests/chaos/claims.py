@@ -27,6 +27,10 @@ must be refused.
 Disk loss (SPEC §6): a grant or renewal acknowledged by a home that lost its disk
 before it had ``DISK_LOSS_GRACE_S`` healthy seconds to pass it on may be gone
 with the disk; the claim's life through that reply is cut where the node died.
+A disk that went back in time (``rollback``) is judged alike for what the node
+acknowledged after the copy it was put back to: its file forgot it, and unless it
+had those healthy seconds to pass it on, no peer may hold it either. What it
+acknowledged before the copy is on the copy, and never excused.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fencemark.node.tools.workload import Event, History
-from tests.chaos.nemesis import DISK_LOSSES, PARTITIONS, Played
+from tests.chaos.nemesis import DISK_FAULTS, PARTITIONS, ROLLBACK, Played
 from tests.chaos.shapes import SPLIT_MEET_LIMIT_S, SPLIT_TOPIC
 
 INF = math.inf
 CLOCK_SLACK_S = 0.1
 DISK_LOSS_GRACE_S = 5.0  # healthy seconds a node had to pass a write on before a wipe
+LOST_WITH_DISK = "lost with a wiped or rolled-back disk before they could replicate"
 # What a claim's holder does with its token; a queue agent's release ``done`` (with
 # its ``result`` field, a fenced write too) or ``fail`` ends its claim like a release.
 HOLDER_OPS = ("write", "renew", "finish", "release", "done", "fail", "stale-write", "stale-renew")
@@ -128,13 +133,16 @@ def disk_lost_at(acked_at: float, region: str, played: Sequence[Played]) -> floa
     """When ``region`` died with its disk after acknowledging something at ``acked_at``
     (seconds since the run started, like the faults' times) before it could pass it on:
     it never had DISK_LOSS_GRACE_S healthy seconds in a row between the ack and the
-    wipe (healthy: no fault on it, no loss or slow link)."""
+    wipe (healthy: no fault on it, no loss or slow link). A rollback counts as the
+    loss of what was acknowledged after its copy was taken, and of nothing before."""
     for wipe in played:
         # The kill lands a moment after the fault starts: a write acknowledged in
         # between was acknowledged by the node whose disk is then lost.
         lost_at = wipe.down_at or wipe.started
-        if wipe.kind not in DISK_LOSSES or wipe.targets[0] != region or lost_at < acked_at:
+        if wipe.kind not in DISK_FAULTS or wipe.targets[0] != region or lost_at < acked_at:
             continue
+        if wipe.kind == ROLLBACK and (not wipe.copied_at or acked_at < wipe.copied_at):
+            continue  # on the copy it was put back to (or no copy was ever taken)
         faulty = sorted(
             (f.started, f.ended)
             for f in played

@@ -34,6 +34,10 @@ Faults:
 - :meth:`kill` / :meth:`start_node`: ``kill -9`` (SIGKILL to PID 1; or SIGTERM, a
   graceful stop) and a restart on the same volume;
 - :meth:`wipe`: the volume's contents removed while the node is down (disk loss);
+- :meth:`copy_data` / :meth:`restore_data`: a copy of a frozen (or stopped) node's
+  volume, every file as it is (the SQLite file with its ``-wal`` and ``-shm``: what a
+  disk snapshot holds), and that copy put back in place of a stopped node's volume
+  later (its disk went back in time);
 - :meth:`pause` / :meth:`unpause`: the cgroup freezer (``docker pause``).
 
 Ryuk cannot be pulled here, so testcontainers runs with it disabled
@@ -380,6 +384,33 @@ class ChaosCluster:
             else:
                 entry.unlink()
 
+    def copy_data(self, name: str, to: Path) -> int:
+        """A crash-consistent copy of ``name``'s volume into ``to`` (made anew): every
+        file as it is, the database with its ``-wal`` and ``-shm``, owners and modes
+        kept. The node must be frozen (``pause``) or stopped, so that no commit is half
+        in the copy: what a disk snapshot of a running machine holds, as the node would
+        find it after a power cut. How many files it holds."""
+        status = self.status(name)
+        if status not in ("paused", "exited"):
+            raise RuntimeError(f"copy {name}'s data: it is {status}; pause or stop it first")
+        if to.exists():
+            shutil.rmtree(to)
+        return _copy_tree(self.regions[name].data, to)
+
+    def restore_data(self, name: str, copy: Path) -> None:
+        """Put ``copy`` (:meth:`copy_data`'s) back in place of a stopped node's volume:
+        everything written since the copy was taken is gone from its disk, and nothing
+        on the disk says so (an old snapshot reverted, an old backup put back by hand)."""
+        self.wipe(name)  # refuses a running node
+        data = self.regions[name].data
+        for entry in copy.iterdir():
+            target = data / entry.name
+            if entry.is_dir():
+                _copy_tree(entry, target)
+            else:
+                shutil.copy2(entry, target)
+                _same_owner(entry, target)
+
     def pause(self, name: str) -> None:
         self.regions[name].container.get_wrapped_container().pause()
 
@@ -403,6 +434,25 @@ class ChaosCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} is {status}, not {wanted}, after {STOP_LIMIT_S} s")
             time.sleep(0.05)
+
+
+def _same_owner(source: Path, target: Path) -> None:
+    """``target`` owned as ``source`` is (a node runs as the image's user; a copy made
+    by root would be root's, and unwritable to it)."""
+    if os.geteuid() == 0:
+        stat = source.lstat()
+        os.lchown(target, stat.st_uid, stat.st_gid)
+
+
+def _copy_tree(source: Path, target: Path) -> int:
+    """``source`` copied to ``target`` (which must not exist), with every file's
+    contents, mode, times and owner; how many files."""
+    shutil.copytree(source, target, symlinks=True)
+    files = 0
+    for path in (source, *sorted(source.rglob("*"))):
+        _same_owner(path, target / path.relative_to(source))
+        files += path.is_file()
+    return files
 
 
 def _both_ways(ips: Iterable[str], action: str) -> list[str]:

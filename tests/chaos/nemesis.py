@@ -8,8 +8,9 @@ sees to one fault, and a seed replays the same faults in the same order with the
 same targets (timing still varies with the machine).
 
 Some faults set the workload going on a shape of its own (:class:`Shapes`): a
-partition has the same untagged ids created on both of its sides, and a node
-restarted again and again before it has caught up is pressed with claims.
+partition has the same untagged ids created on both of its sides, a node
+restarted again and again before it has caught up is pressed with claims, and so
+is a node whose disk went back in time (``rollback``), for what it forgot.
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from tests.chaos.workload import TESTER
 
 PARTITIONS = ("isolate", "halves", "bridge")
 DISK_LOSSES = ("wipe", "wipe-restart")
-KINDS = (*PARTITIONS, "kill", *DISK_LOSSES, "pause", "agent-pause", "loss", "slow", "forge")
+ROLLBACK = "rollback"
+# Faults after which a node's data file may lack writes it acknowledged: all of them
+# (a lost disk), or those made after a copy it was put back to (its disk went back
+# in time). A write acknowledged by it may be gone with them unless it had time to
+# pass it on (claims.disk_lost_at).
+DISK_FAULTS = (*DISK_LOSSES, ROLLBACK)
+KINDS = (*PARTITIONS, "kill", *DISK_LOSSES, "pause", "agent-pause", "loss", "slow", "forge",
+         ROLLBACK)  # fmt: skip
 FAULT_SECONDS = (4.0, 7.0)  # how long a timed fault lasts, drawn uniformly
 GAP_SECONDS = (1.5, 3.0)  # quiet time between faults
 DOWN_SECONDS = (1.0, 3.0)  # how long a killed node stays down
@@ -49,6 +57,11 @@ LOSS_PROBABILITY = 0.3
 SLOW_LATENCY_MS = 250.0
 SLOW_BANDWIDTH = 64 * 1024.0  # bytes/s each way
 RECOVER_LIMIT_S = 60.0  # a restarted node must decide claims again within this
+# rollback: how long the workload runs between the copy of the node's data directory
+# and the kill that puts it back. Longer than claims.DISK_LOSS_GRACE_S, so that what
+# the node acknowledged early in it had time to reach its peers (and must survive).
+ROLLBACK_SECONDS = (7.0, 10.0)
+PRESS_AFTER_S = 2.0  # the rolled-back node is pressed this long after it decides again
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,9 @@ class Fault:
     # Regions (isolate: the victim, then the rest; halves: one half, then the
     # other; bridge: the two kept apart); for agent-pause, the agent's name.
     targets: tuple[str, ...]
-    seconds: float  # how long it lasts (for kill/wipe: downtime; pause: past the lease)
+    # how long it lasts (for kill/wipe: downtime; pause: past the lease; rollback: from
+    # the copy of the data directory to the kill that puts it back)
+    seconds: float
     gap: float  # quiet time before it
     # wipe-restart (targets: the node, then the peer cut off from it, if any): the
     # signal of each stop that comes before the node has caught up.
@@ -75,9 +90,13 @@ class Played:
     detail: str = ""
     cut: tuple[tuple[str, str], ...] = ()  # for partitions: the region pairs cut apart
     injected: bool = True  # False: the engine refused the fault (see detail); healed at once
-    # kill, wipe: when the node was dead for sure (SIGKILL delivered; for a wipe, the
-    # disk gone). A write the node acknowledged before this was acknowledged by it.
+    # kill, wipe, rollback: when the node was dead for sure (SIGKILL delivered; for a
+    # wipe, the disk gone). A write the node acknowledged before this was acknowledged
+    # by it.
     down_at: float = 0.0
+    # rollback: when the copy its data directory was put back to was taken (just before
+    # the node was frozen for it): what the node acknowledged before is on the copy.
+    copied_at: float = 0.0
     # wipe-restart with a peer cut off: when that cut was healed (until then the node
     # cannot have caught up), and when it said it served claims before that (0: never).
     cut_healed: float = 0.0
@@ -94,6 +113,14 @@ class Shapes(Protocol):
 
     def press(self, region: str, until: asyncio.Event) -> None:
         """Claim records homed at ``region`` while its node catches up (until ``until``)."""
+
+    async def before_copy(self, region: str) -> None:
+        """Work for ``region``'s node that is on the copy of its data directory about to
+        be taken, undone, and that the workload does after it (a ``rollback``)."""
+
+    def rolled_back(self, region: str, since: float, until: asyncio.Event) -> None:
+        """Ask ``region``'s node, restarted on a copy of its data directory taken at
+        ``since`` (run clock), to decide again on what it decided after (until ``until``)."""
 
 
 def schedule(
@@ -141,6 +168,8 @@ def _draw(
         return Fault(kind, (a, b), span, gap)  # a and b apart; both still reach the rest
     if kind in ("kill", "wipe"):
         return Fault(kind, (rng.choice(regions),), round(rng.uniform(*DOWN_SECONDS), 2), gap)
+    if kind == ROLLBACK:
+        return Fault(kind, (rng.choice(regions),), round(rng.uniform(*ROLLBACK_SECONDS), 2), gap)
     if kind == "wipe-restart":
         victim = rng.choice(regions)
         down = round(rng.uniform(*DOWN_SECONDS), 2)
@@ -193,6 +222,7 @@ class Nemesis:
         self._down_at = 0.0
         self._cut_healed = 0.0
         self._serving_early = 0.0
+        self._copied_at = 0.0
         self._forged: tuple[Pushed, ...] = ()
 
     async def play(
@@ -207,7 +237,7 @@ class Nemesis:
             await asyncio.sleep(fault.gap)
             started = self.clock()
             self.log(f"nemesis: {fault.kind} {' '.join(fault.targets)} ({fault.seconds:.1f} s)")
-            self._down_at = self._cut_healed = self._serving_early = 0.0
+            self._down_at = self._cut_healed = self._serving_early = self._copied_at = 0.0
             self._forged = ()
             try:
                 detail = await self._inject(fault)
@@ -218,9 +248,11 @@ class Nemesis:
                 await asyncio.to_thread(self.cluster.heal_all)
                 self.mesh.heal()
                 why = f"not injected: {exc}"[:300]
-                self.played.append(
-                    Played(fault.kind, fault.targets, started, self.clock(), why, injected=False)
-                )
+                # How far it got: a rollback's node may have been put back already.
+                failed = Played(fault.kind, fault.targets, started, self.clock(), why,
+                                injected=False, down_at=self._down_at,
+                                copied_at=self._copied_at)  # fmt: skip
+                self.played.append(failed)
                 continue
             self.played.append(
                 Played(
@@ -233,6 +265,7 @@ class Nemesis:
                     down_at=self._down_at,
                     cut_healed=self._cut_healed,
                     serving_early=self._serving_early,
+                    copied_at=self._copied_at,
                     forged=self._forged,
                 )
             )
@@ -267,6 +300,8 @@ class Nemesis:
             return f"{region} deciding claims again {took:.1f} s after its restart"
         if fault.kind == "wipe-restart":
             return await self._wipe_restart(fault)
+        if fault.kind == ROLLBACK:
+            return await self._rollback(fault)
         if fault.kind == "pause":
             await self._retry(self.cluster.pause, region)
             await asyncio.sleep(fault.seconds)
@@ -346,6 +381,43 @@ class Nemesis:
         if self._serving_early:
             detail += f"; SERVED CLAIMS while cut off, at {self._serving_early:.1f} s"
         return detail
+
+    async def _rollback(self, fault: Fault) -> str:
+        """The node's disk goes back in time: a crash-consistent copy of its data
+        directory (the node frozen meanwhile, as a disk snapshot holds it), the workload
+        for ``fault.seconds`` more, then ``kill -9``, the copy put back in place of the
+        directory, and a restart. The node comes back with its own id and a consistent
+        file that lacks everything it did since the copy; its peers hold what reached
+        them. At once it is asked to decide again on what it forgot (``Shapes``)."""
+        region = fault.targets[0]
+        copy = self.cluster.root / "rollback" / f"{region}-{len(self.played)}"
+        if self.shapes is not None:
+            await self.shapes.before_copy(region)
+        self._copied_at = self.clock()  # acknowledged before this: on the copy
+        await self._retry(self.cluster.pause, region)
+        try:
+            files = await asyncio.to_thread(self.cluster.copy_data, region, copy)
+        finally:
+            await asyncio.to_thread(self.cluster.unpause, region)
+        await asyncio.sleep(fault.seconds)
+        await asyncio.to_thread(self.cluster.kill, region)
+        self._down_at = self.clock()
+        await asyncio.to_thread(self.cluster.restore_data, region, copy)
+        pressed = asyncio.Event()
+        try:
+            await asyncio.to_thread(self.cluster.start_node, region)
+            if self.shapes is not None:
+                self.shapes.rolled_back(region, self._copied_at, pressed)
+            took = await self._until_deciding(region)
+            await asyncio.sleep(PRESS_AFTER_S)
+        finally:
+            pressed.set()
+        lost = self._down_at - self._copied_at
+        return (
+            f"{region} put back to its copy of {self._copied_at:.1f} s ({files} files),"
+            f" {lost:.1f} s of its writes forgotten; deciding claims {took:.1f} s after its"
+            " restart"
+        )
 
     async def _start_cut_off(
         self, region: str, pairs: Sequence[tuple[str, str]], address: str

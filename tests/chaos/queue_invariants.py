@@ -33,6 +33,10 @@ and then lost with its disk before it had ``DISK_LOSS_GRACE_S`` healthy seconds 
 pass it on; such an item may be handed out and done again. Those are counted
 ("lost with a wiped disk"), not hidden; as is every wipe of a poison item's home
 between the grants judged in 5, since the attempts counted may be gone with it.
+A home whose disk went back in time (``rollback``) forgot what it did after the
+copy it was put back to, but its peers hold what it had time to pass on: only a
+done (or, for 5, a grant) it acknowledged after the copy and within that grace
+before the kill is excused, counted the same way.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ from dataclasses import dataclass, field
 from fencemark.client import Record
 from fencemark.node.tools.workload import POISON, Event, History
 from tests.chaos.claim_invariants import Verdict
-from tests.chaos.claims import lost_with_disk
-from tests.chaos.nemesis import DISK_LOSSES, Played
+from tests.chaos.claims import LOST_WITH_DISK, lost_with_disk
+from tests.chaos.nemesis import DISK_LOSSES, ROLLBACK, Played
 from tests.chaos.queue_work import is_queued
 
 DONE, PARKED = "done", "parked"
@@ -129,7 +133,7 @@ def no_item_done_twice(
         f"{len(keys)} queue items, {acked_dones} releases done acknowledged, never twice"
         f" without a reopen between ({again} items done again after one of {reopened}"
         f" reopens; {parked} poison items parked and reopened)"
-        + (f"; {lost} dones lost with a wiped disk before they could replicate" if lost else "")
+        + (f"; {lost} dones {LOST_WITH_DISK}" if lost else "")
     )
     return Verdict(
         "12. no item done twice",
@@ -246,7 +250,7 @@ class _Judge:
         home = self.homes.get(item.key, "")
         grants = sorted(item.grants, key=lambda g: (g.token, g.invoked))
         for first, last in zip(grants, grants[limit:], strict=False):
-            if not item.reopen_between(first, last) and not self._wiped(home, first, last):
+            if not item.reopen_between(first, last) and not self._forgot(item, home, first, last):
                 self.problems.append(
                     f"{item.key} (maxAttempts:{limit}) granted {limit + 1} times with no"
                     f" reopen between, tokens {first.token} to {last.token}: handed out"
@@ -260,12 +264,18 @@ class _Judge:
             )
         return any(r.value == PARKED and r.outcome == "ok" for r in item.reopens)
 
-    def _wiped(self, home: str, first: Event, last: Event) -> bool:
-        """Whether ``home`` lost its disk between ``first`` was sent and ``last`` completed."""
-        return any(
-            f.kind in DISK_LOSSES
-            and f.targets[0] == home
+    def _forgot(self, item: Item, home: str, first: Event, last: Event) -> bool:
+        """Whether ``home`` may have forgotten attempts of ``item`` counted between
+        ``first`` was sent and ``last`` completed: it lost its disk meanwhile, or its
+        disk went back in time and a grant of the item it acknowledged after the copy
+        may have been forgotten with it before it could pass it on."""
+        between = [
+            f
+            for f in self.played
+            if f.targets[0] == home
             and first.invoked - self.start <= f.ended
             and f.started <= last.completed - self.start
-            for f in self.played
-        )
+        ]
+        if any(f.kind in DISK_LOSSES for f in between):
+            return True
+        return any(f.kind == ROLLBACK for f in between) and any(map(self._gone, item.grants))

@@ -42,6 +42,7 @@ COLOURS = {
     "forge": "tab:green",
     "loss": "tab:orange",
     "slow": "tab:cyan",
+    "rollback": "tab:brown",
 }
 
 
@@ -170,7 +171,8 @@ def forgeries(nemesis: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
-NODE_FAULTS = ("kill", "wipe", "wipe-restart", "pause")  # what a watcher's own node went through
+# What a watcher's own node went through.
+NODE_FAULTS = ("kill", "wipe", "wipe-restart", "rollback", "pause")
 
 
 def watcher_summary(log: WatchLog, played: Sequence[Played]) -> dict[str, Any]:

@@ -17,6 +17,12 @@
   with a value of its own, so the final state says which write won.
 - **Pressing a node that catches up**: while a node that lost its disk is restarted
   before catching up (``wipe-restart``), claims of items homed there, at that node.
+- **Pressing a node whose disk went back in time** (``rollback``): right before the
+  copy of its data directory, work-queue items enqueued at it (on the copy, open; the
+  queue agents do them after it); as soon as it answers again after the rollback,
+  claims at that node of every backlog item it granted after the copy, and
+  ``ClaimNext`` of the work queue there: a node that decides on its old file grants
+  those tokens again, and hands out again the items it had done.
 """
 
 from __future__ import annotations
@@ -27,12 +33,20 @@ import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-from fencemark.client import AsyncClient, ClaimResult, FencemarkError, RenewResult
+from fencemark.client import (
+    AsyncClient,
+    ClaimNextResult,
+    ClaimResult,
+    FencemarkError,
+    RenewResult,
+)
 from fencemark.node.tools.workload import REPO, TOPIC, Event, grant_of, recorded
+from tests.chaos.queue_work import PRIORITIES, QUEUE_TAG, QUEUE_TOPIC, queue_key
 from tests.chaos.workload import (
     AGENT_STEPS,
     CALL_TIMEOUT_S,
     HOLDER_STEPS,
+    TESTER,
     Workload,
     detail_of,
     outcome_of,
@@ -52,6 +66,10 @@ POST_HEAL_TRIES = 3
 MEDDLE_INTERVAL_S = 0.3
 MEDDLE_DELETE_SHARE = 0.1
 PRESS_INTERVAL_S = 0.3
+ROLLBACK_PRESS_INTERVAL_S = 0.3  # a rolled-back node is asked at once, then this often
+ANSWER_POLL_S = 0.02  # how often a restarted node is tried until it answers
+ANSWER_TIMEOUT_S = 0.5
+BEFORE_COPY_ITEMS = 2  # queue items enqueued at a node right before its copy is taken
 HELD_WINDOW = 400  # events looked back over to find the claims being held
 
 
@@ -65,6 +83,7 @@ class Shapes:
         self.spawned: list[asyncio.Task[None]] = []  # split births and presses, as started
         self._direct: dict[str, AsyncClient] = {}
         self._splits = 0
+        self._enqueued = 0  # queue items enqueued before a copy
         self._split_tokens: dict[str, int] = {}  # split-born key -> largest token granted
         self._seeds = {region: workload.rng.randrange(1 << 30) for region in workload.regions}
 
@@ -89,6 +108,32 @@ class Shapes:
 
     def press(self, region: str, until: asyncio.Event) -> None:
         self._spawn(self._press(region, until))
+
+    async def before_copy(self, region: str) -> None:
+        """Queue items at ``region``'s node, its own, right before its data directory is
+        copied: on the copy they are open, and the queue agents do them after it (the
+        agents drain the queue within a second of its items' creation, so few others
+        are open at any one moment). First in line (``P0``) for the rolled-back node."""
+        node = self.direct(region)
+        who = f"rollback-{region}"
+        for _ in range(BEFORE_COPY_ITEMS):
+            name = f"before-copy-{region}-{self._enqueued:03d}"
+            self._enqueued += 1
+            key = queue_key(name)
+            self.workload.homes[key] = region  # tagged so: its home even if unknown
+            tags = [QUEUE_TAG, f"homeRegion:{region}", "priority:P0"]
+            invoked = time.monotonic()
+            try:
+                await node.remember(REPO, QUEUE_TOPIC, name, kind="Task", author="chaos",
+                                    title=f"Queue item {name}", tags=tags)  # fmt: skip
+            except FencemarkError as exc:
+                self.workload.record(who, "create", key, outcome_of(exc), invoked,
+                                     detail_of(exc), region)  # fmt: skip
+                continue
+            self.workload.record(who, "create", key, "ok", invoked, region)
+
+    def rolled_back(self, region: str, since: float, until: asyncio.Event) -> None:
+        self._spawn(self._press_rolled_back(region, since, until))
 
     def tasks(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         return [asyncio.create_task(self._meddle(r, stop)) for r in self.workload.regions]
@@ -287,3 +332,75 @@ class Shapes:
                 self.history.add(grant_of(called, claim))
                 token = claim.fencing_token
                 await self._call(who, "release", key, token, node.release_claim(key, token))
+
+    # -- a node whose disk went back in time -----------------------------------------------
+
+    async def _press_rolled_back(self, region: str, since: float, until: asyncio.Event) -> None:
+        """At ``region``'s node, restarted on a copy of its data directory taken at
+        ``since`` (run clock), until ``until``: a claim of each backlog item the node
+        granted since (by key; once one is granted, that item has made its point), and
+        ``ClaimNext`` of the work queue at that node alone, once per priority (so never
+        the poison item, which has none: its grants are counted against its attempts).
+        All at once, the moment the node first answers (before its first anti-entropy
+        round with a peer can have told it much), then again every
+        ``ROLLBACK_PRESS_INTERVAL_S``. Whatever is granted is released at once. A node
+        that decides on its old file grants those tokens again (2, 8) and hands out
+        again the items it had done (12)."""
+        start = self.history.started
+        forgot = sorted({
+            e.key for e in self.history.events
+            if e.op == "grant" and e.outcome == "ok" and e.detail == region
+            and e.completed - start >= since and f"/mem/{TOPIC}/" in e.key
+        })  # fmt: skip
+        who = f"rollback-{region}"
+        node = await self._first_answer(region, until)
+        if node is None:
+            return
+        granted: set[str] = set()
+        try:
+            while True:
+                keys = [k for k in forgot if k not in granted]
+                await asyncio.gather(
+                    *(self._press_key(node, who, key, granted) for key in keys),
+                    *(self._press_queue(node, who, level) for level in range(PRIORITIES)),
+                )
+                if await stopped(until, ROLLBACK_PRESS_INTERVAL_S):
+                    return
+        finally:
+            await node.close()
+
+    async def _first_answer(self, region: str, until: asyncio.Event) -> AsyncClient | None:
+        """A client of ``region``'s node that it has just answered (None: ``until`` came
+        first): a fresh one per try, so that no reconnect back-off delays the first call."""
+        address, credentials = self.workload.addresses[region], self.workload.credentials(TESTER)
+        while not until.is_set():
+            node = AsyncClient(address, timeout=CALL_TIMEOUT_S, retries=0,
+                               credentials=credentials)  # fmt: skip
+            try:
+                await asyncio.wait_for(node.info(), ANSWER_TIMEOUT_S)
+                return node
+            except (FencemarkError, TimeoutError):
+                await node.close()
+                await asyncio.sleep(ANSWER_POLL_S)
+        return None
+
+    async def _press_key(self, node: AsyncClient, who: str, key: str, granted: set[str]) -> None:
+        claim, called = await self._call(
+            who, "claim", key, 0, node.claim(key, who, lease_seconds=self.lease)
+        )
+        if isinstance(claim, ClaimResult) and claim.granted:
+            granted.add(key)
+            await self._release_at_once(node, who, grant_of(called, claim))
+
+    async def _press_queue(self, node: AsyncClient, who: str, level: int) -> None:
+        tags = (QUEUE_TAG, f"priority:P{level}")
+        asked = node.claim_next(REPO, QUEUE_TOPIC, who, lease_seconds=self.lease, tags=tags,
+                                only_target=True)  # fmt: skip
+        picked, called = await self._call(who, "claim-next", "", 0, asked)
+        if isinstance(picked, ClaimNextResult) and picked.granted and picked.record:
+            await self._release_at_once(node, who, grant_of(called, picked))
+
+    async def _release_at_once(self, node: AsyncClient, who: str, grant: Event) -> None:
+        self.history.add(grant)
+        release = node.release_claim(grant.key, grant.token)
+        await self._call(who, "release", grant.key, grant.token, release)

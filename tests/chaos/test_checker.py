@@ -723,9 +723,8 @@ def test_a_done_lost_with_its_homes_disk_is_counted_not_failed() -> None:
     states = queue_finals(**{QUEUED: done_by("eu-queue-0", 1 + 2**20)})
     verdict = queue_verdict(*again, states=states, played=[PARTITION, CATCH_UP, FORGE, wipe])
     assert verdict.ok, verdict
-    assert verdict.numbers["lost with a disk"] == 1 and "1 dones lost with a wiped disk" in (
-        verdict.detail
-    )
+    assert verdict.numbers["lost with a disk"] == 1
+    assert "1 dones lost with a wiped or rolled-back disk" in verdict.detail
     # Five healthy seconds before the wipe: it could have passed the done on.
     later = Played("wipe", ("us",), 31.0, 32.0, down_at=31.0)
     moved = [replace(e, invoked=e.invoked + 5, completed=e.completed + 5) for e in again]
@@ -764,3 +763,93 @@ def test_a_claim_next_may_take_a_deadline_per_region_and_its_wait() -> None:
     hung = replace(asked, completed=asked.invoked + 8.5)
     verdict = verdicts(history(*SERVED, hung))["availability"]
     assert not verdict.ok and "ap-queue-0 claim-next took 8.50 s" in verdict.detail
+
+
+# -- a disk that went back in time (rollback) -------------------------------------------------
+
+# us's data directory was copied at 30 s (us frozen for it), the workload went on, and
+# at 39 s us was killed, the copy put back in place of the directory, and us restarted:
+# its file forgot everything it did from 30 s to 39 s; its peers hold what it pushed.
+ROLLED_BACK = Played("rollback", ("us",), 30.0, 42.0, down_at=39.0, copied_at=30.0)
+BEFORE_THE_COPY = [
+    event("us-agent-0", "grant", 20.0, token=1, detail="us", expires=22.0),
+    event("us-agent-0", "release", 21.0, token=1),
+]
+
+
+def forgotten_grant(at: float) -> list[Event]:
+    """us-agent-0 granted token 2 by us at ``at`` (after the copy), writes and releases."""
+    return [
+        event("us-agent-0", "grant", at, token=2, detail="us", expires=at + 2.0),
+        event("us-agent-0", "write", at + 0.5, token=2, detail="p.a", value="us-agent-0@2"),
+        event("us-agent-0", "release", at + 1.0, token=2),
+    ]
+
+
+def test_a_token_granted_again_after_its_homes_disk_went_back_in_time_is_caught() -> None:
+    """The hole a rollback opens: us granted token 2 to us-agent-0 after the copy, and,
+    put back to it, granted token 2 again, to rollback-us (the shape's presser)."""
+    again = event("rollback-us", "grant", 39.6, token=2, detail="us", expires=41.6)
+    played = [PARTITION, CATCH_UP, FORGE, ROLLED_BACK]
+    states = finals(**{"p.a": "us-agent-0@2"})
+    h = history(*BEFORE_THE_COPY, *forgotten_grant(31.0), again, *SERVED)
+    judged = verdicts(h, played, states)
+    once = judged["a token is granted once"]
+    assert not once.ok and "token 2 granted to us-agent-0 and rollback-us" in once.detail
+    order = judged["tokens strictly increase"]
+    assert not order.ok and "token 2 granted after 2" in order.detail
+    # Granted 0.5 s before the kill, maybe never pushed: the grant may be forgotten by
+    # every node, but its token is still never handed out twice (no excuse for 2 or 8).
+    h = history(*BEFORE_THE_COPY, *forgotten_grant(37.0), again, *SERVED)
+    judged = verdicts(h, played, states)
+    assert not judged["a token is granted once"].ok
+    assert not judged["tokens strictly increase"].ok
+    # A node that starts a new era of tokens after its restart passes both.
+    above = replace(again, token=2 + 2**20)
+    judged = verdicts(history(*BEFORE_THE_COPY, *forgotten_grant(31.0), above, *SERVED),
+                      played, states)  # fmt: skip
+    assert judged["a token is granted once"].ok, judged["a token is granted once"]
+    order = judged["tokens strictly increase"]
+    assert order.ok and order.numbers["records granted across a rollback"] == 1
+    assert "1 after its disk went back in time" in order.detail
+
+
+def test_an_item_done_before_a_rollback_and_handed_out_again_after_it_is_caught() -> None:
+    """us acknowledged QUEUED done at 25.6 s, after the copy of 24 s and 6.4 s before
+    the kill: time enough to pass it on. Put back to the copy, us handed it out again."""
+    rolled = Played("rollback", ("us",), 24.0, 35.0, down_at=32.0, copied_at=24.0)
+    again = event("rollback-us", "grant", 32.5, token=2, key=QUEUED, detail="us", expires=34.5)
+    played = [PARTITION, CATCH_UP, FORGE, rolled]
+    verdict = queue_verdict(again, played=played)
+    assert not verdict.ok
+    assert (
+        "handed out again to rollback-us (token 2) at 32.50 s, after us-queue-0's done (token 1)"
+        " was acknowledged at 25.60 s" in verdict.detail
+    )
+    # Killed 4.4 s after the ack: the done may be gone with the file's tail before it
+    # reached a peer (SPEC §6), counted as a wipe's would be.
+    soon = replace(rolled, down_at=30.0)
+    verdict = queue_verdict(replace(again, invoked=START + 30.5), played=[*played[:3], soon])
+    assert verdict.ok, verdict
+    assert verdict.numbers["lost with a disk"] == 1
+    # Done before the copy: on the copy, never excused, however soon the kill came.
+    early = replace(rolled, copied_at=26.0, started=26.0, down_at=28.0)
+    verdict = queue_verdict(replace(again, invoked=START + 28.5), played=[*played[:3], early])
+    assert not verdict.ok and "handed out again to rollback-us" in verdict.detail
+
+
+def test_a_rollback_excuses_only_what_was_acknowledged_after_the_copy_and_not_passed_on() -> None:
+    def lost(at: float, rolled: Played) -> Verdict:
+        note = event("probe-us", "note", at, detail="note.us.1", value="us:1", key=NOTES)
+        return verdicts(history(note, *SERVED), [PARTITION, rolled])["no acknowledged write lost"]
+
+    # Acknowledged 0.5 s after the copy, 8.4 s before the kill: its peers had it.
+    assert not lost(30.5, ROLLED_BACK).ok
+    # 1.9 s before the kill: it may be gone with the file's tail.
+    verdict = lost(37.0, ROLLED_BACK)
+    assert verdict.ok and verdict.numbers["lost with a disk"] == 1
+    assert "1 lost with a wiped or rolled-back disk" in verdict.detail
+    # 0.9 s before a copy that was put back 2 s later: it is on the copy.
+    assert not lost(29.0, replace(ROLLED_BACK, down_at=31.0)).ok
+    # A rollback whose copy was never taken (the freezer refused) forgot nothing.
+    assert not lost(37.0, replace(ROLLED_BACK, copied_at=0.0, injected=False)).ok

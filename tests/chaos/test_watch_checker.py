@@ -184,3 +184,23 @@ def test_a_watcher_that_never_saw_the_end_or_no_watcher_judges_nothing() -> None
     assert "never saw both end marks" in judged.detail or "gap" in judged.detail
     assert not verdict().ok
     assert verdict().detail == "no watcher: nothing judged"
+
+
+# us's disk went back in time: put back at 29 s to a copy of its data directory of 20 s.
+ROLLBACK = Played("rollback", ("us",), 20.0, 30.0, down_at=29.0, copied_at=20.0)
+
+
+def test_a_feed_that_went_back_in_time_is_left_for_a_new_one_never_resumed_over() -> None:
+    # Told CURSOR_EXPIRED and onto a new feed, as after a lost disk: nothing skipped.
+    lost = Segment("f1.0", feed("f1")[:3], ended="expired: cursor 'f1.6' is of another feed")
+    judged = verdict(log(lost, Segment("f2.0", feed("f2", at=30.0))), played=[ROLLBACK])
+    assert judged.ok, judged.detail
+    # Resumed on the same feed: the watcher had f1.5 and f1.6 before the rollback, and
+    # the node, put back to f1.2, used seqs 3 to 6 again for other changes. The re-read
+    # of the feed holds them; the watcher never had them.
+    kept = feed("f1")
+    again = [kept[0], seen("f1.4", OTHER, kind="created", at=29.5),
+             replace(kept[2], digest=b"merged after the rollback"), *kept[3:]]  # fmt: skip
+    judged = verdict(log(Segment("f1.0", kept), reread=again), played=[ROLLBACK])
+    assert not judged.ok
+    assert "us: gap: 1 changes of the node's feed never received, first f1.4" in judged.detail

@@ -16,8 +16,11 @@ Judged, per watcher:
 
 1. order — within a segment every cursor names the segment's feed, and the seqs
    strictly increase: nothing repeated, nothing out of order;
-2. feeds — a new feed only after a disk loss of that region, and a segment ends only
-   expired, and then the next one is of another feed;
+2. feeds — a new feed only after a disk loss of that region (or its disk going back in
+   time, ``rollback``: its feed went back with it), and a segment ends only expired,
+   and then the next one is of another feed. A watcher resumed on a feed that went
+   back in time, over ``seq``s its node then used again for other changes, is caught
+   by 3 (the re-read holds other events under those cursors) or by its refusal here;
 3. no gap — the segments of the node's current feed equal, event for event (cursor,
    kind, key, the state's digest), a fresh read of that feed at the end of the run
    over the same cursors, up to the end mark;
@@ -41,7 +44,7 @@ from fencemark.node.store.feed import cursor as feed_cursor
 from fencemark.node.store.feed import parse_cursor
 from fencemark.node.tools.workload import Event, History
 from tests.chaos.claim_invariants import Verdict
-from tests.chaos.nemesis import DISK_LOSSES, Played
+from tests.chaos.nemesis import DISK_FAULTS, Played
 from tests.chaos.queue_work import is_queued
 
 # A write's commit is before an event's when it was answered this long before the
@@ -150,8 +153,9 @@ def order_problems(log: WatchLog) -> list[str]:
 
 
 def feed_problems(log: WatchLog, played: Sequence[Played]) -> list[str]:
-    # A disk loss the engine then failed to finish (not injected) may have wiped it.
-    losses = sum(1 for f in played if f.kind in DISK_LOSSES and f.targets[0] == log.region)
+    # A disk loss the engine then failed to finish (not injected) may have wiped it. A
+    # disk put back to an older copy takes the feed back with it: a new feed may follow.
+    losses = sum(1 for f in played if f.kind in DISK_FAULTS and f.targets[0] == log.region)
     problems = [f"{log.region}: {p}" for p in log.problems]
     feeds = [s.feed for s in log.segments]
     changes = sum(1 for a, b in itertools.pairwise(feeds) if a != b)
