@@ -77,7 +77,7 @@ class GrantGate:
         # remember: this life's tokens start a new era, and it hears from its peers
         # before it decides. A brand-new file has no earlier life (its tokens start
         # at 1); a new, emptied or restored one owes the full catch-up instead.
-        earlier = self.opened_hlc > 0
+        earlier = bool(self.opened_hlc)
         self.life_hlc = clock.now() if earlier else 0
         self.starting = earlier and not self.owed
         self.rollbacks = 0  # states seen that prove the file forgot writes
@@ -132,8 +132,7 @@ class GrantGate:
         await self._storage.put_meta(GAP_OWED, "1")
         self.gap_owed = True
         await self._storage.put_meta(CATCH_UP, "owed")
-        self.owed = True
-        self.starting = False
+        self.owed = True  # a restart's bounded wait, if any, is now a catch-up owed
         for listener in self._listeners:
             listener()
 
