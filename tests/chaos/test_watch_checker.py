@@ -204,3 +204,28 @@ def test_a_feed_that_went_back_in_time_is_left_for_a_new_one_never_resumed_over(
     judged = verdict(log(Segment("f1.0", kept), reread=again), played=[ROLLBACK])
     assert not judged.ok
     assert "us: gap: 1 changes of the node's feed never received, first f1.4" in judged.detail
+
+
+def test_a_feed_that_went_back_in_time_resumes_past_what_it_forgot_in_a_new_era() -> None:
+    # The watcher had f1.5 and f1.6; the node, put back to f1.2, forgot them and
+    # began a new era of seqs (store.feed.era_start) at f1.1000. Resumed from f1.6, the
+    # watcher gets every change of the new era: what the file forgot is not in the
+    # re-read, and is not a problem after a rollback of its node ...
+    kept = feed("f1")
+    era = [
+        seen("f1.1000", OTHER, kind="created", at=29.5),
+        seen("f1.1001", kind="done", at=29.6, fence=1, result="done by us-queue-0@1"),
+        seen("f1.1002", MARKS[0], kind="created", at=30.0),
+        seen("f1.1003", MARKS[1], kind="created", at=31.0),
+    ]
+    got = [*kept[:4], *era]
+    reread = [kept[0], *era]
+    judged = verdict(log(Segment("f1.0", got), reread=reread), played=[ROLLBACK])
+    assert judged.ok, judged.detail
+    # ... but it is without one, and so is a change of the new era never received.
+    judged = verdict(log(Segment("f1.0", got), reread=reread))
+    assert not judged.ok
+    short = [*kept[:4], *era[1:]]
+    judged = verdict(log(Segment("f1.0", short), reread=reread), played=[ROLLBACK])
+    assert not judged.ok
+    assert "gap: 1 changes of the node's feed never received, first f1.1000" in judged.detail

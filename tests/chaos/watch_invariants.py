@@ -36,6 +36,7 @@ Judged, per watcher:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -194,14 +195,39 @@ def difference(region: str, got: Sequence[Seen], kept: Sequence[Seen]) -> str:
     return f"{region}: {len(got)} events received, {len(kept)} in the node's feed, in another order"
 
 
-def reread_problems(log: WatchLog, mark: str) -> tuple[list[str], int]:
-    """The current feed's segments against the re-read of it; how many events matched."""
+def forgotten(got: Sequence[Seen], reread: Sequence[Seen]) -> set[str]:
+    """The cursors of ``got`` that a feed which went back in time forgot: absent from
+    the re-read, and inside a jump of its ``seq``s — the new era the feed began after
+    the rollback (``store.feed.era_start``), above every ``seq`` it forgot."""
+    seqs = sorted(seq_of(e.cursor) for e in reread)
+    held = set(seqs)
+    lost = set()
+    for event in got:
+        seq = seq_of(event.cursor)
+        if seq in held:
+            continue
+        at = bisect.bisect(seqs, seq)
+        if 0 < at < len(seqs) and seqs[at] - seqs[at - 1] > 1:
+            lost.add(event.cursor)
+    return lost
+
+
+def reread_problems(
+    log: WatchLog, mark: str, *, rolled_back: bool = False
+) -> tuple[list[str], int]:
+    """The current feed's segments against the re-read of it; how many events matched.
+    After a ``rollback`` of the watcher's node, the events of changes the node's file
+    forgot are not in the re-read: they are left out of the comparison (``forgotten``),
+    and everything the feed holds must still have been received."""
     if not any(e.key == mark for e in log.reread):
         return [f"{log.region}: the final re-read of its node's feed never reached the end"], 0
     problems, matched = [], 0
     current = log.current()
     for segment in current:
         got = to_mark(segment.events, mark) if segment is current[-1] else segment.events
+        if rolled_back:
+            lost = forgotten(got, log.reread)
+            got = [e for e in got if e.cursor not in lost]
         if not got:
             continue
         low = seq_of(segment.start) if segment.start else seq_of(got[0].cursor) - 1
@@ -314,7 +340,8 @@ def watched_in_order(
     matched = judged = records = 0
     for log in logs:
         problems += order_problems(log) + feed_problems(log, played)
-        found, count = reread_problems(log, marks[1])
+        rolled_back = any(f.kind == "rollback" and f.targets[0] == log.region for f in played)
+        found, count = reread_problems(log, marks[1], rolled_back=rolled_back)
         problems, matched = problems + found, matched + count
         found, count = unshown_writes(log, writes_of(history, log.region, homes))
         problems, judged = problems + found, judged + count
