@@ -110,6 +110,17 @@ async def written_file(db: Path) -> tuple[str, int]:
 KEY = "repo/r/mem/t/item"
 
 
+async def restarted(db: Path) -> tuple[Storage, GrantGate]:
+    """A file written and caught up in its first life, opened again (left open): a
+    restart's storage and gate."""
+    _, high = await written_file(db)
+    storage = await Storage.open(db)
+    await GrantGate(storage, HybridClock(last=high)).caught_up()
+    await storage.close()
+    storage = await Storage.open(db)
+    return storage, GrantGate(storage, HybridClock(last=high), region="us")
+
+
 async def test_a_brand_new_file_has_no_earlier_life_to_wait_for(tmp_path: Path) -> None:
     """Tokens of a brand-new file start at 1 and it owes its catch-up, not a
     restart's wait; a file that holds writes starts a new era of tokens and waits
@@ -149,13 +160,8 @@ async def test_a_state_holding_writes_the_file_forgot_is_seen_as_a_rollback(
     """``forgets``: a stamp of this node's own, or a grant of its region, after what
     the file remembers and before this life began. Nothing else: another node's
     stamps, this life's own, what the file remembers, another region's grants."""
-    db = tmp_path / DB_FILE
-    node_id, high = await written_file(db)
-    storage = await Storage.open(db)
-    await GrantGate(storage, HybridClock(last=high)).caught_up()
-    await storage.close()
-    storage = await Storage.open(db)
-    gate = GrantGate(storage, HybridClock(last=high), region="us")
+    storage, gate = await restarted(tmp_path / DB_FILE)
+    node_id, high = storage.node_id, gate.opened_hlc
     lost, life = high + 1, gate.life_hlc
 
     def stamped(node: str, hlc: int) -> Record:
@@ -180,12 +186,8 @@ async def test_a_rollback_owes_a_catch_up_and_the_gap_durably(tmp_path: Path) ->
     """``rolled_back``: the node stops deciding, owes a complete pass with every peer
     and the recovery gap — across restarts — and tells whoever follows the gate."""
     db = tmp_path / DB_FILE
-    _, high = await written_file(db)
-    storage = await Storage.open(db)
-    await GrantGate(storage, HybridClock(last=high)).caught_up()
-    await storage.close()
-    storage = await Storage.open(db)
-    gate = GrantGate(storage, HybridClock(last=high), region="us")
+    storage, gate = await restarted(db)
+    high = gate.opened_hlc
     gate.waited()
     heard: list[str] = []
     gate.on_owed(lambda: heard.append("owed"))
