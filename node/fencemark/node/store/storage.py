@@ -383,6 +383,11 @@ class Storage:
             first = await self._queue.get()
             if first is None:
                 return
+            # One turn of the event loop first: calls already under way (their
+            # requests read, their changes decided) queue their writes and share
+            # this commit instead of each paying for one of their own
+            # (docs/performance.md, *Issue 19 levers*).
+            await asyncio.sleep(0)
             batch = [first]
             closing = False
             while not self._queue.empty():
