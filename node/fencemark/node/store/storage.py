@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -428,9 +429,13 @@ class Storage:
         meta, self._meta_pending = {**self._meta_pending, "hlc_high": str(hlc_high)}, {}
         started = time.perf_counter()
         try:
+            # The digests a commit replaces, for the digest tree: the cache's, where
+            # it has the key (it holds exactly what committed), else read.
+            known = {row[0]: cached.digest for row in rows if (cached := self._cache.get(row[0]))}
             before, feed_last = await self._writer.run(
-                commit_rows, self._writer.conn, rows, picks, events, meta, feed, self.feed_window
-            )
+                functools.partial(commit_rows, known=known, last=self.feed_last),
+                self._writer.conn, rows, picks, events, meta, feed, self.feed_window,
+            )  # fmt: skip
         except Exception as exc:
             log.exception("commit of %d writes failed", len(batch))
             for p in batch:
