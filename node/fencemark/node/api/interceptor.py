@@ -1,10 +1,10 @@
 """The node's server interceptors (telemetry, authorization, budgets), as one.
 
-gRPC's aio interceptor receives a method's handler and returns one. An
-interceptor here is a function from a method's behaviour to another (``wrap``,
-told the method's ``Shape``), applied once per method: :class:`Chain`, the one
-gRPC interceptor the server has, does the unwrapping and re-wrapping for each of
-gRPC's four shapes, keeping the method's (de)serializers, and keeps the result.
+An interceptor here is a function from a method's behaviour to another (``wrap``,
+told the method's ``Shape``), applied once per method: :class:`Chain` does the
+unwrapping and re-wrapping for each of gRPC's four shapes, keeping the method's
+(de)serializers, as :class:`Registrar` registers each service on the server. The
+server itself has no gRPC interceptor: those run on every call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import grpc
 # A unary method's behaviour; a streaming one is an async generator of the same arguments.
 Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 Behaviour = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Any]
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable["grpc.RpcMethodHandler[Any, Any]"]]
 
 
 class Shape(StrEnum):
@@ -58,31 +57,30 @@ class Interceptor:
         raise NotImplementedError
 
 
-class Chain(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """The node's one gRPC interceptor: ``interceptors`` (the first outermost) wrapped
-    around each method once, on its first call, and the result kept.
+class Chain:
+    """``interceptors`` (the first outermost) wrapped around each method once, as the
+    method is registered (:class:`Registrar`), not on every call.
 
-    gRPC's aio server runs every interceptor's ``intercept_service`` on every call;
-    a stack of three rebuilt three handlers and three closures per call. This runs
-    one, which on every call but a method's first only looks its handler up."""
+    gRPC's aio server runs every server interceptor's ``intercept_service`` on every
+    call, a coroutine and a continuation each; a stack of three rebuilt three
+    handlers and three closures per call. Wrapped when registered, a call finds its
+    method's handler already wrapped, as it finds an unwrapped one
+    (docs/performance.md, *Issue 19 levers*)."""
 
     def __init__(self, interceptors: Sequence[Interceptor]) -> None:
         self.interceptors = tuple(interceptors)
         # method -> (the servicer's handler, the wrapped one)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
 
-    async def intercept_service(
-        self, continuation: Continuation, details: grpc.HandlerCallDetails
+    def wrapped(
+        self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
     ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(details)
-        # None (despite the stubs) for a method no servicer has: gRPC answers UNIMPLEMENTED.
-        if handler is None:
-            return handler  # type: ignore[return-value]
-        kept = self._wrapped.get(details.method)
+        """``handler`` of ``method`` (its full path) with every interceptor around it."""
+        kept = self._wrapped.get(method)
         if kept is not None and kept[0] is handler:
             return kept[1]
-        wrapped = self._wrap(details.method, handler)
-        self._wrapped[details.method] = (handler, wrapped)
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
         return wrapped
 
     def _wrap(
@@ -100,3 +98,42 @@ class Chain(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+# Generic in grpc-stubs only: not subscriptable at runtime.
+class _Wrapping(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """A generic handler whose methods' handlers come out of ``chain``."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any], chain: Chain) -> None:
+        self.inner = inner
+        self.chain = chain
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler: grpc.RpcMethodHandler[Any, Any] | None = self.inner.service(details)
+        # None for a method this service has not: the next one is asked, or gRPC
+        # answers UNIMPLEMENTED.
+        return None if handler is None else self.chain.wrapped(details.method, handler)
+
+
+class Registrar:
+    """Registers services on ``server`` as gRPC's generated ``add_*_to_server`` helpers
+    do, every method's handler wrapped by ``chain``: what a server interceptor
+    did on every call, done once."""
+
+    def __init__(self, server: grpc.aio.Server, chain: Chain) -> None:
+        self.server = server
+        self.chain = chain
+
+    def add_generic_rpc_handlers(
+        self, handlers: Sequence[grpc.GenericRpcHandler[Any, Any]]
+    ) -> None:
+        self.server.add_generic_rpc_handlers(tuple(_Wrapping(h, self.chain) for h in handlers))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        # Not in grpc-stubs yet: the generated helpers of grpcio >= 1.62 call it.
+        self.server.add_registered_method_handlers(  # type: ignore[attr-defined]
+            service,
+            {name: self.chain.wrapped(f"/{service}/{name}", h) for name, h in handlers.items()},
+        )

@@ -16,10 +16,13 @@ its package (unless something already put the real one there).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+
+from fencemark.node.api.interceptor import Registrar
 
 V1ALPHA = reflection.SERVICE_NAME  # grpc.reflection.v1alpha.ServerReflection
 V1_PACKAGE = "grpc.reflection.v1"
@@ -59,13 +62,13 @@ def _describe_v1() -> None:
         pool.AddSerializedFile(v1_file_descriptor().SerializeToString())
 
 
-def enable(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
+def enable(server: Registrar, service_names: Iterable[str]) -> None:
     """Serve reflection of ``service_names`` (and of itself) as v1 and as v1alpha."""
     _describe_v1()
     # grpc-stubs knows only the sync servicer; the asyncio one is reflection.aio's.
     aio = reflection.aio  # type: ignore[attr-defined]
     servicer = aio.ReflectionServicer([*service_names, V1ALPHA, V1])
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, cast(Any, server))
     v1 = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,
         request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,

@@ -13,7 +13,7 @@ import functools
 import logging
 import signal
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from cryptography import x509
@@ -32,7 +32,7 @@ from fencemark.node.api.config import default_data_dir as default_data_dir
 from fencemark.node.api.config import live_tls, transport
 from fencemark.node.api.dashboard import Dashboard
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
-from fencemark.node.api.interceptor import Chain, Interceptor
+from fencemark.node.api.interceptor import Chain, Interceptor, Registrar
 from fencemark.node.api.reflection import enable as enable_reflection
 from fencemark.node.api.replication import ReplicationService
 from fencemark.node.api.service import NodeService, RecordsService, anyone
@@ -159,9 +159,11 @@ class NodeServer:
         metrics.watch(replica, claims, peers)
         if tls is not None:
             metrics.watch_tls(tls)
-        server = _grpc_server(config, tls, metrics)
+        server, chain = _grpc_server(config, tls, metrics)
         servicers = _servicers(config, tls, storage, replica, claims, work, replicator, peers)
-        names = _add_services(server, servicers, health_servicer, config.enable_writes)
+        names = _add_services(
+            Registrar(server, chain), servicers, health_servicer, config.enable_writes
+        )
         try:
             port = _listen(server, config, tls)
         except OSError:
@@ -290,18 +292,19 @@ def _peers(config: NodeConfig, tls: LiveTls | None, replica: Replica) -> dict[st
     return peers
 
 
-def _grpc_server(config: NodeConfig, tls: LiveTls | None, metrics: NodeMetrics) -> grpc.aio.Server:
-    """The gRPC server with its interceptors, in order: telemetry first (it times and
-    counts what Authorize and the budgets refuse, too), Authorize before the budgets
-    (a call refused anyway takes no slot)."""
+def _grpc_server(
+    config: NodeConfig, tls: LiveTls | None, metrics: NodeMetrics
+) -> tuple[grpc.aio.Server, Chain]:
+    """The gRPC server, and the interceptors its services are registered with, in
+    order: telemetry first (it times and counts what Authorize and the budgets refuse,
+    too), Authorize before the budgets (a call refused anyway takes no slot)."""
     interceptors: list[Interceptor] = [Telemetry(metrics)]
     if tls is not None:
         interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
     # Per class, not gRPC's maximum_concurrent_rpcs: one pool let waiting claims
     # starve health checks and the peers' replication (fencemark.node.api.budgets).
     interceptors.append(CallBudgets(config.call_limits, call_classes(), metrics))
-    return grpc.aio.server(
-        interceptors=[Chain(interceptors)],
+    server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
@@ -314,6 +317,7 @@ def _grpc_server(config: NodeConfig, tls: LiveTls | None, metrics: NodeMetrics) 
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ],
     )
+    return server, Chain(interceptors)
 
 
 def _servicers(
@@ -350,14 +354,14 @@ def _servicers(
 
 
 def _add_services(
-    server: grpc.aio.Server, servicers: Mapping[str, object], health: Any, writes_enabled: bool
+    server: Registrar, servicers: Mapping[str, object], health: Any, writes_enabled: bool
 ) -> list[str]:
     """Fencemark's services (only their reads when writes are disabled), health and
     reflection; returns the full names of fencemark's services."""
     server.add_generic_rpc_handlers(
         tuple(gated_handler(servicers[s.name], s, writes_enabled=writes_enabled) for s in SERVICES)
     )
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, cast(Any, server))
     names = [s.full_name for s in SERVICES]
     enable_reflection(server, [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     return names

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -402,6 +403,11 @@ class Storage:
             first = await self._queue.get()
             if first is None:
                 return
+            # One turn of the event loop first: calls already under way (their
+            # requests read, their changes decided) queue their writes and share
+            # this commit instead of each paying for one of their own
+            # (docs/performance.md, *Issue 19 levers*).
+            await asyncio.sleep(0)
             batch = [first]
             closing = False
             while not self._queue.empty():
@@ -444,9 +450,13 @@ class Storage:
         try:
             excess = self._feed_rows + len(feed) - self.feed_window
             era = self._era_pending if feed else 0
+            # The digests a commit replaces, for the digest tree: the cache's, where
+            # it has the key (it holds exactly what committed), else read.
+            known = {row[0]: cached.digest for row in rows if (cached := self._cache.get(row[0]))}
             before, (feed_last, feed_first) = await self._writer.run(
-                commit_rows, self._writer.conn, rows, picks, events, meta, feed, excess, era
-            )
+                functools.partial(commit_rows, known=known),
+                self._writer.conn, rows, picks, events, meta, feed, excess, era,
+            )  # fmt: skip
         except Exception as exc:
             log.exception("commit of %d writes failed", len(batch))
             for p in batch:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
+import queue
 import secrets
 import sqlite3
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fencemark.node.crdt import codec
 from fencemark.node.store import events as events_table
@@ -52,11 +52,19 @@ class Writer:
     """The write connection and the one thread it is used on.
 
     Its calls take the stdlib ``sqlite3`` connection directly: a function given to
-    :meth:`run` does all its statements in one trip from the event loop.
+    :meth:`run` does all its statements in one trip from the event loop. The trip
+    is a queue the thread reads and a result handed back with
+    ``call_soon_threadsafe``: not an executor, whose futures, locks and
+    semaphore cost the event loop more per commit than the hand-off itself
+    (docs/performance.md, *Issue 19 levers*).
     """
 
     def __init__(self) -> None:
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fencemark-sqlite-writer")
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._serve, name="fencemark-sqlite-writer", daemon=True
+        )
+        self._thread.start()
         self._conn: sqlite3.Connection | None = None
 
     @property
@@ -66,7 +74,19 @@ class Writer:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
+        done: asyncio.Future[T] = loop.create_future()
+        self._calls.put((fn, args, done, loop))
+        return await done
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, args, done, loop = call
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to the caller, as an executor would
+                _hand_back(loop, done, None, exc)
+            else:
+                _hand_back(loop, done, result, None)
 
     def connect(self, path: Path) -> sqlite3.Connection:
         # check_same_thread stays on: only this writer's thread ever uses it.
@@ -77,7 +97,34 @@ class Writer:
         if self._conn is not None:
             await self.run(self._conn.close)
             self._conn = None
-        self._thread.shutdown(wait=True)
+        self._calls.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+
+# One call for the writer thread: the function, its arguments, and whose future to settle.
+_Call = tuple[
+    Callable[..., Any], tuple[object, ...], "asyncio.Future[Any]", asyncio.AbstractEventLoop
+]
+
+
+def _hand_back(
+    loop: asyncio.AbstractEventLoop,
+    done: asyncio.Future[Any],
+    result: object,
+    error: BaseException | None,
+) -> None:
+    """Settle ``done`` on its loop's thread (unless its caller gave up meanwhile)."""
+
+    def settle() -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+        loop.call_soon_threadsafe(settle)
 
 
 def open_writer(writer: Writer, path: Path) -> dict[str, str]:
@@ -124,10 +171,14 @@ def commit_rows(
     feed: list[tuple[str, str, int, bytes]],
     excess: int,
     era: int = 0,
+    *,
+    known: dict[str, bytes],
 ) -> tuple[dict[str, bytes], tuple[int, int]]:
     """One group commit, on the writer's thread; returns the digests it replaced and
     the feed's last and oldest ``seq`` after it (``_feed``).
 
+    ``known`` holds the current digest of keys the caller knows it for (what its
+    cache holds is exactly what committed): only the others are read.
     Rows go in as multi-row upserts (one statement, one step, per up to
     ROWS_PER_STATEMENT rows) rather than one step per row: each step gives up the
     GIL, and winning it back from a busy event loop can take a switch interval.
@@ -137,14 +188,21 @@ def commit_rows(
         before: dict[str, bytes] = {}
         for start in range(0, len(rows), ROWS_PER_STATEMENT):
             chunk = rows[start : start + ROWS_PER_STATEMENT]
-            keys = [row[0] for row in chunk]
-            marks = ",".join("?" * len(keys))
-            before.update(
-                (key, bytes(digest))
-                for key, digest in conn.execute(
-                    f"SELECT key, digest FROM records WHERE key IN ({marks})", keys
+            keys = []
+            for row in chunk:
+                digest = known.get(row[0])
+                if digest is None:
+                    keys.append(row[0])
+                else:
+                    before[row[0]] = digest
+            if keys:
+                marks = ",".join("?" * len(keys))
+                before.update(
+                    (key, bytes(digest))
+                    for key, digest in conn.execute(
+                        f"SELECT key, digest FROM records WHERE key IN ({marks})", keys
+                    )
                 )
-            )
             values = ",".join(["(?, ?, ?, ?, ?, ?)"] * len(chunk))
             conn.execute(
                 "INSERT INTO records (key, state, digest, deleted, bucket, max_hlc)"
