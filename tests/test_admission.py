@@ -900,6 +900,11 @@ def test_a_life_continues_its_own_tokens_one_by_one() -> None:
     life = pack(NOW_MS)
     mine = FenceState().grant(NOW_MS * 2**10, Grant(life, "w", "local"), NOW_MS + 60_000)
     assert next_token(mine, life_hlc=life, region="local") == NOW_MS * 2**10 + 1
+    # Who granted decides, not how large the token is: a grant of this region at or
+    # after the life's first HLC is this life's, and the next token follows it.
+    for granted_at in (life, life + 3):
+        own = FenceState().grant(7, Grant(granted_at, "w", "local"), NOW_MS + 60_000)
+        assert next_token(own, life_hlc=life, region="local") == 8
     at_start = FenceState().grant(7, Grant(life - 1, "w", "local"), NOW_MS + 60_000)
     assert next_token(at_start, life_hlc=life, region="local") == NOW_MS * 2**10
     theirs = FenceState().grant(7, Grant(life + 5, "w", "eu"), NOW_MS + 60_000)
