@@ -1,4 +1,4 @@
-"""The invariants about claims: 1, 2, 7, 8 and 9 (checker.py has the others).
+"""The invariants about claims: 1, 2, 7, 8, 9 and 14 (checker.py has the others).
 
 ``claims.py`` says what a claim, its life and its end are, and what a split-born
 id is; docs/chaos.md says what each invariant means.
@@ -19,6 +19,7 @@ from tests.chaos.claims import (
     LOST_WITH_DISK,
     RENEWALS,
     Claim,
+    Ending,
     Span,
     Split,
     by_key,
@@ -340,3 +341,62 @@ def _holds(record: Record | None, write: Event) -> bool:
 
 def _region(event: Event) -> str:
     return event.agent.removeprefix("meddler-")
+
+
+# -- 14. every lapsed lease is recorded -------------------------------------------------
+
+# After a lease's end, how long its home may take to record the lapse: its watcher
+# looks within milliseconds, but a home that is down, frozen or catching up records
+# it once it decides again, and the final states are read after every fault healed.
+LAPSE_GRACE_S = 5.0
+STANDING = ("granted", "renewed")  # claim events that leave a claim unreleased
+
+
+def leases_recorded(
+    history: History, endings: Sequence[Ending], unread: int, lease_seconds: float
+) -> Verdict:
+    """Every claim whose lease ran out at its home ended there: a record whose home's
+    latest claim event, read at the end, is a grant or renewal whose lease (the
+    longest any reply of the record named, or ``lease_seconds``) ran out more than
+    ``LAPSE_GRACE_S`` before was never lapsed nor released — a change that landed
+    without the lapse watcher hearing of it (a caller cancelled mid-commit)."""
+    leases: dict[str, float] = {}
+    for event in history.events:
+        if event.outcome == "ok" and event.expires and event.op in ("grant", *RENEWALS):
+            asked = event.expires - event.completed
+            leases[event.key] = max(leases.get(event.key, lease_seconds), asked)
+    violations = []
+    standing = ended = 0
+    for ending in endings:
+        if ending.kind not in STANDING:
+            ended += bool(ending.kind)
+            continue
+        ran_out = ending.at + leases.get(ending.key, lease_seconds)
+        if ending.read_at - ran_out <= LAPSE_GRACE_S:
+            standing += 1
+            continue
+        violations.append(
+            f"{ending.key}: token {ending.token} of {ending.owner}, {ending.kind} by {ending.home}"
+            f" at {ending.at:.2f} s, ran out by {ran_out:.2f} s, neither lapsed nor released"
+            f" at {ending.read_at:.2f} s"
+        )
+    if not endings:
+        violations.append("no record's claim history was read: nothing judged")
+    detail = "; ".join(violations[:3]) or (
+        f"{len(endings)} claimed records' histories read at their homes: {ended} claims ended"
+        f" (released, lapsed or taken back), {standing} still within their lease and"
+        f" {LAPSE_GRACE_S:.0f} s, none left standing past it"
+        + (f"; {unread} histories unread" if unread else "")
+    )
+    return Verdict(
+        "14. every lapsed lease is recorded",
+        not violations,
+        detail,
+        {
+            "histories": len(endings),
+            "ended": ended,
+            "within lease": standing,
+            "unread": unread,
+            "violations": len(violations),
+        },
+    )

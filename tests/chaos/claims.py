@@ -271,3 +271,18 @@ def by_key(claims: Mapping[tuple[str, int, str], Claim]) -> dict[str, list[Claim
     for claim in claims.values():
         grouped.setdefault(claim.key, []).append(claim)
     return grouped
+
+
+@dataclass(frozen=True)
+class Ending:
+    """The latest claim event a record's home kept (``Records.History``), read at the
+    end of the run; times on the run clock. ``kind`` is ``granted``, ``renewed``,
+    ``released``, ``lapsed`` or ``forced`` (``""``: the home kept none)."""
+
+    key: str
+    home: str
+    kind: str
+    token: int
+    owner: str
+    at: float  # when the home decided it
+    read_at: float  # when the run read it

@@ -20,6 +20,8 @@ from tests.chaos.checker import (
     Verdict,
     check,
 )
+from tests.chaos.claim_invariants import leases_recorded
+from tests.chaos.claims import Ending
 from tests.chaos.forger import RULES, Pushed
 from tests.chaos.nemesis import KINDS, Played, cut_pairs, schedule
 from tests.chaos.queue_work import QUEUE_TOPIC
@@ -853,3 +855,80 @@ def test_a_rollback_excuses_only_what_was_acknowledged_after_the_copy_and_not_pa
     assert not lost(29.0, replace(ROLLED_BACK, down_at=31.0)).ok
     # A rollback whose copy was never taken (the freezer refused) forgot nothing.
     assert not lost(37.0, replace(ROLLED_BACK, copied_at=0.0, injected=False)).ok
+
+
+# -- hasty callers (hasty.py) and 14. every lapsed lease is recorded ----------------------
+
+HASTY = "us-hasty-0"
+LEFT = "DEADLINE_EXCEEDED"  # a hasty call past its deadline: outcome unknown
+
+
+def hasty(*more: Event) -> History:
+    """us-hasty-0 claims KEY (token 1, lease to 3 s), writes, then its renewal at 2 s is
+    past its deadline and it walks away; eu-agent-0 claims token 2 at 9 s."""
+    return history(
+        event(HASTY, "grant", 1.0, token=1, expires=3.0, took=0.01),
+        event(HASTY, "write", 1.5, token=1, detail="hasty.a", value="a", took=0.01),
+        event(HASTY, "renew", 2.0, token=1, outcome="unknown", detail=LEFT, took=0.01),
+        event("eu-agent-0", "grant", 9.0, token=2, expires=11.0),
+        *more,
+        *SERVED,
+        *WORKED,
+    )
+
+
+def test_hasty_calls_whose_outcome_is_unknown_may_have_landed_or_not() -> None:
+    """A claim and a renewal left before their answer: either may have landed, and the
+    claim invariants accept both — the next holder is granted after the lease could
+    have run out, and the hasty writer's acknowledged write is kept."""
+    h = hasty(event("ap-hasty-0", "claim", 12.0, outcome="unknown", detail="CANCELLED"))
+    judged = verdicts(h, states=finals(**{"hasty.a": "a"}))
+    assert all(v.ok for v in judged.values()), judged
+
+
+def test_a_hasty_token_granted_again_or_written_under_once_superseded_is_caught() -> None:
+    """What no cancelled call excuses: its token granted to another caller (8), a write
+    under it accepted after a newer token was granted (1), two live claims (7)."""
+    twice = hasty(event("eu-agent-1", "grant", 2.5, token=1, expires=4.5))
+    judged = verdicts(twice, states=finals(**{"hasty.a": "a"}))
+    assert not judged["a token is granted once"].ok
+    assert "granted to us-hasty-0 and eu-agent-1" in judged["a token is granted once"].detail
+    assert not judged["one live claim at a time"].ok
+    stale = hasty(event(HASTY, "write", 9.5, token=1, detail="hasty.b", value="b", took=0.01))
+    judged = verdicts(stale, states=finals(**{"hasty.a": "a", "hasty.b": "b"}))
+    assert "us-hasty-0 wrote" in judged["fencing safety"].detail
+    assert not judged["fencing safety"].ok
+
+
+def ending(kind: str, at: float, *, token: int = 1, read_at: float = 60.0) -> Ending:
+    return Ending(KEY, "us", kind, token, HASTY, at, read_at)
+
+
+def test_a_lease_left_standing_long_after_it_ran_out_violates_14() -> None:
+    """The past bug's signature: a renewal that landed for a caller that left, which the
+    lapse watcher never heard of, so its home never recorded the lapse."""
+    verdict = leases_recorded(hasty(), [ending("renewed", 2.0)], 0, 2.0)
+    assert not verdict.ok
+    assert "token 1 of us-hasty-0, renewed by us at 2.00 s" in verdict.detail
+    assert "neither lapsed nor released" in verdict.detail
+    granted = leases_recorded(hasty(), [ending("granted", 40.0, token=3)], 0, 2.0)
+    assert not granted.ok  # a grant whose caller left, too
+    assert not leases_recorded(hasty(), [], 0, 2.0).ok  # nothing read: nothing judged
+
+
+def test_leases_that_ended_or_may_still_run_pass_14() -> None:
+    """Lapsed, released or taken back: ended. A lease that ran out within the grace, or
+    one a reply named longer than the workload's (30 s), may still stand."""
+    long = history(event("forge-holder-us", "grant", 30.0, token=4, expires=60.0))
+    endings = [
+        ending("lapsed", 4.0),
+        ending("released", 5.0),
+        ending("forced", 6.0),
+        ending("", 0.0),
+        ending("renewed", 55.0),
+        ending("granted", 30.0, token=4),
+    ]
+    verdict = leases_recorded(long, endings, 1, 2.0)
+    assert verdict.ok, verdict.detail
+    assert verdict.numbers["ended"] == 3 and verdict.numbers["within lease"] == 2
+    assert "1 histories unread" in verdict.detail
