@@ -1,4 +1,4 @@
-"""The replication chaos tier: three region containers, a seeded nemesis, thirteen invariants.
+"""The replication chaos tier: three region containers, a seeded nemesis, fourteen invariants.
 
 The nodes run mutual TLS, as deployed (cluster.py); every client of the test has a
 certificate of the run's CA.
@@ -34,8 +34,10 @@ from fencemark.node.tools.proxy import ProxyMesh
 from fencemark.node.tools.workload import History
 from tests.chaos import report
 from tests.chaos.checker import CONVERGE_ROUNDS, Convergence, check
+from tests.chaos.claim_invariants import leases_recorded
 from tests.chaos.cluster import ChaosCluster
 from tests.chaos.forger import Forger
+from tests.chaos.hasty import HastyWork, read_endings
 from tests.chaos.nemesis import KINDS, Nemesis, schedule, wait_for
 from tests.chaos.queue_work import QueueWork
 from tests.chaos.shapes import SPLIT_MEET_LIMIT_S, Shapes
@@ -147,11 +149,14 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         # the same faults and shapes as before the work queue joined the workload.
         queue = QueueWork(workload)
         await queue.prepare()
+        hasty = HastyWork(workload)  # after the queue drew: seeds replay as before it joined
+        await hasty.prepare()
+        log(f"{len(hasty.clients)} hasty clients, {len(hasty.shared)} shared hasty items")
         nemesis = Nemesis(cluster, mesh, workload.agents, workload.now, log, shapes, forger)
         followers = Watchers(workload)  # a watcher of the queue's topic at every node
         followers.start()
         stop = asyncio.Event()
-        tasks = [*workload.tasks(stop), *shapes.tasks(stop), *queue.tasks(stop)]
+        tasks = [*workload.tasks(stop), *shapes.tasks(stop), *queue.tasks(stop), *hasty.tasks(stop)]
         await asyncio.sleep(WARM_UP_S)
         try:
             await nemesis.play(faults, stop, until=workload.now() + settings.seconds)
@@ -195,6 +200,10 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         except TimeoutError as exc:
             log(str(exc))
             finals = {r: await all_records(c) for r, c in readers.items()}
+        log(hasty.summary())
+        # Every claimed record's latest claim event at its home: a lease that ran out
+        # there must have been recorded lapsed (or released) by now (invariant 14).
+        endings, unread = await read_endings(workload)
         await followers.finish()  # after the final states: its marks are no part of them
         watched = list(followers.logs.values())
         verdicts = check(
@@ -206,6 +215,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
             lease_seconds=LEASE_SECONDS,
         )
         verdicts.append(watched_in_order(watched, history, nemesis.played, workload.homes, MARKS))
+        verdicts.append(leases_recorded(history, endings, unread, LEASE_SECONDS))
         written = report.write(
             folder,
             settings={
