@@ -352,8 +352,27 @@ LAPSE_GRACE_S = 5.0
 STANDING = ("granted", "renewed")  # claim events that leave a claim unreleased
 
 
+def forgot_the_end(ending: Ending, ran_out: float, played: Sequence[Played]) -> bool:
+    """Whether ``ending``'s home went back in time (``rollback``) to a copy that holds
+    the event but not the end that followed it: the end came later than the copy, and
+    the file, put back, forgot it; the end then comes back merged from the peers, and a
+    merge is no decision of the home's, so its history never shows it."""
+    return any(
+        fault.kind == ROLLBACK
+        and fault.targets[0] == ending.home
+        and fault.copied_at
+        and ending.at <= fault.copied_at + CLOCK_SLACK_S
+        and ran_out + LAPSE_GRACE_S > fault.copied_at
+        for fault in played
+    )
+
+
 def leases_recorded(
-    history: History, endings: Sequence[Ending], unread: int, lease_seconds: float
+    history: History,
+    endings: Sequence[Ending],
+    unread: int,
+    played: Sequence[Played],
+    lease_seconds: float,
 ) -> Verdict:
     """Every claim whose lease ran out at its home ended there: a record whose home's
     latest claim event, read at the end, is a grant or renewal whose lease (the
@@ -366,7 +385,7 @@ def leases_recorded(
             asked = event.expires - event.completed
             leases[event.key] = max(leases.get(event.key, lease_seconds), asked)
     violations = []
-    standing = ended = 0
+    standing = ended = forgotten = 0
     for ending in endings:
         if ending.kind not in STANDING:
             ended += bool(ending.kind)
@@ -374,6 +393,9 @@ def leases_recorded(
         ran_out = ending.at + leases.get(ending.key, lease_seconds)
         if ending.read_at - ran_out <= LAPSE_GRACE_S:
             standing += 1
+            continue
+        if forgot_the_end(ending, ran_out, played):
+            forgotten += 1
             continue
         violations.append(
             f"{ending.key}: token {ending.token} of {ending.owner}, {ending.kind} by {ending.home}"
@@ -386,6 +408,7 @@ def leases_recorded(
         f"{len(endings)} claimed records' histories read at their homes: {ended} claims ended"
         f" (released, lapsed or taken back), {standing} still within their lease and"
         f" {LAPSE_GRACE_S:.0f} s, none left standing past it"
+        + (f"; {forgotten} ends forgotten by a rollback of the home" if forgotten else "")
         + (f"; {unread} histories unread" if unread else "")
     )
     return Verdict(
@@ -396,6 +419,7 @@ def leases_recorded(
             "histories": len(endings),
             "ended": ended,
             "within lease": standing,
+            "forgotten by a rollback": forgotten,
             "unread": unread,
             "violations": len(violations),
         },

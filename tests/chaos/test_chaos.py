@@ -215,7 +215,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
             lease_seconds=LEASE_SECONDS,
         )
         verdicts.append(watched_in_order(watched, history, nemesis.played, workload.homes, MARKS))
-        verdicts.append(leases_recorded(history, endings, unread, LEASE_SECONDS))
+        verdicts.append(leases_recorded(history, endings, unread, nemesis.played, LEASE_SECONDS))
         written = report.write(
             folder,
             settings={

@@ -907,13 +907,13 @@ def ending(kind: str, at: float, *, token: int = 1, read_at: float = 60.0) -> En
 def test_a_lease_left_standing_long_after_it_ran_out_violates_14() -> None:
     """The past bug's signature: a renewal that landed for a caller that left, which the
     lapse watcher never heard of, so its home never recorded the lapse."""
-    verdict = leases_recorded(hasty(), [ending("renewed", 2.0)], 0, 2.0)
+    verdict = leases_recorded(hasty(), [ending("renewed", 2.0)], 0, [], 2.0)
     assert not verdict.ok
     assert "token 1 of us-hasty-0, renewed by us at 2.00 s" in verdict.detail
     assert "neither lapsed nor released" in verdict.detail
-    granted = leases_recorded(hasty(), [ending("granted", 40.0, token=3)], 0, 2.0)
+    granted = leases_recorded(hasty(), [ending("granted", 40.0, token=3)], 0, [], 2.0)
     assert not granted.ok  # a grant whose caller left, too
-    assert not leases_recorded(hasty(), [], 0, 2.0).ok  # nothing read: nothing judged
+    assert not leases_recorded(hasty(), [], 0, [], 2.0).ok  # nothing read: nothing judged
 
 
 def test_leases_that_ended_or_may_still_run_pass_14() -> None:
@@ -928,7 +928,21 @@ def test_leases_that_ended_or_may_still_run_pass_14() -> None:
         ending("renewed", 55.0),
         ending("granted", 30.0, token=4),
     ]
-    verdict = leases_recorded(long, endings, 1, 2.0)
+    verdict = leases_recorded(long, endings, 1, [], 2.0)
     assert verdict.ok, verdict.detail
     assert verdict.numbers["ended"] == 3 and verdict.numbers["within lease"] == 2
     assert "1 histories unread" in verdict.detail
+
+
+def test_a_lease_whose_end_a_rollback_of_its_home_forgot_is_not_judged_by_14() -> None:
+    """A home put back to a copy taken after a renewal, but before its lease ran out:
+    the file holds the renewal, forgot the lapse that followed, and the lapse comes
+    back merged from the peers, which is no event of the home's. A lease that ran out
+    well before the copy must have ended on it."""
+    rollback = Played("rollback", ("us",), 10.0, 25.0, down_at=18.0, copied_at=10.5)
+    verdict = leases_recorded(hasty(), [ending("renewed", 10.0)], 0, [rollback], 2.0)
+    assert verdict.ok and verdict.numbers["forgotten by a rollback"] == 1, verdict.detail
+    early = leases_recorded(hasty(), [ending("renewed", 2.0)], 0, [rollback], 2.0)
+    assert not early.ok
+    elsewhere = replace(rollback, targets=("eu",))
+    assert not leases_recorded(hasty(), [ending("renewed", 10.0)], 0, [elsewhere], 2.0).ok
