@@ -1,5 +1,6 @@
 """The chaos tier's checker: twelve invariants over the history and the final states
-(the thirteenth, over what the watchers received, is ``watch_invariants.py``'s).
+(the thirteenth, over what the watchers received, is ``watch_invariants.py``'s; the
+fourteenth, over the homes' claim histories at the end, ``leases_recorded``).
 
 Each invariant is judged on its own and reported separately (docs/chaos.md says
 what each means and what it does not promise); those about claims are in
