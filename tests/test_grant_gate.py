@@ -197,13 +197,13 @@ async def test_a_rollback_owes_a_catch_up_and_the_gap_durably(tmp_path: Path) ->
     assert not gate.forgets(Record(KEY).create("us", Stamp(0, high + 1, storage.node_id)))
     await gate.rolled_back()  # more proof changes nothing but the count
     assert (gate.rollbacks, heard) == (2, ["owed"])
+    # Caught up again (with the gap): proofs that arrive later are only counted, or
+    # each would stop the node deciding anew (a chaos run found the node not deciding
+    # for 11 s after its catch-up, through a network fault).
+    await gate.caught_up()
+    assert gate.deciding and gate.recovered_hlc > gate.life_hlc
+    await gate.rolled_back()
+    assert (gate.deciding, gate.rollbacks, heard) == (True, 3, ["owed"])
     await storage.close()
     again = await reopened(db)
-    assert again.owed and again.gap_owed and not again.deciding
-    storage = await Storage.open(db)
-    clock = HybridClock(last=storage.hlc_high)
-    gate = GrantGate(storage, clock, region="us")
-    before = clock.now()
-    await gate.caught_up()
-    assert gate.deciding and gate.recovered_hlc > before
-    await storage.close()
+    assert not again.owed and again.recovered_hlc == gate.recovered_hlc  # nothing owed

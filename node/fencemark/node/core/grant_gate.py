@@ -125,9 +125,13 @@ class GrantGate:
     async def rolled_back(self) -> None:
         """The file lost writes this node made (``forgets``): owe a complete pass with
         every peer and the recovery gap, durably, before the state that proved it is
-        merged — as a node that lost its disk does. Once per life is enough."""
+        merged — as a node that lost its disk does. Once per life is enough: a catch-up
+        merges everything the peers hold, and the gap puts every new token above the
+        forgotten ones, so the proofs that arrive after it (states in flight, or that
+        reached a peer late) are only counted — each would otherwise stop the node
+        deciding again."""
         self.rollbacks += 1
-        if self.owed:
+        if self.owed or self.rollbacks > 1:
             return
         await self._storage.put_meta(GAP_OWED, "1")
         self.gap_owed = True

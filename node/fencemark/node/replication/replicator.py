@@ -248,9 +248,11 @@ class Replicator(Rounds):
                 peer = random.choice(ready)
                 result = await self._guarded_round(peer)
                 if self.catching_up and result is not None and result.complete:
-                    synced.add(peer.stats.region)
-                    if synced == set(self._peers):
-                        await self._caught_up(synced)
+                    # The set as it is now: a round that found the node's file went
+                    # back in time began a catch-up anew (catch_up_again) meanwhile.
+                    self._synced.add(peer.stats.region)
+                    if self._synced == set(self._peers):
+                        await self._caught_up(self._synced)
             # Hurry only while pulling: a round that pulled nothing, even a truncated
             # one, found a peer that is behind, and that peer pulls in its own rounds.
             busy = result is not None and result.pulled > 0
