@@ -131,7 +131,7 @@ class GrantGate:
         reached a peer late) are only counted — each would otherwise stop the node
         deciding again."""
         self.rollbacks += 1
-        if self.owed or self.rollbacks > 1:
+        if self.rollbacks > 1:
             return
         await self._storage.put_meta(GAP_OWED, "1")
         self.gap_owed = True
