@@ -129,10 +129,9 @@ class Storage:
         *,
         cache_size: int = 10_000,
         feed_window: int = feed_table.DEFAULT_WINDOW,
-        wall_ms: int | None = None,
     ) -> Storage:
-        """Open (creating if needed) the node's database file; ``wall_ms`` (the clock's,
-        by default) starts the feed's new era (``feed.era_start``)."""
+        """Open (creating if needed) the node's database file; the wall clock now starts
+        the feed's new era (``feed.era_start``)."""
         writer = Writer()
         reader: aiosqlite.Connection | None = None
         try:
@@ -157,8 +156,7 @@ class Storage:
             await writer.close()
             raise
         hlc_high = int(meta.get("hlc_high", 0))
-        now_ms = time.time_ns() // 1_000_000 if wall_ms is None else wall_ms
-        era = feed_table.era_start(int(last), now_ms)
+        era = feed_table.era_start(int(last), time.time_ns() // 1_000_000)
         storage = cls(path, writer, reader, meta["node_id"], hlc_high, cache_size, tree, len(rows),
                       feed_window, int(last), int(first), int(kept), era)  # fmt: skip
         storage.meta = meta
@@ -453,7 +451,7 @@ class Storage:
             # The digests a commit replaces, for the digest tree: the cache's, where
             # it has the key (it holds exactly what committed), else read.
             known = {row[0]: cached.digest for row in rows if (cached := self._cache.get(row[0]))}
-            before, (feed_last, feed_first) = await self._writer.run(
+            before, ends = await self._writer.run(
                 functools.partial(commit_rows, known=known),
                 self._writer.conn, rows, picks, events, meta, feed, excess, era,
             )  # fmt: skip
@@ -465,6 +463,7 @@ class Storage:
             return
         self.hlc_high = hlc_high
         self.meta.update(meta)
+        feed_last, feed_first = ends if ends is not None else (self.feed_last, self._tail.first)
         self._tail.extend(feed_last, feed_first, feed)
         if feed:
             self._era_pending = 0

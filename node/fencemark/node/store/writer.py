@@ -173,9 +173,9 @@ def commit_rows(
     era: int = 0,
     *,
     known: dict[str, bytes],
-) -> tuple[dict[str, bytes], tuple[int, int]]:
+) -> tuple[dict[str, bytes], tuple[int, int] | None]:
     """One group commit, on the writer's thread; returns the digests it replaced and
-    the feed's last and oldest ``seq`` after it (``_feed``).
+    the feed's last and oldest ``seq`` after it (``_feed``: None, unchanged).
 
     ``known`` holds the current digest of keys the caller knows it for (what its
     cache holds is exactly what committed): only the others are read.
@@ -231,12 +231,12 @@ def _feed(
     feed: list[tuple[str, str, int, bytes]],
     excess: int,
     era: int = 0,
-) -> tuple[int, int]:
+) -> tuple[int, int] | None:
     """Append the commit's changes to the feed (the first at ``seq`` ``era`` when a new
     era starts with it: ``feed.era_start``) and drop its ``excess`` oldest rows (the
     window is counted in rows: an era's first ``seq`` jumps, so ``seq`` arithmetic
     would trim every row of the lives before it); returns the last ``seq`` and the
-    oldest kept (``last + 1``: none)."""
+    oldest kept (``last + 1``: none), or None when it changed nothing."""
     if feed:
         insert = "INSERT INTO feed (seq, key, kind, at_ms, state) VALUES (?, ?, ?, ?, ?)"
         conn.execute(insert, (era or None, *feed[0]))
@@ -245,6 +245,8 @@ def _feed(
         conn.execute(
             "DELETE FROM feed WHERE seq IN (SELECT seq FROM feed ORDER BY seq LIMIT ?)", (excess,)
         )
+    elif not feed:
+        return None  # the feed is as it was: no read in a commit that fed nothing
     first, last = conn.execute("SELECT min(seq), coalesce(max(seq), 0) FROM feed").fetchone()
     last = int(last)
     return last, int(first) if first is not None else last + 1
