@@ -236,11 +236,10 @@ class Replicator(Rounds):
 
     async def _anti_entropy_loop(self) -> None:
         while True:
-            synced = self._synced
             now = time.monotonic()
             ready = [p for p in self._peers.values() if max(p.retry_at, p.behind_until) <= now]
-            owed = self.catching_up and len(synced) < len(self._peers)
-            pending = [p for p in ready if p.stats.region not in synced]
+            owed = self.catching_up and len(self._synced) < len(self._peers)
+            pending = [p for p in ready if p.stats.region not in self._synced]
             if owed and pending:
                 ready = pending  # the peers still owed a complete round go first
             result = None
@@ -248,8 +247,8 @@ class Replicator(Rounds):
                 peer = random.choice(ready)
                 result = await self._guarded_round(peer)
                 if self.catching_up and result is not None and result.complete:
-                    # The set as it is now: a round that found the node's file went
-                    # back in time began a catch-up anew (catch_up_again) meanwhile.
+                    # Into the set as it is after the round: one that found the node's
+                    # file went back in time began the catch-up anew (catch_up_again).
                     self._synced.add(peer.stats.region)
                     if self._synced == set(self._peers):
                         await self._caught_up(self._synced)
