@@ -226,6 +226,13 @@ def commit_rows(
     return before, ends
 
 
+# The feed's oldest and last ``seq``, read in every commit that feeds: two scalar
+# subqueries, each a search of the primary key. One SELECT of both min() and max()
+# is not: SQLite's min/max optimization takes a lone aggregate only, and the
+# query scanned the whole window (up to --feed-window rows of states) per commit.
+FEED_ENDS = "SELECT (SELECT min(seq) FROM feed), (SELECT coalesce(max(seq), 0) FROM feed)"
+
+
 def _feed(
     conn: sqlite3.Connection,
     feed: list[tuple[str, str, int, bytes]],
@@ -247,7 +254,7 @@ def _feed(
         )
     elif not feed:
         return None  # the feed is as it was: no read in a commit that fed nothing
-    first, last = conn.execute("SELECT min(seq), coalesce(max(seq), 0) FROM feed").fetchone()
+    first, last = conn.execute(FEED_ENDS).fetchone()
     last = int(last)
     return last, int(first) if first is not None else last + 1
 
