@@ -207,3 +207,35 @@ async def test_a_rollback_owes_a_catch_up_and_the_gap_durably(tmp_path: Path) ->
     await storage.close()
     again = await reopened(db)
     assert not again.owed and again.recovered_hlc == gate.recovered_hlc  # nothing owed
+
+
+async def test_a_twin_refusal_owes_a_catch_up_and_the_gap_durably_each_time(
+    tmp_path: Path,
+) -> None:
+    """``twinned`` (a peer refused this node: another live process has its node id):
+    the node stops deciding and owes a complete pass and the recovery gap across
+    restarts; while owed a refusal is only counted; once caught up, a refusal that
+    comes again stops it again — unlike a rollback's late proofs, a twin that still
+    runs would decide beside it (docs/replication.md, *Twins*)."""
+    db = tmp_path / DB_FILE
+    storage, gate = await restarted(db)
+    gate.waited()
+    heard: list[str] = []
+    gate.on_owed(lambda: heard.append("owed"))
+    await gate.twinned()
+    assert (gate.owed, gate.gap_owed, gate.deciding, gate.twins) == (True, True, False, 1)
+    assert heard == ["owed"]
+    await gate.twinned()  # refused again while owed: counted only
+    assert (gate.twins, heard) == (2, ["owed"])
+    await storage.close()
+    again = await reopened(db)
+    assert again.owed and again.gap_owed and not again.deciding  # across a restart
+    storage = await Storage.open(db)
+    gate = GrantGate(storage, HybridClock(), region="us")
+    gate.on_owed(lambda: heard.append("owed again"))
+    await gate.caught_up()
+    assert gate.deciding and gate.recovered_hlc > gate.life_hlc
+    await gate.twinned()
+    assert (gate.deciding, gate.owed, gate.twins) == (False, True, 1)
+    assert heard == ["owed", "owed again"]
+    await storage.close()

@@ -56,22 +56,31 @@ class Origin(_message.Message):
     REGION_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     HLC_FIELD_NUMBER: _builtins.int
+    LIFE_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The caller's region name."""
     node_id: _builtins.str
     """The caller's node id."""
     hlc: _builtins.int
     """The caller's hybrid logical clock when it sent the request."""
+    life: _builtins.int
+    """A random number the calling process drew when it started (0: not sent, a
+    node from before lives). Two lives of one node_id that keep calling after
+    each other began are twins, two processes serving one node's data: the
+    receiver refuses both (FAILED_PRECONDITION, ErrorInfo reason TWIN_NODE)
+    until one of them has stopped (docs/replication.md, Twins).
+    """
     def __init__(
         self,
         *,
         region: _builtins.str = ...,
         node_id: _builtins.str = ...,
         hlc: _builtins.int = ...,
+        life: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hlc", b"hlc", "node_id", b"node_id", "region", b"region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hlc", b"hlc", "life", b"life", "node_id", b"node_id", "region", b"region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

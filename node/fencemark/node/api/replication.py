@@ -9,6 +9,7 @@ once every merged state is durable. Exchanges from a clock beyond
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,10 +28,17 @@ from fencemark.node.replication.intake import (
     merge_all,
     too_large,
 )
+from fencemark.node.replication.lives import Lives
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.replication.signers import MAX_KEY_IDS
 from fencemark.node.rules import validation
-from fencemark.node.rules.errors import ClockSkewed, Denial, InvalidInput, PermissionDenied
+from fencemark.node.rules.errors import (
+    ClockSkewed,
+    Denial,
+    InvalidInput,
+    PermissionDenied,
+    TwinNode,
+)
 from fencemark.node.security.tls import peer_identity
 from fencemark.node.store.digest_tree import (
     DEPTH,
@@ -65,6 +73,7 @@ class ReplicationService:
         *,
         authenticate: bool = False,
         max_list_records: int = MAX_LIST_RECORDS,
+        lives: Lives | None = None,
     ) -> None:
         self.replica = replica  # merges go through it (admission, integrity) ...
         self.storage = storage  # ... the digest tree and states are read straight
@@ -76,6 +85,8 @@ class ReplicationService:
         self.pulled_by = pulled_by
         # With TLS: only a configured peer's node certificate, speaking for its own region.
         self.authenticate = authenticate
+        # The recent lives of each calling node id: two at once are twins, refused.
+        self.lives = lives
 
     def _authenticate(self, origin: replication_pb2.Origin, context: Context) -> None:
         """Refuse (PERMISSION_DENIED) unless the caller's certificate is the node of a
@@ -121,7 +132,23 @@ class ReplicationService:
             if peer is not None:
                 peer.skew_alarms += 1
             raise
+        if self.lives is not None:
+            self._check_twins(self.lives, origin)
         return peer
+
+    @staticmethod
+    def _check_twins(lives: Lives, origin: replication_pb2.Origin) -> None:
+        """Refuse (TWIN_NODE) a call of a node id that two live processes call with."""
+        found = lives.twins_found
+        if lives.heard(origin.node_id, origin.life, origin.hlc, time.monotonic()):
+            if lives.twins_found != found:
+                log.error(
+                    "two live processes of region %s call as node %s (a copy of one data"
+                    " directory started twice): refusing both until one of them stops",
+                    origin.region,
+                    origin.node_id,
+                )
+            raise TwinNode(origin.node_id, origin.region)
 
     @staticmethod
     def _sent(peer: PeerStats | None, response_bytes: int, records: int = 0) -> None:

@@ -42,6 +42,7 @@ from fencemark.node.core.lapses import LapseWatcher
 from fencemark.node.core.replica import Replica
 from fencemark.node.core.work_queue import WorkQueue
 from fencemark.node.crdt import HybridClock
+from fencemark.node.replication.lives import Lives
 from fencemark.node.replication.peers import PeerStats, stats_for
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.signers import load_keyring
@@ -154,13 +155,17 @@ class NodeServer:
             tls=tls,  # checks the certificate each peer presents (replication.peer_check)
             tuning=config.replication,
         )
+        # Who calls with which node id, to tell a restart from a twin (replication.lives).
+        lives = Lives(config.max_clock_offset_ms, config.replication.twin_forget_s)
         metrics = NodeMetrics(config.region)
         storage.on_commit = metrics.observe_commit
-        metrics.watch(replica, claims, peers)
+        metrics.watch(replica, claims, peers, lives)
         if tls is not None:
             metrics.watch_tls(tls)
         server, chain = _grpc_server(config, tls, metrics)
-        servicers = _servicers(config, tls, storage, replica, claims, work, replicator, peers)
+        servicers = _servicers(
+            config, tls, storage, replica, claims, work, replicator, peers, lives
+        )
         names = _add_services(
             Registrar(server, chain), servicers, health_servicer, config.enable_writes
         )
@@ -329,6 +334,7 @@ def _servicers(
     work: WorkQueue,
     replicator: Replicator,
     peers: dict[str, PeerStats],
+    lives: Lives | None = None,
 ) -> dict[str, object]:
     """The four fencemark servicers, by service name."""
     # A grant records the identity it was made to; without TLS there is none.
@@ -349,6 +355,7 @@ def _servicers(
             replicator.pulled_by,
             authenticate=config.tls is not None,
             max_list_records=config.max_list_records,
+            lives=lives,
         ),
     }
 

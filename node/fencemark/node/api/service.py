@@ -26,6 +26,7 @@ from fencemark.node.core import watch
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import hlc
+from fencemark.node.replication.lives import TWIN_NODE
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.rules import validation
 from fencemark.node.rules.admission import ANYONE, Caller
@@ -40,6 +41,7 @@ from fencemark.node.rules.errors import (
     NotServing,
     PermissionDenied,
     TooSlow,
+    TwinNode,
 )
 from fencemark.node.store.feed import cursor as cursor_of
 from fencemark.node.store.storage import Stored
@@ -105,6 +107,9 @@ def to_status(error: FencemarkError) -> grpc.Status:
             "max_offset_ms": str(error.max_offset_ms),
         }
         return _status(code_pb2.FAILED_PRECONDITION, str(error), "CLOCK_SKEW", metadata)
+    if isinstance(error, TwinNode):
+        metadata = {"node_id": error.node_id, "region": error.region}
+        return _status(code_pb2.FAILED_PRECONDITION, str(error), TWIN_NODE, metadata)
     if isinstance(error, NotServing):
         return _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {})
     if isinstance(error, Exhausted):
@@ -134,7 +139,7 @@ def refusal_reason(error: FencemarkError) -> str:
         (InvalidInput, "invalid_argument"), (NotFound, "not_found"),
         (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),
         (Exhausted, "resource_exhausted"), (CursorExpired, "cursor_expired"),
-        (TooSlow, "watcher_too_slow"),
+        (TooSlow, "watcher_too_slow"), (TwinNode, "twin_node"),
     )  # fmt: skip
     return next((reason for kind, reason in kinds if isinstance(error, kind)), "internal")
 

@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fencemark.node.api.interceptor import Behaviour, Handler, Interceptor, Shape, awaited
+from fencemark.node.replication.lives import Lives
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -129,12 +130,18 @@ class NodeMetrics:
         self.commit_batch.observe(writes)
         self.commit_seconds.observe(seconds)
 
-    def watch(self, replica: Replica, claims: Claims, peers: Mapping[str, PeerStats]) -> None:
+    def watch(
+        self,
+        replica: Replica,
+        claims: Claims,
+        peers: Mapping[str, PeerStats],
+        lives: Lives | None = None,
+    ) -> None:
         """Read the node's own counters at every scrape."""
         from fencemark.node import __version__
 
         self.build.labels(self.region, __version__).set(1)
-        self.registry.register(_StateCollector(replica, claims, peers))
+        self.registry.register(_StateCollector(replica, claims, peers, lives or Lives(0)))
 
     def watch_tls(self, tls: LiveTls) -> None:
         """Report the TLS reloads and the revocation list (fencemark.node.security.tls_reload)."""
@@ -177,10 +184,13 @@ class _TlsCollector(Collector):
 class _StateCollector(Collector):
     """Gauges and counters read from what the node keeps anyway, at scrape time."""
 
-    def __init__(self, replica: Replica, claims: Claims, peers: Mapping[str, PeerStats]) -> None:
+    def __init__(
+        self, replica: Replica, claims: Claims, peers: Mapping[str, PeerStats], lives: Lives
+    ) -> None:
         self.replica = replica
         self.claims = claims
         self.peers = peers
+        self.lives = lives
 
     def collect(self) -> Iterable[Metric]:
         yield from self._node()
@@ -202,6 +212,17 @@ class _StateCollector(Collector):
             "Peer states proving this node's data file forgot writes it made"
             " (went back in time: a reverted snapshot, a lost fsync), this life",
             value=self.replica.gate.rollbacks,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "fencemark_twin_nodes",
+            "Node ids two live processes call this node with (twins: both refused)",
+            value=len(self.lives.twinned()),
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "fencemark_twin_refusals",
+            "Times a peer refused this node's calls because another live process"
+            " calls with its node id (a twin), this life",
+            value=self.replica.gate.twins,
         )  # fmt: skip
         yield GaugeMetricFamily(
             "fencemark_claim_waiters", "Callers waiting in claim queues", value=self.claims.waiting

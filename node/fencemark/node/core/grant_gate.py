@@ -44,6 +44,11 @@ in time*):
   before this life began is proof that the file lost writes (``forgets``). The node
   then owes a full catch-up and the recovery gap, durably, as after a lost disk
   (``rolled_back``), and says so in its log and metrics.
+
+Two live processes serving one node's data (a twin: a copy of a live node's
+directory started elsewhere) are told apart by their peers, which refuse both
+(``replication.lives``); each owes the same full catch-up and gap when it hears
+it (``twinned``), and can finish it only once the other has stopped.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class GrantGate:
         self.life_hlc = clock.now() if earlier else 0
         self.starting = earlier and not self.owed
         self.rollbacks = 0  # states seen that prove the file forgot writes
+        self.twins = 0  # peers' refusals saying another live process has this node id
         self._listeners: list[Callable[[], None]] = []
 
     @property
@@ -133,6 +139,25 @@ class GrantGate:
         self.rollbacks += 1
         if self.rollbacks > 1:
             return
+        await self._owe_again()
+
+    async def twinned(self) -> None:
+        """A peer refused this node's call: another live process calls with its node
+        id (a twin: a copy of its data directory started twice,
+        ``replication.lives``). Both may have decided on the same records apart, so
+        owe a complete pass with every peer and the recovery gap, durably, as after
+        a lost disk: the pass cannot end while the twin lives (every peer refuses
+        both), and the gap then puts this node's next tokens above whatever the twin
+        granted. Each refusal while deciding begins it anew; while owed, it is only
+        counted."""
+        self.twins += 1
+        if self.owed:
+            return
+        await self._owe_again()
+
+    async def _owe_again(self) -> None:
+        """Owe a complete pass with every peer and the recovery gap, durably; tell
+        the listeners (the replicator starts over, health stops serving claims)."""
         await self._storage.put_meta(GAP_OWED, "1")
         self.gap_owed = True
         await self._storage.put_meta(CATCH_UP, "owed")

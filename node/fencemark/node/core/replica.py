@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -128,6 +129,9 @@ class Replica:
         self.clock = clock
         self.region = region
         self.node_id = storage.node_id
+        # This life of the node: sent with every replication call, so that peers
+        # tell a restart from a twin (fencemark.node.replication.lives).
+        self.life = secrets.randbits(63) + 1
         self._locks = KeyLocks()
         self._write_listeners: list[Callable[[str], None]] = []
         self._lease_listeners: list[Callable[[str, int], None]] = []

@@ -39,6 +39,7 @@ from fencemark.node.replication.intake import (
     too_large,
 )
 from fencemark.node.replication.link import PeerLink
+from fencemark.node.replication.lives import refused_as_twin
 from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.replication.rounds import RoundResult, Rounds
@@ -209,6 +210,8 @@ class Replicator(Rounds):
                     peer.requeue(keys)
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                         peer.refuses_pushes()  # a read-only peer: it pulls instead
+                    elif refused_as_twin(exc):
+                        await self._twinned(peer)
                     elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         peer.stats.skew_alarms += 1  # the peer refused our clock
                     peer.back_off(f"push: {exc.code().name}: {exc.details()}", exc.code())
@@ -269,6 +272,20 @@ class Replicator(Rounds):
         if self._on_caught_up is not None:
             await self._on_caught_up()
 
+    async def _twinned(self, peer: PeerLink) -> None:
+        """``peer`` refused this node: another live process calls it with this node's
+        id (``lives``). Stop deciding until a complete pass with every peer — which
+        they allow only once the other process has stopped (``grant_gate.twinned``)."""
+        if self.replica.gate.deciding:
+            log.error(
+                "%s refuses this node: another live process calls it as node %s (a copy"
+                " of this data directory started elsewhere); deciding no claims until it"
+                " has stopped and this node has caught up",
+                peer.stats.region,
+                self.replica.node_id,
+            )
+        await self.replica.gate.twinned()
+
     async def _guarded_round(self, peer: PeerLink) -> RoundResult | None:
         try:
             result = await self.sync_round(peer)
@@ -278,7 +295,9 @@ class Replicator(Rounds):
             log.warning("anti-entropy with %s: %s", peer.stats.region, exc)
             return None
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if refused_as_twin(exc):
+                await self._twinned(peer)
+            elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 peer.stats.skew_alarms += 1  # the peer refused our clock
             peer.back_off(f"{exc.code().name}: {exc.details()}", exc.code())
             return None

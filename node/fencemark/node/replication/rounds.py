@@ -64,7 +64,9 @@ class Rounds:
 
     def _origin(self) -> replication_pb2.Origin:
         r = self.replica
-        return replication_pb2.Origin(region=r.region, node_id=r.node_id, hlc=r.clock.now())
+        return replication_pb2.Origin(
+            region=r.region, node_id=r.node_id, hlc=r.clock.now(), life=r.life
+        )
 
     async def _call(self, peer: PeerLink, method: str, request: Message, reply: type[R]) -> R:
         """One RPC with a deadline, counting the bytes both ways."""

@@ -43,6 +43,11 @@ UNREACHABLE_AFTER_S = 5.0
 # A call to a peer that is down costs one refused connection attempt.
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 2.0
+# A life of a calling node id not heard for this long has ended (replication.lives):
+# far above the back-off, so a twin that is refused and backs off is still
+# remembered when it calls again, and the survivor of a pair of twins is
+# heard alone again this long after the other one stopped.
+TWIN_FORGET_S = 30.0
 # A partition that drops packets (rather than refusing connections) leaves a TCP
 # connection that looks open while its retransmission timer backs off towards
 # minutes; after the heal, calls on it would keep timing out. Keepalive pings
@@ -79,3 +84,4 @@ class Tuning:
     unreachable_after_s: float = UNREACHABLE_AFTER_S
     first_backoff_s: float = FIRST_BACKOFF_S
     max_backoff_s: float = MAX_BACKOFF_S
+    twin_forget_s: float = TWIN_FORGET_S

@@ -96,6 +96,20 @@ class ClockSkewed(FencemarkError):
         )
 
 
+class TwinNode(FencemarkError):
+    """Two live processes call with one node id (``replication.lives``): nothing of
+    either is taken until one of them has stopped."""
+
+    def __init__(self, node_id: str, region: str) -> None:
+        self.node_id = node_id
+        self.region = region
+        super().__init__(
+            f"refused: two live processes of region {region!r} call as node {node_id!r}"
+            " (a copy of one data directory started twice); stop one of them — the"
+            " other catches up and decides again once this node stops hearing the first"
+        )
+
+
 class NotServing(FencemarkError):
     """This node cannot decide claims right now (e.g. catching up after disk loss)."""
 

@@ -1,0 +1,98 @@
+"""Twins: two live processes serving one node's data never both go on deciding.
+
+What it models: a copy of a *live* home's data directory started as a second
+process — an operator moving a node to a new host without stopping the old one,
+a failed-over virtual machine whose original comes back, a restore onto the wrong
+host. Both processes have the same node id and region, so both decide claims for
+the region's records, each from its own fence (docs/replication.md, *Twins*).
+
+Regression: before peers told lives apart, both processes went on deciding: the
+copy's grants reached the original through their peer, each then granted the
+next token of the same fence to its own workers, and one token could be handed
+out twice. Now a peer that hears both refuses both, both stop deciding, and once
+the copy is stopped the original catches up and grants above everything the copy
+could have granted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from fencemark.client import AsyncClient
+from fencemark.client.errors import Unavailable
+from fencemark.node.api.server import NodeServer
+from fencemark.node.replication.tuning import Tuning
+from tests.cluster import FAST_ANTI_ENTROPY, Cluster, all_deciding, eventually, wait_converged
+from tests.metrics import counters, gauges
+
+REPO, TOPIC = "lattice", "backlog"
+FORGET_S = 3.0  # how long a peer remembers a silent life (30 s in a deployment)
+
+
+def copy_live(node: NodeServer, target: Path) -> None:
+    """A consistent copy of ``node``'s data file while it runs (SQLite's backup)."""
+    target.mkdir()
+    source = sqlite3.connect(node.config.db_path)
+    dest = sqlite3.connect(target / node.config.db_path.name)
+    try:
+        source.backup(dest)
+    finally:
+        dest.close()
+        source.close()
+
+
+async def test_twins_are_refused_and_the_original_grants_above_the_copy(tmp_path: Path) -> None:
+    async with Cluster(tmp_path, ["us", "eu"], replication=Tuning(twin_forget_s=FORGET_S)) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+            first = await client.claim(item.key, "worker-a", lease_seconds=60)
+            assert first.granted
+            await client.release_claim(item.key, first.fencing_token)
+        await wait_converged([us, eu])
+        copy_live(us, tmp_path / "twin")
+
+        # The copy, started cut off, decides at once and grants a token nobody sees.
+        twin_config = c.config("us", data_dir=tmp_path / "twin", listen="127.0.0.1:0")
+        twin = await NodeServer.start(twin_config.__class__(**{**vars(twin_config), "peers": {}}))
+        try:
+            assert twin.replica.node_id == us.replica.node_id
+            async with AsyncClient(twin.address) as client:
+                hidden = await client.claim(item.key, "worker-b", lease_seconds=2)
+            assert hidden.granted and hidden.fencing_token > first.fencing_token
+            await twin.stop(0)
+
+            # Started again with its peer, while the original still runs: eu hears two
+            # lives of one node id calling at once and refuses both.
+            twin = await NodeServer.start(twin_config)
+
+            async def neither_deciding() -> bool:
+                return not us.replica.deciding and not twin.replica.deciding
+
+            await eventually(neither_deciding, "both twins refused and not deciding", within=20)
+            assert gauges(eu, "fencemark_twin_nodes") == {(): 1.0}
+            assert counters(us, "fencemark_twin_refusals")[()] >= 1
+            for node in (us, twin):
+                async with AsyncClient(node.address) as client:
+                    with pytest.raises(Unavailable):
+                        await client.claim(item.key, "worker-c", lease_seconds=60)
+            # From now on nothing either twin sends is taken.
+            async with AsyncClient(twin.address) as client:
+                lost = (await client.remember(REPO, TOPIC, "twin-only")).record
+            await asyncio.sleep(4 * FAST_ANTI_ENTROPY)
+            assert await eu.storage.get(lost.key) is None
+        finally:
+            await twin.stop(0)
+
+        # The copy stopped: once eu has forgotten its life, the original catches up and
+        # its next token is above every token the copy granted, seen or not.
+        await all_deciding(us, within=FORGET_S + 20)
+        assert gauges(eu, "fencemark_twin_nodes") == {(): 0.0}
+        async with AsyncClient(us.address) as client:
+            after = await client.claim(item.key, "worker-c", lease_seconds=60)
+        assert after.granted and after.fencing_token > hidden.fencing_token
