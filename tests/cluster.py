@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
@@ -69,6 +70,18 @@ async def all_deciding(*nodes: NodeServer, within: float = 15.0) -> None:
         return all(node.replica.deciding for node in nodes)
 
     await eventually(deciding, "every node deciding claims", within=within)
+
+
+def backup(node: NodeServer, target: Path) -> None:
+    """``sqlite3 fencemark.sqlite3 ".backup TARGET"`` on the running node's file: a
+    consistent copy of a live data file, node id and all."""
+    source = sqlite3.connect(node.config.db_path)
+    dest = sqlite3.connect(target)
+    try:
+        source.backup(dest)
+    finally:
+        dest.close()
+        source.close()
 
 
 class _Topology:

@@ -182,15 +182,22 @@ async def test_a_state_holding_writes_the_file_forgot_is_seen_as_a_rollback(
     await storage.close()
 
 
+async def deciding_restart(db: Path) -> tuple[Storage, GrantGate, list[str]]:
+    """A restart's gate once it decides (its bounded wait over), and the list its
+    ``on_owed`` listener notes "owed" in."""
+    storage, gate = await restarted(db)
+    gate.waited()
+    heard: list[str] = []
+    gate.on_owed(lambda: heard.append("owed"))
+    return storage, gate, heard
+
+
 async def test_a_rollback_owes_a_catch_up_and_the_gap_durably(tmp_path: Path) -> None:
     """``rolled_back``: the node stops deciding, owes a complete pass with every peer
     and the recovery gap — across restarts — and tells whoever follows the gate."""
     db = tmp_path / DB_FILE
-    storage, gate = await restarted(db)
+    storage, gate, heard = await deciding_restart(db)
     high = gate.opened_hlc
-    gate.waited()
-    heard: list[str] = []
-    gate.on_owed(lambda: heard.append("owed"))
     await gate.rolled_back()
     assert (gate.owed, gate.gap_owed, gate.deciding, gate.rollbacks) == (True, True, False, 1)
     assert heard == ["owed"]
@@ -218,10 +225,7 @@ async def test_a_twin_refusal_owes_a_catch_up_and_the_gap_durably_each_time(
     comes again stops it again — unlike a rollback's late proofs, a twin that still
     runs would decide beside it (docs/replication.md, *Twins*)."""
     db = tmp_path / DB_FILE
-    storage, gate = await restarted(db)
-    gate.waited()
-    heard: list[str] = []
-    gate.on_owed(lambda: heard.append("owed"))
+    storage, gate, heard = await deciding_restart(db)
     await gate.twinned()
     assert (gate.owed, gate.gap_owed, gate.deciding, gate.twins) == (True, True, False, 1)
     assert heard == ["owed"]

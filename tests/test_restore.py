@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -23,21 +22,10 @@ from fencemark.node.core.restore import RestoreError, mark_restored
 from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
 from fencemark.node.store.storage import DB_FILE
 from fencemark.node.tools.cli import main
-from tests.cluster import Cluster, eventually, wait_converged
+from tests.cluster import Cluster, backup, eventually, wait_converged
 from tests.conftest import StartNode
 
 KEY = "repo/lattice/mem/backlog/restore-1"
-
-
-def backup(node: NodeServer, target: Path) -> None:
-    """``sqlite3 fencemark.sqlite3 ".backup TARGET"`` on the running node's file."""
-    source = sqlite3.connect(node.config.db_path)
-    dest = sqlite3.connect(target)
-    try:
-        source.backup(dest)
-    finally:
-        dest.close()
-        source.close()
 
 
 async def fence_at(node: NodeServer) -> int:

@@ -17,7 +17,6 @@ could have granted.
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,14 @@ from fencemark.client import AsyncClient
 from fencemark.client.errors import Unavailable
 from fencemark.node.api.server import NodeServer
 from fencemark.node.replication.tuning import Tuning
-from tests.cluster import FAST_ANTI_ENTROPY, Cluster, all_deciding, eventually, wait_converged
+from tests.cluster import (
+    FAST_ANTI_ENTROPY,
+    Cluster,
+    all_deciding,
+    backup,
+    eventually,
+    wait_converged,
+)
 from tests.metrics import counters, gauges
 
 REPO, TOPIC = "lattice", "backlog"
@@ -34,15 +40,9 @@ FORGET_S = 3.0  # how long a peer remembers a silent life (30 s in a deployment)
 
 
 def copy_live(node: NodeServer, target: Path) -> None:
-    """A consistent copy of ``node``'s data file while it runs (SQLite's backup)."""
+    """A consistent copy of ``node``'s data directory while it runs."""
     target.mkdir()
-    source = sqlite3.connect(node.config.db_path)
-    dest = sqlite3.connect(target / node.config.db_path.name)
-    try:
-        source.backup(dest)
-    finally:
-        dest.close()
-        source.close()
+    backup(node, target / node.config.db_path.name)
 
 
 async def test_twins_are_refused_and_the_original_grants_above_the_copy(tmp_path: Path) -> None:
