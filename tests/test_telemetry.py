@@ -58,8 +58,17 @@ async def test_requests_refusals_claims_and_commits_are_counted(start_node: Star
         await client.update(key, fields={"p": "1"}, fencing_token=first.fencing_token)
         with pytest.raises(ClaimConflict):
             await client.update(key, fields={"p": "2"}, fencing_token=first.fencing_token + 1)
-    samples = await asyncio.to_thread(scrape, node)
+    # A refused call is counted as its handler unwinds, just after the status went
+    # out: the client (in this process) can see the refusal a moment before that.
+    samples: Samples = {}
 
+    async def refusal_counted() -> bool:
+        nonlocal samples
+        samples = await asyncio.to_thread(scrape, node)
+        return value(samples, "fencemark_requests_total", method="Update",
+                     code="FAILED_PRECONDITION") == 1  # fmt: skip
+
+    await eventually(refusal_counted, "the refused Update counted", within=5)
     assert value(samples, "fencemark_requests_total", method="Remember", code="OK") == 1
     assert value(samples, "fencemark_requests_total", method="Update", code="OK") == 1
     assert value(samples, "fencemark_requests_total", method="Update",
