@@ -229,3 +229,25 @@ def test_a_feed_that_went_back_in_time_resumes_past_what_it_forgot_in_a_new_era(
     judged = verdict(log(Segment("f1.0", short), reread=reread), played=[ROLLBACK])
     assert not judged.ok
     assert "gap: 1 changes of the node's feed never received, first f1.1000" in judged.detail
+
+
+def test_a_record_a_rolled_back_file_forgot_whole_is_not_required_at_the_end() -> None:
+    """An item created and claimed a moment before a rollback's kill, pushed to no
+    peer (chaos seed 84059738): its watcher had both events, the file forgot them,
+    and no node holds the item at the end — invariant 3 counts the creation lost
+    with the rolled-back disk. Without a rollback it is a record the node lost."""
+    gone = queue_key("q-us-00052")
+    kept = feed("f1")
+    forgot = [seen("f1.10", gone, kind="created", at=13.5),
+              seen("f1.11", gone, kind="claimed", at=13.6, fence=1)]  # fmt: skip
+    era = [
+        seen("f1.1000", MARKS[0], kind="created", at=30.0),
+        seen("f1.1001", MARKS[1], kind="created", at=31.0),
+    ]
+    watched = log(Segment("f1.0", [*kept[:4], *forgot, *era]), reread=[*kept[:4], *era])
+    del watched.ends[gone]
+    judged = verdict(watched, played=[ROLLBACK])
+    assert judged.ok, judged.detail
+    judged = verdict(watched)
+    assert not judged.ok
+    assert f"{gone} received, not held by the node" in judged.detail
