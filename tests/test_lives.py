@@ -22,7 +22,7 @@ def at(ms: int) -> int:
 def test_one_life_calling_for_ever_is_no_twin() -> None:
     lives = Lives(MARGIN)
     assert not any(lives.heard("n1", 7, at(ms), ms / 1000) for ms in range(0, 60_000, 250))
-    assert lives.twinned() == [] and lives.twins_found == 0
+    assert lives.twinned(60.0) == [] and lives.twins_found == 0
 
 
 def test_a_restart_is_no_twin_even_with_its_old_lifes_calls_arriving_late() -> None:
@@ -51,7 +51,7 @@ def test_two_lives_calling_at_once_are_twins_once_they_overlap_by_the_margin() -
     assert lives.heard("n1", 2, at(700), 0.7)  # both called 600 ms after the later began
     assert lives.heard("n1", 1, at(800), 0.8)  # every call of either is refused now
     assert not lives.heard("n2", 5, at(800), 0.8)
-    assert lives.twinned() == ["n1"] and lives.twins_found == 1
+    assert lives.twinned(0.8) == ["n1"] and lives.twins_found == 1
 
 
 def test_twins_are_refused_until_one_has_been_silent_for_forget_s() -> None:
@@ -64,7 +64,7 @@ def test_twins_are_refused_until_one_has_been_silent_for_forget_s() -> None:
     assert lives.heard("n1", 2, at(20_000), 20.0)
     assert lives.heard("n1", 2, at(31_000), 31.0)  # 1 last heard 30.0 s ago: not yet
     assert not lives.heard("n1", 2, at(31_500), 31.5)
-    assert lives.twinned() == []
+    assert lives.twinned(31.5) == []
     # Found again if life 1 was only quiet, not stopped: counted anew.
     lives.heard("n1", 1, at(32_000), 32.0)
     assert lives.heard("n1", 1, at(33_000), 33.0) or lives.heard("n1", 2, at(33_000), 33.0)
@@ -91,3 +91,15 @@ def test_what_is_kept_is_bounded_whatever_callers_make_up() -> None:
     assert len(lives._lives) == MAX_NODE_IDS
     assert all(len(per) <= MAX_LIVES for per in lives._lives.values())
     assert "n0" not in lives._lives and f"n{MAX_NODE_IDS + 49}" in lives._lives
+
+
+def test_a_pair_of_twins_that_both_stopped_is_over_even_if_neither_calls_again() -> None:
+    """The gauge (and its alert) follows ``twinned(now)``: once both processes are
+    stopped for ``forget_s``, no later call is needed to end it."""
+    lives = Lives(MARGIN, forget_s=30.0)
+    lives.heard("n1", 1, at(0), 0.0)
+    lives.heard("n1", 2, at(0), 0.0)
+    lives.heard("n1", 1, at(1_000), 1.0)
+    assert lives.heard("n1", 2, at(1_000), 1.0)
+    assert lives.twinned(30.0) == ["n1"]
+    assert lives.twinned(31.5) == []

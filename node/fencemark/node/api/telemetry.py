@@ -216,7 +216,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "fencemark_twin_nodes",
             "Node ids two live processes call this node with (twins: both refused)",
-            value=len(self.lives.twinned()),
+            value=len(self.lives.twinned(time.monotonic())),
         )  # fmt: skip
         yield CounterMetricFamily(
             "fencemark_twin_refusals",

@@ -57,7 +57,7 @@ class Lives:
         self.forget_s = forget_s
         self._lives: dict[str, dict[int, Life]] = {}
         self.twins_found = 0  # node ids found with overlapping lives (each time anew)
-        self._twinned: set[str] = set()
+        self._twinned: set[str] = set()  # as of each node id's latest call: found anew?
 
     def heard(self, node_id: str, life: int, origin_hlc: int, now: float) -> bool:
         """Record a call of ``node_id``'s ``life`` sent at ``origin_hlc``, received at
@@ -84,8 +84,7 @@ class Lives:
                 del lives[min(lives, key=lambda k: lives[k].heard)]
         else:
             this.last_ms, this.heard = max(this.last_ms, sent_ms), now
-        found = list(lives.values())
-        twin = any(self.overlap(a, b) for i, a in enumerate(found) for b in found[i + 1 :])
+        twin = self._overlapping(list(lives.values()))
         if not twin:
             self._twinned.discard(node_id)
         elif node_id not in self._twinned:
@@ -97,9 +96,18 @@ class Lives:
         """Each life heard more than the margin after the other began."""
         return min(a.last_ms, b.last_ms) > max(a.first_ms, b.first_ms) + self.margin_ms
 
-    def twinned(self) -> list[str]:
-        """The node ids that have twins now."""
-        return sorted(self._twinned)
+    def _overlapping(self, found: list[Life]) -> bool:
+        return any(self.overlap(a, b) for i, a in enumerate(found) for b in found[i + 1 :])
+
+    def twinned(self, now: float) -> list[str]:
+        """The node ids with twins among the lives heard within ``forget_s`` of
+        monotonic time ``now``: a pair that both stopped calling is over, even if
+        that node id never calls again."""
+        return sorted(
+            node_id
+            for node_id, lives in self._lives.items()
+            if self._overlapping([x for x in lives.values() if now - x.heard <= self.forget_s])
+        )
 
 
 def refused_as_twin(error: grpc.aio.AioRpcError) -> bool:
