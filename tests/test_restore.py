@@ -70,12 +70,17 @@ async def test_a_restored_cluster_never_reissues_a_token_the_backup_forgot(
             else:
                 cluster.data_dirs[region].mkdir(parents=True)
                 shutil.copyfile(saved, cluster.data_dirs[region] / DB_FILE)
-        us, eu = await cluster.start_all()
-        assert us.storage.node_id != eu.storage.node_id or not restore_mode
+        # us first, alone: with its peer down it cannot have compared states yet, so
+        # what it does before deciding is seen (started together, the first round can
+        # finish before a test looks).
+        us = await cluster.start("us")
         assert await fence_at(us) == first.fencing_token  # the backup's fence
         # A restored file owes a catch-up with the peers before its node decides; a
-        # plain copy is a file that went back in time: it compares states first too.
+        # plain copy is a file that went back in time: it compares states first too
+        # (bounded by start_wait_s, 10 s, for a plain copy).
         assert not us.replica.deciding
+        eu = await cluster.start("eu")
+        assert us.storage.node_id != eu.storage.node_id or not restore_mode
         await eventually(deciding, "the restored cluster deciding claims")
 
         async with AsyncClient(us.address, retries=0) as c:
