@@ -1160,7 +1160,10 @@ async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Pa
                 at_eu_side = await peer_info(eu, "us")
                 return at_eu_side.records_received >= 1 and at_eu_side.HasField("last_sync")
 
-            await eventually(received, "eu counting the state it merged from us")
+            async def eu_side() -> str:
+                return str(await peer_info(eu, "us"))
+
+            await eventually(received, "eu counting the state it merged from us", explain=eu_side)
 
             for i in range(3):
                 await at_us.remember(REPO, "info", f"more-{i}", body=str(i))
@@ -1194,3 +1197,33 @@ async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Pa
             assert us.replicator.rounds - rounds <= 4
             lagging = await peer_info(us, "eu")
             assert lagging.lag_ms >= 2000 and not lagging.reachable
+
+
+async def test_each_state_merged_is_counted_once_when_a_push_and_a_pull_race(
+    tmp_path: Path,
+) -> None:
+    """eu pulls in its rounds (every 10 ms) what us pushes at once: for many of these
+    keys both arrive together. Each key is new to eu, so exactly one of the two merges
+    changes it — and eu counts exactly that one, however the two interleave (a count
+    read before a merge and written after it lost the push's, CI saw)."""
+    keys = 240
+    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=0.01) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+        async with AsyncClient(us.address) as at_us:
+            for start in range(0, keys, 8):
+                batch = range(start, start + 8)
+                await asyncio.gather(*(at_us.remember(REPO, "race", f"k{i}") for i in batch))
+        await wait_converged([us, eu])
+        stats = eu.replicator.peer_stats("us")
+
+        async def all_counted() -> bool:
+            return stats.records_received >= keys
+
+        async def count() -> str:
+            return f"{stats.records_received} of {keys} counted"
+
+        await eventually(
+            all_counted, "eu counting every state it merged from us", within=10, explain=count
+        )
+        assert stats.records_received == keys  # and none twice

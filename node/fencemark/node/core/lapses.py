@@ -100,7 +100,8 @@ class LapseWatcher:
                 self.watch(key, replica.wall_ms() + 1000)
                 continue
             try:
-                self.recorded += await self.replica.record_lapse(key)
+                recorded = await self.replica.record_lapse(key)
+                self.recorded += recorded
             except Exception:  # a storage fault: never let the watcher die
                 log.exception("recording the lapse of %s failed", key)
                 self.watch(key, replica.wall_ms() + 1000)

@@ -206,9 +206,12 @@ class Rounds:
                     self._oversized(peer, key, wanted.get(key, (b"", b"")))
                 states = list(found.states)
                 records = decode_states(states)
-                peer.stats.records_received += await merge_all(
+                # Merged first, counted after: ``count += await ...`` would read the
+                # count before the merge and lose a push's counted meanwhile.
+                merged = await merge_all(
                     self.replica, peer.stats.region, records, peer.stats, states=states
                 )
+                peer.stats.records_received += merged
                 pulled += len(records)
         finally:
             if fetching is not None:  # the round failed: drop the fetch ahead, quietly
