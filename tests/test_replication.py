@@ -418,6 +418,38 @@ async def test_states_a_peer_fetched_are_not_pushed_to_it_again(tmp_path: Path) 
         await eventually(two_left, "only the two keys eu did not fetch queued for it")
 
 
+async def test_a_stale_state_is_answered_to_its_sender_alone(tmp_path: Path) -> None:
+    """A node merging a state older than its own changes nothing: the sender lacks
+    what it holds and gets it pushed back at once — the peers it was in step with
+    get nothing (after a partition they would receive every repaired state again)."""
+    async with Cluster(tmp_path, ["us", "eu", "ap"], anti_entropy_interval=3600) as cluster:
+        us, eu, ap = await cluster.start_all()
+        await all_serving(cluster)
+        async with AsyncClient(us.address) as client:
+            key = (await client.remember(REPO, "stale", "s", body="v1")).record.key
+            await wait_converged([us, eu, ap])
+            old = await us.storage.states([key])
+            await client.remember(REPO, "stale", "s", body="v2")
+        await wait_converged([us, eu, ap])
+        to_us, to_ap = eu.replicator.peer_stats("us"), eu.replicator.peer_stats("ap")
+        sent_to_us, sent_to_ap = to_us.records_sent, to_ap.records_sent
+        origin = replication_pb2.Origin(region="ap", node_id="n", hlc=pack(wall_clock_ms()))
+        async with grpc.aio.insecure_channel(eu.address) as channel:
+            stub = replication_pb2_grpc.ReplicationStub(channel)
+            pushed = await stub.Push(
+                replication_pb2.PushRequest(origin=origin, states=[old[key]]), timeout=10
+            )
+        assert (pushed.merged, pushed.unchanged) == (0, 1)
+
+        async def answered() -> bool:
+            return to_ap.records_sent == sent_to_ap + 1
+
+        await eventually(answered, "eu pushing its newer state back to the sender")
+        await asyncio.sleep(0.3)  # a push to us would have gone out with it
+        assert to_us.records_sent == sent_to_us
+        assert eu.replicator.backlog("us") == 0
+
+
 async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_differences(
     tmp_path: Path,
 ) -> None:

@@ -134,6 +134,7 @@ class Replica:
         self.life = secrets.randbits(63) + 1
         self._locks = KeyLocks()
         self._write_listeners: list[Callable[[str], None]] = []
+        self._share_listeners: list[Callable[[str, str], None]] = []
         self._lease_listeners: list[Callable[[str, int], None]] = []
         self._change_listeners: list[Callable[[str], None]] = []
         # Whether this node may decide yet (catch-up after a new or lost disk).
@@ -283,6 +284,12 @@ class Replica:
         """Call ``listener(key)`` after each local write is durable (eager push)."""
         self._write_listeners.append(listener)
 
+    def on_sender_lacks(self, listener: Callable[[str, str], None]) -> None:
+        """Call ``listener(key, region)`` when a merge of a state ``region``'s node sent
+        left this node's record as it was, but holding what the sender lacks: only
+        that node needs it (eager push back to the sender)."""
+        self._share_listeners.append(listener)
+
     def stamp(self, epoch: int) -> Stamp:
         """A fresh stamp for a local write admitted under ``epoch``."""
         return Stamp(epoch, self.clock.now(), self.node_id)
@@ -352,9 +359,10 @@ class Replica:
         if local:
             self._written(key)
 
-    async def merge(self, remote: Record, state: bytes | None = None) -> bool:
+    async def merge(self, remote: Record, state: bytes | None = None, *, sender: str = "") -> bool:
         """Join a remote state into the local one; True when that changed anything.
-        ``state`` is the remote record's canonical encoding, when the caller has it.
+        ``state`` is the remote record's canonical encoding, when the caller has it;
+        ``sender`` the region whose node sent it, when known.
 
         A state that fails :func:`integrity.check` is not merged at all: it raises
         :class:`~fencemark.node.rules.integrity.MergeRefused` and nothing is written.
@@ -401,7 +409,13 @@ class Replica:
 
         known = (remote, state) if state is not None else None
         _, changed = await self.transact(remote.key, change, local=False, known=known)
-        if share:
+        if share and sender and not changed:
+            # Nothing new here: the peers this node was in step with need nothing, only
+            # the sender lacks what this node holds (after a partition, a region that
+            # pulled a stale state would otherwise push it back to every peer).
+            for listener in self._share_listeners:
+                listener(remote.key, sender)
+        elif share:
             self._written(remote.key)
         return changed
 

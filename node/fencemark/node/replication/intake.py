@@ -77,7 +77,8 @@ async def merge_all(
     await replica.preload([records[i].key for i in merging])  # one read, not one each
     # Concurrent merges of different records share group commits.
     results = await asyncio.gather(
-        *(replica.merge(records[i], encoded[i]) for i in merging), return_exceptions=True
+        *(replica.merge(records[i], encoded[i], sender=region) for i in merging),
+        return_exceptions=True,
     )
     changed = 0
     for index, result in zip(merging, results, strict=True):

@@ -87,6 +87,7 @@ class Replicator(Rounds):
 
     def start(self) -> None:
         self.replica.on_local_write(self._enqueue)
+        self.replica.on_sender_lacks(self._enqueue_for)
         for peer in self._peers.values():
             self._tasks.append(asyncio.create_task(self._push_loop(peer)))
         if self._peers:
@@ -143,11 +144,19 @@ class Replicator(Rounds):
 
     def _enqueue(self, key: str) -> None:
         for peer in self._peers.values():
-            if not peer.pushes_allowed() or peer.unreachable():
-                continue
-            if key in peer.backlog or len(peer.backlog) < self.tuning.push_queue_limit:
-                peer.backlog[key] = None
-                peer.wake.set()
+            self._queue(peer, key)
+
+    def _enqueue_for(self, key: str, region: str) -> None:
+        peer = self._peers.get(region)
+        if peer is not None:
+            self._queue(peer, key)
+
+    def _queue(self, peer: PeerLink, key: str) -> None:
+        if not peer.pushes_allowed() or peer.unreachable():
+            return
+        if key in peer.backlog or len(peer.backlog) < self.tuning.push_queue_limit:
+            peer.backlog[key] = None
+            peer.wake.set()
 
     def heard_from(self, region: str) -> None:
         """``region``'s node just called this one: it is up, so a back-off from its
