@@ -220,6 +220,10 @@ async def repair_after_partition(
                 for r, a in cluster.addresses.items()
             }
             keys = [seed_key(i) for i in range(k)]
+            # A partition of a running cluster: every node past its start-up round with
+            # each peer first (a node still starting pulls every differing state,
+            # older or not, and the repair would measure the restart too).
+            await _until("every node deciding", lambda: _all_deciding(cluster), 60, 0.1)
             mesh.isolate("ap")
             progress.status(f"K={k:,}: ap cut off, writing {k:,} updates at us")
             await _write_divergence(cluster.addresses["us"], keys, f"k{k}")
@@ -245,6 +249,14 @@ async def repair_after_partition(
         return Repair(k, canonical, sum(moved.values()), seconds, timeline, moved)
     finally:
         await cluster.stop()
+
+
+async def _all_deciding(cluster: LocalCluster) -> bool:
+    for address in cluster.addresses.values():
+        async with AsyncClient(address) as client:
+            if not (await client.info()).claims_serving:
+                return False
+    return True
 
 
 def _mesh_links(mesh: ProxyMesh) -> dict[str, FaultProxy]:
