@@ -320,8 +320,11 @@ async def test_a_peer_found_behind_is_left_to_pull_instead_of_compared_again(
 ) -> None:
     """A round that differs but pulls nothing found a peer that is behind: every
     difference is the peer's to pull. This node leaves it alone for BEHIND_PAUSE_S
-    instead of descending into it and listing the same differences every round."""
-    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+    instead of descending into it and listing the same differences every round.
+    (Its heartbeat, a root-only call each second, still reaches it; switched off
+    here, so that any byte sent is a round's.)"""
+    quiet = Tuning(heartbeat_s=3600)
+    async with Cluster(tmp_path, ["us", "eu"], replication=quiet) as cluster:
         us = await cluster.start("us", peers={})
         async with AsyncClient(us.address) as client:
             for i in range(20):
@@ -373,7 +376,9 @@ async def test_a_round_stops_listing_once_the_differences_are_all_the_peers_to_p
             await cluster.stop("us")
             # Deciding at once: its rounds are a deciding node's, not a restart's
             # comparison with every peer (which takes everything that differs).
-            us = await cluster.start("us", replication=Tuning(**tuning), start_wait_s=0)
+            us = await cluster.start(
+                "us", replication=Tuning(**tuning, heartbeat_s=3600), start_wait_s=0
+            )
 
             async def first_round_done() -> bool:
                 return us.replicator.peer_stats("eu").last_sync is not None
@@ -461,7 +466,9 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
     more records than a round may list (lowered to 200 here) takes several
     bounded rounds.
     """
-    async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=3600) as cluster:
+    async with Cluster(
+        tmp_path, ["us", "eu"], anti_entropy_interval=3600, replication=Tuning(heartbeat_s=3600)
+    ) as cluster:
         us, eu = await cluster.start_all()
         await all_serving(cluster)
 
@@ -514,7 +521,8 @@ async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_diff
         # A large difference is repaired by several bounded rounds, not one huge one.
         big, bound = 600, 200
         await cluster.stop("eu")
-        eu = await cluster.start("eu", replication=Tuning(max_round_records=bound), start_wait_s=0)
+        bounded = Tuning(max_round_records=bound, heartbeat_s=3600)
+        eu = await cluster.start("eu", replication=bounded, start_wait_s=0)
 
         async def eu_compared() -> bool:  # its loop's round at start; the next in an hour
             return eu.replicator.peer_stats("us").last_sync is not None

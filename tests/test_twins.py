@@ -96,3 +96,61 @@ async def test_twins_are_refused_and_the_original_grants_above_the_copy(tmp_path
         async with AsyncClient(us.address) as client:
             after = await client.claim(item.key, "worker-c", lease_seconds=60)
         assert after.granted and after.fencing_token > hidden.fencing_token
+
+
+async def test_a_copy_started_beside_its_live_original_never_decides(tmp_path: Path) -> None:
+    """The copy of a live node's directory, started with its peers, is refused before
+    it decides anything: a restarted node decides only after a round with each peer
+    that began ``settle_s`` after the peer first answered it, and by then the
+    original's heartbeat has reached that peer since the copy's life began there."""
+    async with Cluster(tmp_path, ["us", "eu"], replication=Tuning(twin_forget_s=FORGET_S)) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+        await wait_converged([us, eu])
+        copy_live(us, tmp_path / "twin")
+        twin = await NodeServer.start(
+            c.config("us", data_dir=tmp_path / "twin", listen="127.0.0.1:0")
+        )
+        try:
+            assert twin.replica.node_id == us.replica.node_id
+            assert twin.replica.gate.starting  # a written file: a restart, or a copy
+            decided = False
+
+            async def refused() -> bool:
+                nonlocal decided
+                decided = decided or twin.replica.deciding
+                return twin.replica.gate.twins >= 1 and us.replica.gate.twins >= 1
+
+            await eventually(refused, "eu refusing both lives of the node id", every=0.01)
+            assert not decided, "the copy decided claims beside its live original"
+
+            async def neither_deciding() -> bool:  # each owes, durably, as it hears it
+                nonlocal decided
+                decided = decided or twin.replica.deciding
+                return not twin.replica.deciding and not us.replica.deciding
+
+            await eventually(neither_deciding, "both twins not deciding")
+            assert not decided, "the copy decided claims beside its live original"
+        finally:
+            await twin.stop(0)
+
+
+async def test_a_restart_decides_once_its_peers_had_time_to_hear_a_twin(tmp_path: Path) -> None:
+    """A plain restart (the old life gone) is not a twin: it decides, ``settle_s``
+    after its peer first answered it, not at its first round."""
+    async with Cluster(tmp_path, ["us", "eu"]) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+        await wait_converged([us, eu])
+        await c.stop("us")
+        began = asyncio.get_running_loop().time()
+        us = await c.start("us")
+        assert us.replica.gate.starting
+        await all_deciding(us)
+        took = asyncio.get_running_loop().time() - began
+        assert took >= us.replicator.settle_s
+        assert us.replica.gate.twins == 0 and eu.replica.gate.twins == 0

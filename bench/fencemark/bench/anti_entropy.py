@@ -38,6 +38,7 @@ from fencemark.bench.seed import copy_replica, seed, seed_key
 from fencemark.bench.stats import median
 from fencemark.client import AsyncClient
 from fencemark.node.api.server import NodeConfig, NodeServer
+from fencemark.node.replication.tuning import Tuning
 from fencemark.node.store.digest_tree import CHECK_BYTES
 from fencemark.node.tools.cluster import LocalCluster, free_port
 from fencemark.node.tools.proxy import FaultProxy, ProxyMesh
@@ -91,7 +92,8 @@ async def in_sync_round_bytes(
                 data_dir=dirs[region],
                 enable_writes=True,
                 peers={peer: proxy.address},
-                anti_entropy_interval=3600.0,  # only the rounds run here
+                anti_entropy_interval=3600.0,  # only the rounds run here ...
+                replication=Tuning(heartbeat_s=3600.0),  # ... and no heartbeat
                 grace_seconds=0.5,
             )
             nodes.append(await NodeServer.start(config))

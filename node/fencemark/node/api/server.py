@@ -154,6 +154,7 @@ class NodeServer:
             on_caught_up=caught_up,
             tls=tls,  # checks the certificate each peer presents (replication.peer_check)
             tuning=config.replication,
+            max_clock_offset_s=config.max_clock_offset_ms / 1000,
         )
         # Who calls with which node id, to tell a restart from a twin (replication.lives).
         lives = Lives(config.max_clock_offset_ms, config.replication.twin_forget_s)

@@ -37,8 +37,11 @@ in time*):
 - **A round with every peer first.** The node does not decide until each peer has
   given it one complete round (``starting``), or ``start_wait_s`` has passed: what
   the file forgot and a peer holds (a done item, a live claim) is learnt before
-  the work queue hands anything out. Unlike a lost disk's, this wait is bounded, so
-  a restart while a peer is down costs seconds of claims, not the peer's absence.
+  the work queue hands anything out. A round counts once the peer has had time to
+  hear another live process with this node id, if one runs (``Replicator._settled``):
+  a copy of a running node is refused as a twin before it decides. Unlike a lost
+  disk's, this wait is bounded, so a restart while a peer is down costs seconds of
+  claims, not the peer's absence.
 - **Detected from the peers.** A state holding a stamp of this node's own, or a
   grant of its region, issued after what the file remembers (``opened_hlc``) and
   before this life began is proof that the file lost writes (``forgets``). The node

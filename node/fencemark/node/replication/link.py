@@ -36,6 +36,8 @@ class PeerLink:
         self.push_probe_at = 0.0  # when to try pushing again to a peer that refused
         self.unanswered = 0  # calls in a row that did not reach the peer
         self.unanswered_since = 0.0  # ... since when
+        self.last_called = 0.0  # monotonic start of the latest call to it (heartbeat)
+        self.first_answered: float | None = None  # start of the first call it answered
 
     def _connect(self) -> None:
         self.credentials = self.stats.credentials

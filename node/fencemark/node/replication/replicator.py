@@ -66,6 +66,7 @@ class Replicator(Rounds):
         on_caught_up: Callable[[], Awaitable[None]] | None = None,
         tls: LiveTls | None = None,
         tuning: Tuning | None = None,
+        max_clock_offset_s: float = 0.5,
     ) -> None:
         self.replica = replica  # what it pulls merges through it ...
         self.storage = storage  # ... what it compares and pushes is read straight
@@ -81,6 +82,12 @@ class Replicator(Rounds):
         }
         self._tasks: list[asyncio.Task[None]] = []
         self._synced: set[str] = set()  # while catching up: peers that gave a complete round
+        # A restarted node counts a peer's round only once the peer has had time to
+        # hear any other live process with this node id (a twin): ``_settled``.
+        self.settle_s = (
+            self.tuning.heartbeat_s + 2 * max_clock_offset_s + self.tuning.settle_slack_s
+        )
+        self._settling: dict[str, float] = {}  # region -> when its rounds count
         self.rounds = 0
 
     # -- lifecycle ---------------------------------------------------------------
@@ -90,6 +97,7 @@ class Replicator(Rounds):
         self.replica.on_sender_lacks(self._enqueue_for)
         for peer in self._peers.values():
             self._tasks.append(asyncio.create_task(self._push_loop(peer)))
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(peer)))
         if self._peers:
             self._tasks.append(asyncio.create_task(self._anti_entropy_loop()))
 
@@ -257,8 +265,10 @@ class Replicator(Rounds):
             result = None
             if ready:
                 peer = random.choice(ready)
+                began = time.monotonic()
                 result = await self._guarded_round(peer)
-                if self.catching_up and result is not None and result.complete:
+                complete = result is not None and result.complete
+                if self.catching_up and complete and self._settled(peer, began):
                     # Into the set as it is after the round: one that found the node's
                     # file went back in time began the catch-up anew (catch_up_again).
                     self._synced.add(peer.stats.region)
@@ -269,7 +279,58 @@ class Replicator(Rounds):
             busy = result is not None and result.pulled > 0
             if owed:
                 busy = True  # nothing is decided here until every peer gave a round
-            await asyncio.sleep(0.02 if busy else self.interval * random.uniform(0.5, 1.5))
+            pause = 0.02 if busy else self.interval * random.uniform(0.5, 1.5)
+            if owed:
+                # Every peer still owed a round is only settling: no hurry until then.
+                left = [self._settling.get(r) for r in set(self._peers) - self._synced]
+                if left and all(at is not None for at in left):
+                    wake = min(at for at in left if at is not None)
+                    pause = max(pause, wake - time.monotonic())
+            await asyncio.sleep(pause)
+
+    def _settled(self, peer: PeerLink, began: float) -> bool:
+        """Whether a complete round with ``peer`` that began at ``began`` counts
+        towards a restarted node's first pass. A node that owes a catch-up (a new,
+        emptied or restored file: a new node id, or one refused as a twin) counts
+        every complete round. A restarted one — its file may be a copy of a node
+        that still runs — counts a round that began ``settle_s`` after the peer
+        first answered it: by then every other live process with this node id has
+        called that peer (``heartbeat_s``) since this life began there, and the
+        peer refuses the round as a twin's (``lives``) instead of answering it."""
+        gate = self.replica.gate
+        if gate.owed or not gate.starting:
+            return True
+        if peer.first_answered is None:
+            return False
+        at = peer.first_answered + self.settle_s
+        if began >= at:
+            return True
+        self._settling[peer.stats.region] = at
+        return False
+
+    async def _heartbeat_loop(self, peer: PeerLink) -> None:
+        """Call ``peer`` at least every ``heartbeat_s``: a root-only ``Tree`` call
+        when no round or push went out meanwhile. Its peers hearing each of its lives
+        within a bounded time is what lets a restarted node tell, by waiting
+        ``settle_s``, that no twin of it runs (``_settled``)."""
+        every = self.tuning.heartbeat_s
+        while True:
+            now = time.monotonic()
+            due = max(peer.last_called + every, peer.retry_at)
+            if peer.unanswered:  # unreached: the rounds' back-off retries it, not this
+                due = max(due, now + every)
+            if due > now:
+                await asyncio.sleep(due - now)
+                continue
+            request = replication_pb2.TreeRequest(origin=self._origin(), level=0)
+            try:
+                await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
+            except grpc.aio.AioRpcError as exc:
+                if refused_as_twin(exc):
+                    await self._twinned(peer)
+                # Any other failure is the rounds' and pushes' to count and back off.
+            except Exception:  # a refused certificate, a local fault: rounds report it
+                log.debug("heartbeat to %s failed", peer.stats.region, exc_info=True)
 
     async def _caught_up(self, synced: set[str]) -> None:
         """Every peer has given one complete round: this node has seen every grant its

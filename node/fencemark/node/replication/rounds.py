@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -70,11 +71,14 @@ class Rounds:
 
     async def _call(self, peer: PeerLink, method: str, request: Message, reply: type[R]) -> R:
         """One RPC with a deadline, counting the bytes both ways."""
+        started = peer.last_called = time.monotonic()
         await peer.allowed()  # raises PeerRefused: nothing sent to a revoked peer
         peer.stats.bytes_sent += request.ByteSize()
         response = await getattr(peer.stub, method)(request, timeout=self.timeout)
         assert isinstance(response, reply)
         peer.stats.bytes_received += response.ByteSize()
+        if peer.first_answered is None:
+            peer.first_answered = started  # the peer has heard this life since then
         return response
 
     async def sync_round(self, peer: PeerLink) -> RoundResult:

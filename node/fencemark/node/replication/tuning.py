@@ -48,6 +48,14 @@ MAX_BACKOFF_S = 2.0
 # remembered when it calls again, and the survivor of a pair of twins is
 # heard alone again this long after the other one stopped.
 TWIN_FORGET_S = 30.0
+# A live node calls every peer at least this often — a root-only Tree call when no
+# round or push went out meanwhile — so each peer hears each of its lives within it.
+# A restarted node decides only after a round with each peer that began
+# HEARTBEAT_S + 2 x max_clock_offset + SETTLE_SLACK_S after that peer first answered
+# it: were another live process still calling with its node id (a twin), the peer
+# would have heard both lives overlap by then and refuse the round (replication.lives).
+HEARTBEAT_S = 1.0
+SETTLE_SLACK_S = 0.5  # the heartbeat's own delay in a busy event loop, and the network
 # A partition that drops packets (rather than refusing connections) leaves a TCP
 # connection that looks open while its retransmission timer backs off towards
 # minutes; after the heal, calls on it would keep timing out. Keepalive pings
@@ -85,3 +93,5 @@ class Tuning:
     first_backoff_s: float = FIRST_BACKOFF_S
     max_backoff_s: float = MAX_BACKOFF_S
     twin_forget_s: float = TWIN_FORGET_S
+    heartbeat_s: float = HEARTBEAT_S
+    settle_slack_s: float = SETTLE_SLACK_S
