@@ -154,3 +154,35 @@ async def test_a_restart_decides_once_its_peers_had_time_to_hear_a_twin(tmp_path
         took = asyncio.get_running_loop().time() - began
         assert took >= us.replicator.settle_s
         assert us.replica.gate.twins == 0 and eu.replica.gate.twins == 0
+
+
+async def test_a_peer_that_restarts_while_a_node_settles_gives_it_the_whole_settle(
+    tmp_path: Path,
+) -> None:
+    """A peer that went down while a restarted node settled may have forgotten the
+    node's life: the settle starts again from its next answer."""
+    async with Cluster(tmp_path, ["us", "eu"]) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+        await wait_converged([us, eu])
+        await c.stop("us")
+        us = await c.start("us")
+        link = us.replicator._peers["eu"]
+
+        async def answered() -> bool:
+            return link.first_answered is not None
+
+        await eventually(answered, "eu answering the restarted us", every=0.01)
+        await c.stop("eu")
+
+        async def forgotten() -> bool:
+            return link.first_answered is None
+
+        await eventually(forgotten, "us seeing eu gone (UNAVAILABLE)", every=0.01)
+        assert not us.replica.deciding
+        eu = await c.start("eu")
+        back = asyncio.get_running_loop().time()
+        await all_deciding(us)
+        assert asyncio.get_running_loop().time() - back >= us.replicator.settle_s

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+import grpc
 from google.protobuf.message import Message
 
 from fencemark.node.core.replica import Replica
@@ -74,7 +75,13 @@ class Rounds:
         started = peer.last_called = time.monotonic()
         await peer.allowed()  # raises PeerRefused: nothing sent to a revoked peer
         peer.stats.bytes_sent += request.ByteSize()
-        response = await getattr(peer.stub, method)(request, timeout=self.timeout)
+        try:
+            response = await getattr(peer.stub, method)(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                # Down, or restarting: it may not remember hearing this life at all.
+                peer.first_answered = None
+            raise
         assert isinstance(response, reply)
         peer.stats.bytes_received += response.ByteSize()
         if peer.first_answered is None:
