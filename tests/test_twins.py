@@ -17,8 +17,11 @@ could have granted.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
+import grpc
 import pytest
 
 from fencemark.client import AsyncClient
@@ -144,15 +147,35 @@ async def test_a_restart_decides_once_its_peers_had_time_to_hear_a_twin(tmp_path
         us, eu = await c.start_all()
         await all_deciding(us, eu)
         async with AsyncClient(us.address) as client:
-            await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
         await wait_converged([us, eu])
         await c.stop("us")
         began = asyncio.get_running_loop().time()
         us = await c.start("us")
         assert us.replica.gate.starting
-        await all_deciding(us)
+
+        async def settling() -> bool:  # eu answered; its rounds count from settled_at
+            return us.replica.gate.settled_at > 0
+
+        await eventually(settling, "us settling with eu", every=0.01)
+        # Meanwhile a claim is refused NOT_SERVING with when to ask again ...
+        async with AsyncClient(us.address, retries=0) as client:
+            with pytest.raises(Unavailable) as refused:
+                await client.claim(item.key, "worker-a", lease_seconds=60)
+        cause = refused.value.__cause__
+        assert isinstance(cause, grpc.aio.AioRpcError)
+        metadata = cast(Iterable[tuple[str, str | bytes]], cause.trailing_metadata() or ())
+        trailing = list(metadata)
+        pushback = [v for k, v in trailing if k == "grpc-retry-pushback-ms"]
+        assert len(pushback) == 1 and isinstance(pushback[0], str)
+        assert 0 < int(pushback[0]) <= us.replicator.settle_s * 1000 + 50
+        # ... which a retrying client waits for: the caller sees the grant.
+        async with AsyncClient(us.address) as client:
+            claim = await client.claim(item.key, "worker-a", lease_seconds=60)
+        assert claim.granted
         took = asyncio.get_running_loop().time() - began
         assert took >= us.replicator.settle_s
+        assert us.replica.deciding
         assert us.replica.gate.twins == 0 and eu.replica.gate.twins == 0
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
-from google.protobuf import any_pb2, timestamp_pb2
+from google.protobuf import any_pb2, duration_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -66,6 +67,18 @@ def anyone(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
     return ANYONE
 
 
+PUSHBACK = "grpc-retry-pushback-ms"  # gRPC retries: when the server says to try again
+
+
+@dataclass(frozen=True)
+class _Refused(grpc.Status):
+    """A status with trailing metadata beside the rich details."""
+
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+
+
 def _status(
     code: int, message: str, reason: str, metadata: dict[str, str], *extra: Any
 ) -> grpc.Status:
@@ -76,6 +89,21 @@ def _status(
         packed.Pack(detail)
         details.append(packed)
     return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=details))
+
+
+def _not_serving(error: NotServing) -> grpc.Status:
+    """UNAVAILABLE (NOT_SERVING); with a known wait, ``RetryInfo`` and gRPC's retry
+    pushback (``grpc-retry-pushback-ms``): a client retrying UNAVAILABLE by its
+    service config asks again then, not after its own shorter back-off."""
+    wait = error.retry_after_ms
+    if wait <= 0:
+        return _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {})
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(wait)
+    info = error_details_pb2.RetryInfo(retry_delay=delay)
+    status = _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {}, info)
+    pushback = (PUSHBACK, str(wait))
+    return _Refused(status.code, status.details, (*status.trailing_metadata, pushback))
 
 
 def to_status(error: FencemarkError) -> grpc.Status:
@@ -111,7 +139,7 @@ def to_status(error: FencemarkError) -> grpc.Status:
         metadata = {"node_id": error.node_id, "region": error.region}
         return _status(code_pb2.FAILED_PRECONDITION, str(error), TWIN_NODE, metadata)
     if isinstance(error, NotServing):
-        return _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {})
+        return _not_serving(error)
     if isinstance(error, Exhausted):
         metadata = {"resource": error.what, "limit": str(error.limit)}
         return _status(code_pb2.RESOURCE_EXHAUSTED, str(error), "RESOURCE_EXHAUSTED", metadata)

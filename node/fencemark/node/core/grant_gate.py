@@ -56,6 +56,7 @@ it (``twinned``), and can finish it only once the other has stopped.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from fencemark.node.crdt import HybridClock, Record
@@ -90,6 +91,7 @@ class GrantGate:
         self.starting = earlier and not self.owed
         self.rollbacks = 0  # states seen that prove the file forgot writes
         self.twins = 0  # peers' refusals saying another live process has this node id
+        self.settled_at = 0.0  # monotonic: when a restart's settle ends, once known
         self._listeners: list[Callable[[], None]] = []
 
     @property
@@ -107,9 +109,11 @@ class GrantGate:
                 " claims and no fenced writes until it has seen their states"
             )
         if self.starting:
+            left = self.settled_at - time.monotonic()
             raise NotServing(
                 "this node has just started and is comparing its states with its peers'"
-                " before it decides claims and fenced writes (a few seconds at most)"
+                " before it decides claims and fenced writes (a few seconds at most)",
+                retry_after_ms=int(left * 1000) + 50 if left > 0 else 0,
             )
 
     def on_owed(self, listener: Callable[[], None]) -> None:

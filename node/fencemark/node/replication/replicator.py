@@ -306,6 +306,7 @@ class Replicator(Rounds):
         if began >= at:
             return True
         self._settling[peer.stats.region] = at
+        gate.settled_at = max(gate.settled_at, at)  # the refusals meanwhile say when
         return False
 
     async def _heartbeat_loop(self, peer: PeerLink) -> None:

@@ -111,7 +111,13 @@ class TwinNode(FencemarkError):
 
 
 class NotServing(FencemarkError):
-    """This node cannot decide claims right now (e.g. catching up after disk loss)."""
+    """This node cannot decide claims right now (e.g. catching up after disk loss).
+    ``retry_after_ms``, when known (a restart settling), is when to ask again: sent as
+    ``RetryInfo`` and as gRPC's retry pushback, which a retrying client waits for."""
+
+    def __init__(self, message: str, retry_after_ms: int = 0) -> None:
+        self.retry_after_ms = retry_after_ms
+        super().__init__(message)
 
 
 _CONFLICT_HELP = {
