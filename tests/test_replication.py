@@ -423,6 +423,44 @@ async def test_states_a_peer_fetched_are_not_pushed_to_it_again(tmp_path: Path) 
         await eventually(two_left, "only the two keys eu did not fetch queued for it")
 
 
+async def test_a_peer_that_missed_many_writes_pulls_them_instead_of_a_kept_queue(
+    tmp_path: Path,
+) -> None:
+    """A failed push keeps a short blip's few keys queued for the peer; more than
+    ``kept_push_limit`` are dropped, and the peer pulls them in its own rounds once
+    back — pushing them as well would deliver them twice."""
+    small = Tuning(kept_push_limit=4)
+    async with Cluster(tmp_path, ["us", "eu"], replication=small) as cluster:
+        us = await cluster.start("us")  # eu is down: pushes to it fail
+        async with AsyncClient(us.address) as client:
+            first = (await client.remember(REPO, "missed", "m0", body="b")).record.key
+            stats = us.replicator.peer_stats("eu")
+
+            async def kept() -> bool:  # a blip's write, put back after the failed push
+                return stats.failures >= 1 and us.replicator.backlog("eu") == 1
+
+            await eventually(kept, "a push to eu failing and its key kept")
+            keys = [first]
+            for i in range(1, 8):
+                keys.append((await client.remember(REPO, "missed", f"m{i}", body="b")).record.key)
+
+        link = us.replicator._peers["eu"]
+
+        async def dropped() -> bool:  # at the next failed push: more than 4 queued
+            return us.replicator.backlog("eu") == 0 and not link.pushing  # none in flight
+
+        await eventually(dropped, "the queue for eu dropped", every=0.01)
+        # ... for its length, not because eu counts as gone (5 s of failures).
+        assert not us.replicator.unreachable("eu")
+        eu = await cluster.start("eu")
+        for key in keys:
+
+            async def pulled(key: str = key) -> bool:
+                return await eu.storage.get(key) is not None
+
+            await eventually(pulled, f"eu pulling {key}")
+
+
 async def test_a_stale_state_is_answered_to_its_sender_alone(tmp_path: Path) -> None:
     """A node merging a state older than its own changes nothing: the sender lacks
     what it holds and gets it pushed back at once — the peers it was in step with

@@ -107,7 +107,7 @@ class PeerLink:
             if not self.unanswered:
                 self.unanswered_since = time.monotonic()
             self.unanswered += 1
-            if self.unreachable():
+            if self.unreachable() or len(self.backlog) > self.tuning.kept_push_limit:
                 self.backlog.clear()  # it pulls what it missed once it is back
         doublings = min(self.stats.failures, 9) - 1  # failed() counted this one: >= 1
         delay = min(self.tuning.max_backoff_s, self.tuning.first_backoff_s * 2**doublings)

@@ -36,6 +36,11 @@ PUSH_QUEUE_LIMIT = 100_000  # keys waiting per peer; beyond this anti-entropy re
 # keep their queue; a peer that answers but refuses (clock skew) keeps it too.
 UNREACHABLE_AFTER = 3
 UNREACHABLE_AFTER_S = 5.0
+# A push that does not reach the peer keeps at most this many keys queued for it: a
+# short blip's few writes are pushed once it is back, a larger backlog is left to
+# the peer's own pulls, which its round would otherwise fetch beside the pushes
+# (docs/performance.md, *Small-K repair*).
+KEPT_PUSH_LIMIT = 128
 # A failing peer is retried after FIRST_BACKOFF_S doubling up to MAX_BACKOFF_S,
 # jittered by 0.5x-1.5x.
 # Kept short: after a symmetric partition neither side calls the other until a
@@ -93,5 +98,6 @@ class Tuning:
     first_backoff_s: float = FIRST_BACKOFF_S
     max_backoff_s: float = MAX_BACKOFF_S
     twin_forget_s: float = TWIN_FORGET_S
+    kept_push_limit: int = KEPT_PUSH_LIMIT
     heartbeat_s: float = HEARTBEAT_S
     settle_slack_s: float = SETTLE_SLACK_S
