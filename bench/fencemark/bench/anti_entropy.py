@@ -28,6 +28,7 @@ import grpc
 
 from fencemark.bench import anti_entropy_report as report
 from fencemark.bench.anti_entropy_report import Repair
+from fencemark.bench.drivers import region_clients
 from fencemark.bench.progress import Progress
 from fencemark.bench.records import BODY
 from fencemark.bench.results import (
@@ -225,7 +226,12 @@ async def repair_after_partition(
             # A partition of a running cluster: every node past its start-up round with
             # each peer first (a node still starting pulls every differing state,
             # older or not, and the repair would measure the restart too).
-            await _until("every node deciding", lambda: _all_deciding(cluster), 60, 0.1)
+            clients = await stack.enter_async_context(region_clients(cluster.addresses))
+
+            async def all_deciding() -> bool:
+                return all([(await c.info()).claims_serving for c in clients.values()])
+
+            await _until("every node deciding", all_deciding, 60, 0.1)
             mesh.isolate("ap")
             progress.status(f"K={k:,}: ap cut off, writing {k:,} updates at us")
             await _write_divergence(cluster.addresses["us"], keys, f"k{k}")
@@ -251,14 +257,6 @@ async def repair_after_partition(
         return Repair(k, canonical, sum(moved.values()), seconds, timeline, moved)
     finally:
         await cluster.stop()
-
-
-async def _all_deciding(cluster: LocalCluster) -> bool:
-    for address in cluster.addresses.values():
-        async with AsyncClient(address) as client:
-            if not (await client.info()).claims_serving:
-                return False
-    return True
 
 
 def _mesh_links(mesh: ProxyMesh) -> dict[str, FaultProxy]:
