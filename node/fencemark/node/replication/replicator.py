@@ -257,8 +257,16 @@ class Replicator(Rounds):
     async def _anti_entropy_loop(self) -> None:
         while True:
             now = time.monotonic()
-            ready = [p for p in self._peers.values() if max(p.retry_at, p.behind_until) <= now]
             owed = self.catching_up and len(self._synced) < len(self._peers)
+            # A peer found behind is left to pull, but not one still owed a round:
+            # this node decides nothing until it has had one (it lists what the peer
+            # lacks and pulls nothing; it completes all the same).
+            ready = [
+                p
+                for p in self._peers.values()
+                if p.retry_at <= now
+                and (p.behind_until <= now or (owed and p.stats.region not in self._synced))
+            ]
             pending = [p for p in ready if p.stats.region not in self._synced]
             if owed and pending:
                 ready = pending  # the peers still owed a complete round go first
