@@ -15,20 +15,26 @@ the test did. Nothing here mocks a Fencemark component.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import os
 import shutil
+import signal
 import socket
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from fencemark.node.api.server import NodeConfig, NodeServer
+from fencemark.node.replication.tuning import Tuning
 from fencemark.node.tools.process import NodeProcess
 
 LOOPBACK = "127.0.0.1"
 FAST_ANTI_ENTROPY = 0.2  # seconds between rounds (jittered): converge quickly in tests
+SHARED_LOOP_NAP_S = 3.0  # in-process nodes: the test's loop stalls are not naps (Cluster)
 
 
 def free_ports(count: int) -> list[int]:
@@ -75,13 +81,31 @@ async def all_deciding(*nodes: NodeServer, within: float = 15.0) -> None:
 def backup(node: NodeServer, target: Path) -> None:
     """``sqlite3 fencemark.sqlite3 ".backup TARGET"`` on the running node's file: a
     consistent copy of a live data file, node id and all."""
-    source = sqlite3.connect(node.config.db_path)
+    copy_file(node.config.db_path, target)
+
+
+def copy_file(source_path: Path, target: Path) -> None:
+    """``sqlite3 SOURCE ".backup TARGET"``: a consistent copy of a data file that a
+    live process (in this one or another) is writing."""
+    source = sqlite3.connect(source_path)
     dest = sqlite3.connect(target)
     try:
         source.backup(dest)
     finally:
         dest.close()
         source.close()
+
+
+@contextlib.contextmanager
+def paused(*nodes: NodeProcess) -> Iterator[None]:
+    """``SIGSTOP`` the nodes (a paused process: connections open, nothing answers)."""
+    for node in nodes:
+        os.kill(node.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for node in nodes:
+            os.kill(node.proc.pid, signal.SIGCONT)
 
 
 class _Topology:
@@ -108,10 +132,25 @@ class Cluster(_Topology):
 
     ``overrides`` are ``NodeConfig`` fields applied to every node (e.g.
     ``anti_entropy_interval``); ``start`` takes per-start overrides on top.
+
+    The nodes share one event loop with each other and with the test: a node's
+    start (TLS files, a data file opened) or the test's own blocking work stands
+    the loop still for every node, which each would take for a nap — a paused
+    process — and settle again before deciding (``grant_gate``). So the cluster's
+    nodes allow ``nap_s`` (``SHARED_LOOP_NAP_S``) whatever ``replication`` tuning
+    a test gives; the tests of naps pass the default.
     """
 
-    def __init__(self, base: Path, regions: Sequence[str], **overrides: Any) -> None:
+    def __init__(
+        self,
+        base: Path,
+        regions: Sequence[str],
+        *,
+        nap_s: float = SHARED_LOOP_NAP_S,
+        **overrides: Any,
+    ) -> None:
         super().__init__(base, regions)
+        self.nap_s = nap_s
         self.overrides: dict[str, Any] = {
             "anti_entropy_interval": FAST_ANTI_ENTROPY,
             **overrides,
@@ -136,6 +175,8 @@ class Cluster(_Topology):
             **self.overrides,
             **overrides,
         }
+        tuning = settings.get("replication") or Tuning()
+        settings["replication"] = dataclasses.replace(tuning, nap_s=self.nap_s)
         return NodeConfig(**settings)
 
     async def start(self, region: str, **overrides: Any) -> NodeServer:

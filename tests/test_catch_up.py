@@ -10,10 +10,6 @@ token a worker still held.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,24 +17,18 @@ import pytest
 from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.client.errors import NotFound, Unavailable
 from fencemark.node.rules.admission import RECOVERY_GAP
-from fencemark.node.tools.process import NodeProcess
-from tests.cluster import Cluster, ProcessCluster, all_deciding, eventually, wait_converged
+from tests.cluster import (
+    Cluster,
+    ProcessCluster,
+    all_deciding,
+    eventually,
+    paused,
+    wait_converged,
+)
 
 pytestmark = pytest.mark.slow
 
 TAGS = ["backlog", "homeRegion:us"]
-
-
-@contextlib.contextmanager
-def paused(*nodes: NodeProcess) -> Iterator[None]:
-    """``SIGSTOP`` the nodes (a paused process: connections open, nothing answers)."""
-    for node in nodes:
-        os.kill(node.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for node in nodes:
-            os.kill(node.proc.pid, signal.SIGCONT)
 
 
 async def deciding(address: str) -> bool:

@@ -18,7 +18,7 @@ import pytest
 from fencemark.client import AsyncClient, ClaimLost, Client
 from fencemark.node.api.server import NodeServer
 from fencemark.node.tools.process import NodeProcess
-from tests.test_catch_up import paused
+from tests.cluster import paused
 
 REPO, TOPIC = "hold", "work"
 

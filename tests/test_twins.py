@@ -17,6 +17,7 @@ could have granted.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
@@ -26,20 +27,26 @@ import pytest
 
 from fencemark.client import AsyncClient
 from fencemark.client.errors import Unavailable
+from fencemark.node.api.config import DB_FILE
 from fencemark.node.api.server import NodeServer
 from fencemark.node.replication.tuning import Tuning
+from fencemark.node.tools.process import NodeProcess
 from tests.cluster import (
     FAST_ANTI_ENTROPY,
     Cluster,
+    ProcessCluster,
     all_deciding,
     backup,
+    copy_file,
     eventually,
+    paused,
     wait_converged,
 )
 from tests.metrics import counters, gauges
 
 REPO, TOPIC = "lattice", "backlog"
 FORGET_S = 3.0  # how long a peer remembers a silent life (30 s in a deployment)
+SETTLE_S = 2.5  # a restart's settle with the default tuning and clock offset
 
 
 def copy_live(node: NodeServer, target: Path) -> None:
@@ -209,3 +216,115 @@ async def test_a_peer_that_restarts_while_a_node_settles_gives_it_the_whole_sett
         back = asyncio.get_running_loop().time()
         await all_deciding(us)
         assert asyncio.get_running_loop().time() - back >= us.replicator.settle_s
+
+
+async def test_an_original_paused_while_its_copy_settled_grants_nothing_when_it_wakes(
+    tmp_path: Path,
+) -> None:
+    """The order that dodges the heartbeat: the original is paused (SIGSTOP: a
+    suspended VM, a frozen container) before its copy starts, so their peer hears
+    the copy alone, and the copy settles and decides. When the original wakes, a
+    claim already waiting in its socket must not be granted: the copy may have
+    granted the same token. A node that finds its event loop stood still
+    (``grant_gate``, *naps*) settles again, as after a restart, before it decides;
+    by then its peer has heard both and refuses both."""
+    async with ProcessCluster(tmp_path, ["us", "eu"]) as cluster:
+        original, eu = await cluster.start_all()
+        async with AsyncClient(original.address) as client:
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+            first = await client.claim(item.key, "worker-a", lease_seconds=60)
+            assert first.granted
+            await client.release_claim(item.key, first.fencing_token)
+        async with AsyncClient(eu.address) as client:
+
+            async def eu_holds_the_release() -> bool:
+                status = await client.claim_status(item.key)
+                return status.fence == first.fencing_token and status.claim is None
+
+            await eventually(eu_holds_the_release, "eu holding the release")
+        (tmp_path / "copy").mkdir()
+        copy_file(original.data_dir / DB_FILE, tmp_path / "copy" / DB_FILE)
+
+        async with AsyncClient(original.address, retries=0, timeout=30) as at_original:
+            await at_original.info()  # a connection open before the pause
+            with paused(original):
+                copy = await NodeProcess.start(
+                    tmp_path / "copy", region="us", extra_args=cluster.args_of("us")
+                )
+                try:
+                    async with AsyncClient(copy.address, timeout=30) as at_copy:
+                        # Retried through NOT_SERVING (pushback) until the copy decides.
+                        hidden = await at_copy.claim(item.key, "worker-b", lease_seconds=60)
+                    assert hidden.granted and hidden.fencing_token > first.fencing_token
+                    # Sent while the original sleeps: in its socket when it wakes.
+                    late = asyncio.create_task(
+                        at_original.claim(item.key, "worker-c", lease_seconds=60)
+                    )
+                    await asyncio.sleep(0.2)
+                    assert not late.done()
+                except BaseException:
+                    await copy.kill()
+                    raise
+            try:
+                # Refused as napping, or, had eu's refusal come first, as a twin.
+                with pytest.raises(Unavailable, match=r"stood still|catching up"):
+                    await late
+                # Settling again, it calls eu, which has heard the copy: both are
+                # refused, and the original does not decide when its settle is over.
+                await asyncio.sleep(SETTLE_S + 1)
+                with pytest.raises(Unavailable, match="catching up"):
+                    await at_original.claim(item.key, "worker-c", lease_seconds=60)
+                assert not (await at_original.info()).claims_serving
+            finally:
+                await copy.kill()
+
+
+async def test_a_node_whose_event_loop_stood_still_settles_again_before_it_decides(
+    tmp_path: Path,
+) -> None:
+    """A nap (the loop blocked longer than ``nap_s``) counts like a restart: the
+    next claim is refused NOT_SERVING, and the node decides again once a round
+    with its peer began ``settle_s`` after the peer first answered it after the
+    nap — no twin here, so it does."""
+    async with Cluster(tmp_path, ["us", "eu"], nap_s=Tuning().nap_s) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+        gate = us.replica.gate
+        time.sleep(gate.nap_s * 2)  # noqa: ASYNC251 - the event loop stands still: a nap
+        async with AsyncClient(us.address, retries=0) as client:
+            with pytest.raises(Unavailable, match="stood still"):
+                await client.claim(item.key, "worker-a", lease_seconds=60)
+        assert gate.naps == 1 and not us.replica.deciding
+        assert gauges(us, "fencemark_claims_serving") == {(): 0.0}
+        began = asyncio.get_running_loop().time()
+        async with AsyncClient(us.address) as client:  # retried through the pushback
+            claim = await client.claim(item.key, "worker-a", lease_seconds=60)
+        assert claim.granted
+        assert asyncio.get_running_loop().time() - began >= us.replicator.settle_s - 0.1
+        assert counters(us, "fencemark_naps")[()] == 1
+        assert gate.twins == 0 and eu.replica.gate.twins == 0
+
+
+async def test_a_grant_decided_before_a_nap_is_not_handed_out_after_it(tmp_path: Path) -> None:
+    """The process stands still after the grant was decided and before its reply:
+    a copy may have granted the same claim meanwhile, so the caller is refused
+    (NOT_SERVING) instead; the grant stays in the file and its lease lapses."""
+    async with Cluster(tmp_path, ["us", "eu"], nap_s=Tuning().nap_s) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+
+        def nap_once(key: str) -> None:  # called as the grant is committed
+            if key == item.key and not us.replica.gate.naps:
+                time.sleep(us.replica.gate.nap_s * 2)
+
+        us.replica.on_change(nap_once)
+        async with AsyncClient(us.address, retries=0) as client:
+            with pytest.raises(Unavailable, match="stood still"):
+                await client.claim(item.key, "worker-a", lease_seconds=2)
+        stored = await us.storage.get(item.key)
+        assert stored is not None and stored.record.fence.fence >= 1  # decided, not given
+        assert us.replica.gate.naps == 1

@@ -84,6 +84,7 @@ class NodeServer:
         metrics: NodeMetrics,
         stop_metrics: Callable[[], None] | None,
         lapses: LapseWatcher,
+        gate: _GateFollower,
         tls: LiveTls | None = None,
     ) -> None:
         self.config = config
@@ -98,13 +99,13 @@ class NodeServer:
         self.metrics = metrics
         self._stop_metrics = stop_metrics
         self.lapses = lapses
+        self._gate = gate
         self.stopped = False
         self.tls = tls
         self._tls_watch: asyncio.Task[None] | None = None
         self.dashboard_port = 0  # where the dashboard is served, if it is
         self._stop_dashboard: Callable[[], None] | None = None
         self._dashboard: Dashboard | None = None
-        self._start_wait: asyncio.Task[None] | None = None  # a restart's bounded wait
         if tls is not None and config.tls_reload_interval > 0:
             self._tls_watch = asyncio.create_task(self._watch_tls(config.tls_reload_interval))
 
@@ -177,16 +178,14 @@ class NodeServer:
             raise
         await server.start()
         await _serve_health(health_servicer, names, catching_up=catching_up)
-        _follow_gate(replica, replicator, health_servicer)
+        follower = _GateFollower(replica, replicator, health_servicer, config.start_wait_s)
         replicator.start()
         lapses.start()
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
         node = cls(config, storage, replica, claims, work, server, health_servicer, port,
-                   replicator, metrics, stop_metrics, lapses, tls)  # fmt: skip
+                   replicator, metrics, stop_metrics, lapses, follower, tls)  # fmt: skip
         if replica.gate.starting:
-            node._start_wait = asyncio.create_task(
-                _wait_for_peers(replica, replicator, health_servicer, config.start_wait_s)
-            )
+            follower.wait_for_peers()
         if config.dashboard_listen:
             node._dashboard = Dashboard(replica, claims, peers, metrics.recent_refusals)
             node.dashboard_port, node._stop_dashboard = dashboard.serve(
@@ -210,8 +209,7 @@ class NodeServer:
         self.stopped = True
         if self._tls_watch is not None:
             self._tls_watch.cancel()
-        if self._start_wait is not None:
-            self._start_wait.cancel()
+        self._gate.stop()
         await self.health.enter_graceful_shutdown()
         self.replica.end_feed()  # watch streams end now: they resume from their cursor
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
@@ -375,39 +373,72 @@ def _add_services(
     return names
 
 
-def _follow_gate(replica: Replica, replicator: Replicator, health: Any) -> None:
-    """When a deciding node comes to owe a catch-up again (its data file went back in
-    time: ``grant_gate.rolled_back``), the replicator asks every peer anew and
-    health stops serving claims until it has."""
-    pending: set[asyncio.Task[None]] = set()
+class _GateFollower:
+    """What the node does when its grant gate changes its mind
+    (``fencemark.node.core.grant_gate``):
 
-    def owed() -> None:
-        replicator.catch_up_again()
+    - it comes to owe a catch-up again (its data file went back in time, or a peer
+      refused it as a twin): the replicator asks every peer anew and health stops
+      serving claims until it has;
+    - it napped (the process stood still): the replicator settles with every peer
+      again, health stops serving claims, and the restart's bounded wait begins
+      again;
+    - a restart's (or a nap's) bounded wait ends without a round with every peer:
+      it decides on its era of tokens alone (``waited``)."""
+
+    def __init__(
+        self, replica: Replica, replicator: Replicator, health: Any, start_wait_s: float
+    ) -> None:
+        self.replica = replica
+        self.replicator = replicator
+        self.health = health
+        self.start_wait_s = start_wait_s
+        self._pending: set[asyncio.Task[None]] = set()
+        self._wait: asyncio.Task[None] | None = None
+        replica.gate.on_owed(self._owed)
+        replica.gate.on_nap(self._napped)
+
+    def _owed(self) -> None:
+        self.replicator.catch_up_again()
+        self._not_serving()
+
+    def _napped(self) -> None:
+        self.replicator.settle_again()
+        self._not_serving()
+        self.wait_for_peers()
+
+    def _not_serving(self) -> None:
         task = asyncio.create_task(
-            health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         )
-        pending.add(task)
-        task.add_done_callback(pending.discard)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
-    replica.gate.on_owed(owed)
+    def wait_for_peers(self) -> None:
+        """(Again) decide once every peer gave a round, or after ``start_wait_s``."""
+        if self._wait is not None:
+            self._wait.cancel()
+        self._wait = asyncio.create_task(self._wait_for_peers())
 
+    async def _wait_for_peers(self) -> None:
+        """A restarted node decides once every peer gave it a round, or after
+        ``start_wait_s`` (``grant_gate``): then on its new era of tokens alone,
+        saying who was not heard."""
+        await asyncio.sleep(self.start_wait_s)
+        if self.replica.gate.waited():
+            self.replicator.catching_up = False
+            log.warning(
+                "deciding claims %.0f s after the start (or a pause) without a round"
+                " with every peer (%s); what this node's file may have forgotten and"
+                " only they hold is learnt when they answer",
+                self.start_wait_s,
+                ", ".join(self.replicator.unsynced()) or "none",
+            )
+            await self.health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
-async def _wait_for_peers(
-    replica: Replica, replicator: Replicator, health: Any, seconds: float
-) -> None:
-    """A restarted node decides once every peer gave it a round, or after ``seconds``
-    (``grant_gate``): then on its new era of tokens alone, saying who was not heard."""
-    await asyncio.sleep(seconds)
-    if replica.gate.waited():
-        replicator.catching_up = False
-        log.warning(
-            "deciding claims %.0f s after the start without a round with every peer"
-            " (%s); what this node's file may have forgotten and only they hold is"
-            " learnt when they answer",
-            seconds,
-            ", ".join(replicator.unsynced()) or "none",
-        )
-        await health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    def stop(self) -> None:
+        if self._wait is not None:
+            self._wait.cancel()
 
 
 async def _serve_health(health: Any, names: list[str], *, catching_up: bool) -> None:

@@ -224,6 +224,12 @@ class _StateCollector(Collector):
             " calls with its node id (a twin), this life",
             value=self.replica.gate.twins,
         )  # fmt: skip
+        yield CounterMetricFamily(
+            "fencemark_naps",
+            "Times this process found it had stood still (paused, or starved of CPU)"
+            " and settled with its peers again before deciding, this life",
+            value=self.replica.gate.naps,
+        )  # fmt: skip
         yield GaugeMetricFamily(
             "fencemark_claim_waiters", "Callers waiting in claim queues", value=self.claims.waiting
         )

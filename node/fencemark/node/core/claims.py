@@ -225,7 +225,7 @@ class Claims:
                 return current.with_fence(fence), (outcome, False)
             return self.with_grant(current, fence), (outcome, True)
 
-        _, result = await replica.transact(key, change)
+        _, result = await replica.transact(key, change, decides=True)
         return result
 
     def with_grant(self, record: Record, fence: FenceState) -> Record:
@@ -257,7 +257,7 @@ class Claims:
             )
             return current.with_fence(fence), outcome
 
-        _, outcome = await replica.transact(key, change)
+        _, outcome = await replica.transact(key, change, decides=True)
         return outcome
 
     async def release(
@@ -305,7 +305,7 @@ class Claims:
             changed = replica.signed_queue(changed, stamp)
             return changed.with_fence(changed.fence.release(token)), settled(changed, token)
 
-        _, answer = await self.replica.transact(key, change)
+        _, answer = await self.replica.transact(key, change, decides=True)
         if answer.ok:
             self.wake(key)
         return answer

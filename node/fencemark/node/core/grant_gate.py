@@ -52,10 +52,22 @@ Two live processes serving one node's data (a twin: a copy of a live node's
 directory started elsewhere) are told apart by their peers, which refuse both
 (``replication.lives``); each owes the same full catch-up and gap when it hears
 it (``twinned``), and can finish it only once the other has stopped.
+
+Their peers tell only because each live process calls each of them at least once
+a heartbeat. A process that stood still — paused (``SIGSTOP``, a suspended virtual
+machine, a frozen container) or starved of CPU — called nobody meanwhile: a copy
+started then may have settled unseen and decided. So the node watches its own
+event loop (``tick``, from the replicator, several times a second); a gap above
+``nap_s`` (``replication.tuning.NAP_S``) is a *nap*, and the node settles with its
+peers again as after a restart (``starting``) before it decides. The check runs
+before every decision, not only at the next tick — a claim waiting in the socket
+when the process wakes may be served first — and once more after a grant is
+durable (``awake``): one decided before the nap is not handed out after it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -66,6 +78,8 @@ from fencemark.node.store.storage import Storage
 CATCH_UP = "catch_up"  # meta: "owed" until a complete pass with every peer, then "done"
 GAP_OWED = "gap_owed"  # meta: "1" once a peer held records while catch-up was owed
 RECOVERED_HLC = "recovered_hlc"  # meta: grants below this HLC are of an earlier life
+
+log = logging.getLogger(__name__)
 
 
 class GrantGate:
@@ -92,16 +106,67 @@ class GrantGate:
         self.rollbacks = 0  # states seen that prove the file forgot writes
         self.twins = 0  # peers' refusals saying another live process has this node id
         self.settled_at = 0.0  # monotonic: when a restart's settle ends, once known
+        self.nap_s = 0.0  # a longer gap between ticks is a nap; 0 until ticking
+        self.naps = 0  # times this life found its event loop stood still (``tick``)
+        self.napped = False  # ... and it is settling again since the latest
+        self._ticked = 0.0  # monotonic time of the latest tick; 0 until ticking
         self._listeners: list[Callable[[], None]] = []
+        self._nap_listeners: list[Callable[[], None]] = []
 
     @property
     def deciding(self) -> bool:
-        """Whether this node decides claims and admits writes now."""
+        """Whether this node decides claims and admits writes now (as of the latest
+        ``tick``: it is read from other threads too, by the metrics endpoint)."""
         return not (self.owed or self.starting)
 
+    def tick(self) -> None:
+        """The event loop runs: called every ``nap_s``/5 by the replicator, and before
+        every decision (``check``, ``awake``), on the event loop's thread. A gap
+        since the previous tick above ``nap_s`` is a nap —
+        the process was paused or starved — after which the node settles with its
+        peers again before it decides (a copy of it may have started meanwhile and
+        settled unseen). A node without peers never ticks: it has no twin to fear
+        that anyone could tell."""
+        now = time.monotonic()
+        if not self._ticked:
+            return
+        gap, self._ticked = now - self._ticked, now
+        if gap > self.nap_s:
+            self._napped(gap)
+
+    def start_ticking(self, nap_s: float) -> None:
+        """From now on a gap between ticks above ``nap_s`` is a nap."""
+        self.nap_s, self._ticked = nap_s, time.monotonic()
+
+    def _napped(self, gap: float) -> None:
+        self.naps += 1
+        log.warning(
+            "this process stood still for %.2f s (paused, suspended or starved of CPU):"
+            " settling with its peers again before it decides claims",
+            gap,
+        )
+        if self.owed:
+            return  # deciding nothing until a complete pass anyway
+        self.starting, self.settled_at, self.napped = True, 0.0, True
+        for listener in self._nap_listeners:
+            listener()
+
+    def awake(self, naps: int) -> None:
+        """Raise :class:`NotServing` if this process napped since ``naps`` was read
+        (``self.naps``): a grant decided before a nap is not handed out after it —
+        a copy may have granted the same claim meanwhile. The grant stays in the
+        file and its lease lapses."""
+        self.tick()
+        if self.naps != naps:
+            raise NotServing(
+                "this process stood still while it decided (paused or starved of CPU);"
+                " it compares states with its peers again before it decides claims"
+            )
+
     def check(self) -> None:
-        """Raise :class:`NotServing` while catch-up is owed, or while a restarted node
-        waits for its first round with each peer."""
+        """Raise :class:`NotServing` while catch-up is owed, or while a restarted (or
+        napping: ``tick``) node waits for its first round with each peer."""
+        self.tick()
         if self.owed:
             raise NotServing(
                 "this node is catching up with its peers after starting on a new or"
@@ -110,9 +175,14 @@ class GrantGate:
             )
         if self.starting:
             left = self.settled_at - time.monotonic()
+            why = (
+                "this process stood still (paused, or starved of CPU) and is comparing"
+                " its states with its peers' again"
+                if self.napped
+                else "this node has just started and is comparing its states with its peers'"
+            )
             raise NotServing(
-                "this node has just started and is comparing its states with its peers'"
-                " before it decides claims and fenced writes (a few seconds at most)",
+                f"{why} before it decides claims and fenced writes (a few seconds at most)",
                 retry_after_ms=int(left * 1000) + 50 if left > 0 else 0,
             )
 
@@ -120,6 +190,12 @@ class GrantGate:
         """Call ``listener()`` when a deciding node comes to owe a catch-up again
         (``rolled_back``): the replicator starts over, health stops serving claims."""
         self._listeners.append(listener)
+
+    def on_nap(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` when a node that does not owe a catch-up napped
+        (``tick``): the replicator settles with every peer again, health stops
+        serving claims, and the restart's bounded wait (``waited``) begins again."""
+        self._nap_listeners.append(listener)
 
     def forgets(self, remote: Record) -> bool:
         """Whether ``remote`` holds something this node's earlier life wrote and its
@@ -175,7 +251,7 @@ class GrantGate:
     def waited(self) -> bool:
         """A restarted node waited ``start_wait_s`` for its peers: it decides now,
         on its token era (``life_hlc``) alone. True if it was still waiting."""
-        was, self.starting = self.starting, False
+        was, self.starting, self.napped = self.starting, False, False
         return was and not self.owed
 
     async def merging(self) -> None:
@@ -189,7 +265,7 @@ class GrantGate:
     async def caught_up(self) -> None:
         """A complete pass with every peer is done: decide again (above the gap if
         one is owed). The gap's mark is durable before the obligation ends."""
-        self.starting = False
+        self.starting = self.napped = False
         if not self.owed:
             return
         if self.gap_owed:

@@ -302,6 +302,7 @@ class Replica:
         local: bool = True,
         known: tuple[Record, bytes] | None = None,
         note: str = "",
+        decides: bool = False,
     ) -> tuple[Stored | None, T]:
         """Apply ``change`` to the durable state of ``key`` and persist the result.
 
@@ -313,14 +314,20 @@ class Replica:
         ``known`` is a record with its canonical encoding: should the new record
         equal it, that encoding is stored instead of encoding again. A local change
         at the record's home keeps its claim events (``history``) in the same
-        commit, ``note`` (an operator's reason) with them.
+        commit, ``note`` (an operator's reason) with them. A change that ``decides``
+        (a grant, a renewal, a release, a fenced write) is refused
+        (:class:`NotServing`) if this process napped before it was committed
+        (``grant_gate.awake``): a copy of the node may have decided meanwhile.
         """
+        naps = self.gate.naps
         async with self._locks.hold(key):
             stored = await self.storage.get(key)
             current = stored.record if stored is not None else Record(key)
             changed, result = change(current)
             changed = self._sealed(changed)
             if changed == current:
+                if decides:
+                    self.gate.awake(naps)
                 return stored, result
             state = _within_limits(changed, known, local=local)
             events = (
@@ -345,6 +352,8 @@ class Replica:
         self._committed(key, changed, local)
         if cancelled:
             raise asyncio.CancelledError
+        if decides:
+            self.gate.awake(naps)
         return stored, result
 
     def _committed(self, key: str, changed: Record, local: bool) -> None:
@@ -650,7 +659,7 @@ class Replica:
             validation.record_size(changed, "fields")
             return changed, created
 
-        stored, created = await self.transact(key, change)
+        stored, created = await self.transact(key, change, decides=bool(fencing_token))
         assert stored is not None  # remember always writes
         return Remembered(stored, created)
 
@@ -689,7 +698,7 @@ class Replica:
             validation.record_size(changed, "fields", "add_tags")
             return changed, None
 
-        stored, _ = await self.transact(key, change)
+        stored, _ = await self.transact(key, change, decides=bool(fencing_token))
         assert stored is not None
         return stored
 
@@ -707,6 +716,6 @@ class Replica:
             # could take over a record created meanwhile in another region.
             return self._signed(current.clear(stamp).set_deleted(True, stamp), stamp), None
 
-        stored, _ = await self.transact(key, change)
+        stored, _ = await self.transact(key, change, decides=bool(fencing_token))
         assert stored is not None
         return stored

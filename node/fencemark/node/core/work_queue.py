@@ -146,7 +146,7 @@ class WorkQueue:
                     return current, None
                 return current.with_fence(fence), outcome  # the same token, extended
 
-            stored, outcome = await replica.transact(key, change)
+            stored, outcome = await replica.transact(key, change, decides=True)
             if outcome is not None:
                 return Picked(outcome, stored)
         return None
@@ -182,7 +182,7 @@ class WorkQueue:
                 return current, None
             return claims.with_grant(current, fence), outcome
 
-        stored, outcome = await replica.transact(key, change)
+        stored, outcome = await replica.transact(key, change, decides=True)
         return None if outcome is None else Picked(outcome, stored)
 
     async def _done(self, key: str) -> bool:
@@ -246,7 +246,7 @@ class WorkQueue:
             return opened, Outcome(True, None, home_region=current.home_region,
                                    fence=current.fence.fence)  # fmt: skip
 
-        stored, outcome = await replica.transact(key, change, note=why)
+        stored, outcome = await replica.transact(key, change, note=why, decides=True)
         if outcome.ok:
             log.info("reopened %s for %s: %s", key, caller.identity or "a caller", why)
         return Picked(outcome, stored if outcome.ok else None)
@@ -273,7 +273,7 @@ class WorkQueue:
             ended = replica.end_claim(moved, replica.stamp(token + 1), FORCED)
             return ended, (Outcome(True, None, home_region=home, fence=token + 1), token)
 
-        stored, (outcome, token) = await replica.transact(key, change, note=why)
+        stored, (outcome, token) = await replica.transact(key, change, note=why, decides=True)
         if outcome.ok:
             log.info("took claim %d of %s back for %s: %s", token, key,
                      caller.identity or "a caller", why)  # fmt: skip

@@ -38,6 +38,7 @@ class PeerLink:
         self.unanswered_since = 0.0  # ... since when
         self.last_called = 0.0  # monotonic start of the latest call to it (heartbeat)
         self.first_answered: float | None = None  # start of the first call it answered
+        self.settle_after = 0.0  # ... of those that began after this (a nap: grant_gate)
 
     def _connect(self) -> None:
         self.credentials = self.stats.credentials

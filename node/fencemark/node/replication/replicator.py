@@ -100,6 +100,7 @@ class Replicator(Rounds):
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(peer)))
         if self._peers:
             self._tasks.append(asyncio.create_task(self._anti_entropy_loop()))
+            self._tasks.append(asyncio.create_task(self._tick_loop()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -316,6 +317,29 @@ class Replicator(Rounds):
         self._settling[peer.stats.region] = at
         gate.settled_at = max(gate.settled_at, at)  # the refusals meanwhile say when
         return False
+
+    async def _tick_loop(self) -> None:
+        """Tell the gate the event loop runs, five times per ``nap_s``: a longer gap
+        is a nap (``grant_gate.tick``), after which this node settles again."""
+        gate = self.replica.gate
+        gate.start_ticking(self.tuning.nap_s)
+        while True:
+            await asyncio.sleep(gate.nap_s / 5)
+            gate.tick()
+
+    def settle_again(self) -> None:
+        """The process napped (``grant_gate.tick``): a copy of it may have started
+        meanwhile and been heard alone. Every peer owes a round again, counted only
+        once it began ``settle_s`` after the peer's first answer to a call made
+        after the nap — as after a restart."""
+        now = time.monotonic()
+        self._synced = set()
+        self._settling = {}
+        self.catching_up = True
+        for peer in self._peers.values():
+            peer.first_answered, peer.settle_after = None, now
+        # The earliest it can decide again; the refusals meanwhile say so (pushback).
+        self.replica.gate.settled_at = now + self.settle_s
 
     async def _heartbeat_loop(self, peer: PeerLink) -> None:
         """Call ``peer`` at least every ``heartbeat_s``: a root-only ``Tree`` call

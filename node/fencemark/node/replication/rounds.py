@@ -84,7 +84,7 @@ class Rounds:
             raise
         assert isinstance(response, reply)
         peer.stats.bytes_received += response.ByteSize()
-        if peer.first_answered is None:
+        if peer.first_answered is None and started >= peer.settle_after:
             peer.first_answered = started  # the peer has heard this life since then
         return response
 

@@ -61,6 +61,12 @@ TWIN_FORGET_S = 30.0
 # would have heard both lives overlap by then and refuse the round (replication.lives).
 HEARTBEAT_S = 1.0
 SETTLE_SLACK_S = 0.5  # the heartbeat's own delay in a busy event loop, and the network
+# A node whose event loop stood still longer than this (a paused process, a suspended
+# VM, a starved host) called nobody meanwhile: a copy of it may have settled unseen,
+# so it settles again before it decides (grant_gate, *naps*). Half of SETTLE_SLACK_S:
+# a copy settles unseen only if the original was silent for a heartbeat and the
+# whole slack; the other half is left for the heartbeat's usual lateness.
+NAP_S = SETTLE_SLACK_S / 2
 # A partition that drops packets (rather than refusing connections) leaves a TCP
 # connection that looks open while its retransmission timer backs off towards
 # minutes; after the heal, calls on it would keep timing out. Keepalive pings
@@ -101,3 +107,4 @@ class Tuning:
     kept_push_limit: int = KEPT_PUSH_LIMIT
     heartbeat_s: float = HEARTBEAT_S
     settle_slack_s: float = SETTLE_SLACK_S
+    nap_s: float = NAP_S
