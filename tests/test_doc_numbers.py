@@ -51,6 +51,7 @@ QUOTED: list[tuple[str, str, float, float]] = [
     ("replication.md", r"`Certificates\(key_ids\)` \(at most (\S+),", signers.MAX_KEY_IDS, 1),
     ("replication.md", r"keepalive pings \(every (\S+) s", tuning.KEEPALIVE_MS, 1000),
     ("replication.md", r"`nap_s` \(`Tuning`, (\S+) s", tuning.NAP_S, 1),
+    ("replication.md", r"`nap_quiet_s` \((\S+) s, `Tuning`\)", tuning.NAP_QUIET_S, 1),
     ("replication.md", r"`heartbeat_s` \((\S+) s, `Tuning`\)", tuning.HEARTBEAT_S, 1),
     ("operations.md", r"stood still longer than (\S+) s", tuning.NAP_S, 1),
     ("replication.md", r"s, (\S+) s to answer\)", tuning.KEEPALIVE_TIMEOUT_MS, 1000),

@@ -328,3 +328,91 @@ async def test_a_grant_decided_before_a_nap_is_not_handed_out_after_it(tmp_path:
         stored = await us.storage.get(item.key)
         assert stored is not None and stored.record.fence.fence >= 1  # decided, not given
         assert us.replica.gate.naps == 1
+
+
+async def test_a_copy_does_not_settle_on_a_peer_that_was_paused_while_it_settled(
+    tmp_path: Path,
+) -> None:
+    """The other order that dodges the heartbeat: the *peer* is paused just after
+    it first answered the copy, and wakes after the copy sent the round that
+    would count. Its sockets then hold the original's heartbeat and the copy's
+    round, in no order gRPC promises: answered first, the round would let the
+    copy decide beside its original (in the runs here gRPC served them in arrival
+    order, the original's first, so this shape passes without the rule too; a
+    copy of a file that still owed its catch-up failed it, see the next test). A
+    node that napped refuses the replication calls it is handed for a moment
+    after waking (``grant_gate.quiet``), so the copy's settle starts again, and
+    every live node keeps calling each peer every heartbeat whatever its earlier
+    calls met, so the peer hears the original before the copy's settle ends."""
+    async with ProcessCluster(tmp_path, ["us", "eu"]) as cluster:
+        original, eu = await cluster.start_all()
+        async with AsyncClient(original.address) as client:
+            await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+
+            async def original_deciding() -> bool:  # its file says: caught up
+                return (await client.info()).claims_serving
+
+            await eventually(original_deciding, "the original deciding")
+        (tmp_path / "copy").mkdir()
+        copy_file(original.data_dir / DB_FILE, tmp_path / "copy" / DB_FILE)
+        # --start-wait well above the test: the copy, its peer silent, would decide
+        # after it whatever the peer would have said (the documented bound).
+        copy = await NodeProcess.start(
+            tmp_path / "copy",
+            region="us",
+            extra_args=(*cluster.args_of("us"), "--start-wait", "60"),
+        )
+        try:
+            async with AsyncClient(copy.address, retries=0) as at_copy:
+
+                async def eu_answered_the_copy() -> bool:
+                    (peer,) = (await at_copy.info()).peers
+                    return peer.last_sync is not None
+
+                await eventually(eu_answered_the_copy, "eu answering the copy", every=0.005)
+                with paused(eu):
+                    await asyncio.sleep(SETTLE_S + 1)  # the copy's round waits in eu
+                decided = False
+                for _ in range(int((SETTLE_S + 2) / 0.05)):
+                    decided = decided or (await at_copy.info()).claims_serving
+                    await asyncio.sleep(0.05)
+                assert not decided, "the copy decided claims beside its live original"
+                async with AsyncClient(original.address) as at_original:
+                    assert not (await at_original.info()).claims_serving
+        finally:
+            await copy.kill()
+
+
+async def test_a_copy_of_a_file_that_still_owes_its_catch_up_settles_too(
+    tmp_path: Path,
+) -> None:
+    """A node id drawn by a process that has not yet caught up (its peer down) is
+    copied, and both start catching up once the peer is up. Only the process that
+    drew the id may count every complete round (no other can have it); a file that
+    was opened, not created, settles like a restart — so the copy is refused as a
+    twin instead of deciding beside the original. Before, every node owing a
+    catch-up counted every round, and both decided until the peer told."""
+    async with ProcessCluster(tmp_path, ["us", "eu"]) as cluster:
+        original = await cluster.start("us")  # eu not up: us owes its catch-up
+        async with AsyncClient(original.address) as client:
+            assert not (await client.info()).claims_serving
+            await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+        (tmp_path / "copy").mkdir()
+        copy_file(original.data_dir / DB_FILE, tmp_path / "copy" / DB_FILE)
+        await cluster.start("eu")
+        copy = await NodeProcess.start(
+            tmp_path / "copy", region="us", extra_args=cluster.args_of("us")
+        )
+        try:
+            async with (
+                AsyncClient(copy.address, retries=0) as at_copy,
+                AsyncClient(original.address, retries=0) as at_original,
+            ):
+                decided = False
+                for _ in range(int((SETTLE_S + 3) / 0.02)):
+                    decided = decided or (await at_copy.info()).claims_serving
+                    await asyncio.sleep(0.02)
+                assert not decided, "the copy decided claims beside its original"
+                assert not (await at_original.info()).claims_serving
+        finally:
+            await copy.kill()

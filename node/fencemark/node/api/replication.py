@@ -36,6 +36,7 @@ from fencemark.node.rules.errors import (
     ClockSkewed,
     Denial,
     InvalidInput,
+    NotServing,
     PermissionDenied,
     TwinNode,
 )
@@ -134,6 +135,13 @@ class ReplicationService:
             raise
         if self.lives is not None:
             self._check_twins(self.lives, origin)
+        if self.replica.gate.quiet():
+            # Heard (its life recorded above), but not served: it may have waited in
+            # the socket while this process slept (grant_gate.quiet).
+            raise NotServing(
+                "this process just woke from a pause; it takes replication calls again in a moment",
+                retry_after_ms=int(self.replica.gate.quiet_s * 1000),
+            )
         return peer
 
     @staticmethod

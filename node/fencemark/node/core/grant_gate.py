@@ -103,10 +103,17 @@ class GrantGate:
         earlier = bool(self.opened_hlc)
         self.life_hlc = clock.now() if earlier else 0
         self.starting = earlier and not self.owed
+        # This process drew the node id: no other process can have it, so no twin
+        # of it can run, and its catch-up needs no settle (Replicator._settled). A
+        # file that owes a catch-up and was opened, not created — a restored one,
+        # one restarted before its catch-up ended, or a copy of either — settles.
+        self.fresh = storage.minted
         self.rollbacks = 0  # states seen that prove the file forgot writes
         self.twins = 0  # peers' refusals saying another live process has this node id
         self.settled_at = 0.0  # monotonic: when a restart's settle ends, once known
         self.nap_s = 0.0  # a longer gap between ticks is a nap; 0 until ticking
+        self.quiet_s = 0.0  # replication calls refused this long after a nap (``quiet``)
+        self.woke_at = 0.0  # monotonic: when the latest nap was found
         self.naps = 0  # times this life found its event loop stood still (``tick``)
         self.napped = False  # ... and it is settling again since the latest
         self._ticked = 0.0  # monotonic time of the latest tick; 0 until ticking
@@ -134,20 +141,35 @@ class GrantGate:
         if gap > self.nap_s:
             self._napped(gap)
 
-    def start_ticking(self, nap_s: float) -> None:
-        """From now on a gap between ticks above ``nap_s`` is a nap."""
-        self.nap_s, self._ticked = nap_s, time.monotonic()
+    def start_ticking(self, nap_s: float, quiet_s: float) -> None:
+        """From now on a gap between ticks above ``nap_s`` is a nap, after which
+        replication calls are refused for ``quiet_s`` (``quiet``)."""
+        self.nap_s, self.quiet_s, self._ticked = nap_s, quiet_s, time.monotonic()
+
+    def quiet(self) -> bool:
+        """Whether this node just woke from a nap: for ``quiet_s`` it refuses the
+        replication calls it is handed (``UNAVAILABLE``). As a *witness* it
+        must: the calls that waited in its sockets while it slept are served in no
+        particular order, and a settling copy's round answered before its
+        original's heartbeat would count — a round that began ``settle_s`` after
+        this node first answered the copy, with the original unheard. Refused,
+        the copy starts its settle again from this node's next answer; by then
+        the original has called again (it calls every ``heartbeat_s``)."""
+        self.tick()
+        return bool(self.woke_at) and time.monotonic() - self.woke_at < self.quiet_s
 
     def _napped(self, gap: float) -> None:
         self.naps += 1
+        self.woke_at = time.monotonic()
         log.warning(
             "this process stood still for %.2f s (paused, suspended or starved of CPU):"
             " settling with its peers again before it decides claims",
             gap,
         )
-        if self.owed:
-            return  # deciding nothing until a complete pass anyway
-        self.starting, self.settled_at, self.napped = True, 0.0, True
+        if self.owed and self.fresh:
+            return  # deciding nothing until a complete pass, and no copy can run
+        if not self.owed:
+            self.starting, self.settled_at, self.napped = True, 0.0, True
         for listener in self._nap_listeners:
             listener()
 
@@ -192,9 +214,10 @@ class GrantGate:
         self._listeners.append(listener)
 
     def on_nap(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` when a node that does not owe a catch-up napped
-        (``tick``): the replicator settles with every peer again, health stops
-        serving claims, and the restart's bounded wait (``waited``) begins again."""
+        """Call ``listener()`` when a node napped (``tick``), unless it is fresh and
+        owes its catch-up: the replicator settles with every peer again, health
+        stops serving claims, and the restart's bounded wait (``waited``) begins
+        again."""
         self._nap_listeners.append(listener)
 
     def forgets(self, remote: Record) -> bool:

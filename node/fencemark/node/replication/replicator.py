@@ -299,15 +299,17 @@ class Replicator(Rounds):
 
     def _settled(self, peer: PeerLink, began: float) -> bool:
         """Whether a complete round with ``peer`` that began at ``began`` counts
-        towards a restarted node's first pass. A node that owes a catch-up (a new,
-        emptied or restored file: a new node id, or one refused as a twin) counts
-        every complete round. A restarted one — its file may be a copy of a node
-        that still runs — counts a round that began ``settle_s`` after the peer
-        first answered it: by then every other live process with this node id has
-        called that peer (``heartbeat_s``) since this life began there, and the
-        peer refuses the round as a twin's (``lives``) instead of answering it."""
+        towards a restarted node's first pass, or a catch-up. A node whose process
+        drew its node id (a new or emptied file: ``GrantGate.fresh``) counts every
+        complete round: no other process can have that id. Any other file — a
+        restart, a restored file, one that still owes the catch-up of its first
+        start, one refused as a twin — may be a copy of a node that still runs: it
+        counts a round that began ``settle_s`` after the peer first answered it. By
+        then every other live process with this node id has called that peer
+        (``heartbeat_s``) since this life began there, and the peer refuses the
+        round as a twin's (``lives``) instead of answering it."""
         gate = self.replica.gate
-        if gate.owed or not gate.starting:
+        if gate.fresh or not (gate.owed or gate.starting):
             return True
         if peer.first_answered is None:
             return False
@@ -322,7 +324,7 @@ class Replicator(Rounds):
         """Tell the gate the event loop runs, five times per ``nap_s``: a longer gap
         is a nap (``grant_gate.tick``), after which this node settles again."""
         gate = self.replica.gate
-        gate.start_ticking(self.tuning.nap_s)
+        gate.start_ticking(self.tuning.nap_s, self.tuning.nap_quiet_s)
         while True:
             await asyncio.sleep(gate.nap_s / 5)
             gate.tick()
@@ -348,10 +350,12 @@ class Replicator(Rounds):
         ``settle_s``, that no twin of it runs (``_settled``)."""
         every = self.tuning.heartbeat_s
         while True:
+            # Whatever the earlier calls met (a peer down, backed off, refusing): a
+            # peer that comes back, or wakes, hears this life within a heartbeat.
+            # One call at a time; to a peer that is down it costs a refused
+            # connection a second.
             now = time.monotonic()
-            due = max(peer.last_called + every, peer.retry_at)
-            if peer.unanswered:  # unreached: the rounds' back-off retries it, not this
-                due = max(due, now + every)
+            due = peer.last_called + every
             if due > now:
                 await asyncio.sleep(due - now)
                 continue

@@ -67,6 +67,10 @@ SETTLE_SLACK_S = 0.5  # the heartbeat's own delay in a busy event loop, and the 
 # a copy settles unseen only if the original was silent for a heartbeat and the
 # whole slack; the other half is left for the heartbeat's usual lateness.
 NAP_S = SETTLE_SLACK_S / 2
+# A node that woke from a nap refuses replication calls this long: the calls that
+# waited in its sockets meanwhile are refused, not served in an order that could
+# let a settling copy's round pass before its original's heartbeat (grant_gate.quiet).
+NAP_QUIET_S = 1.0
 # A partition that drops packets (rather than refusing connections) leaves a TCP
 # connection that looks open while its retransmission timer backs off towards
 # minutes; after the heal, calls on it would keep timing out. Keepalive pings
@@ -108,3 +112,4 @@ class Tuning:
     heartbeat_s: float = HEARTBEAT_S
     settle_slack_s: float = SETTLE_SLACK_S
     nap_s: float = NAP_S
+    nap_quiet_s: float = NAP_QUIET_S

@@ -110,6 +110,9 @@ class Storage:
         self._hlc_pending = 0
         self._meta_pending: dict[str, str] = {}
         self.meta: dict[str, str] = {}
+        # This process drew the node id (a new or emptied file): no copy of the file
+        # can be running elsewhere (grant_gate: a fresh node need not settle).
+        self.minted = False
         self.feed_window = feed_window
         self.feed_last = feed_last  # the feed's last committed seq
         self._feed_rows = feed_rows  # rows the feed keeps (at most feed_window after a commit)
@@ -135,7 +138,7 @@ class Storage:
         writer = Writer()
         reader: aiosqlite.Connection | None = None
         try:
-            meta = await writer.run(open_writer, writer, path)
+            meta, minted = await writer.run(open_writer, writer, path)
             reader = await aiosqlite.connect(path, isolation_level=None)
             await reader.execute("PRAGMA query_only=ON")
             # The digest tree is loaded once; from then on every commit updates it.
@@ -160,6 +163,7 @@ class Storage:
         storage = cls(path, writer, reader, meta["node_id"], hlc_high, cache_size, tree, len(rows),
                       feed_window, int(last), int(first), int(kept), era)  # fmt: skip
         storage.meta = meta
+        storage.minted = minted
         return storage
 
     async def close(self) -> None:

@@ -127,8 +127,9 @@ def _hand_back(
         loop.call_soon_threadsafe(settle)
 
 
-def open_writer(writer: Writer, path: Path) -> dict[str, str]:
-    """Open the file for writing, bring it up to SCHEMA; returns the meta table."""
+def open_writer(writer: Writer, path: Path) -> tuple[dict[str, str], bool]:
+    """Open the file for writing, bring it up to SCHEMA; returns the meta table, and
+    whether this call drew the node id (no other process can have it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     conn = writer.connect(path)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -140,7 +141,8 @@ def open_writer(writer: Writer, path: Path) -> dict[str, str]:
     if "state_format" not in meta:  # a new file: its states are all written in FORMAT
         meta["state_format"] = str(codec.FORMAT)
         conn.execute("INSERT INTO meta VALUES ('state_format', ?)", (meta["state_format"],))
-    if "node_id" not in meta:
+    minted = "node_id" not in meta
+    if minted:
         # A node that lost its disk comes back as a new node: the identity is
         # part of what is lost, so stamps from two lives never collide.
         meta["node_id"] = secrets.token_hex(6)
@@ -152,7 +154,7 @@ def open_writer(writer: Writer, path: Path) -> dict[str, str]:
         empty = conn.execute("SELECT NOT EXISTS (SELECT 1 FROM records)").fetchone()[0]
         meta["catch_up"] = "owed" if empty else "done"
         conn.execute("INSERT INTO meta VALUES ('catch_up', ?)", (meta["catch_up"],))
-    return meta
+    return meta, minted
 
 
 _UPSERT_TAIL = (
