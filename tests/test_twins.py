@@ -49,6 +49,15 @@ FORGET_S = 3.0  # how long a peer remembers a silent life (30 s in a deployment)
 SETTLE_S = 2.5  # a restart's settle with the default tuning and clock offset
 
 
+async def decides_within(client: AsyncClient, seconds: float, every: float = 0.02) -> bool:
+    """Whether the node says it decides claims at any poll within ``seconds``."""
+    for _ in range(int(seconds / every)):
+        if (await client.info()).claims_serving:
+            return True
+        await asyncio.sleep(every)
+    return False
+
+
 def copy_live(node: NodeServer, target: Path) -> None:
     """A consistent copy of ``node``'s data directory while it runs."""
     target.mkdir()
@@ -372,10 +381,7 @@ async def test_a_copy_does_not_settle_on_a_peer_that_was_paused_while_it_settled
                 await eventually(eu_answered_the_copy, "eu answering the copy", every=0.005)
                 with paused(eu):
                     await asyncio.sleep(SETTLE_S + 1)  # the copy's round waits in eu
-                decided = False
-                for _ in range(int((SETTLE_S + 2) / 0.05)):
-                    decided = decided or (await at_copy.info()).claims_serving
-                    await asyncio.sleep(0.05)
+                decided = await decides_within(at_copy, SETTLE_S + 2)
                 assert not decided, "the copy decided claims beside its live original"
                 async with AsyncClient(original.address) as at_original:
                     assert not (await at_original.info()).claims_serving
@@ -408,10 +414,7 @@ async def test_a_copy_of_a_file_that_still_owes_its_catch_up_settles_too(
                 AsyncClient(copy.address, retries=0) as at_copy,
                 AsyncClient(original.address, retries=0) as at_original,
             ):
-                decided = False
-                for _ in range(int((SETTLE_S + 3) / 0.02)):
-                    decided = decided or (await at_copy.info()).claims_serving
-                    await asyncio.sleep(0.02)
+                decided = await decides_within(at_copy, SETTLE_S + 3)
                 assert not decided, "the copy decided claims beside its original"
                 assert not (await at_original.info()).claims_serving
         finally:
