@@ -29,7 +29,7 @@ from fencemark.client import AsyncClient
 from fencemark.client.errors import Unavailable
 from fencemark.node.api.config import DB_FILE
 from fencemark.node.api.server import NodeServer
-from fencemark.node.replication.tuning import Tuning
+from fencemark.node.replication.tuning import HEARTBEAT_S, SETTLE_SLACK_S, Tuning
 from fencemark.node.tools.process import NodeProcess
 from tests.cluster import (
     FAST_ANTI_ENTROPY,
@@ -46,7 +46,7 @@ from tests.metrics import counters, gauges
 
 REPO, TOPIC = "lattice", "backlog"
 FORGET_S = 3.0  # how long a peer remembers a silent life (30 s in a deployment)
-SETTLE_S = 2.5  # a restart's settle with the default tuning and clock offset
+SETTLE_S = HEARTBEAT_S + 2 * 0.5 + SETTLE_SLACK_S  # a restart's settle, default clock offset
 
 
 async def decides_within(client: AsyncClient, seconds: float, every: float = 0.02) -> bool:

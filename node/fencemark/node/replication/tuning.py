@@ -60,12 +60,16 @@ TWIN_FORGET_S = 30.0
 # it: were another live process still calling with its node id (a twin), the peer
 # would have heard both lives overlap by then and refuse the round (replication.lives).
 HEARTBEAT_S = 1.0
-SETTLE_SLACK_S = 0.5  # the heartbeat's own delay in a busy event loop, and the network
+# The heartbeat's own lateness in a busy or starved event loop, and the network: the
+# chaos tier's nodes (three containers and the load sharing two cores) saw their
+# loops stand still for up to 0.66 s (fencemark_naps_total at a 0.25 s threshold).
+SETTLE_SLACK_S = 2.0
 # A node whose event loop stood still longer than this (a paused process, a suspended
 # VM, a starved host) called nobody meanwhile: a copy of it may have settled unseen,
 # so it settles again before it decides (grant_gate, *naps*). Half of SETTLE_SLACK_S:
 # a copy settles unseen only if the original was silent for a heartbeat and the
-# whole slack; the other half is left for the heartbeat's usual lateness.
+# whole slack; the other half is left for the heartbeat's usual lateness, and the
+# stalls of a loaded host (up to 0.66 s measured) stay below it.
 NAP_S = SETTLE_SLACK_S / 2
 # A node that woke from a nap refuses replication calls this long: the calls that
 # waited in its sockets meanwhile are refused, not served in an order that could
