@@ -129,11 +129,10 @@ class GrantGate:
     def tick(self) -> None:
         """The event loop runs: called every ``nap_s``/5 by the replicator, and before
         every decision (``check``, ``awake``), on the event loop's thread. A gap
-        since the previous tick above ``nap_s`` is a nap —
-        the process was paused or starved — after which the node settles with its
-        peers again before it decides (a copy of it may have started meanwhile and
-        settled unseen). A node without peers never ticks: it has no twin to fear
-        that anyone could tell."""
+        since the previous tick above ``nap_s`` is a nap — the process was paused
+        or starved — after which the node settles with its peers again before it
+        decides (a copy of it may have started meanwhile and settled unseen). A
+        node without peers never ticks: no peer could tell it from a twin."""
         now = time.monotonic()
         if not self._ticked:
             return
