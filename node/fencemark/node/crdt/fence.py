@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import NamedTuple
 
 from fencemark.node.crdt.lww import merge_maps
@@ -130,7 +131,7 @@ class FenceState:
 
     # -- value ----------------------------------------------------------------
 
-    @property
+    @cached_property  # read several times per decision; a state never changes
     def fence(self) -> int:
         """The largest token ever granted or moved to; 0 when none."""
         return max(max(self.grants, default=0), self.moved)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import NamedTuple
 
 from fencemark.node.crdt import lww, tagset
@@ -97,7 +98,11 @@ class Record:
 
     # -- value ----------------------------------------------------------------
 
-    @property
+    # The values below are read several times per write (admission, the pick index,
+    # the feed, the digest tree's rows): computed once per state, as a state never
+    # changes (every update makes a new one: ``replace``).
+
+    @cached_property
     def home(self) -> LWW[str] | None:
         """The earliest birth, as ``(stamp, region)``; None if never created."""
         if not self.births:
@@ -130,7 +135,7 @@ class Record:
     def visible(self) -> bool:
         return self.exists and not self.is_deleted
 
-    @property
+    @cached_property
     def home_region(self) -> str:
         return self.home.value if self.home is not None else ""
 
@@ -168,7 +173,7 @@ class Record:
         reg = self.queue.get(NOT_BEFORE)
         return int(reg.value) if reg is not None else 0
 
-    @property
+    @cached_property
     def priority(self) -> int:
         """0 for ``priority:P0`` ... 9; ``UNPRIORITIZED`` without such a tag. Of
         several, the most urgent counts."""
@@ -202,6 +207,10 @@ class Record:
 
     def max_hlc(self) -> int:
         """The largest HLC timestamp anywhere in the state (0 for an empty one)."""
+        return self._max_hlc
+
+    @cached_property
+    def _max_hlc(self) -> int:
         grants = (grant.granted_hlc for grant in self.fence.grants.values())
         return max((*(s.hlc for s in self.stamps()), *grants), default=0)
 
