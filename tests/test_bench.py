@@ -81,6 +81,13 @@ async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
         for system in ("fencemark", "grpc-health", "etcd", "redis"):
             row = claims[clients][system]
             assert row["ops_per_s"] > 0 and row["errors"] == 0, (clients, system, row)
+            # Each server's CPU per call, and the load generator's, were measured.
+            assert row["server_ms_per_call"] >= 0 and row["loader_ms_per_call"] > 0, row
+        assert claims[clients]["fencemark"]["server_ms_per_call"] > 0
+    writes = report["scenarios"]["writes"]["data"]
+    assert all(writes[c]["update"]["server_ms_per_call"] > 0 for c in ("1", "16", "64"))
+    drain = report["scenarios"]["drain"]["data"]
+    assert all(drain[a]["fencemark"]["server_ms_per_op"] > 0 for a in ("1", "16", "64"))
     markdown = (results / "results.md").read_text()
     assert "### Targets" in markdown and "| target |" in markdown
     for plot in PLOTS:

@@ -84,7 +84,7 @@ def targets(in_sync: list[dict[str, Any]], repairs: list[Repair]) -> list[Target
         )
     for r in repairs:
         if r.k == 10_000:
-            targets.append(at_most("10k divergent records converge", r.seconds, 10, " s"))
+            targets.append(at_most("10k divergent records converge", r.seconds, 5, " s"))
     flat = [r["wire_bytes"] for r in in_sync]
     targets.append(
         at_least("in-sync round is flat (smallest / largest)", min(flat) / max(flat), 0.9, "")

@@ -24,7 +24,7 @@ from typing import Any
 
 from fencemark.bench import plots, work_queues
 from fencemark.bench.drivers import CycleFailed
-from fencemark.bench.load import LoadResult
+from fencemark.bench.load import CpuMeter, LoadResult
 from fencemark.bench.matrix import Runs, latencies, ops_ratio
 from fencemark.bench.matrix import summary as summarise
 from fencemark.bench.pick_cost import measure_picks
@@ -97,8 +97,13 @@ async def drain(takes: Sequence[Take], items: int, *, progress: Progress, label:
 
 
 async def drain_matrix(
-    systems: Mapping[str, Backlog], settings: Settings, progress: Progress
+    systems: Mapping[str, Backlog],
+    settings: Settings,
+    progress: Progress,
+    servers: Mapping[str, int] | None = None,
 ) -> Runs:
+    """Each system drains at each number of agents, ``settings.repeats`` times;
+    ``servers`` maps a system to its server's pid, whose CPU per item is measured."""
     items = settings.drain_items
     runs: Runs = {name: {n: [] for n in settings.concurrency} for name in systems}
     for repeat in range(settings.repeats):
@@ -107,7 +112,13 @@ async def drain_matrix(
                 label = f"{name} x{agents} (run {repeat + 1}/{settings.repeats})"
                 progress.status(f"{label}: seeding {items:,} items")
                 async with backlog(agents, f"r{repeat}a{agents}", items) as takes:
+                    pid = (servers or {}).get(name)
+                    meter = CpuMeter(pid) if pid is not None else None
+                    if meter is not None:
+                        meter.start()
                     result = await drain(takes, items, progress=progress, label=label)
+                    if meter is not None:
+                        meter.stop(result)
                 runs[name][agents].append(result)
                 progress.line(
                     f"{label}: {items:,} items in {result.seconds:.2f} s, {result.rate:,.0f}"
@@ -159,7 +170,8 @@ async def run_drain(
             "etcd": _etcd(etcd.port),
             "redis": _redis(redis.port),
         }
-        runs = await drain_matrix(systems, settings, progress)
+        servers = {"fencemark": node.proc.pid, "etcd": etcd.pid, "redis": redis.pid}
+        runs = await drain_matrix(systems, settings, progress, servers)
     picks = []
     for count in settings.pick_records:
         row = await measure_picks(count, settings.pick_samples, work, progress)
@@ -207,7 +219,8 @@ def report(
         f"Drain of {items:,} items (take next → fenced update → done), one server each,"
         f" medians over {settings.repeats} runs",
         ["agents", "system", "items/s", "item p50 ms", "item p99 ms",
-         "take p50 ms", "take p99 ms"],
+         "take p50 ms", "take p99 ms", "server CPU ms per item",
+         "load generator CPU ms per item"],
     )  # fmt: skip
     ratios = Table(
         "Drain ratios (paired per run, median)",
@@ -222,6 +235,7 @@ def report(
             table.rows.append([
                 str(agents), system, fmt(s["ops_per_s"]), fmt(s["p50_ms"], 2),
                 fmt(s["p99_ms"], 2), fmt(s["claim_p50_ms"], 2), fmt(s["claim_p99_ms"], 2),
+                fmt(s["server_ms_per_op"], 3), fmt(s["loader_ms_per_op"], 3),
             ])  # fmt: skip
         vs_etcd = ops_ratio(runs, "fencemark", "etcd", agents)
         vs_redis = ops_ratio(runs, "fencemark", "redis", agents)

@@ -222,7 +222,7 @@ def _report(samples: list[Sample], settings: Settings, out: Path) -> ScenarioRes
         "Replication lag",
         data,
         [table],
-        [at_most("replication lag p99 (visible in every region)", p99, 50, " ms")],
+        [at_most("replication lag p99 (visible in every region)", p99, 30, " ms")],
         [plot],
         [f"{missing} probes were not seen everywhere within {WATCH_LIMIT_S:.0f} s"]
         if missing

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 from fencemark.bench.progress import Progress
@@ -33,6 +36,11 @@ class LoadResult:
     calls: dict[str, list[float]] = field(default_factory=dict)  # per call name, seconds
     errors: int = 0
     first_error: str = ""
+    # CPU seconds (user + system, every thread) used during the measured window by
+    # the server process measured, and by this process, the load generator; NaN:
+    # not measured. Rates move with the machine's load; CPU per call much less.
+    server_cpu_s: float = math.nan
+    loader_cpu_s: float = math.nan
 
     @property
     def ops(self) -> int:
@@ -45,7 +53,25 @@ class LoadResult:
 
     def call_rate(self) -> float:
         """RPCs per second (every call of every operation)."""
-        return sum(len(v) for v in self.calls.values()) / self.seconds if self.seconds else 0.0
+        return self.calls_made() / self.seconds if self.seconds else 0.0
+
+    def calls_made(self) -> int:
+        return sum(len(v) for v in self.calls.values())
+
+    def server_ms_per_call(self) -> float:
+        """The server's CPU per call in the window, in milliseconds."""
+        return 1000 * self.server_cpu_s / self.calls_made() if self.calls else math.nan
+
+    def loader_ms_per_call(self) -> float:
+        """The load generator's CPU per call in the window, in milliseconds."""
+        return 1000 * self.loader_cpu_s / self.calls_made() if self.calls else math.nan
+
+    def server_ms_per_op(self) -> float:
+        """The server's CPU per operation (a claim cycle, a drained item), in ms."""
+        return 1000 * self.server_cpu_s / self.ops if self.ops else math.nan
+
+    def loader_ms_per_op(self) -> float:
+        return 1000 * self.loader_cpu_s / self.ops if self.ops else math.nan
 
     def p(self, q: float, call: str | None = None) -> float:
         """The ``q``-th percentile latency in milliseconds (of one call, or of the operation)."""
@@ -60,13 +86,19 @@ async def closed_loop(
     duration: float,
     progress: Progress | None = None,
     label: str = "",
+    server_pid: int | None = None,
 ) -> LoadResult:
-    """Run one client per operation for ``warmup + duration`` seconds."""
+    """Run one client per operation for ``warmup + duration`` seconds; with
+    ``server_pid``, measure that process's CPU and this one's over the window."""
     result = LoadResult(clients=len(operations), seconds=duration)
     loop = asyncio.get_running_loop()
     start = loop.time() + warmup
     end = start + duration
     stopping = asyncio.Event()
+    if server_pid is not None:
+        meter = CpuMeter(server_pid)
+        loop.call_at(start, meter.start)
+        loop.call_at(end, lambda: meter.stop(result))
 
     async def client(operation: Operation) -> None:
         iteration = 0
@@ -105,6 +137,28 @@ async def closed_loop(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return result
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, every thread (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """The CPU a server process and this one (the load generator) use between
+    :meth:`start` and :meth:`stop`, put into a :class:`LoadResult`."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self._began = (math.nan, math.nan)
+
+    def start(self) -> None:
+        self._began = (cpu_seconds(self.server_pid), cpu_seconds(os.getpid()))
+
+    def stop(self, result: LoadResult) -> None:
+        result.server_cpu_s = cpu_seconds(self.server_pid) - self._began[0]
+        result.loader_cpu_s = cpu_seconds(os.getpid()) - self._began[1]
 
 
 class Calls(dict[str, float]):

@@ -22,8 +22,13 @@ Runs = dict[str, dict[int, list[LoadResult]]]  # system -> clients -> one result
 
 
 async def run_matrix(
-    systems: Mapping[str, Factory], settings: Settings, progress: Progress
+    systems: Mapping[str, Factory],
+    settings: Settings,
+    progress: Progress,
+    servers: Mapping[str, int] | None = None,
 ) -> Runs:
+    """Every system at every concurrency, ``settings.repeats`` times; ``servers`` maps
+    a system to the pid of its server process, whose CPU per call is then measured."""
     runs: Runs = {name: {c: [] for c in settings.concurrency} for name in systems}
     for repeat in range(settings.repeats):
         for clients in settings.concurrency:
@@ -36,6 +41,7 @@ async def run_matrix(
                         duration=settings.duration,
                         progress=progress,
                         label=label,
+                        server_pid=(servers or {}).get(name),
                     )
                 runs[name][clients].append(result)
                 line = f"{label}: {result.rate:,.0f} ops/s, p99 {result.p(99):.1f} ms"
@@ -55,6 +61,10 @@ def summary(results: list[LoadResult], calls: tuple[str, ...] = ()) -> dict[str,
         "samples": sum(r.ops for r in results),
         "errors": sum(r.errors for r in results),
         "runs": [round(r.rate, 1) for r in results],
+        "server_ms_per_call": median([r.server_ms_per_call() for r in results]),
+        "loader_ms_per_call": median([r.loader_ms_per_call() for r in results]),
+        "server_ms_per_op": median([r.server_ms_per_op() for r in results]),
+        "loader_ms_per_op": median([r.loader_ms_per_op() for r in results]),
     }
     for call in calls:
         out[f"{call}_p50_ms"] = median([r.p(50, call) for r in results])

@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fencemark.bench import drivers
-from fencemark.bench.load import Operation, closed_loop
+from fencemark.bench.load import Operation, closed_loop, cpu_seconds
 from fencemark.node.tools.process import NodeProcess
 
 RECORDS_PER_CLIENT = 20
@@ -45,12 +44,6 @@ class ShardRun:
             f" cycles/s, nodes {self.node_cores:.2f} cores, {self.cpu_ms_per_cycle:.2f} ms"
             f" node CPU per cycle, {self.errors} errors"
         )
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.asynccontextmanager
