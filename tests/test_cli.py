@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from fencemark.client import AsyncClient, RememberResult
+from fencemark.node.tools.cli_node import FULL_COLLECTION_EVERY, tune_collector
 from fencemark.node.tools.process import NodeProcess
 
 pytestmark = pytest.mark.slow  # every test here spawns subprocesses
@@ -353,3 +355,16 @@ async def test_a_node_refuses_a_cache_of_no_records(tmp_path: Path) -> None:
     ran = await fencemark("node", "--insecure", "--data", str(tmp_path), "--cache-size", "0")
     assert ran.code != 0
     assert "--cache-size" in ran.stderr
+
+
+def test_a_node_process_runs_full_collections_a_hundred_times_less_often() -> None:
+    """``fencemark node`` raises the collector's full-collection threshold (a full
+    collection scans every cached record state: it took half of a repair's CPU)
+    and leaves the young generations as Python sets them."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        tune_collector()
+        assert gc.get_threshold() == (700, 10, FULL_COLLECTION_EVERY) == (700, 10, 1000)
+    finally:
+        gc.set_threshold(*before)

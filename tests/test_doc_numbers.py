@@ -20,6 +20,7 @@ from fencemark.node.core import claims
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.replication import intake, signers, tuning
 from fencemark.node.rules import validation
+from fencemark.node.tools.cli_node import FULL_COLLECTION_EVERY
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 MIB = 1 << 20
@@ -60,6 +61,18 @@ QUOTED: list[tuple[str, str, float, float]] = [
     ("consistency.md", r"tags of at most (\S+) characters", validation.MAX_TAG_CHARS, 1),
     ("consistency.md", r"values of at most (\S+) MiB", validation.MAX_VALUE_BYTES, MIB),
     ("api.md", r"The client caps it at (\S+) s", retry.MAX_RECONNECT_BACKOFF_MS, 1000),
+    (
+        "operations.md",
+        r"a full collection a hundred times less often \(after (\S+) second",
+        FULL_COLLECTION_EVERY,
+        1,
+    ),
+    (
+        "performance.md",
+        r"full collection after (\S+) second-generation collections",
+        FULL_COLLECTION_EVERY,
+        1,
+    ),
 ]
 
 

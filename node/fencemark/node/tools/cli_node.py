@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 import tomllib
@@ -21,6 +22,16 @@ from fencemark.node.rules.queue import MAX_ATTEMPTS_LIMIT
 from fencemark.node.security.tls import TlsFiles
 
 DEFAULT_TARGET = "127.0.0.1:7400"
+# The cyclic garbage collector's thresholds in a node process: young collections as
+# Python's default (700 allocations, then every 10th of those), a full collection
+# only after FULL_COLLECTION_EVERY of the second generation's instead of 10.
+# A full collection scans every object the process holds — thousands of cached
+# record states, each dozens of tuples and dicts — and merging a peer's states
+# (each one decoded and cached, as long-lived as the cache) set one off every few
+# hundred merges: they took half the CPU of a repair (docs/performance.md, *The
+# collector*). What they free, cycles that outlived two younger collections, is
+# rare in a node: record states hold no cycles.
+FULL_COLLECTION_EVERY = 1000
 TRUE_WORDS = {"1", "true", "yes", "on"}
 
 
@@ -43,6 +54,12 @@ def node_security(args: argparse.Namespace) -> tuple[TlsFiles | None, AccessMap 
         return None, None
     files = TlsFiles.in_dir(args.tls_dir, args.tls_name or args.region)
     return files, load_access(args.access) if args.access else None
+
+
+def tune_collector() -> None:
+    """Set this process's garbage collector for a node (``FULL_COLLECTION_EVERY``)."""
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -100,6 +117,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         access=access,
         tls_reload_interval=args.tls_reload_interval,
     )
+    tune_collector()
     try:
         asyncio.run(serve(config))
     except (OSError, ValueError) as exc:
