@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -29,8 +29,10 @@ from fencemark.client import AsyncClient
 from fencemark.client.errors import Unavailable
 from fencemark.node.api.config import DB_FILE
 from fencemark.node.api.server import NodeServer
+from fencemark.node.replication.link import PeerLink
 from fencemark.node.replication.tuning import HEARTBEAT_S, SETTLE_SLACK_S, Tuning
 from fencemark.node.tools.process import NodeProcess
+from fencemark.node.tools.proxy import FaultProxy
 from tests.cluster import (
     FAST_ANTI_ENTROPY,
     Cluster,
@@ -56,6 +58,28 @@ async def decides_within(client: AsyncClient, seconds: float, every: float = 0.0
             return True
         await asyncio.sleep(every)
     return False
+
+
+async def restarted_us(c: Cluster, **overrides: Any) -> NodeServer:
+    """``us`` restarted (with ``overrides``) once ``eu`` holds a record it made: a
+    plain restart, settling with its peer."""
+    us, eu = await c.start_all()
+    await all_deciding(us, eu)
+    async with AsyncClient(us.address) as client:
+        await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+    await wait_converged([us, eu])
+    await c.stop("us")
+    return await c.start("us", **overrides)
+
+
+async def first_answer(link: PeerLink, known: bool, what: str) -> None:
+    """Wait until the settle of ``link`` has a first answer from the peer (``known``)
+    or has started over without one."""
+
+    async def holds() -> bool:
+        return (link.first_answered is not None) == known
+
+    await eventually(holds, what, every=0.01)
 
 
 def copy_live(node: NodeServer, target: Path) -> None:
@@ -201,27 +225,42 @@ async def test_a_peer_that_restarts_while_a_node_settles_gives_it_the_whole_sett
     """A peer that went down while a restarted node settled may have forgotten the
     node's life: the settle starts again from its next answer."""
     async with Cluster(tmp_path, ["us", "eu"]) as c:
-        us, eu = await c.start_all()
-        await all_deciding(us, eu)
-        async with AsyncClient(us.address) as client:
-            await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
-        await wait_converged([us, eu])
-        await c.stop("us")
-        us = await c.start("us")
+        us = await restarted_us(c)
         link = us.replicator._peers["eu"]
-
-        async def answered() -> bool:
-            return link.first_answered is not None
-
-        await eventually(answered, "eu answering the restarted us", every=0.01)
+        await first_answer(link, True, "eu answering the restarted us")
         await c.stop("eu")
-
-        async def forgotten() -> bool:
-            return link.first_answered is None
-
-        await eventually(forgotten, "us seeing eu gone (UNAVAILABLE)", every=0.01)
+        await first_answer(link, False, "us seeing eu gone (UNAVAILABLE)")
         assert not us.replica.deciding
-        eu = await c.start("eu")
+        await c.start("eu")
+        back = asyncio.get_running_loop().time()
+        await all_deciding(us)
+        assert asyncio.get_running_loop().time() - back >= us.replicator.settle_s
+
+
+async def test_a_peer_that_stops_answering_while_a_node_settles_gives_it_the_whole_settle(
+    tmp_path: Path,
+) -> None:
+    """A peer that did not answer a call within its deadline — paused, or behind a
+    hung link — may, once it runs again, answer that call and the later ones in an
+    order gRPC does not promise, before it hears a twin of this life (a witness
+    paused longer than the deadline, which the paused-peer test below, at five
+    seconds, does not reach).
+    So a timed-out call starts the settle over, as UNAVAILABLE does: the node
+    decides ``settle_s`` after the peer's next answer. Regression: the settle kept
+    the peer's first answer from before the silence, and counted a round made
+    right after it."""
+    async with (
+        Cluster(tmp_path, ["us", "eu"]) as c,
+        await FaultProxy.start(c.addresses["eu"]) as to_eu,
+    ):
+        us = await restarted_us(c, peers={"eu": to_eu.address})
+        us.replicator.timeout = 1.0  # every call's deadline: a silence ends in 1 s
+        link = us.replicator._peers["eu"]
+        await first_answer(link, True, "eu answering the restarted us")
+        to_eu.blackhole()  # connections stay open; nothing gets through
+        await first_answer(link, False, "a call to eu timing out")
+        assert not us.replica.deciding
+        to_eu.heal()
         back = asyncio.get_running_loop().time()
         await all_deciding(us)
         assert asyncio.get_running_loop().time() - back >= us.replicator.settle_s

@@ -78,8 +78,11 @@ class Rounds:
         try:
             response = await getattr(peer.stub, method)(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                # Down, or restarting: it may not remember hearing this life at all.
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # Down or restarting: it may not remember hearing this life at all.
+                # Unanswered within the deadline (paused, a hung link): it may answer
+                # this call and later ones in any order once it runs again, before
+                # it has heard a twin of this life — the settle starts over.
                 peer.first_answered = None
             raise
         assert isinstance(response, reply)
