@@ -72,7 +72,7 @@ from tests.chaos.claims import (
     splits_of,
 )
 from tests.chaos.forger import RULES
-from tests.chaos.nemesis import PARTITIONS, Played
+from tests.chaos.nemesis import DISK_LOSSES, PARTITIONS, ROLLBACK, Played
 from tests.chaos.queue_invariants import no_item_done_twice
 from tests.chaos.queue_work import WAIT_S as QUEUE_WAIT_S
 from tests.chaos.workload import CALL_TIMEOUT_S
@@ -89,6 +89,14 @@ WRONG_REGION_FAST_S = 2.0
 # the test process's own scheduling.
 DEADLINE_SLACK_S = 1.0
 HOME_ONLY_OPS = ("claim", "write", "renew", "finish", "release", "done", "fail", "reopen")
+# A node paused, killed, wiped or put back decides nothing until it has settled with
+# its peers again (docs/replication.md, *Twins*), for at most its --start-wait (the
+# default, NodeConfig.start_wait_s) once it runs, and answers NOT_SERVING meanwhile
+# for records homed elsewhere too (docs/api.md, *NOT_SERVING*): a network fault that
+# cuts it off from a peer then keeps it settling that long. A home-only probe at it
+# refused UNAVAILABLE then is what the contract says, not a lost redirect.
+SETTLING_FAULTS = ("pause", "kill", *DISK_LOSSES, ROLLBACK)
+START_WAIT_S = 10.0
 HOME_TAG = "homeRegion:"
 
 
@@ -207,13 +215,23 @@ def converged(convergence: Convergence | None) -> Verdict:
 
 def availability(history: History, played: Sequence[Played], *, regions: int = 3) -> Verdict:
     windows = [(f.started, f.ended, f.kind) for f in played if f.kind in NETWORK_FAULTS]
+    settles = [
+        (f.ended, f.ended + START_WAIT_S + DEADLINE_SLACK_S, f.targets)
+        for f in played
+        if f.kind in SETTLING_FAULTS
+    ]
     problems: list[str] = []
-    served = 0
+    served = settling = 0
     slowest_refusal = 0.0
 
     def during(event: Event) -> str | None:
         at = event.invoked - history.started
         return next((kind for start, end, kind in windows if start <= at <= end), None)
+
+    def settling_at(event: Event) -> bool:
+        """Whether the probe's node may still be settling after a fault of its own."""
+        at, region = event.invoked - history.started, event.agent.removeprefix("probe-")
+        return any(start <= at <= end and region in targets for start, end, targets in settles)
 
     for event in history.events:
         kind = during(event)
@@ -229,7 +247,9 @@ def availability(history: History, played: Sequence[Played], *, regions: int = 3
                 )
         elif event.op == "probe-home-only":
             slowest_refusal = max(slowest_refusal, took)
-            if event.detail != "wrong_region" or took > WRONG_REGION_FAST_S:
+            if event.detail == "UNAVAILABLE" and took <= WRONG_REGION_FAST_S and settling_at(event):
+                settling += 1
+            elif event.detail != "wrong_region" or took > WRONG_REGION_FAST_S:
                 problems.append(
                     f"{event.agent} home-only call at a non-home node:"
                     f" {event.outcome} {event.detail!r} in {took:.2f} s"
@@ -253,6 +273,7 @@ def availability(history: History, played: Sequence[Played], *, regions: int = 3
     detail = "; ".join(problems[:3]) or (
         f"{served} reads and unfenced writes served during {len(windows)} network faults;"
         f" refused home-only calls answered within {slowest_refusal:.2f} s"
+        + (f" ({settling} NOT_SERVING at a node settling after its own fault)" if settling else "")
     )
     return Verdict(
         "5. availability",
@@ -260,6 +281,7 @@ def availability(history: History, played: Sequence[Played], *, regions: int = 3
         detail,
         {
             "served during faults": served,
+            "refused while settling": settling,
             "problems": len(problems),
             "slowest refusal s": round(slowest_refusal, 3),
         },

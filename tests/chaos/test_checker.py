@@ -16,6 +16,8 @@ from fencemark.node.tools.workload import Event, History
 from tests.chaos.checker import (
     CONVERGE_ROUNDS,
     DISK_LOSS_GRACE_S,
+    START_WAIT_S,
+    WRONG_REGION_FAST_S,
     Convergence,
     Verdict,
     check,
@@ -248,6 +250,25 @@ def test_a_home_only_call_that_hangs_during_a_partition_is_unavailable() -> None
     assert not verdicts(history(*SERVED, slow_refusal))["availability"].ok
     fast = event("ap-agent-0", "claim", 12.0, outcome="unknown", detail="UNAVAILABLE", took=0.05)
     assert verdicts(history(*SERVED, fast))["availability"].ok
+
+
+def test_a_node_settling_after_its_own_pause_may_refuse_home_only_calls_not_serving() -> None:
+    """Paused until 8 s, then cut off by the partition at 10 s before it settled: it
+    decides nothing (NOT_SERVING, for records homed elsewhere too) for up to its
+    --start-wait after waking (seed 3200137469: a bridge 3 s after ap's pause)."""
+    pause = Played("pause", ("ap",), 4.0, 8.0)
+    settling = event("probe-ap", "probe-home-only", 12.0, outcome="unknown",
+                     detail="UNAVAILABLE", took=0.01)  # fmt: skip
+    verdict = verdicts(history(*SERVED, settling), [PARTITION, pause])["availability"]
+    assert verdict.ok and verdict.numbers["refused while settling"] == 1
+    # Past the wait, or at another node, it is a home-only call not redirected.
+    late = Played("pause", ("ap",), 0.5, 12.0 - START_WAIT_S - 2.0)
+    assert not verdicts(history(*SERVED, settling), [PARTITION, late])["availability"].ok
+    other = Played("pause", ("us",), 4.0, 8.0)
+    assert not verdicts(history(*SERVED, settling), [PARTITION, other])["availability"].ok
+    hung = event("probe-ap", "probe-home-only", 12.0, outcome="unknown", detail="UNAVAILABLE",
+                 took=WRONG_REGION_FAST_S + 1)  # fmt: skip
+    assert not verdicts(history(*SERVED, hung), [PARTITION, pause])["availability"].ok
 
 
 def test_availability_cannot_pass_without_a_network_fault_to_judge() -> None:
