@@ -53,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fencemark.client import Record
+from fencemark.node.api.config import NodeConfig
 from fencemark.node.tools.workload import Event, History
 from tests.chaos.claim_invariants import (
     Verdict,
@@ -91,12 +92,12 @@ DEADLINE_SLACK_S = 1.0
 HOME_ONLY_OPS = ("claim", "write", "renew", "finish", "release", "done", "fail", "reopen")
 # A node paused, killed, wiped or put back decides nothing until it has settled with
 # its peers again (docs/replication.md, *Twins*), for at most its --start-wait (the
-# default, NodeConfig.start_wait_s) once it runs, and answers NOT_SERVING meanwhile
+# chaos nodes run the default) once it runs, and answers NOT_SERVING meanwhile
 # for records homed elsewhere too (docs/api.md, *NOT_SERVING*): a network fault that
 # cuts it off from a peer then keeps it settling that long. A home-only probe at it
 # refused UNAVAILABLE then is what the contract says, not a lost redirect.
 SETTLING_FAULTS = ("pause", "kill", *DISK_LOSSES, ROLLBACK)
-START_WAIT_S = 10.0
+START_WAIT_S = NodeConfig.start_wait_s
 HOME_TAG = "homeRegion:"
 
 

@@ -197,7 +197,7 @@ def add_node_command(
     node.add_argument(
         "--start-wait",
         type=float,
-        default=_setting(config, "start_wait", 10.0),
+        default=_setting(config, "start_wait", NodeConfig.start_wait_s),
         metavar="SECONDS",
         help="after a restart, decide claims once every peer gave one anti-entropy round,"
         " or after this many seconds (a data file that went back in time learns what it"
