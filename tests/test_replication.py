@@ -1074,6 +1074,66 @@ async def test_an_empty_node_grants_no_claims_until_it_has_synced(tmp_path: Path
             assert granted.granted and granted.fencing_token == 1
 
 
+async def test_a_node_that_is_not_deciding_still_names_the_home_of_records_homed_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """SPEC §4: a node that decides nothing yet (here: settling after a restart)
+    answers ``wrong_region`` for a record it holds whose home is another region —
+    that answer decides nothing — so a routing client goes to the home at once
+    rather than waiting out the settle; its own records, and records it does not
+    hold, stay ``NOT_SERVING``. Before, the gate came before the record was read,
+    and every home-only call at such a node was NOT_SERVING."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await all_serving(cluster)
+        async with AsyncClient(us.address) as at_us, AsyncClient(eu.address) as at_eu:
+            theirs = (await at_eu.remember(REPO, "gate", "theirs", title="t")).record
+            ours = (await at_us.remember(REPO, "gate", "ours", title="t")).record
+        await wait_converged([us, eu])
+
+        await cluster.stop("us")
+        # Restarted, it settles with eu before deciding; here for far longer than
+        # the test takes, so every call below meets a node that is not deciding.
+        slow = Tuning(settle_slack_s=120.0)
+        us = await cluster.start("us", replication=slow, start_wait_s=300.0)
+        async with AsyncClient(us.address, retries=0) as at_us:
+            claimed = await at_us.claim(theirs.key, "worker-a", lease_seconds=LONG_LEASE)
+            assert (claimed.granted, claimed.reason, claimed.home_region) == (
+                False,
+                "wrong_region",
+                "eu",
+            )
+            renewed = await at_us.renew_claim(theirs.key, 1)
+            assert (renewed.reason, renewed.home_region) == ("wrong_region", "eu")
+            released = await at_us.release_claim(theirs.key, 1, outcome="done")
+            assert (released.reason, released.home_region) == ("wrong_region", "eu")
+            reopened = await at_us.reopen(theirs.key, "an operator's retry")
+            assert (reopened.reason, reopened.home_region) == ("wrong_region", "eu")
+            taken = await at_us.force_release(theirs.key, "an operator's take-back")
+            assert (taken.reason, taken.home_region) == ("wrong_region", "eu")
+            with pytest.raises(WrongRegion) as refused:
+                await at_us.update(theirs.key, fields={"body": "x"}, fencing_token=1)
+            assert refused.value.home_region == "eu"
+            for call in (
+                at_us.claim(ours.key, "worker-a", lease_seconds=LONG_LEASE),
+                at_us.claim(f"repo/{REPO}/mem/gate/unknown", "worker-a"),
+                at_us.release_claim(ours.key, 1),
+                at_us.reopen(ours.key, "an operator's retry"),
+                at_us.force_release(ours.key, "an operator's take-back"),
+                at_us.update(ours.key, fields={"body": "x"}, fencing_token=1),
+            ):
+                with pytest.raises(Unavailable):
+                    await call
+        regions = {"us": us.address, "eu": eu.address}
+        async with AsyncClient(us.address, regions=regions, retries=0) as routed:
+            granted = await routed.claim(theirs.key, "worker-a", lease_seconds=LONG_LEASE)
+            assert granted.granted, granted
+            await routed.update(
+                theirs.key, fields={"body": "x"}, fencing_token=granted.fencing_token
+            )
+        assert not us.replica.deciding, "the answers above did not wait for the settle"
+
+
 async def test_a_node_that_lost_its_disk_never_reissues_a_token(tmp_path: Path) -> None:
     """SPEC §4: after disk loss, the first new token is above every token granted before."""
     async with Cluster(tmp_path, ["us", "eu"]) as cluster:

@@ -252,23 +252,35 @@ def test_a_home_only_call_that_hangs_during_a_partition_is_unavailable() -> None
     assert verdicts(history(*SERVED, fast))["availability"].ok
 
 
-def test_a_node_settling_after_its_own_pause_may_refuse_home_only_calls_not_serving() -> None:
-    """Paused until 8 s, then cut off by the partition at 10 s before it settled: it
-    decides nothing (NOT_SERVING, for records homed elsewhere too) for up to its
-    --start-wait after waking (seed 3200137469: a bridge 3 s after ap's pause)."""
-    pause = Played("pause", ("ap",), 4.0, 8.0)
+def test_a_node_that_lost_its_disk_may_refuse_home_only_calls_not_serving() -> None:
+    """Wiped until 8 s, then cut off by the partition at 10 s before it caught up: it
+    decides nothing and does not hold the probe's record homed elsewhere, so it
+    answers NOT_SERVING for it for up to its --start-wait after it runs again."""
+    wipe = Played("wipe", ("ap",), 4.0, 8.0)
     settling = event("probe-ap", "probe-home-only", 12.0, outcome="unknown",
                      detail="UNAVAILABLE", took=0.01)  # fmt: skip
-    verdict = verdicts(history(*SERVED, settling), [PARTITION, pause])["availability"]
+    verdict = verdicts(history(*SERVED, settling), [PARTITION, wipe])["availability"]
     assert verdict.ok and verdict.numbers["refused while settling"] == 1
     # Past the wait, or at another node, it is a home-only call not redirected.
-    late = Played("pause", ("ap",), 0.5, 12.0 - START_WAIT_S - 2.0)
+    late = Played("wipe", ("ap",), 0.5, 12.0 - START_WAIT_S - 2.0)
     assert not verdicts(history(*SERVED, settling), [PARTITION, late])["availability"].ok
-    other = Played("pause", ("us",), 4.0, 8.0)
+    other = Played("wipe", ("us",), 4.0, 8.0)
     assert not verdicts(history(*SERVED, settling), [PARTITION, other])["availability"].ok
     hung = event("probe-ap", "probe-home-only", 12.0, outcome="unknown", detail="UNAVAILABLE",
                  took=WRONG_REGION_FAST_S + 1)  # fmt: skip
-    assert not verdicts(history(*SERVED, hung), [PARTITION, pause])["availability"].ok
+    assert not verdicts(history(*SERVED, hung), [PARTITION, wipe])["availability"].ok
+
+
+def test_a_node_settling_after_its_own_pause_still_names_the_home() -> None:
+    """A paused (or killed, or rolled-back) node settles before it decides, but it
+    holds the probe's record homed elsewhere, created before any fault: it answers
+    ``wrong_region`` at once (docs/api.md). NOT_SERVING there is a lost redirect
+    (seed 3200137469 saw one: a bridge 3 s after ap's pause, before the gate came
+    after the home)."""
+    pause = Played("pause", ("ap",), 4.0, 8.0)
+    settling = event("probe-ap", "probe-home-only", 12.0, outcome="unknown",
+                     detail="UNAVAILABLE", took=0.01)  # fmt: skip
+    assert not verdicts(history(*SERVED, settling), [PARTITION, pause])["availability"].ok
 
 
 def test_availability_cannot_pass_without_a_network_fault_to_judge() -> None:

@@ -125,7 +125,6 @@ class Claims:
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
         wait_s = validation.wait(wait_seconds)
-        self.check_deciding()
         ahead = self.queue_depth(key) > 0
         outcome, _ = await self._try(key, owner, caller, lease_ms, queued_ahead=ahead)
         if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
@@ -207,6 +206,7 @@ class Claims:
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, tuple[Outcome, bool]]:
+            replica.check_gate(current)
             current = replica.lapse_if_due(current)  # the lapse counts as an attempt's end
             fence, outcome = decide_claim(
                 current,
@@ -243,10 +243,10 @@ class Claims:
         validation.key(key)
         _token(token)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
-        self.check_deciding()
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, Outcome]:
+            replica.check_gate(current)
             fence, outcome = decide_renew(
                 current,
                 token,
@@ -279,10 +279,10 @@ class Claims:
         ending = _outcome(outcome)
         written = validation.fields(fields or {})
         retry_after_ms = _retry_after(ending, retry_after_seconds)
-        self.check_deciding()
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, Outcome]:
+            replica.check_gate(current)
             if not ending and not written:
                 fence, plain = decide_release(current, token, caller=caller, region=replica.region)
                 return current.with_fence(fence), plain

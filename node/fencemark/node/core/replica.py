@@ -432,11 +432,23 @@ class Replica:
         for listener in self._write_listeners:
             listener(key)
 
-    def _check_gate(self, fencing_token: int) -> None:
-        """A node catching up decides no fenced write (``grant_gate``); unfenced
-        ones it admits by the rule of a node that is not the home (``admit``)."""
-        if fencing_token:
+    def check_gate(self, record: Record) -> None:
+        """Raise :class:`NotServing` while this node decides nothing (``grant_gate``:
+        catching up, settling after a restart or a nap) — unless ``record`` was born
+        with another home: the decision is not this node's anyway, and its answer,
+        ``wrong_region`` naming the home, decides nothing, so a routing client goes
+        to the home at once instead of waiting out this node's settle
+        (docs/api.md, *NOT_SERVING*). A record it does not hold, it cannot tell:
+        refused."""
+        if not (record.exists and record.home_region != self.region):
             self.gate.check()
+
+    def _check_gate(self, record: Record, fencing_token: int) -> None:
+        """A fenced write waits for the gate (``check_gate``); unfenced ones a node
+        that is not deciding admits by the rule of a node that is not the home
+        (``admit``)."""
+        if fencing_token:
+            self.check_gate(record)
 
     def _admit(self, current: Record, token: int, home: str, caller: Caller) -> int:
         return admit_write(current, token, caller=caller, home=home, region=self.region,
@@ -629,10 +641,10 @@ class Replica:
         validation.tags(tags)
         validation.queue_tags(tags)
         home_tag = validation.home_tag(tags)
-        self._check_gate(fencing_token)
         plain_tags = [t for t in tags if not t.startswith(validation.HOME_TAG_PREFIX)]
 
         def change(current: Record) -> tuple[Record, bool]:
+            self._check_gate(current, fencing_token)
             home = current.home_region or home_tag or self.region
             if not current.exists:
                 require_home(home, self.region, fence=0, birth=True)
@@ -683,9 +695,9 @@ class Replica:
         both = set(add_tags) & set(remove_tags)
         if both:
             raise InvalidInput.field("remove_tags", f"also in add_tags: {sorted(both)[:5]}")
-        self._check_gate(fencing_token)
 
         def change(current: Record) -> tuple[Record, None]:
+            self._check_gate(current, fencing_token)
             if not current.visible:
                 raise NotFound(key)
             current = self.lapse_if_due(current)
@@ -705,9 +717,9 @@ class Replica:
     async def delete(self, key: str, *, fencing_token: int = 0, caller: Caller) -> Stored:
         """Write a tombstone; always written, even for a key never seen here."""
         validation.key(key)
-        self._check_gate(fencing_token)
 
         def change(current: Record) -> tuple[Record, None]:
+            self._check_gate(current, fencing_token)
             home = current.home_region or self.region
             current = self.lapse_if_due(current)
             stamp = self.stamp(self._admit(current, fencing_token, home, caller))

@@ -234,10 +234,10 @@ class WorkQueue:
         """Make the item ``open`` again with no attempts counted (an operator's call)."""
         validation.key(key)
         why = _reason(reason)
-        self.claims.check_deciding()
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, Outcome]:
+            replica.check_gate(current)
             refusal = not_here(current, replica.region)
             if refusal is not None:
                 return current, refusal
@@ -256,10 +256,10 @@ class WorkQueue:
         refused ``superseded`` from now on (SPEC §8)."""
         validation.key(key)
         why = _reason(reason)
-        self.claims.check_deciding()
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, tuple[Outcome, int]]:
+            replica.check_gate(current)
             current = replica.lapse_if_due(current)
             refusal = not_here(current, replica.region)
             if refusal is not None:
