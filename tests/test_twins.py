@@ -355,6 +355,76 @@ async def test_a_node_whose_event_loop_stood_still_settles_again_before_it_decid
         assert gate.twins == 0 and eu.replica.gate.twins == 0
 
 
+async def test_a_claim_waiting_in_line_is_not_granted_while_its_home_settles_after_a_nap(
+    tmp_path: Path,
+) -> None:
+    """Regression: the gate was checked once, as a claim arrived, and not when a
+    waiter reached the head of the line; a node that napped (or came to owe a
+    catch-up: a twin, a rollback) while a claim waited granted it when the lease
+    before it lapsed, though it decided nothing else — a copy may have granted the
+    same item meanwhile. Now every decision reads the gate under the record's lock:
+    the waiter is refused NOT_SERVING (a retrying client queues again)."""
+    async with Cluster(tmp_path, ["us", "eu"], nap_s=Tuning().nap_s) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        gate = us.replica.gate
+        async with AsyncClient(us.address, retries=0) as client:
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+            held = await client.claim(item.key, "worker-a", lease_seconds=gate.nap_s * 3)
+            assert held.granted
+            waiting = asyncio.create_task(
+                client.claim(item.key, "worker-b", lease_seconds=60, wait_seconds=30)
+            )
+            await eventually(_queued(us, item.key), "worker-b waiting in line")
+            time.sleep(gate.nap_s * 2)  # noqa: ASYNC251 - the event loop stands still: a nap
+            # worker-a's lease lapses about a nap later; us settles for settle_s (4 s).
+            with pytest.raises(Unavailable, match="stood still"):
+                await waiting
+        assert gate.naps == 1
+        stored = await us.storage.get(item.key)
+        assert stored is not None and stored.record.fence.fence == held.fencing_token
+
+
+async def test_a_claim_next_waiting_for_work_is_not_granted_while_its_node_settles_after_a_nap(
+    tmp_path: Path,
+) -> None:
+    """The same for ``ClaimNext``'s line: an item that turns up while the node
+    settles after a nap wakes the waiter, which is refused NOT_SERVING, not handed
+    the item by a node that decides nothing."""
+    async with Cluster(tmp_path, ["us", "eu"], nap_s=Tuning().nap_s) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        gate = us.replica.gate
+        async with AsyncClient(us.address, retries=0) as client:
+            waiting = asyncio.create_task(
+                client.claim_next(REPO, TOPIC, "worker-b", lease_seconds=60, wait_seconds=30)
+            )
+            await asyncio.sleep(0.5)  # in the topic's line: nothing to take yet
+            assert not waiting.done()
+            time.sleep(gate.nap_s * 2)  # noqa: ASYNC251 - the event loop stands still: a nap
+            await eventually(_settling(us), "us settling after its nap")
+            # An unfenced creation is admitted while the node settles; it wakes the line.
+            item = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+            with pytest.raises(Unavailable, match="stood still"):
+                await waiting
+        stored = await us.storage.get(item.record.key)
+        assert stored is not None and stored.record.fence.fence == 0
+
+
+def _queued(node: NodeServer, key: str) -> Any:
+    async def check() -> bool:
+        return node.claims.queue_depth(key) == 1
+
+    return check
+
+
+def _settling(node: NodeServer) -> Any:
+    async def check() -> bool:
+        return not node.replica.deciding
+
+    return check
+
+
 async def test_a_grant_decided_before_a_nap_is_not_handed_out_after_it(tmp_path: Path) -> None:
     """The process stands still after the grant was decided and before its reply:
     a copy may have granted the same claim meanwhile, so the caller is refused

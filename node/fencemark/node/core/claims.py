@@ -206,6 +206,8 @@ class Claims:
         replica = self.replica
 
         def change(current: Record) -> tuple[Record, tuple[Outcome, bool]]:
+            # The gate under the record's lock, not only as the call arrived: a waiter
+            # reaching the head of the line is granted only by a node that decides now.
             replica.check_gate(current)
             current = replica.lapse_if_due(current)  # the lapse counts as an attempt's end
             fence, outcome = decide_claim(

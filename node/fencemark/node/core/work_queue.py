@@ -132,6 +132,7 @@ class WorkQueue:
         for key in await replica.held_by(scope, owner, replica.wall_ms()):
 
             def change(current: Record) -> tuple[Record, Outcome | None]:
+                replica.check_gate(current)
                 current = replica.lapse_if_due(current)
                 now_ms = replica.wall_ms()
                 if not queue.held_for_retry(current, region=replica.region, now_ms=now_ms,
@@ -161,6 +162,10 @@ class WorkQueue:
         done = {item: await self._done(scope + item) for item in found.record.waits_on}
 
         def change(current: Record) -> tuple[Record, Outcome | None]:
+            # The gate under the item's lock, not only as the call arrived: a caller
+            # that waited in the topic's line is handed an item only by a node that
+            # decides now (it may have napped, or come to owe a catch-up, meanwhile).
+            replica.check_gate(current)
             current = replica.lapse_if_due(current)  # a lapse may park it
             now_ms = replica.wall_ms()
             if not queue.eligible(current, region=replica.region, now_ms=now_ms, tags=tags,
