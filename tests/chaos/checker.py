@@ -32,7 +32,10 @@ work queue's in ``queue_invariants.py``:
 9. fenced writes survive;
 10. catching up before deciding — a node that lost its disk and was restarted
     before it had caught up, with a peer cut off, granted nothing and admitted no
-    write until that peer was back (SPEC §4);
+    write until that peer was back (SPEC §4); and a node frozen by a ``pause``
+    granted and renewed nothing from its freeze until it could have settled with its
+    peers after it woke (docs/replication.md, *Twins*) — not even to a claim that
+    was already waiting in line;
 11. forgeries refused — no state the hostile peer of a ``forge`` fault pushed was
     merged, each was refused by the rule named for it (``forger.RULES``), and every
     kind was refused by its rule at least once;
@@ -66,6 +69,7 @@ from tests.chaos.claim_invariants import (
 from tests.chaos.claims import (
     DISK_LOSS_GRACE_S,
     LOST_WITH_DISK,
+    RENEWALS,
     Claim,
     Split,
     claims_of,
@@ -133,7 +137,7 @@ def check(
         one_live_claim(claims, splits),
         granted_once(claims, lease_seconds),
         fenced_writes_survive(history, claims, finals, homes, played),
-        caught_up_first(history, played, claims, homes),
+        caught_up_first(history, played, claims, homes, lease_seconds),
         forgeries_refused(played),
         no_item_done_twice(history, finals, homes, played),
     ]
@@ -362,18 +366,68 @@ def decided_at(
     return acked_by(event, homes)
 
 
+# A node woken from a pause settles with its peers before it decides (a nap:
+# docs/replication.md, *Twins*); the nemesis asks it, after the wake, until it says it
+# decides again, and keeps the last moment it said it did not (``settling_until``).
+# No grant or renewal may be decided by it from its freeze until then: one that was
+# came from a node that decided nothing else, typically a claim that waited in line
+# across the pause and reached the head as the lease before it lapsed (what the gate,
+# read only as a call arrived, once let through).
+
+
+def decided_when(event: Event, lease_seconds: float) -> float:
+    """When a grant's or renewal's home decided it, on the run's monotonic clock: the
+    lease's end as the reply said, less the lease asked (every chaos client asks
+    ``lease_seconds``, but the forge fault's holder). 0 when unknown."""
+    if not event.expires or event.agent.startswith("forge-"):
+        return 0.0
+    return event.expires - lease_seconds
+
+
+def settled_first(
+    history: History,
+    played: Sequence[Played],
+    claims: Mapping[tuple[str, int, str], Claim],
+    homes: Mapping[str, str],
+    lease_seconds: float,
+) -> tuple[int, list[str]]:
+    """How many pauses were judged, and the grants and renewals their node decided
+    while it was frozen or settling after it (until ``settling_until``). A pause whose
+    node never said it was settling is not judged: the nemesis reports it."""
+    judged = [f for f in played if f.kind == "pause" and f.injected and f.settling_until]
+    problems = []
+    for fault in judged:
+        region = fault.targets[0]
+        for event in history.events:
+            if event.outcome != "ok" or event.op not in ("grant", *RENEWALS):
+                continue
+            at = decided_when(event, lease_seconds) - history.started
+            if not fault.down_at < at < fault.settling_until:
+                continue
+            if decided_at(event, claims, homes) == region:
+                problems.append(
+                    f"{region} decided {event.agent}'s {event.op} of {event.key} at {at:.2f} s,"
+                    f" frozen at {fault.down_at:.1f} s, woken at {fault.ended:.1f} s and still"
+                    f" settling at {fault.settling_until:.1f} s"
+                )
+    return len(judged), problems
+
+
 def caught_up_first(
     history: History,
     played: Sequence[Played],
     claims: Mapping[tuple[str, int, str], Claim],
     homes: Mapping[str, str],
+    lease_seconds: float = 2.0,
 ) -> Verdict:
     """A node that lost its disk decides nothing before its catch-up pass with every
     peer (SPEC §4), however often it is restarted first: judged where a peer was cut
-    off from it until ``cut_healed``, so that it could not have caught up before."""
+    off from it until ``cut_healed``, so that it could not have caught up before. A
+    paused node decides nothing before it could have settled after the pause
+    (``settled_first``)."""
     start = history.started
     judged = [f for f in played if f.kind == "wipe-restart" and f.cut_healed and f.injected]
-    problems = []
+    pauses, problems = settled_first(history, played, claims, homes, lease_seconds)
     refused = 0
     for fault in judged:
         region = fault.targets[0]
@@ -398,15 +452,20 @@ def caught_up_first(
                 refused += 1
     if not judged:
         problems.append("no node was restarted before catching up with a peer cut off")
+    if not pauses:
+        problems.append(
+            "no pause judged: none played, or its node never said it was settling after it"
+        )
     detail = "; ".join(problems[:3]) or (
         f"{len(judged)} nodes restarted before catching up decided nothing until they could;"
-        f" {refused} claims and writes at them refused or unanswered meanwhile"
+        f" {refused} claims and writes at them refused or unanswered meanwhile;"
+        f" {pauses} paused nodes granted nothing until they could have settled"
     )
     return Verdict(
         "10. catching up before deciding",
         not problems,
         detail,
-        {"faults judged": len(judged), "refused or unanswered": refused},
+        {"faults judged": len(judged), "refused or unanswered": refused, "pauses judged": pauses},
     )
 
 

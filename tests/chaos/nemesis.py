@@ -57,6 +57,9 @@ LOSS_PROBABILITY = 0.3
 SLOW_LATENCY_MS = 250.0
 SLOW_BANDWIDTH = 64 * 1024.0  # bytes/s each way
 RECOVER_LIMIT_S = 60.0  # a restarted node must decide claims again within this
+# A node woken from a pause notices its nap at its next tick (a fifth of nap_s); one
+# that still says it decides this long after the wake never noticed.
+NAP_NOTICE_S = 3.0
 # rollback: how long the workload runs between the copy of the node's data directory
 # and the kill that puts it back. Longer than claims.DISK_LOSS_GRACE_S, so that what
 # the node acknowledged early in it had time to reach its peers (and must survive).
@@ -92,7 +95,7 @@ class Played:
     injected: bool = True  # False: the engine refused the fault (see detail); healed at once
     # kill, wipe, rollback: when the node was dead for sure (SIGKILL delivered; for a
     # wipe, the disk gone). A write the node acknowledged before this was acknowledged
-    # by it.
+    # by it. pause: when it was frozen for sure.
     down_at: float = 0.0
     # rollback: when the copy its data directory was put back to was taken (just before
     # the node was frozen for it): what the node acknowledged before is on the copy.
@@ -101,6 +104,9 @@ class Played:
     # cannot have caught up), and when it said it served claims before that (0: never).
     cut_healed: float = 0.0
     serving_early: float = 0.0
+    # pause: the last moment the woken node said it decided nothing yet (settling with
+    # its peers after the nap), asked after the wake; 0 if it never said so.
+    settling_until: float = 0.0
     # forge: each forged state pushed, and how the node answered (forger.Pushed)
     forged: tuple[Pushed, ...] = ()
 
@@ -223,6 +229,7 @@ class Nemesis:
         self._cut_healed = 0.0
         self._serving_early = 0.0
         self._copied_at = 0.0
+        self._settling_until = 0.0
         self._forged: tuple[Pushed, ...] = ()
 
     async def play(
@@ -238,6 +245,7 @@ class Nemesis:
             started = self.clock()
             self.log(f"nemesis: {fault.kind} {' '.join(fault.targets)} ({fault.seconds:.1f} s)")
             self._down_at = self._cut_healed = self._serving_early = self._copied_at = 0.0
+            self._settling_until = 0.0
             self._forged = ()
             try:
                 detail = await self._inject(fault)
@@ -266,6 +274,7 @@ class Nemesis:
                     cut_healed=self._cut_healed,
                     serving_early=self._serving_early,
                     copied_at=self._copied_at,
+                    settling_until=self._settling_until,
                     forged=self._forged,
                 )
             )
@@ -304,9 +313,13 @@ class Nemesis:
             return await self._rollback(fault)
         if fault.kind == "pause":
             await self._retry(self.cluster.pause, region)
+            self._down_at = self.clock()  # frozen for sure: it decides nothing from here
             await asyncio.sleep(fault.seconds)
             await asyncio.to_thread(self.cluster.unpause, region)
-            return ""
+            self._settling_until = await self._until_settled(region)
+            if not self._settling_until:
+                return f"{region} never said it was settling after the pause"
+            return f"{region} settling until {self._settling_until:.1f} s"
         if fault.kind == "agent-pause":
             agent = self.agents[region]
             agent.pause_once = True
@@ -484,6 +497,30 @@ class Nemesis:
                 if attempt == attempts - 1:
                     raise
                 await asyncio.sleep(0.2)
+
+    async def _until_settled(self, region: str) -> float:
+        """After a pause: ask the woken node whether it decides claims every 0.1 s,
+        until it says it does having said once that it did not (it settles with its
+        peers after a nap), or NAP_NOTICE_S passed without it ever saying so. The
+        run-clock moment the last "not deciding" was asked (0 if none): it decided
+        nothing before then (the flag only turns on once after a nap)."""
+        client = self._client(region)
+        began, settling_until = time.monotonic(), 0.0
+        try:
+            while time.monotonic() - began < RECOVER_LIMIT_S:
+                asked = self.clock()
+                try:
+                    serving = (await client.info()).claims_serving
+                except FencemarkError:
+                    serving = None  # no answer says nothing
+                if serving is False:
+                    settling_until = asked
+                elif serving and (settling_until or time.monotonic() - began > NAP_NOTICE_S):
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await client.close()
+        return settling_until
 
     async def _until_deciding(self, region: str) -> float:
         """Seconds until a restarted node serves claims again (after catch-up), bounded."""

@@ -47,6 +47,8 @@ CATCH_UP = Played("wipe-restart", ("ap", "us"), 40.0, 50.0, cut=(("ap", "us"),),
 # refused each by its rule.
 REFUSED = tuple(Pushed(forgery, rule, KEY, 0, rule) for forgery, rule in RULES.items())
 FORGE = Played("forge", ("us", "eu"), 55.0, 56.0, forged=REFUSED)
+# ap frozen from 57.1 s, woken at 61 s, saying it was settling when asked at 64 s.
+PAUSE = Played("pause", ("ap",), 57.0, 61.0, down_at=57.1, settling_until=64.0)
 
 
 def event(agent: str, op: str, at: float, *, token: int = 0, outcome: str = "ok",
@@ -117,7 +119,7 @@ WORKED = [
 def verdicts(h: History, played: list[Played] | None = None,
              states: dict[str, dict[str, Record]] | None = None,
              convergence: Convergence | None = CONVERGED) -> dict[str, Verdict]:  # fmt: skip
-    judged = check(h, played if played is not None else [PARTITION, CATCH_UP, FORGE],
+    judged = check(h, played if played is not None else [PARTITION, CATCH_UP, FORGE, PAUSE],
                    states or finals(), HOMES, convergence)  # fmt: skip
     return {v.name.split(". ")[1]: v for v in judged}
 
@@ -563,6 +565,27 @@ def test_a_node_that_refuses_until_it_caught_up_passes() -> None:
     verdict = verdicts(history(refused, later, note, *SERVED))["catching up before deciding"]
     assert verdict.ok, verdict
     assert not verdicts(history(*SERVED), played=[PARTITION])["catching up before deciding"].ok
+
+
+def test_a_paused_node_that_grants_before_it_could_have_settled_is_caught() -> None:
+    """ap, frozen at 57.1 s and woken at 61 s, settles with its peers before it
+    decides; asked, it still said so at 64 s. A claim that waited in line across the
+    pause and was granted as the lease before it lapsed, a second after the wake, is
+    what the gate once let through (tests/test_twins.py pins the node's side)."""
+    early = event("ap-queue-0", "grant", 62.0, token=3, detail="ap", expires=64.0)
+    verdict = verdicts(history(early, *SERVED))["catching up before deciding"]
+    assert not verdict.ok and "still settling at 64.0 s" in verdict.detail, verdict
+    # A pause whose node never said it settled is not judged (the nemesis says so).
+    unseen = replace(PAUSE, settling_until=0.0)
+    played = [PARTITION, CATCH_UP, FORGE, unseen]
+    assert not verdicts(history(early, *SERVED), played)["catching up before deciding"].ok
+    # Decided before the freeze and answered after the wake (the reply waited in a
+    # frozen socket), decided once it could have settled, or by another node: fine.
+    before = event("ap-queue-0", "grant", 56.9, token=3, detail="ap", took=4.3, expires=58.9)
+    settled = event("ap-queue-1", "grant", 64.5, token=4, detail="ap", expires=66.5)
+    elsewhere = event("us-agent-0", "grant", 62.0, token=5, detail="us", expires=64.0)
+    verdict = verdicts(history(before, settled, elsewhere, *SERVED))["catching up before deciding"]
+    assert verdict.ok and verdict.numbers["pauses judged"] == 1, verdict
 
 
 # -- 11. forgeries refused ------------------------------------------------------------------
