@@ -276,7 +276,8 @@ def availability(history: History, played: Sequence[Played], *, regions: int = 3
         for f in played
         if f.kind in SETTLING_FAULTS
     ]
-    twinned = [(*twin_window(f), f.targets[:1]) for f in played if f.kind == TWIN and f.injected]
+    # A twin fault the engine broke off may have had its twin refused all the same.
+    twinned = [(*twin_window(f), f.targets[:1]) for f in played if f.kind == TWIN]
     problems, recovered = twin_recovery(played)
     served = settling = while_twinned = 0
     slowest_refusal = 0.0

@@ -22,6 +22,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from docker.errors import DockerException
@@ -30,7 +31,7 @@ from fencemark.client import AsyncClient, FencemarkError, NodeInfo
 from fencemark.node.replication.tuning import TWIN_FORGET_S
 from fencemark.node.tools.proxy import ProxyMesh
 from fencemark.node.tools.workload import Agent
-from tests.chaos.cluster import ChaosCluster
+from tests.chaos.cluster import ChaosCluster, Region
 from tests.chaos.forger import Forger, Pushed
 from tests.chaos.workload import TESTER
 
@@ -484,9 +485,38 @@ class Nemesis:
         finally:
             await asyncio.to_thread(self.cluster.unpause, region)
         twin_gone, pressed = asyncio.Event(), asyncio.Event()
-        seen = TwinWatch()
-        twin = None
         notes = [f"{region} copied at {self._copied_at:.1f} s ({files} files)"]
+        try:
+            await self._twin_life(region, copy, fault.seconds, twin_gone, pressed, notes)
+            try:
+                took = await self._until_deciding(region, TWIN_RECOVER_LIMIT_S)
+            except TimeoutError:
+                notes.append(f"{region} NOT deciding claims again {TWIN_RECOVER_LIMIT_S:.0f} s"
+                             " after the twin was killed")  # fmt: skip
+            else:
+                self._deciding_again = self.clock()
+                notes.append(f"{region} deciding claims again {took:.1f} s after the twin was"
+                             " killed")  # fmt: skip
+                await asyncio.sleep(PRESS_AFTER_S)
+        finally:
+            twin_gone.set()
+            pressed.set()
+        return "; ".join(notes)
+
+    async def _twin_life(
+        self,
+        region: str,
+        copy: Path,
+        seconds: float,
+        twin_gone: asyncio.Event,
+        pressed: asyncio.Event,
+        notes: list[str],
+    ) -> None:
+        """Start the twin from ``copy``, have both pressed, let it run ``seconds`` from
+        its first answer, kill and remove it (whatever happens); ``notes`` for the
+        report."""
+        seen = TwinWatch()
+        twin: Region | None = None
         watcher: asyncio.Task[None] | None = None
         output = b""
         try:
@@ -503,33 +533,19 @@ class Nemesis:
             except TimeoutError:
                 notes.append(f"its twin {twin.name} never answered")
             else:
-                await asyncio.sleep(fault.seconds)
+                await asyncio.sleep(seconds)
         finally:
             watcher_done(watcher)
             twin_gone.set()
             if twin is not None:
                 self._twin_stopped = self.clock()  # the kill is the first thing stop_twin does
                 output = await asyncio.to_thread(self.cluster.stop_twin, twin)
-        try:
-            if twin is not None and self._twin_answered:
-                notes.append(f"its twin {twin.name} answered at {self._twin_answered:.1f} s,"
-                             f" killed at {self._twin_stopped:.1f} s")  # fmt: skip
-            if self._serving_early:
-                notes.append(f"THE TWIN SERVED CLAIMS at {self._serving_early:.1f} s")
-            notes.extend(seen.notes(region, output))
-            try:
-                took = await self._until_deciding(region, TWIN_RECOVER_LIMIT_S)
-            except TimeoutError:
-                notes.append(f"{region} NOT deciding claims again {TWIN_RECOVER_LIMIT_S:.0f} s"
-                             " after the twin was killed")  # fmt: skip
-            else:
-                self._deciding_again = self.clock()
-                notes.append(f"{region} deciding claims again {took:.1f} s after the twin was"
-                             " killed")  # fmt: skip
-                await asyncio.sleep(PRESS_AFTER_S)
-        finally:
-            pressed.set()
-        return "; ".join(notes)
+        if twin is not None and self._twin_answered:
+            notes.append(f"its twin {twin.name} answered at {self._twin_answered:.1f} s,"
+                         f" killed at {self._twin_stopped:.1f} s")  # fmt: skip
+        if self._serving_early:
+            notes.append(f"THE TWIN SERVED CLAIMS at {self._serving_early:.1f} s")
+        notes.extend(seen.notes(region, output))
 
     async def _watch_twin(self, region: str, twin: str, seen: TwinWatch) -> None:
         """Poll a twin and its original every ``TWIN_POLL_S`` into ``seen``; note when
