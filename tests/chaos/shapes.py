@@ -76,7 +76,7 @@ ROLLBACK_PRESS_INTERVAL_S = 0.3  # a rolled-back node is asked at once, then thi
 ANSWER_POLL_S = 0.02  # how often a restarted node is tried until it answers
 ANSWER_TIMEOUT_S = 0.5
 BEFORE_COPY_ITEMS = 2  # queue items enqueued at a node right before its copy is taken
-TWIN_KEYS = 4  # backlog items claimed at a twin and its original in each round (held first)
+TWIN_KEYS = 4  # backlog items claimed at a twin and its original in each round (half held)
 HELD_WINDOW = 400  # events looked back over to find the claims being held
 
 
