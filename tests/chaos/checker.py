@@ -23,7 +23,8 @@ work queue's in ``queue_invariants.py``:
    within ``CONVERGE_ROUNDS`` anti-entropy rounds; the time it took is reported;
 5. availability — while the network is faulty (partitions, packet loss, a slow
    link) every region keeps serving reads and unfenced writes to unclaimed
-   records; home-only calls that cannot be served fail fast, with a reason;
+   records; home-only calls that cannot be served fail fast, with a reason; a node
+   refused as a twin decides again within a bound of its twin's end;
 6. one home per record — every region's final state names the same one home,
    the region that created the record (for an id born on both sides of a split:
    one of those);
@@ -32,10 +33,11 @@ work queue's in ``queue_invariants.py``:
 9. fenced writes survive;
 10. catching up before deciding — a node that lost its disk and was restarted
     before it had caught up, with a peer cut off, granted nothing and admitted no
-    write until that peer was back (SPEC §4); and a node frozen by a ``pause``
+    write until that peer was back (SPEC §4); a node frozen by a ``pause``
     granted and renewed nothing from its freeze until it could have settled with its
     peers after it woke (docs/replication.md, *Twins*) — not even to a claim that
-    was already waiting in line;
+    was already waiting in line; and a twin started beside its running original,
+    its peers connected, decided nothing at all;
 11. forgeries refused — no state the hostile peer of a ``forge`` fault pushed was
     merged, each was refused by the rule named for it (``forger.RULES``), and every
     kind was refused by its rule at least once;
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 
 from fencemark.client import Record
 from fencemark.node.api.config import NodeConfig
+from fencemark.node.replication.tuning import TWIN_FORGET_S
 from fencemark.node.tools.workload import Event, History
 from tests.chaos.claim_invariants import (
     Verdict,
@@ -77,9 +80,16 @@ from tests.chaos.claims import (
     splits_of,
 )
 from tests.chaos.forger import RULES
-from tests.chaos.nemesis import DISK_LOSSES, PARTITIONS, Played
+from tests.chaos.nemesis import (
+    DISK_LOSSES,
+    PARTITIONS,
+    TWIN,
+    TWIN_CATCH_UP_S,
+    Played,
+)
 from tests.chaos.queue_invariants import no_item_done_twice
 from tests.chaos.queue_work import WAIT_S as QUEUE_WAIT_S
+from tests.chaos.shapes import twin_presser
 from tests.chaos.workload import CALL_TIMEOUT_S
 
 __all__ = ["CONVERGE_ROUNDS", "DISK_LOSS_GRACE_S", "Convergence", "Verdict", "check"]
@@ -106,6 +116,15 @@ HOME_ONLY_OPS = ("claim", "write", "renew", "finish", "release", "done", "fail",
 # excused too.)
 SETTLING_FAULTS = DISK_LOSSES
 START_WAIT_S = NodeConfig.start_wait_s
+# A node with a twin (a second process started from a copy of its data directory)
+# is refused by its peers and decides nothing from the copy until its peers have
+# forgotten the twin's life, TWIN_FORGET_S after they last heard it, and it has
+# caught up with every one of them: at most TWIN_CATCH_UP_S more
+# (docs/replication.md, *Twins*). Meanwhile it answers NOT_SERVING for every record
+# it does not hold, homed elsewhere too (a record it holds that is homed elsewhere
+# it still redirects, wrong_region: docs/api.md, *NOT_SERVING*). That cost is
+# excused, within that bound, and the node must decide again within it.
+TWIN_BOUND_S = TWIN_FORGET_S + TWIN_CATCH_UP_S
 HOME_TAG = "homeRegion:"
 
 
@@ -222,6 +241,38 @@ def converged(convergence: Convergence | None) -> Verdict:
 # -- 5. availability -------------------------------------------------------------------
 
 
+def twin_window(fault: Played) -> tuple[float, float]:
+    """When a twin fault's original may decide nothing: from the copy (it is frozen
+    for it, and may settle again after) until it decided again — at most
+    ``TWIN_BOUND_S`` after its twin was stopped (or the fault ended, if it never
+    started), and once it decided again, ``DEADLINE_SLACK_S`` more for the calls
+    already on their way."""
+    bound = (fault.twin_stopped or fault.ended) + TWIN_BOUND_S
+    end = min(fault.deciding_again, bound) if fault.deciding_again else bound
+    return fault.started, end + DEADLINE_SLACK_S
+
+
+def twin_recovery(played: Sequence[Played]) -> tuple[list[str], list[float]]:
+    """Each injected twin fault's original must decide again within ``TWIN_BOUND_S``
+    of its twin's stop: the problems, and how long each took."""
+    problems, took = [], []
+    for fault in played:
+        if fault.kind != TWIN or not fault.injected or not fault.twin_stopped:
+            continue
+        region = fault.targets[0]
+        after = fault.deciding_again - fault.twin_stopped
+        if not fault.deciding_again or after > TWIN_BOUND_S:
+            seen = f"at {fault.deciding_again:.1f} s" if fault.deciding_again else "never"
+            problems.append(
+                f"{region}, twinned at {fault.started:.1f} s, decided claims again {seen}:"
+                f" not within {TWIN_BOUND_S:.0f} s of its twin's stop at"
+                f" {fault.twin_stopped:.1f} s"
+            )
+        else:
+            took.append(after)
+    return problems, took
+
+
 def availability(history: History, played: Sequence[Played], *, regions: int = 3) -> Verdict:
     windows = [(f.started, f.ended, f.kind) for f in played if f.kind in NETWORK_FAULTS]
     settles = [
@@ -229,18 +280,21 @@ def availability(history: History, played: Sequence[Played], *, regions: int = 3
         for f in played
         if f.kind in SETTLING_FAULTS
     ]
-    problems: list[str] = []
-    served = settling = 0
+    # A twin fault the engine broke off may have had its twin refused all the same.
+    twinned = [(*twin_window(f), f.targets[:1]) for f in played if f.kind == TWIN]
+    problems, recovered = twin_recovery(played)
+    served = settling = while_twinned = 0
     slowest_refusal = 0.0
 
     def during(event: Event) -> str | None:
         at = event.invoked - history.started
         return next((kind for start, end, kind in windows if start <= at <= end), None)
 
-    def settling_at(event: Event) -> bool:
-        """Whether the probe's node may still be settling after a fault of its own."""
+    def settling_at(event: Event, spans: list[tuple[float, float, tuple[str, ...]]]) -> bool:
+        """Whether the probe's node may still be settling after a fault of its own, or
+        deciding nothing since it was twinned (``spans``)."""
         at, region = event.invoked - history.started, event.agent.removeprefix("probe-")
-        return any(start <= at <= end and region in targets for start, end, targets in settles)
+        return any(start <= at <= end and region in targets for start, end, targets in spans)
 
     for event in history.events:
         kind = during(event)
@@ -256,8 +310,11 @@ def availability(history: History, played: Sequence[Played], *, regions: int = 3
                 )
         elif event.op == "probe-home-only":
             slowest_refusal = max(slowest_refusal, took)
-            if event.detail == "UNAVAILABLE" and took <= WRONG_REGION_FAST_S and settling_at(event):
+            refused_fast = event.detail == "UNAVAILABLE" and took <= WRONG_REGION_FAST_S
+            if refused_fast and settling_at(event, settles):
                 settling += 1
+            elif refused_fast and settling_at(event, twinned):
+                while_twinned += 1
             elif event.detail != "wrong_region" or took > WRONG_REGION_FAST_S:
                 problems.append(
                     f"{event.agent} home-only call at a non-home node:"
@@ -279,10 +336,20 @@ def availability(history: History, played: Sequence[Played], *, regions: int = 3
         problems.append("no network fault was played: nothing to judge")
     elif not served:
         problems.append("no read or unfenced write was probed during a network fault")
+    excused = [
+        f"{settling} NOT_SERVING at a node that lost its disk" if settling else "",
+        f"{while_twinned} at a node refused as a twin" if while_twinned else "",
+    ]
     detail = "; ".join(problems[:3]) or (
         f"{served} reads and unfenced writes served during {len(windows)} network faults;"
         f" refused home-only calls answered within {slowest_refusal:.2f} s"
-        + (f" ({settling} NOT_SERVING at a node that lost its disk)" if settling else "")
+        + (f" ({', '.join(e for e in excused if e)})" if any(excused) else "")
+        + (
+            f"; {len(recovered)} nodes refused as twins decided again"
+            f" {max(recovered):.1f} s or less after their twin stopped"
+            if recovered
+            else ""
+        )
     )
     return Verdict(
         "5. availability",
@@ -291,6 +358,9 @@ def availability(history: History, played: Sequence[Played], *, regions: int = 3
         {
             "served during faults": served,
             "refused while settling": settling,
+            "refused while twinned": while_twinned,
+            "twinned nodes deciding again": len(recovered),
+            "slowest twin recovery s": round(max(recovered, default=0.0), 3),
             "problems": len(problems),
             "slowest refusal s": round(slowest_refusal, 3),
         },
@@ -424,10 +494,15 @@ def caught_up_first(
     peer (SPEC §4), however often it is restarted first: judged where a peer was cut
     off from it until ``cut_healed``, so that it could not have caught up before. A
     paused node decides nothing before it could have settled after the pause
-    (``settled_first``)."""
+    (``settled_first``). And a twin — a copy of a running node started beside it,
+    its peers connected — never decides (docs/replication.md, *Twins*): it never
+    says it serves claims, and nothing asked of it (``twin_presser``) that only a
+    deciding node decides is acknowledged."""
     start = history.started
     judged = [f for f in played if f.kind == "wipe-restart" and f.cut_healed and f.injected]
     pauses, problems = settled_first(history, played, claims, homes, lease_seconds)
+    twins = [f for f in played if f.kind == TWIN and f.injected]
+    problems += twin_decisions(history, twins)
     refused = 0
     for fault in judged:
         region = fault.targets[0]
@@ -456,17 +531,43 @@ def caught_up_first(
         problems.append(
             "no pause judged: none played, or its node never said it was settling after it"
         )
+    asked = sum(1 for f in twins for e in history.events if e.agent == twin_presser(f.targets[0]))
     detail = "; ".join(problems[:3]) or (
         f"{len(judged)} nodes restarted before catching up decided nothing until they could;"
         f" {refused} claims and writes at them refused or unanswered meanwhile;"
         f" {pauses} paused nodes granted nothing until they could have settled"
+        + (f"; {len(twins)} twins decided nothing ({asked} calls refused)" if twins else "")
     )
     return Verdict(
         "10. catching up before deciding",
         not problems,
         detail,
-        {"faults judged": len(judged), "refused or unanswered": refused, "pauses judged": pauses},
+        {
+            "faults judged": len(judged),
+            "refused or unanswered": refused,
+            "pauses judged": pauses,
+            "twins": len(twins),
+        },
     )
+
+
+def twin_decisions(history: History, twins: Sequence[Played]) -> list[str]:
+    """What the twins of ``twins`` decided: each must have said it serves no claims, and
+    acknowledged no grant, renewal, release or fenced write."""
+    problems = []
+    for fault in twins:
+        region, who = fault.targets[0], twin_presser(fault.targets[0])
+        if fault.serving_early:
+            problems.append(
+                f"the twin of {region} said it served claims at {fault.serving_early:.1f} s"
+            )
+        for event in history.events:
+            if event.agent == who and event.op in DECIDED and event.outcome == "ok":
+                problems.append(
+                    f"the twin of {region} acknowledged {who}'s {event.op} of {event.key}"
+                    f" (token {event.token}) at {event.completed - history.started:.1f} s"
+                )
+    return problems
 
 
 def forgeries_refused(played: Sequence[Played]) -> Verdict:

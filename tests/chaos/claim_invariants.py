@@ -26,7 +26,7 @@ from tests.chaos.claims import (
     exempt,
     lost_with_disk,
 )
-from tests.chaos.nemesis import DISK_LOSSES, ROLLBACK, Played
+from tests.chaos.nemesis import DISK_LOSSES, ROLLBACK, TWIN, Played
 
 # Fenced writes a holder made (a stalled worker's must be refused): a write, the
 # ``status=done`` of a finish, and a queue agent's ``result`` written with its release.
@@ -113,9 +113,10 @@ def token_order(
     """Per record, a grant that completed before another was sent has the smaller token
     (calls that overlapped may complete in either order); and how often that was put to
     the test: records granted both before and after their home was killed, lost its disk,
-    or had its disk put back to an older copy."""
+    had its disk put back to an older copy, or was twinned (granted before the copy, and
+    after the original decided again: above whatever either process granted)."""
     violations = []
-    crossed = {"kill": 0, "wipe": 0, ROLLBACK: 0}
+    crossed = {"kill": 0, "wipe": 0, ROLLBACK: 0, TWIN: 0}
     grouped = by_key(claims)
     for key, records in grouped.items():
         grants = [(claim, span) for claim in records for span in claim.grants]
@@ -132,6 +133,9 @@ def token_order(
             if kind == ROLLBACK:  # granted in what its file then forgot, and again after
                 before = any(fault.copied_at <= t < fault.down_at for t in times)
                 after = any(t > fault.down_at for t in times)
+            elif kind == TWIN:  # before the copy, and once the original decided again
+                before = any(t < fault.started for t in times)
+                after = bool(fault.deciding_again) and any(t > fault.deciding_again for t in times)
             else:
                 before = any(t < fault.started for t in times)
                 after = any(t > fault.ended for t in times)
@@ -141,6 +145,7 @@ def token_order(
         f"{count} grants, in order; {crossed['kill']} records granted again after their home"
         f" was killed, {crossed['wipe']} after it lost its disk"
         + (f", {crossed[ROLLBACK]} after its disk went back in time" if crossed[ROLLBACK] else "")
+        + (f", {crossed[TWIN]} after it was twinned" if crossed[TWIN] else "")
     )
     return Verdict(
         "2. tokens strictly increase",
@@ -151,6 +156,7 @@ def token_order(
             "records granted across a kill -9": crossed["kill"],
             "records granted across a disk loss": crossed["wipe"],
             "records granted across a rollback": crossed[ROLLBACK],
+            "records granted across a twin": crossed[TWIN],
         },
     )
 

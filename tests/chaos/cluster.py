@@ -38,6 +38,10 @@ Faults:
   volume, every file as it is (the SQLite file with its ``-wal`` and ``-shm``: what a
   disk snapshot holds), and that copy put back in place of a stopped node's volume
   later (its disk went back in time);
+- :meth:`start_twin` / :meth:`stop_twin`: a second container of a region's node,
+  started from a copy of its volume (:meth:`copy_data`) while the original runs, with
+  the same node certificate and peers under an alias and a port of its own, and its
+  ``kill -9`` and removal (a twin: docs/replication.md);
 - :meth:`pause` / :meth:`unpause`: the cgroup freezer (``docker pause``).
 
 Ryuk cannot be pulled here, so testcontainers runs with it disabled
@@ -127,6 +131,8 @@ class ChaosCluster:
         self.network = Network(docker_network_kw={"labels": {LABEL: run_id}, "driver": "bridge"})
         self.regions: dict[str, Region] = {}
         self.proxy: DockerContainer | None = None
+        self.twins: list[Region] = []  # second processes started from copies, while they run
+        self._twin_logs: dict[str, bytes] = {}  # the output of each twin stopped, by alias
         self.control = root / "control"
         self.certs = root / "certs"  # the run's CA, node and client certificates (host only)
         self._credentials: dict[str, grpc.ChannelCredentials] = {}
@@ -162,34 +168,41 @@ class ChaosCluster:
             if os.geteuid() == 0:
                 os.chown(data, IMAGE_UID, IMAGE_UID)
             port = free_port()
-            container = self._container(
-                name,
-                command=["node"],
-                env={
-                    "FENCEMARK_REGION": name,
-                    # Mutual TLS, signed grants, births and writes: the proxy relays
-                    # the TLS bytes as they are, and verifies nothing itself.
-                    "FENCEMARK_TLS_DIR": TLS_IN_CONTAINER,
-                    "FENCEMARK_ACCESS": f"{TLS_IN_CONTAINER}/{ACCESS_FILE}",
-                    "FENCEMARK_ENABLE_WRITES": "1",
-                    "FENCEMARK_PEERS": ",".join(
-                        f"{peer}={self.peer_address(name, peer)}"
-                        for peer in self.names
-                        if peer != name
-                    ),
-                    "FENCEMARK_ANTI_ENTROPY_INTERVAL": str(self.anti_entropy_interval),
-                    "FENCEMARK_FEED_WINDOW": str(FEED_WINDOW),
-                    "FENCEMARK_CACHE_SIZE": str(CACHE_SIZE),
-                    "FENCEMARK_LOG_LEVEL": "WARNING",
-                },
-                volumes=[
-                    (str(data), DATA_IN_CONTAINER, "rw"),
-                    (str(self._node_certs(name)), TLS_IN_CONTAINER, "ro"),
-                ],
-                port=port,
-            )
+            container = self._node_container(name, name, data, self._node_certs(name), port)
             self.regions[name] = Region(name, container, port, data)
             container.start()
+
+    def _node_container(
+        self, alias: str, region: str, data: Path, certs: Path, port: int
+    ) -> DockerContainer:
+        """A node of ``region`` on ``data``, known on the run's network as ``alias``,
+        with ``region``'s peers and node certificate, published on ``port``."""
+        return self._container(
+            alias,
+            command=["node"],
+            env={
+                "FENCEMARK_REGION": region,
+                # Mutual TLS, signed grants, births and writes: the proxy relays
+                # the TLS bytes as they are, and verifies nothing itself.
+                "FENCEMARK_TLS_DIR": TLS_IN_CONTAINER,
+                "FENCEMARK_ACCESS": f"{TLS_IN_CONTAINER}/{ACCESS_FILE}",
+                "FENCEMARK_ENABLE_WRITES": "1",
+                "FENCEMARK_PEERS": ",".join(
+                    f"{peer}={self.peer_address(region, peer)}"
+                    for peer in self.names
+                    if peer != region
+                ),
+                "FENCEMARK_ANTI_ENTROPY_INTERVAL": str(self.anti_entropy_interval),
+                "FENCEMARK_FEED_WINDOW": str(FEED_WINDOW),
+                "FENCEMARK_CACHE_SIZE": str(CACHE_SIZE),
+                "FENCEMARK_LOG_LEVEL": "WARNING",
+            },
+            volumes=[
+                (str(data), DATA_IN_CONTAINER, "rw"),
+                (str(certs), TLS_IN_CONTAINER, "ro"),
+            ],
+            port=port,
+        )
 
     def _node_certs(self, name: str) -> Path:
         """A directory with what ``name``'s node reads, and nothing else: the CA
@@ -265,9 +278,13 @@ class ChaosCluster:
 
     def close(self, logs_to: Path | None = None) -> None:
         """Save every container's log under ``logs_to``, then remove containers and network."""
-        containers = [(r.name, r.container) for r in self.regions.values()]
+        containers = [(r.name, r.container) for r in (*self.regions.values(), *self.twins)]
         if self.proxy is not None:
             containers.append((PROXY_ALIAS, self.proxy))
+        if logs_to is not None:
+            logs_to.mkdir(parents=True, exist_ok=True)
+            for alias, output in self._twin_logs.items():
+                (logs_to / f"{alias}.log").write_bytes(output)
         for name, container in containers:
             wrapped = container._container  # None when it never started
             if wrapped is None:
@@ -411,6 +428,40 @@ class ChaosCluster:
                 shutil.copy2(entry, target)
                 _same_owner(entry, target)
 
+    def start_twin(self, name: str, copy: Path) -> Region:
+        """A second process of ``name``'s node, started from ``copy`` (:meth:`copy_data`'s,
+        taken while it ran) beside the original, which goes on running: the same region,
+        node certificate and access map, the same peers, on the run's network under an
+        alias of its own (``<name>-twin-<n>``: peers go on calling the original by its
+        region's alias; the twin calls them) and its own port on 127.0.0.1. What an
+        operator who starts a replacement host while the old one still runs makes, or
+        an attacker with a copy of the disk and the node's key (docs/replication.md,
+        *Twins*). Returns once the container runs; :meth:`stop_twin` removes it."""
+        alias = f"{name}-twin-{len(self.twins) + len(self._twin_logs)}"
+        certs = self.root / "node-certs" / name  # the original's, as _node_certs made them
+        port = free_port()
+        container = self._node_container(alias, name, copy, certs, port)
+        twin = Region(alias, container, port, copy)
+        self.twins.append(twin)
+        container.start()
+        _wait_for(container, "running", alias)
+        return twin
+
+    def stop_twin(self, twin: Region) -> bytes:
+        """``kill -9`` a twin and remove its container; its output, which is kept for
+        :meth:`close`'s logs too."""
+        wrapped = twin.container.get_wrapped_container()
+        wrapped.kill(signal="SIGKILL")
+        _wait_for(twin.container, "exited", twin.name)
+        try:
+            output = bytes(wrapped.logs())
+        except Exception as exc:  # a log is a nicety, the removal is not
+            output = f"no log: {exc}\n".encode()
+        self._twin_logs[twin.name] = output
+        twin.container.stop(force=True, delete_volume=True)
+        self.twins.remove(twin)
+        return output
+
     def pause(self, name: str) -> None:
         self.regions[name].container.get_wrapped_container().pause()
 
@@ -418,7 +469,10 @@ class ChaosCluster:
         self.regions[name].container.get_wrapped_container().unpause()
 
     def heal_all(self) -> None:
-        """Every fault undone: nodes running and unpaused, network and link clean."""
+        """Every fault undone: twins stopped, nodes running and unpaused, network and
+        link clean."""
+        for twin in list(self.twins):
+            self.stop_twin(twin)
         for name in self.names:
             status = self.status(name)
             if status == "paused":
@@ -429,11 +483,20 @@ class ChaosCluster:
         self.set_link_faults({})
 
     def _wait_status(self, name: str, wanted: str) -> None:
-        deadline = time.monotonic() + STOP_LIMIT_S
-        while (status := self.status(name)) != wanted:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} is {status}, not {wanted}, after {STOP_LIMIT_S} s")
-            time.sleep(0.05)
+        _wait_for(self.regions[name].container, wanted, name)
+
+
+def _wait_for(container: DockerContainer, wanted: str, name: str) -> None:
+    """Until ``container`` is ``wanted`` (its docker status), at most STOP_LIMIT_S."""
+    wrapped = container.get_wrapped_container()
+    deadline = time.monotonic() + STOP_LIMIT_S
+    while True:
+        wrapped.reload()
+        if (status := str(wrapped.status)) == wanted:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} is {status}, not {wanted}, after {STOP_LIMIT_S} s")
+        time.sleep(0.05)
 
 
 def _same_owner(source: Path, target: Path) -> None:

@@ -10,7 +10,9 @@ same targets (timing still varies with the machine).
 Some faults set the workload going on a shape of its own (:class:`Shapes`): a
 partition has the same untagged ids created on both of its sides, a node
 restarted again and again before it has caught up is pressed with claims, and so
-is a node whose disk went back in time (``rollback``), for what it forgot.
+is a node whose disk went back in time (``rollback``), for what it forgot, and a
+second process started from a copy of a live node's data directory (``twin``)
+and its original, both at once.
 """
 
 from __future__ import annotations
@@ -19,28 +21,31 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from docker.errors import DockerException
 
-from fencemark.client import AsyncClient, FencemarkError
+from fencemark.client import AsyncClient, FencemarkError, NodeInfo
+from fencemark.node.replication.tuning import TWIN_FORGET_S
 from fencemark.node.tools.proxy import ProxyMesh
 from fencemark.node.tools.workload import Agent
-from tests.chaos.cluster import ChaosCluster
+from tests.chaos.cluster import ChaosCluster, Region
 from tests.chaos.forger import Forger, Pushed
 from tests.chaos.workload import TESTER
 
 PARTITIONS = ("isolate", "halves", "bridge")
 DISK_LOSSES = ("wipe", "wipe-restart")
 ROLLBACK = "rollback"
+TWIN = "twin"
 # Faults after which a node's data file may lack writes it acknowledged: all of them
 # (a lost disk), or those made after a copy it was put back to (its disk went back
 # in time). A write acknowledged by it may be gone with them unless it had time to
 # pass it on (claims.disk_lost_at).
 DISK_FAULTS = (*DISK_LOSSES, ROLLBACK)
 KINDS = (*PARTITIONS, "kill", *DISK_LOSSES, "pause", "agent-pause", "loss", "slow", "forge",
-         ROLLBACK)  # fmt: skip
+         ROLLBACK, TWIN)  # fmt: skip
 FAULT_SECONDS = (4.0, 7.0)  # how long a timed fault lasts, drawn uniformly
 GAP_SECONDS = (1.5, 3.0)  # quiet time between faults
 DOWN_SECONDS = (1.0, 3.0)  # how long a killed node stays down
@@ -65,6 +70,23 @@ NAP_NOTICE_S = 3.0
 # the node acknowledged early in it had time to reach its peers (and must survive).
 ROLLBACK_SECONDS = (7.0, 10.0)
 PRESS_AFTER_S = 2.0  # the rolled-back node is pressed this long after it decides again
+# twin: how long the second process runs from its first answer until it is killed.
+# Longer than settle_s (4 s: docs/replication.md, *Twins*) with its slack, so that a
+# copy its peers did not refuse would have settled and decided by then.
+TWIN_SECONDS = (6.0, 8.0)
+TWIN_ANSWER_LIMIT_S = 30.0  # a twin's container answers within this (else it is stopped)
+TWIN_POLL_S = 0.2  # how often the twin and its original are asked whether they decide
+# Once the twin is stopped, its original decides again when its peers have forgotten
+# the twin's life (TWIN_FORGET_S after they last heard it) and it has caught up with
+# every one of them: that must happen within TWIN_CATCH_UP_S more (checker,
+# availability), and the nemesis waits for it at most TWIN_RECOVER_LIMIT_S.
+TWIN_CATCH_UP_S = 15.0
+TWIN_RECOVER_LIMIT_S = TWIN_FORGET_S + 30.0
+# How a node says a peer refused it as a twin (the TWIN_NODE refusal's message, in
+# Info's per-peer last_error), and how a node's log says its file is behind its own
+# writes a peer holds (the rollback alarm: docs/replication.md).
+TWIN_REFUSAL = "two live processes"
+ROLLBACK_ALARM = b"holds writes this node made that its data file does not remember"
 
 
 @dataclass(frozen=True)
@@ -109,6 +131,13 @@ class Played:
     settling_until: float = 0.0
     # forge: each forged state pushed, and how the node answered (forger.Pushed)
     forged: tuple[Pushed, ...] = ()
+    # twin (copied_at: when the copy it started from was taken; serving_early: when the
+    # twin said it served claims, 0: never): when the twin first answered, when it was
+    # killed, and when its original decided claims again after it (0: not within
+    # TWIN_RECOVER_LIMIT_S).
+    twin_answered: float = 0.0
+    twin_stopped: float = 0.0
+    deciding_again: float = 0.0
 
 
 class Shapes(Protocol):
@@ -127,6 +156,12 @@ class Shapes(Protocol):
     def rolled_back(self, region: str, since: float, until: asyncio.Event) -> None:
         """Ask ``region``'s node, restarted on a copy of its data directory taken at
         ``since`` (run clock), to decide again on what it decided after (until ``until``)."""
+
+    def twinned(
+        self, region: str, twin: str, twin_gone: asyncio.Event, until: asyncio.Event
+    ) -> None:
+        """Ask a twin of ``region``'s node (at ``twin``, an address) for claims until
+        ``twin_gone``, and the original for the same meanwhile, until ``until``."""
 
 
 def schedule(
@@ -176,6 +211,8 @@ def _draw(
         return Fault(kind, (rng.choice(regions),), round(rng.uniform(*DOWN_SECONDS), 2), gap)
     if kind == ROLLBACK:
         return Fault(kind, (rng.choice(regions),), round(rng.uniform(*ROLLBACK_SECONDS), 2), gap)
+    if kind == TWIN:
+        return Fault(kind, (rng.choice(regions),), round(rng.uniform(*TWIN_SECONDS), 2), gap)
     if kind == "wipe-restart":
         victim = rng.choice(regions)
         down = round(rng.uniform(*DOWN_SECONDS), 2)
@@ -231,6 +268,7 @@ class Nemesis:
         self._copied_at = 0.0
         self._settling_until = 0.0
         self._forged: tuple[Pushed, ...] = ()
+        self._twin_answered = self._twin_stopped = self._deciding_again = 0.0
 
     async def play(
         self, faults: Sequence[Fault], stop: asyncio.Event, until: float | None = None
@@ -246,6 +284,7 @@ class Nemesis:
             self.log(f"nemesis: {fault.kind} {' '.join(fault.targets)} ({fault.seconds:.1f} s)")
             self._down_at = self._cut_healed = self._serving_early = self._copied_at = 0.0
             self._settling_until = 0.0
+            self._twin_answered = self._twin_stopped = self._deciding_again = 0.0
             self._forged = ()
             try:
                 detail = await self._inject(fault)
@@ -259,7 +298,8 @@ class Nemesis:
                 # How far it got: a rollback's node may have been put back already.
                 failed = Played(fault.kind, fault.targets, started, self.clock(), why,
                                 injected=False, down_at=self._down_at,
-                                copied_at=self._copied_at)  # fmt: skip
+                                copied_at=self._copied_at, twin_answered=self._twin_answered,
+                                twin_stopped=self._twin_stopped)  # fmt: skip
                 self.played.append(failed)
                 continue
             self.played.append(
@@ -276,6 +316,9 @@ class Nemesis:
                     copied_at=self._copied_at,
                     settling_until=self._settling_until,
                     forged=self._forged,
+                    twin_answered=self._twin_answered,
+                    twin_stopped=self._twin_stopped,
+                    deciding_again=self._deciding_again,
                 )
             )
             self.log(f"nemesis: {fault.kind} healed{': ' + detail if detail else ''}")
@@ -311,6 +354,8 @@ class Nemesis:
             return await self._wipe_restart(fault)
         if fault.kind == ROLLBACK:
             return await self._rollback(fault)
+        if fault.kind == TWIN:
+            return await self._twin(fault)
         if fault.kind == "pause":
             await self._retry(self.cluster.pause, region)
             self._down_at = self.clock()  # frozen for sure: it decides nothing from here
@@ -432,6 +477,121 @@ class Nemesis:
             " restart"
         )
 
+    async def _twin(self, fault: Fault) -> str:
+        """A twin: a crash-consistent copy of the node's data directory (frozen for it,
+        as ``rollback`` takes it), started as a second container beside the original,
+        which goes on running — same region, node certificate and peers, its own alias
+        and port. Both are pressed with claims (``Shapes.twinned``) while the twin runs
+        for ``fault.seconds`` from its first answer; then it is killed and removed. The
+        peers hear two lives of one node id and refuse both (``TWIN_NODE``): the twin
+        must never decide, the original stops deciding until the peers have forgotten
+        the twin's life and it has caught up; the nemesis waits for that (bounded) and
+        presses the original ``PRESS_AFTER_S`` more. Both are polled meanwhile
+        (``TwinWatch``): whether the twin ever says it serves claims (``serving_early``:
+        it must not), when the original stopped, and when each heard a peer refuse it."""
+        region = fault.targets[0]
+        copy = self.cluster.root / "twin" / f"{region}-{len(self.played)}"
+        self._copied_at = self.clock()
+        await self._retry(self.cluster.pause, region)
+        try:
+            files = await asyncio.to_thread(self.cluster.copy_data, region, copy)
+        finally:
+            await asyncio.to_thread(self.cluster.unpause, region)
+        twin_gone, pressed = asyncio.Event(), asyncio.Event()
+        notes = [f"{region} copied at {self._copied_at:.1f} s ({files} files)"]
+        try:
+            await self._twin_life(region, copy, fault.seconds, twin_gone, pressed, notes)
+            try:
+                took = await self._until_deciding(region, TWIN_RECOVER_LIMIT_S)
+            except TimeoutError:
+                notes.append(f"{region} NOT deciding claims again {TWIN_RECOVER_LIMIT_S:.0f} s"
+                             " after the twin was killed")  # fmt: skip
+            else:
+                self._deciding_again = self.clock()
+                notes.append(f"{region} deciding claims again {took:.1f} s after the twin was"
+                             " killed")  # fmt: skip
+                await asyncio.sleep(PRESS_AFTER_S)
+        finally:
+            twin_gone.set()
+            pressed.set()
+        return "; ".join(notes)
+
+    async def _twin_life(
+        self,
+        region: str,
+        copy: Path,
+        seconds: float,
+        twin_gone: asyncio.Event,
+        pressed: asyncio.Event,
+        notes: list[str],
+    ) -> None:
+        """Start the twin from ``copy``, have both pressed, let it run ``seconds`` from
+        its first answer, kill and remove it (whatever happens); ``notes`` for the
+        report."""
+        seen = TwinWatch()
+        twin: Region | None = None
+        watcher: asyncio.Task[None] | None = None
+        output = b""
+        try:
+            twin = await asyncio.to_thread(self.cluster.start_twin, region, copy)
+            if self.shapes is not None:
+                self.shapes.twinned(region, twin.address, twin_gone, pressed)
+            watcher = asyncio.create_task(self._watch_twin(region, twin.address, seen))
+
+            async def answered() -> bool:
+                return bool(self._twin_answered)
+
+            try:
+                await wait_for(f"the twin of {region} answering", answered, TWIN_ANSWER_LIMIT_S)
+            except TimeoutError:
+                notes.append(f"its twin {twin.name} never answered")
+            else:
+                await asyncio.sleep(seconds)
+        finally:
+            watcher_done(watcher)
+            twin_gone.set()
+            if twin is not None:
+                self._twin_stopped = self.clock()  # the kill is the first thing stop_twin does
+                output = await asyncio.to_thread(self.cluster.stop_twin, twin)
+        if twin is not None and self._twin_answered:
+            notes.append(f"its twin {twin.name} answered at {self._twin_answered:.1f} s,"
+                         f" killed at {self._twin_stopped:.1f} s")  # fmt: skip
+        if self._serving_early:
+            notes.append(f"THE TWIN SERVED CLAIMS at {self._serving_early:.1f} s")
+        notes.extend(seen.notes(region, output))
+
+    async def _watch_twin(self, region: str, twin: str, seen: TwinWatch) -> None:
+        """Poll a twin and its original every ``TWIN_POLL_S`` into ``seen``; note when
+        the twin first answers (``_twin_answered``) and whether it ever says it serves
+        claims (``_serving_early``: a connected copy must not)."""
+        copy, original = self._client(address=twin), self._client(region)
+        try:
+            while True:
+                try:
+                    info = await copy.info()
+                except FencemarkError:
+                    pass
+                else:
+                    if not self._twin_answered:
+                        self._twin_answered = self.clock()
+                    if info.claims_serving and not self._serving_early:
+                        self._serving_early = self.clock()
+                        self.log(f"nemesis: the twin of {region} says it serves claims")
+                    seen.refusals(seen.twin, info, self.clock())
+                if self._twin_answered:
+                    try:
+                        info = await original.info()
+                    except FencemarkError:
+                        pass
+                    else:
+                        if not info.claims_serving and not seen.stopped:
+                            seen.stopped = self.clock()
+                        seen.refusals(seen.original, info, self.clock())
+                await asyncio.sleep(TWIN_POLL_S)
+        finally:
+            await copy.close()
+            await original.close()
+
     async def _start_cut_off(
         self, region: str, pairs: Sequence[tuple[str, str]], address: str
     ) -> str:
@@ -479,9 +639,10 @@ class Nemesis:
         finally:
             await client.close()
 
-    def _client(self, region: str) -> AsyncClient:
-        """The nemesis's own look at ``region``'s node (closed by the caller)."""
-        address = self.cluster.regions[region].address
+    def _client(self, region: str = "", address: str = "") -> AsyncClient:
+        """The nemesis's own look at ``region``'s node, or the one at ``address``
+        (closed by the caller)."""
+        address = address or self.cluster.regions[region].address
         credentials = self.cluster.client_credentials(TESTER)
         return AsyncClient(address, timeout=1.0, retries=0, credentials=credentials)
 
@@ -522,15 +683,50 @@ class Nemesis:
             await client.close()
         return settling_until
 
-    async def _until_deciding(self, region: str) -> float:
+    async def _until_deciding(self, region: str, limit: float = RECOVER_LIMIT_S) -> float:
         """Seconds until a restarted node serves claims again (after catch-up), bounded."""
         client = self._client(region)
         try:
-            return await wait_for(
-                f"{region} serving claims", lambda: _serving(client), RECOVER_LIMIT_S
-            )
+            return await wait_for(f"{region} serving claims", lambda: _serving(client), limit)
         finally:
             await client.close()
+
+
+@dataclass
+class TwinWatch:
+    """What the nemesis saw of a twin and its original (``Nemesis._watch_twin``), run
+    clock: when the original first said it decides no claims after the twin answered,
+    and for each process, when it first named a peer's refusal as a twin (that peer's
+    ``last_error`` in ``Info``: the ``TWIN_NODE`` refusal's message)."""
+
+    stopped: float = 0.0
+    original: dict[str, float] = field(default_factory=dict)
+    twin: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def refusals(into: dict[str, float], info: NodeInfo, now: float) -> None:
+        for peer in info.peers:
+            if TWIN_REFUSAL in peer.last_error:
+                into.setdefault(peer.region, now)
+
+    def notes(self, region: str, output: bytes) -> list[str]:
+        """The report's words for it; ``output`` is the twin's log, which says how often
+        its own file was found behind its peers' states of its writes (its original
+        wrote on after the copy: the rollback alarm, which catches a copy too)."""
+
+        def refused(by: dict[str, float]) -> str:
+            named = ", ".join(f"{peer} at {at:.1f} s" for peer, at in sorted(by.items()))
+            return f"refused as a twin by {named}" if by else "no refusal as a twin seen"
+
+        behind = output.count(ROLLBACK_ALARM)
+        return [
+            f"{region} {refused(self.original)}",
+            f"{region} stopped deciding at {self.stopped:.1f} s"
+            if self.stopped
+            else f"{region} never said it stopped deciding",
+            f"the twin {refused(self.twin)}"
+            + (f", and found its file behind its own writes {behind} times" if behind else ""),
+        ]
 
 
 def watcher_done(task: asyncio.Task[None] | None) -> None:

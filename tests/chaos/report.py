@@ -43,6 +43,7 @@ COLOURS = {
     "loss": "tab:orange",
     "slow": "tab:cyan",
     "rollback": "tab:brown",
+    "twin": "tab:pink",
 }
 
 

@@ -23,6 +23,12 @@
   claims at that node of every backlog item it granted after the copy, and
   ``ClaimNext`` of the work queue there: a node that decides on its old file grants
   those tokens again, and hands out again the items it had done.
+- **Pressing twins** (``twin``): while a second process started from a copy of a
+  live node's data directory runs beside it, claims of the same backlog items homed
+  there at both processes at once, and ``ClaimNext`` of the work queue at the copy
+  (clients misrouted to the copy's address, and to the original meanwhile); the
+  original is pressed on until it decides again after the copy is gone. Two
+  processes that both decided would grant one record twice.
 """
 
 from __future__ import annotations
@@ -70,7 +76,13 @@ ROLLBACK_PRESS_INTERVAL_S = 0.3  # a rolled-back node is asked at once, then thi
 ANSWER_POLL_S = 0.02  # how often a restarted node is tried until it answers
 ANSWER_TIMEOUT_S = 0.5
 BEFORE_COPY_ITEMS = 2  # queue items enqueued at a node right before its copy is taken
+TWIN_KEYS = 4  # backlog items claimed at a twin and its original in each round (half held)
 HELD_WINDOW = 400  # events looked back over to find the claims being held
+
+
+def twin_presser(region: str) -> str:
+    """Who asks a twin of ``region``'s node for claims (the client that reached the copy)."""
+    return f"twin-{region}"
 
 
 class Shapes:
@@ -134,6 +146,11 @@ class Shapes:
 
     def rolled_back(self, region: str, since: float, until: asyncio.Event) -> None:
         self._spawn(self._press_rolled_back(region, since, until))
+
+    def twinned(
+        self, region: str, twin: str, twin_gone: asyncio.Event, until: asyncio.Event
+    ) -> None:
+        self._spawn(self._press_twins(region, twin, twin_gone, until))
 
     def tasks(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         return [asyncio.create_task(self._meddle(r, stop)) for r in self.workload.regions]
@@ -353,7 +370,7 @@ class Shapes:
             and e.completed - start >= since and f"/mem/{TOPIC}/" in e.key
         })  # fmt: skip
         who = f"rollback-{region}"
-        node = await self._first_answer(region, until)
+        node = await self._first_answer(self.workload.addresses[region], until)
         if node is None:
             return
         granted: set[str] = set()
@@ -369,10 +386,11 @@ class Shapes:
         finally:
             await node.close()
 
-    async def _first_answer(self, region: str, until: asyncio.Event) -> AsyncClient | None:
-        """A client of ``region``'s node that it has just answered (None: ``until`` came
-        first): a fresh one per try, so that no reconnect back-off delays the first call."""
-        address, credentials = self.workload.addresses[region], self.workload.credentials(TESTER)
+    async def _first_answer(self, address: str, until: asyncio.Event) -> AsyncClient | None:
+        """A client of the node at ``address`` that it has just answered (None: ``until``
+        came first): a fresh one per try, so that no reconnect back-off delays the first
+        call."""
+        credentials = self.workload.credentials(TESTER)
         while not until.is_set():
             node = AsyncClient(address, timeout=CALL_TIMEOUT_S, retries=0,
                                credentials=credentials)  # fmt: skip
@@ -404,3 +422,52 @@ class Shapes:
         self.history.add(grant)
         release = node.release_claim(grant.key, grant.token)
         await self._call(who, "release", grant.key, grant.token, release)
+
+    # -- twins -------------------------------------------------------------------------------
+
+    async def _press_twins(
+        self, region: str, address: str, twin_gone: asyncio.Event, until: asyncio.Event
+    ) -> None:
+        """At a twin of ``region``'s node (at ``address``, from its first answer until
+        ``twin_gone``) and at the original (until ``until``), every
+        ``ROLLBACK_PRESS_INTERVAL_S``: claims of the same backlog items homed there, at
+        both at once (``twin-<region>`` at the copy, ``misrouted-<region>`` at the
+        original), and at the copy ``ClaimNext`` of the work queue, once per priority.
+        Whatever is granted is released at once. A copy beside its original must be
+        refused by their peers before it decides (docs/replication.md, *Twins*); had
+        both decided, one record would have been granted twice (2, 7, 8, 12)."""
+        rng = random.Random(self._seeds[region] + 2)
+        original = self.direct(region)
+        answered = asyncio.create_task(self._first_answer(address, twin_gone))
+        twin: AsyncClient | None = None
+        try:
+            while True:
+                if twin is None and answered.done():
+                    twin = answered.result()
+                keys = self._twin_keys(region, rng)
+                calls = [self._press_key(original, f"misrouted-{region}", k, set()) for k in keys]
+                if twin is not None and not twin_gone.is_set():
+                    who = twin_presser(region)
+                    calls += [self._press_key(twin, who, key, set()) for key in keys]
+                    calls += [self._press_queue(twin, who, level) for level in range(PRIORITIES)]
+                await asyncio.gather(*calls)
+                if await stopped(until, ROLLBACK_PRESS_INTERVAL_S):
+                    return
+        finally:
+            answered.cancel()
+            if twin is not None:
+                await twin.close()
+
+    def _twin_keys(self, region: str, rng: random.Random) -> list[str]:
+        """Up to ``TWIN_KEYS`` backlog items homed at ``region``: half of them held (a
+        copy that decided would grant over a live claim), the rest not (both processes
+        would grant them; and the original, once it decides again, grants them above
+        whatever either granted)."""
+        homed = [k for k, home in self.workload.homes.items()
+                 if home == region and f"/mem/{TOPIC}/" in k]  # fmt: skip
+        mine = set(homed)
+        held = list(dict.fromkeys(g.key for g in self.held() if g.key in mine))
+        keys = held[: TWIN_KEYS // 2]
+        free = [k for k in homed if k not in held]
+        keys += rng.sample(free, min(len(free), TWIN_KEYS - len(keys)))
+        return keys

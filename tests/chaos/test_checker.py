@@ -17,6 +17,7 @@ from tests.chaos.checker import (
     CONVERGE_ROUNDS,
     DISK_LOSS_GRACE_S,
     START_WAIT_S,
+    TWIN_BOUND_S,
     WRONG_REGION_FAST_S,
     Convergence,
     Verdict,
@@ -1002,3 +1003,110 @@ def test_a_lease_whose_end_a_rollback_of_its_home_forgot_is_not_judged_by_14() -
     assert not early.ok
     elsewhere = replace(rollback, targets=("eu",))
     assert not leases_recorded(hasty(), [ending("renewed", 10.0)], 0, [elsewhere], 2.0).ok
+
+
+# -- a twin: a copy of a live node's data directory started beside it -------------------------
+
+# us's data directory was copied at 2 s, a second process started from it answered at 4 s
+# and was killed at 9 s; their peers refused both, and us decided claims again at 41 s
+# (the twin's life forgotten 30 s after it was last heard, then us's catch-up).
+TWINNED = Played("twin", ("us",), 2.0, 43.0, copied_at=2.0, twin_answered=4.0,
+                 twin_stopped=9.0, deciding_again=41.0)  # fmt: skip
+TWIN_PLAYED = [PARTITION, CATCH_UP, FORGE, PAUSE, TWINNED]
+
+
+def test_a_node_refused_as_a_twin_may_refuse_home_only_calls_not_serving_until_it_decides() -> None:
+    """us decides nothing from its copy until it has caught up after its twin's end
+    (docs/replication.md, *Twins*), NOT_SERVING for records homed elsewhere too: a
+    partition meanwhile (at 10-20 s here; faults never overlap in a run, but the wait
+    for us to decide again is bounded) finds its probe refused UNAVAILABLE, not
+    redirected. Excused then, at us, and nowhere else or later."""
+    refused = event("probe-us", "probe-home-only", 12.0, outcome="unknown",
+                    detail="UNAVAILABLE", took=0.01)  # fmt: skip
+    verdict = verdicts(history(*SERVED, *WORKED, refused), TWIN_PLAYED)["availability"]
+    assert verdict.ok, verdict
+    assert verdict.numbers["refused while twinned"] == 1
+    assert "1 at a node refused as a twin" in verdict.detail
+    assert "1 nodes refused as twins decided again 32.0 s or less" in verdict.detail
+    # At another region: ap has no twin, and must redirect.
+    elsewhere = replace(refused, agent="probe-ap")
+    verdict = verdicts(history(*SERVED, *WORKED, elsewhere), TWIN_PLAYED)["availability"]
+    assert not verdict.ok and "probe-ap home-only call at a non-home node" in verdict.detail
+    # Once us decided again (at 10.5 s, plus a second of slack), it redirects.
+    back = replace(TWINNED, ended=12.5, deciding_again=10.5)
+    verdict = verdicts(history(*SERVED, *WORKED, refused), [PARTITION, back])["availability"]
+    assert not verdict.ok and "probe-us home-only call at a non-home node" in verdict.detail
+    # Before the twin fault began, it was no twin's.
+    later = replace(TWINNED, started=13.0, copied_at=13.0, twin_answered=14.0)
+    assert not verdicts(history(*SERVED, *WORKED, refused), [PARTITION, later])["availability"].ok
+    # A refusal that hangs is no answer, twin or not.
+    hung = replace(refused, completed=refused.invoked + WRONG_REGION_FAST_S + 1)
+    assert not verdicts(history(*SERVED, *WORKED, hung), TWIN_PLAYED)["availability"].ok
+
+
+def test_a_node_refused_as_a_twin_must_decide_again_within_the_bound() -> None:
+    """Past TWIN_FORGET_S and the catch-up's bound after the twin's stop, nothing is
+    excused: not deciding again at all, or too late, fails availability, and so does
+    its probe refused past the bound."""
+    bound = TWINNED.twin_stopped + TWIN_BOUND_S
+    never = replace(TWINNED, deciding_again=0.0, ended=TWINNED.twin_stopped + 60)
+    verdict = verdicts(history(*SERVED, *WORKED), [PARTITION, never])["availability"]
+    assert not verdict.ok
+    assert "us, twinned at 2.0 s, decided claims again never" in verdict.detail
+    late = replace(TWINNED, deciding_again=bound + 1, ended=bound + 3)
+    verdict = verdicts(history(*SERVED, *WORKED), [PARTITION, late])["availability"]
+    assert not verdict.ok and f"decided claims again at {bound + 1:.1f} s" in verdict.detail
+    # A partition after the bound: us's NOT_SERVING then is no twin's cost.
+    after = Played("bridge", ("us", "ap"), bound + 5, bound + 10, cut=(("us", "ap"),))
+    refused = event("probe-us", "probe-home-only", bound + 6, outcome="unknown",
+                    detail="UNAVAILABLE", took=0.01)  # fmt: skip
+    served = [event(f"probe-{r}", "probe-read", bound + 6, key=NOTES) for r in REGIONS]
+    verdict = verdicts(history(*served, *WORKED, refused), [after, late])["availability"]
+    assert "probe-us home-only call at a non-home node" in verdict.detail
+    # Within it: judged as served and counted.
+    verdict = verdicts(history(*SERVED, *WORKED), TWIN_PLAYED)["availability"]
+    assert verdict.ok and verdict.numbers["twinned nodes deciding again"] == 1
+
+
+def test_a_twin_that_decides_is_caught_and_its_grants_are_judged_like_any_other() -> None:
+    """The copy must never decide: a grant it acknowledged fails invariant 10, and is a
+    grant of us like any other for the claim invariants — here token 3 of one record
+    granted by the twin and by the original to their clients at once (2, 7, 8)."""
+    copy = event("twin-us", "grant", 6.0, token=3, detail="us", key=NOTES, expires=8.0)
+    original = event("misrouted-us", "grant", 6.2, token=3, detail="us", key=NOTES,
+                     expires=8.2)  # fmt: skip
+    judged = verdicts(history(*SERVED, *WORKED, copy, original), TWIN_PLAYED)
+    caught = judged["catching up before deciding"]
+    assert not caught.ok
+    assert "the twin of us acknowledged twin-us's grant of" in caught.detail
+    once = judged["a token is granted once"]
+    assert not once.ok and "token 3 granted to twin-us and misrouted-us" in once.detail
+    assert not judged["one live claim at a time"].ok
+    # A twin that only said it served claims (granting nothing) is caught too.
+    serving = replace(TWINNED, serving_early=7.5)
+    verdict = verdicts(history(*SERVED, *WORKED), [PARTITION, CATCH_UP, FORGE, serving])[
+        "catching up before deciding"
+    ]  # fmt: skip
+    assert not verdict.ok and "the twin of us said it served claims at 7.5 s" in verdict.detail
+
+
+def test_a_twin_refused_throughout_passes_and_the_survivor_grants_above() -> None:
+    """The twin answered every claim NOT_SERVING; us granted before the copy and, once
+    it decided again, above (the recovery floor): counted as granted across a twin."""
+    h = history(
+        *SERVED,
+        *WORKED,
+        event("us-agent-0", "grant", 1.0, token=4, detail="us", key=NOTES, expires=1.5),
+        event("us-agent-0", "release", 1.2, token=4, key=NOTES),
+        event("twin-us", "claim", 6.0, outcome="unknown", detail="UNAVAILABLE", key=NOTES),
+        event("misrouted-us", "grant", 42.0, token=4 + 2**20, detail="us", key=NOTES,
+              expires=44.0),
+    )  # fmt: skip
+    judged = verdicts(h, TWIN_PLAYED)
+    assert all(v.ok for v in judged.values()), judged
+    assert "1 twins decided nothing (1 calls refused)" in judged[
+        "catching up before deciding"
+    ].detail  # fmt: skip
+    order = judged["tokens strictly increase"]
+    assert order.numbers["records granted across a twin"] == 1
+    assert "1 after it was twinned" in order.detail
