@@ -89,6 +89,9 @@ class Replicator(Rounds):
         )
         self._settling: dict[str, float] = {}  # region -> when its rounds count
         self.rounds = 0
+        # Set when a peer's back-off ends early (it called in, or answered a heartbeat
+        # after calls that did not reach it): the next round need not wait its pause.
+        self._round_due = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -177,8 +180,17 @@ class Replicator(Rounds):
         if peer.unreachable():
             peer.unanswered = 0  # reachable again; its own call proved it
         if peer.retry_at > time.monotonic():
+            peer.connect_now()  # so that the round this starts is not refused by the channel
+        self._back_off_over(peer)
+
+    def _back_off_over(self, peer: PeerLink) -> None:
+        """``peer`` is up again: end its back-off, and let its pushes and the next
+        round go now — after a partition heals, a round waiting out its pause (up to
+        1.5 intervals) would leave the repair idle meanwhile (docs/performance.md)."""
+        if peer.retry_at > time.monotonic():
             peer.retry_at = 0.0
             peer.wake.set()
+            self._round_due.set()
 
     def pulled_by(self, region: str, keys: list[str]) -> None:
         """``region``'s node just fetched the current states of ``keys`` from this one:
@@ -289,13 +301,24 @@ class Replicator(Rounds):
             if owed:
                 busy = True  # nothing is decided here until every peer gave a round
             pause = 0.02 if busy else self.interval * random.uniform(0.5, 1.5)
+            if not ready:
+                # Every peer backed off (or behind): the next round is due when the
+                # first back-off ends, not an interval later — after a partition
+                # heals, that interval would leave the link idle (docs/performance.md).
+                ends = [p.retry_at for p in self._peers.values() if p.retry_at > now]
+                if ends:
+                    pause = min(pause, max(0.0, min(ends) - time.monotonic()))
             if owed:
                 # Every peer still owed a round is only settling: no hurry until then.
                 left = [self._settling.get(r) for r in set(self._peers) - self._synced]
                 if left and all(at is not None for at in left):
                     wake = min(at for at in left if at is not None)
                     pause = max(pause, wake - time.monotonic())
-            await asyncio.sleep(pause)
+            # Not wait_for: see _push_loop. A back-off ended meanwhile wakes it early.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(pause):
+                    await self._round_due.wait()
+            self._round_due.clear()
 
     def _settled(self, peer: PeerLink, began: float) -> bool:
         """Whether a complete round with ``peer`` that began at ``began`` counts
@@ -368,6 +391,13 @@ class Replicator(Rounds):
                 # Any other failure is the rounds' and pushes' to count and back off.
             except Exception:  # a refused certificate, a local fault: rounds report it
                 log.debug("heartbeat to %s failed", peer.stats.region, exc_info=True)
+            else:
+                if peer.unanswered:
+                    # Earlier calls did not reach it (a partition, a restart) and this
+                    # one did: the link is back. A back-off for anything else (a
+                    # refusal, a malformed reply) runs its course.
+                    peer.unanswered = 0
+                    self._back_off_over(peer)
 
     async def _caught_up(self, synced: set[str]) -> None:
         """Every peer has given one complete round: this node has seen every grant its
