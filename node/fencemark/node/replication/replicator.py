@@ -90,7 +90,8 @@ class Replicator(Rounds):
         self._settling: dict[str, float] = {}  # region -> when its rounds count
         self.rounds = 0
         # Set when a peer's back-off ends early (it called in, or answered a heartbeat
-        # after calls that did not reach it): the next round need not wait its pause.
+        # after calls that did not reach it) and no other peer was reachable either:
+        # the next round need not wait its pause (_back_off_over).
         self._round_due = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -178,19 +179,32 @@ class Replicator(Rounds):
         if peer is None:
             return
         if peer.unreachable():
+            self._returned(peer)
             peer.unanswered = 0  # reachable again; its own call proved it
-        if peer.retry_at > time.monotonic():
-            peer.connect_now()  # so that the round this starts is not refused by the channel
+        peer.connect_now()  # the next call must not be refused by a channel backing off
         self._back_off_over(peer)
 
+    def _returned(self, peer: PeerLink) -> None:
+        """``peer`` is reached again after a while unreachable (a partition healed). If
+        this node kept another peer meanwhile, the returning one is likely the one
+        behind, and it pulls in its own rounds at once (``_back_off_over``); a round of
+        this node's with it meanwhile would only list the differences for nothing
+        (docs/performance.md). It gets one interval's head start."""
+        if any(not p.unanswered for p in self._peers.values() if p is not peer):
+            peer.behind_until = max(peer.behind_until, time.monotonic() + self.interval)
+
     def _back_off_over(self, peer: PeerLink) -> None:
-        """``peer`` is up again: end its back-off, and let its pushes and the next
-        round go now — after a partition heals, a round waiting out its pause (up to
-        1.5 intervals) would leave the repair idle meanwhile (docs/performance.md)."""
+        """``peer`` is up again: end its back-off and let its pushes go now. If no call
+        of this node's reached any other peer either, this node was cut off from all
+        of them and is the one likely behind: its next round goes now too — a round
+        waiting out its pause (up to 1.5 intervals) would leave the repair idle. A
+        node that kept another peer keeps its pace: hurried, its round would find the
+        returning peer behind and list the differences for nothing (docs/performance.md)."""
         if peer.retry_at > time.monotonic():
             peer.retry_at = 0.0
             peer.wake.set()
-            self._round_due.set()
+            if all(p.unanswered for p in self._peers.values() if p is not peer):
+                self._round_due.set()
 
     def pulled_by(self, region: str, keys: list[str]) -> None:
         """``region``'s node just fetched the current states of ``keys`` from this one:
@@ -396,6 +410,8 @@ class Replicator(Rounds):
                     # Earlier calls did not reach it (a partition, a restart) and this
                     # one did: the link is back. A back-off for anything else (a
                     # refusal, a malformed reply) runs its course.
+                    if peer.unreachable():
+                        self._returned(peer)
                     peer.unanswered = 0
                     self._back_off_over(peer)
 
