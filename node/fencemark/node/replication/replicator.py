@@ -315,13 +315,14 @@ class Replicator(Rounds):
             if owed:
                 busy = True  # nothing is decided here until every peer gave a round
             pause = 0.02 if busy else self.interval * random.uniform(0.5, 1.5)
-            if not ready:
+            now = time.monotonic()
+            if not any(p.retry_at <= now and p.behind_until <= now for p in self._peers.values()):
                 # Every peer backed off (or behind): the next round is due when the
                 # first back-off ends, not an interval later — after a partition
                 # heals, that interval would leave the link idle (docs/performance.md).
                 ends = [p.retry_at for p in self._peers.values() if p.retry_at > now]
                 if ends:
-                    pause = min(pause, max(0.0, min(ends) - time.monotonic()))
+                    pause = min(pause, min(ends) - now)
             if owed:
                 # Every peer still owed a round is only settling: no hurry until then.
                 left = [self._settling.get(r) for r in set(self._peers) - self._synced]
