@@ -31,7 +31,7 @@ from fencemark.node.replication.tuning import Tuning
 from fencemark.node.rules.admission import RECOVERY_GAP
 from fencemark.node.rules.errors import ClockSkewed
 from fencemark.node.store.digest_tree import bucket_of
-from fencemark.node.tools.proxy import FaultProxy
+from fencemark.node.tools.proxy import FaultProxy, ProxyMesh
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, assert_identical, digests_of, eventually, wait_converged
 
@@ -1298,6 +1298,61 @@ async def test_a_heartbeat_that_gets_through_ends_the_back_off(tmp_path: Path) -
             return synced_again and await eu.storage.get(key) is not None
 
         await eventually(repaired, "us pushing to eu and syncing with it", within=8)
+
+
+async def test_after_a_heal_the_regions_that_kept_a_peer_leave_the_returning_one_to_pull(
+    tmp_path: Path,
+) -> None:
+    """ap is cut off from both; us and eu keep each other. Once the mesh heals, us and
+    eu give ap an interval's head start (30 s here) before their own rounds with it:
+    ap pulls what it missed at once, and their rounds meanwhile would only find it
+    behind and list the differences for nothing (docs/performance.md)."""
+    quick = Tuning(unreachable_after=1, unreachable_after_s=0.2)
+    cluster = Cluster(tmp_path, ["us", "eu", "ap"], anti_entropy_interval=30.0, replication=quick)
+    mesh = await ProxyMesh.start(cluster.addresses)
+    try:
+        async with cluster:
+            await asyncio.gather(*(cluster.start(r, peers=mesh.peers(r)) for r in cluster.regions))
+            await all_serving(cluster)
+            us, eu, ap = cluster["us"], cluster["eu"], cluster["ap"]
+            mesh.isolate("ap")
+            # A write at each: every push across the cut fails, and every node finds
+            # the peers across it unreachable.
+            for node in (us, eu, ap):
+                async with AsyncClient(node.address) as client:
+                    await client.remember(REPO, "head-start", node.replicator.replica.region)
+
+            async def cut_off() -> bool:
+                return (
+                    us.replicator.unreachable("ap")
+                    and eu.replicator.unreachable("ap")
+                    and ap.replicator.unreachable("us")
+                    and ap.replicator.unreachable("eu")
+                )
+
+            await eventually(cut_off, "every node finding the peers across the cut unreachable")
+            assert not us.replicator.leaves_to_pull("ap")
+            mesh.heal()
+
+            async def head_start() -> bool:
+                return us.replicator.leaves_to_pull("ap") and eu.replicator.leaves_to_pull("ap")
+
+            async def why() -> str:
+                return ", ".join(
+                    f"{n.replicator.replica.region}: leaves ap to pull"
+                    f" {n.replicator.leaves_to_pull('ap')}"
+                    for n in (us, eu)
+                )
+
+            await eventually(head_start, "us and eu leaving ap to pull", within=8, explain=why)
+            written_at_us = key_of("head-start", "us")
+
+            async def pulled() -> bool:
+                return await ap.storage.get(written_at_us) is not None
+
+            await eventually(pulled, "ap pulling what us wrote meanwhile", within=8)
+    finally:
+        await mesh.close()
 
 
 async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Path) -> None:

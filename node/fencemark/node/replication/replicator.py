@@ -89,9 +89,8 @@ class Replicator(Rounds):
         )
         self._settling: dict[str, float] = {}  # region -> when its rounds count
         self.rounds = 0
-        # Set when a peer's back-off ends early (it called in, or answered a heartbeat
-        # after calls that did not reach it) and no other peer was reachable either:
-        # the next round need not wait its pause (_back_off_over).
+        # Set when a call gets across to or from a peer after a while in which no call
+        # of this node's reached any peer: the next round need not wait (_reached).
         self._round_due = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -124,6 +123,11 @@ class Replicator(Rounds):
     def peer_check(self, region: str) -> PeerCheck | None:
         """The check of the certificate ``region``'s address presents (None without TLS)."""
         return self._peers[region].check
+
+    def leaves_to_pull(self, region: str) -> bool:
+        """Whether this node runs no round with ``region``'s node for now: it found it
+        behind, or it came back from a partition that did not cut this node off."""
+        return self._peers[region].behind_until > time.monotonic()
 
     def unreachable(self, region: str) -> bool:
         """Whether no call has reached ``region``'s node for a while: its push queue is
@@ -178,33 +182,33 @@ class Replicator(Rounds):
         peer = self._peers.get(region)
         if peer is None:
             return
+        self._reached(peer)
         if peer.unreachable():
-            self._returned(peer)
             peer.unanswered = 0  # reachable again; its own call proved it
         peer.connect_now()  # the next call must not be refused by a channel backing off
         self._back_off_over(peer)
 
-    def _returned(self, peer: PeerLink) -> None:
-        """``peer`` is reached again after a while unreachable (a partition healed). If
-        this node kept another peer meanwhile, the returning one is likely the one
-        behind, and it pulls in its own rounds at once (``_back_off_over``); a round of
-        this node's with it meanwhile would only list the differences for nothing
-        (docs/performance.md). It gets one interval's head start."""
-        if any(not p.unanswered for p in self._peers.values() if p is not peer):
+    def _reached(self, peer: PeerLink) -> None:
+        """A call got across between this node and ``peer`` (either way) after calls of
+        this node's that did not reach it: a partition may have healed. If no call of
+        this node's reached any other peer either, this node was cut off from all of
+        them and is the one likely behind: its next round goes now — waiting out the
+        round loop's pause (up to 1.5 intervals) would leave the repair idle. If it
+        kept another peer, the returning one is likely the one behind, pulling in its
+        own rounds: it gets an interval's head start before this node's next round
+        with it, which would only list the differences for nothing (docs/performance.md)."""
+        if not peer.unanswered:
+            return
+        if all(p.unanswered for p in self._peers.values() if p is not peer):
+            self._round_due.set()
+        elif peer.unreachable():
             peer.behind_until = max(peer.behind_until, time.monotonic() + self.interval)
 
     def _back_off_over(self, peer: PeerLink) -> None:
-        """``peer`` is up again: end its back-off and let its pushes go now. If no call
-        of this node's reached any other peer either, this node was cut off from all
-        of them and is the one likely behind: its next round goes now too — a round
-        waiting out its pause (up to 1.5 intervals) would leave the repair idle. A
-        node that kept another peer keeps its pace: hurried, its round would find the
-        returning peer behind and list the differences for nothing (docs/performance.md)."""
+        """``peer`` is up again: end its back-off and let its pushes go now."""
         if peer.retry_at > time.monotonic():
             peer.retry_at = 0.0
             peer.wake.set()
-            if all(p.unanswered for p in self._peers.values() if p is not peer):
-                self._round_due.set()
 
     def pulled_by(self, region: str, keys: list[str]) -> None:
         """``region``'s node just fetched the current states of ``keys`` from this one:
@@ -267,6 +271,7 @@ class Replicator(Rounds):
                     continue
                 finally:
                     peer.pushing = False
+                self._reached(peer)
                 peer.answered()
 
     # -- anti-entropy ----------------------------------------------------------------
@@ -315,14 +320,18 @@ class Replicator(Rounds):
             if owed:
                 busy = True  # nothing is decided here until every peer gave a round
             pause = 0.02 if busy else self.interval * random.uniform(0.5, 1.5)
-            now = time.monotonic()
-            if not any(p.retry_at <= now and p.behind_until <= now for p in self._peers.values()):
+            now, peers = time.monotonic(), list(self._peers.values())
+            if not any(p.retry_at <= now and p.behind_until <= now for p in peers):
                 # Every peer backed off (or behind): the next round is due when the
                 # first back-off ends, not an interval later — after a partition
                 # heals, that interval would leave the link idle (docs/performance.md).
-                ends = [p.retry_at for p in self._peers.values() if p.retry_at > now]
+                ends = [p.retry_at for p in peers if p.retry_at > now]
                 if ends:
                     pause = min(pause, min(ends) - now)
+            elif all(p.unanswered for p in peers):
+                # No call of this node's reaches any peer (cut off): a peer whose
+                # back-off ended is tried now, at the back-offs' pace.
+                pause = min(pause, 0.02)
             if owed:
                 # Every peer still owed a round is only settling: no hurry until then.
                 left = [self._settling.get(r) for r in set(self._peers) - self._synced]
@@ -411,8 +420,7 @@ class Replicator(Rounds):
                     # Earlier calls did not reach it (a partition, a restart) and this
                     # one did: the link is back. A back-off for anything else (a
                     # refusal, a malformed reply) runs its course.
-                    if peer.unreachable():
-                        self._returned(peer)
+                    self._reached(peer)
                     peer.unanswered = 0
                     self._back_off_over(peer)
 
