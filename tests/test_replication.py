@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,6 +31,7 @@ from fencemark.node.replication.tuning import Tuning
 from fencemark.node.rules.admission import RECOVERY_GAP
 from fencemark.node.rules.errors import ClockSkewed
 from fencemark.node.store.digest_tree import bucket_of
+from fencemark.node.tools.proxy import FaultProxy, ProxyMesh
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster, assert_identical, digests_of, eventually, wait_converged
 
@@ -1273,6 +1275,144 @@ async def test_a_peer_that_calls_in_is_retried_at_once_not_after_its_back_off(
 
             await eventually(delivered, "us pushing to eu right after eu called", within=10)
             assert await eu.storage.get(key_of("heard", "while-down")) is not None
+
+
+@contextlib.asynccontextmanager
+async def linked_by_proxies(
+    tmp_path: Path, tunings: dict[str, Tuning]
+) -> AsyncIterator[tuple[Cluster, dict[str, FaultProxy]]]:
+    """us and eu, each calling the other through its own proxy (``to["eu"]`` carries
+    us's calls to eu), with rounds an interval of 30 s apart (15-45 s, jittered)."""
+    cluster = Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=30.0)
+    to = {r: await FaultProxy.start(cluster.addresses[r], name=f"to-{r}") for r in ("us", "eu")}
+    try:
+        async with cluster:
+            await asyncio.gather(
+                *(
+                    cluster.start(r, peers={o: to[o].address}, replication=tunings[r])
+                    for r, o in (("us", "eu"), ("eu", "us"))
+                )
+            )
+            await all_serving(cluster)
+            yield cluster, to
+    finally:
+        for proxy in to.values():
+            await proxy.close()
+
+
+async def backed_off_after_a_partition(
+    cluster: Cluster, to: dict[str, FaultProxy]
+) -> tuple[str, float]:
+    """Cut both ways, write at us (its push to eu fails: us backs eu off), and return
+    the written key and when us last completed a round with eu."""
+    us = cluster["us"]
+    synced = us.replicator.peer_stats("eu").last_sync or 0.0
+    to["eu"].cut()
+    to["us"].cut()
+    async with AsyncClient(us.address) as at_us:
+        await at_us.remember(REPO, "heal", "while-cut", body="x")
+
+    async def backed_off() -> bool:
+        return us.replicator.peer_stats("eu").failures > 0
+
+    await eventually(backed_off, "us failing to reach eu")
+    return key_of("heal", "while-cut"), synced
+
+
+async def test_a_round_follows_at_once_when_a_backed_off_peer_calls_in(tmp_path: Path) -> None:
+    """After a partition, the node that was cut off runs no round until a back-off
+    ends; the first call across the healed link ends it (docs/replication.md), and
+    the round it allows goes at once — not when the round loop's pause ends (up to
+    1.5 intervals: 45 s here) — so a repair starts with the first contact. us makes
+    no heartbeats and eu's back-off is long: only eu's heartbeat calls across."""
+    long_back_off = Tuning(first_backoff_s=30.0, max_backoff_s=30.0)
+    tunings = {"us": dataclasses.replace(long_back_off, heartbeat_s=3600.0), "eu": long_back_off}
+    async with linked_by_proxies(tmp_path, tunings) as (cluster, to):
+        us = cluster["us"]
+        _, synced = await backed_off_after_a_partition(cluster, to)
+        to["us"].heal()
+        to["eu"].heal()
+
+        async def round_with_eu() -> bool:
+            return (us.replicator.peer_stats("eu").last_sync or 0.0) > synced
+
+        await eventually(round_with_eu, "us's round with eu after eu called in", within=8)
+
+
+async def test_a_heartbeat_that_gets_through_ends_the_back_off(tmp_path: Path) -> None:
+    """A peer that earlier calls did not reach, and that this node's heartbeat reaches
+    again, is up: its back-off ends, and the push and round it held back go now. eu's
+    own calls to us stay cut here, so only us's heartbeat can tell it."""
+    long_back_off = Tuning(first_backoff_s=30.0, max_backoff_s=30.0)
+    async with linked_by_proxies(tmp_path, {"us": long_back_off, "eu": long_back_off}) as (
+        cluster,
+        to,
+    ):
+        us, eu = cluster["us"], cluster["eu"]
+        key, synced = await backed_off_after_a_partition(cluster, to)
+        to["eu"].heal()
+
+        async def repaired() -> bool:
+            stats = us.replicator.peer_stats("eu")
+            synced_again = (stats.last_sync or 0.0) > synced
+            return synced_again and await eu.storage.get(key) is not None
+
+        await eventually(repaired, "us pushing to eu and syncing with it", within=8)
+
+
+async def test_after_a_heal_the_regions_that_kept_a_peer_leave_the_returning_one_to_pull(
+    tmp_path: Path,
+) -> None:
+    """ap is cut off from both; us and eu keep each other. Once the mesh heals, us and
+    eu give ap an interval's head start (30 s here) before their own rounds with it:
+    ap pulls what it missed at once, and their rounds meanwhile would only find it
+    behind and list the differences for nothing (docs/performance.md)."""
+    quick = Tuning(unreachable_after=1, unreachable_after_s=0.2)
+    cluster = Cluster(tmp_path, ["us", "eu", "ap"], anti_entropy_interval=30.0, replication=quick)
+    mesh = await ProxyMesh.start(cluster.addresses)
+    try:
+        async with cluster:
+            await asyncio.gather(*(cluster.start(r, peers=mesh.peers(r)) for r in cluster.regions))
+            await all_serving(cluster)
+            us, eu, ap = cluster["us"], cluster["eu"], cluster["ap"]
+            mesh.isolate("ap")
+            # A write at each: every push across the cut fails, and every node finds
+            # the peers across it unreachable.
+            for node in (us, eu, ap):
+                async with AsyncClient(node.address) as client:
+                    await client.remember(REPO, "head-start", node.replicator.replica.region)
+
+            async def cut_off() -> bool:
+                return (
+                    us.replicator.unreachable("ap")
+                    and eu.replicator.unreachable("ap")
+                    and ap.replicator.unreachable("us")
+                    and ap.replicator.unreachable("eu")
+                )
+
+            await eventually(cut_off, "every node finding the peers across the cut unreachable")
+            assert not us.replicator.leaves_to_pull("ap")
+            mesh.heal()
+
+            async def head_start() -> bool:
+                return us.replicator.leaves_to_pull("ap") and eu.replicator.leaves_to_pull("ap")
+
+            async def why() -> str:
+                return ", ".join(
+                    f"{n.replicator.replica.region}: leaves ap to pull"
+                    f" {n.replicator.leaves_to_pull('ap')}"
+                    for n in (us, eu)
+                )
+
+            await eventually(head_start, "us and eu leaving ap to pull", within=8, explain=why)
+            written_at_us = key_of("head-start", "us")
+
+            async def pulled() -> bool:
+                return await ap.storage.get(written_at_us) is not None
+
+            await eventually(pulled, "ap pulling what us wrote meanwhile", within=8)
+    finally:
+        await mesh.close()
 
 
 async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ async def test_a_renewed_certificate_and_ca_are_used_without_a_restart(tmp_path:
 
         async def us_reaches_eu() -> bool:
             # us's channel may have tried the old eu with its new certificate and be
-            # in reconnect backoff (at most tuning.MAX_RECONNECT_BACKOFF_MS).
+            # in reconnect backoff (at most tuning.RECONNECT_BACKOFF_MS).
             try:
                 return (await us.replicator.sync_with("eu")).complete
             except grpc.aio.AioRpcError:

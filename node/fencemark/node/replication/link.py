@@ -12,7 +12,7 @@ import grpc
 
 from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
-from fencemark.node.replication.tuning import CHANNEL_OPTIONS, Tuning
+from fencemark.node.replication.tuning import CHANNEL_OPTIONS, RECONNECT_BACKOFF_MS, Tuning
 from fencemark.node.security.tls import peer_channel, retire_channel
 from fencemark.v1 import replication_pb2_grpc
 
@@ -39,6 +39,7 @@ class PeerLink:
         self.last_called = 0.0  # monotonic start of the latest call to it (heartbeat)
         self.first_answered: float | None = None  # start of the first call it answered
         self.settle_after = 0.0  # ... of those that began after this (a nap: grant_gate)
+        self.fresh_after = 0.0  # no new channel before (connect_now)
 
     def _connect(self) -> None:
         self.credentials = self.stats.credentials
@@ -58,6 +59,18 @@ class PeerLink:
         old = self.channel
         self._connect()
         retire_channel(old)
+
+    def connect_now(self) -> None:
+        """The peer has just called this node, so it is up; if this node's channel to it
+        is waiting out a reconnect backoff, every call on it would fail at once until
+        the backoff ends (up to RECONNECT_BACKOFF_MS x 1.2). A new channel connects on
+        its first call instead; at most one per backoff period, should it fail too."""
+        now = time.monotonic()
+        if now < self.fresh_after:
+            return
+        if self.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            self.fresh_after = now + RECONNECT_BACKOFF_MS / 1000
+            self._reconnect()
 
     async def allowed(self) -> None:
         """Before every call: raise ``PeerRefused`` (nothing is sent) while the

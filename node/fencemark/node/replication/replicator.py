@@ -89,6 +89,9 @@ class Replicator(Rounds):
         )
         self._settling: dict[str, float] = {}  # region -> when its rounds count
         self.rounds = 0
+        # Set when a call gets across to or from a peer after a while in which no call
+        # of this node's reached any peer: the next round need not wait (_reached).
+        self._round_due = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -120,6 +123,11 @@ class Replicator(Rounds):
     def peer_check(self, region: str) -> PeerCheck | None:
         """The check of the certificate ``region``'s address presents (None without TLS)."""
         return self._peers[region].check
+
+    def leaves_to_pull(self, region: str) -> bool:
+        """Whether this node runs no round with ``region``'s node for now: it found it
+        behind, or it came back from a partition that did not cut this node off."""
+        return self._peers[region].behind_until > time.monotonic()
 
     def unreachable(self, region: str) -> bool:
         """Whether no call has reached ``region``'s node for a while: its push queue is
@@ -174,8 +182,30 @@ class Replicator(Rounds):
         peer = self._peers.get(region)
         if peer is None:
             return
+        self._reached(peer)
         if peer.unreachable():
             peer.unanswered = 0  # reachable again; its own call proved it
+        peer.connect_now()  # the next call must not be refused by a channel backing off
+        self._back_off_over(peer)
+
+    def _reached(self, peer: PeerLink) -> None:
+        """A call got across between this node and ``peer`` (either way) after calls of
+        this node's that did not reach it: a partition may have healed. If no call of
+        this node's reached any other peer either, this node was cut off from all of
+        them and is the one likely behind: its next round goes now — waiting out the
+        round loop's pause (up to 1.5 intervals) would leave the repair idle. If it
+        kept another peer, the returning one is likely the one behind, pulling in its
+        own rounds: it gets an interval's head start before this node's next round
+        with it, which would only list the differences for nothing (docs/performance.md)."""
+        if not peer.unanswered:
+            return
+        if all(p.unanswered for p in self._peers.values() if p is not peer):
+            self._round_due.set()
+        elif peer.unreachable():
+            peer.behind_until = max(peer.behind_until, time.monotonic() + self.interval)
+
+    def _back_off_over(self, peer: PeerLink) -> None:
+        """``peer`` is up again: end its back-off and let its pushes go now."""
         if peer.retry_at > time.monotonic():
             peer.retry_at = 0.0
             peer.wake.set()
@@ -241,6 +271,7 @@ class Replicator(Rounds):
                     continue
                 finally:
                     peer.pushing = False
+                self._reached(peer)
                 peer.answered()
 
     # -- anti-entropy ----------------------------------------------------------------
@@ -289,13 +320,29 @@ class Replicator(Rounds):
             if owed:
                 busy = True  # nothing is decided here until every peer gave a round
             pause = 0.02 if busy else self.interval * random.uniform(0.5, 1.5)
+            now, peers = time.monotonic(), list(self._peers.values())
+            if not any(p.retry_at <= now and p.behind_until <= now for p in peers):
+                # Every peer backed off (or behind): the next round is due when the
+                # first back-off ends, not an interval later — after a partition
+                # heals, that interval would leave the link idle (docs/performance.md).
+                ends = [p.retry_at for p in peers if p.retry_at > now]
+                if ends:
+                    pause = min(pause, min(ends) - now)
+            elif all(p.unanswered for p in peers):
+                # No call of this node's reaches any peer (cut off): a peer whose
+                # back-off ended is tried now, at the back-offs' pace.
+                pause = min(pause, 0.02)
             if owed:
                 # Every peer still owed a round is only settling: no hurry until then.
                 left = [self._settling.get(r) for r in set(self._peers) - self._synced]
                 if left and all(at is not None for at in left):
                     wake = min(at for at in left if at is not None)
                     pause = max(pause, wake - time.monotonic())
-            await asyncio.sleep(pause)
+            # Not wait_for: see _push_loop. A back-off ended meanwhile wakes it early.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(pause):
+                    await self._round_due.wait()
+            self._round_due.clear()
 
     def _settled(self, peer: PeerLink, began: float) -> bool:
         """Whether a complete round with ``peer`` that began at ``began`` counts
@@ -368,6 +415,14 @@ class Replicator(Rounds):
                 # Any other failure is the rounds' and pushes' to count and back off.
             except Exception:  # a refused certificate, a local fault: rounds report it
                 log.debug("heartbeat to %s failed", peer.stats.region, exc_info=True)
+            else:
+                if peer.unanswered:
+                    # Earlier calls did not reach it (a partition, a restart) and this
+                    # one did: the link is back. A back-off for anything else (a
+                    # refusal, a malformed reply) runs its course.
+                    self._reached(peer)
+                    peer.unanswered = 0
+                    self._back_off_over(peer)
 
     async def _caught_up(self, synced: set[str]) -> None:
         """Every peer has given one complete round: this node has seen every grant its

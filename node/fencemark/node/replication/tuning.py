@@ -83,7 +83,13 @@ NAP_QUIET_S = 1.0
 # used again within seconds (the chaos tier's partitions are such drops).
 KEEPALIVE_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
-MAX_RECONNECT_BACKOFF_MS = 2_000  # the channel's own retries: same reason
+# The channel's own retries, the same reason: a call made while the channel waits
+# out its reconnect backoff fails at once, so after a heal neither side reaches the
+# other before it ends. Every RECONNECT_BACKOFF_MS (x0.8-1.2), not gRPC's default of
+# 1 s growing to 2 minutes: a channel to a peer that is down costs a refused connection
+# attempt twice a second, a healed link is used within half a second
+# (docs/performance.md, *Issue 19 levers, continued*).
+RECONNECT_BACKOFF_MS = 500
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.max_send_message_length", 16 << 20),
@@ -91,7 +97,8 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
 ]
 
 
