@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -416,14 +416,14 @@ async def test_a_claim_next_waiting_for_work_is_not_granted_while_its_node_settl
         assert stored is not None and stored.record.fence.fence == 0
 
 
-def _queued(node: NodeServer, key: str) -> Any:
+def _queued(node: NodeServer, key: str) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         return node.claims.queue_depth(key) == 1
 
     return check
 
 
-def _settling(node: NodeServer) -> Any:
+def _settling(node: NodeServer) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         return not node.replica.deciding
 
