@@ -2,8 +2,9 @@
 off ``WATCHER_TOO_SLOW`` and resumes with nothing repeated, and one whose place the
 node trimmed meanwhile is refused ``CURSOR_EXPIRED``, never resumed past a gap.
 
-The node's send stalls only once the stream's buffers are full (several MB), so the
-records here are large. Every wait is bounded.
+The node's send stalls only once the stream's buffers are full (several MB, or more as
+gRPC grows the window with the link's measured bandwidth), so the records here are
+large. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from tests.metrics import refusals
 from tests.test_watch import REPO, TOPIC, key_of, started
 
 WRITES = 150  # of 200 kB each: far more than the stream's flow-control windows hold
+# A watcher that takes nothing: its channel's stream window stays at 64 kB. With gRPC's
+# bandwidth-delay probing on, the window grows with what loopback carries, and a CI
+# run's client once took all 150 events (30 MB) into its buffers: nothing was slow.
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1 << 16)]
 
 
 async def test_a_watcher_that_stops_reading_is_cut_off_with_its_cursor_while_writes_go_on(
@@ -33,7 +38,7 @@ async def test_a_watcher_that_stops_reading_is_cut_off_with_its_cursor_while_wri
     body = "x" * 200_000
     async with (
         AsyncClient(node.address) as client,
-        grpc.aio.insecure_channel(node.address) as channel,
+        grpc.aio.insecure_channel(node.address, options=SMALL_WINDOW) as channel,
     ):
         stream = records_pb2_grpc.RecordsStub(channel).Watch(records_pb2.WatchRequest(repo=REPO))
         await stream.initial_metadata()
