@@ -451,12 +451,7 @@ class Nemesis:
         copy = self.cluster.root / "rollback" / f"{region}-{len(self.played)}"
         if self.shapes is not None:
             await self.shapes.before_copy(region)
-        self._copied_at = self.clock()  # acknowledged before this: on the copy
-        await self._retry(self.cluster.pause, region)
-        try:
-            files = await asyncio.to_thread(self.cluster.copy_data, region, copy)
-        finally:
-            await asyncio.to_thread(self.cluster.unpause, region)
+        files = await self._frozen_copy(region, copy)
         await asyncio.sleep(fault.seconds)
         await asyncio.to_thread(self.cluster.kill, region)
         self._down_at = self.clock()
@@ -477,6 +472,17 @@ class Nemesis:
             " restart"
         )
 
+    async def _frozen_copy(self, region: str, copy: Path) -> int:
+        """A crash-consistent copy of ``region``'s data directory into ``copy``, the node
+        frozen meanwhile (as a disk snapshot of a running machine holds it); how many
+        files. ``_copied_at``: what the node acknowledged before it is on the copy."""
+        self._copied_at = self.clock()
+        await self._retry(self.cluster.pause, region)
+        try:
+            return await asyncio.to_thread(self.cluster.copy_data, region, copy)
+        finally:
+            await asyncio.to_thread(self.cluster.unpause, region)
+
     async def _twin(self, fault: Fault) -> str:
         """A twin: a crash-consistent copy of the node's data directory (frozen for it,
         as ``rollback`` takes it), started as a second container beside the original,
@@ -491,12 +497,7 @@ class Nemesis:
         it must not), when the original stopped, and when each heard a peer refuse it."""
         region = fault.targets[0]
         copy = self.cluster.root / "twin" / f"{region}-{len(self.played)}"
-        self._copied_at = self.clock()
-        await self._retry(self.cluster.pause, region)
-        try:
-            files = await asyncio.to_thread(self.cluster.copy_data, region, copy)
-        finally:
-            await asyncio.to_thread(self.cluster.unpause, region)
+        files = await self._frozen_copy(region, copy)
         twin_gone, pressed = asyncio.Event(), asyncio.Event()
         notes = [f"{region} copied at {self._copied_at:.1f} s ({files} files)"]
         try:
