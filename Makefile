@@ -5,11 +5,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard proto/fencemark/v1/*.proto)
 
-.PHONY: help venv proto proto-check lint typecheck test check demo bench clean inspector buf mutate
+.PHONY: help venv proto proto-check lint typecheck test test-fast check demo bench clean inspector buf mutate
 
 help:
 	@echo "make demo        the main job: agents in three local regions drain a backlog under faults"
-	@echo "make test        run the whole test suite"
+	@echo "make test        run the whole test suite (what is missing is skipped and named)"
+	@echo "make test-fast   the inner loop: laws, rules and in-process nodes, under a minute"
 	@echo "make bench       the benchmarks against etcd and Redis (docs/performance.md)"
 	@echo "make check       lint, type-check and verify generated code is fresh"
 	@echo "make mutate      mutation testing of the rule modules; MODULE=fence for one (docs/testing.md)"
@@ -62,8 +63,20 @@ typecheck: $(STAMP)
 
 check: proto-check lint typecheck
 
+# The suite runs side by side in pytest-xdist workers (docs/testing.md): most tests
+# wait on sockets, leases and settles rather than the CPU, so twice as many workers
+# as cores, at most 8; an idle worker takes tests queued for a busy one (worksteal).
+# Container tests run alone, after the rest (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(( $$(nproc) * 2 )); echo $$(( n > 8 ? 8 : n )))
+PYTEST := $(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+
+# The inner loop: laws, rules and in-process nodes on loopback; no node processes,
+# containers, benchmarks or waits through leases and settles (under a minute).
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow and not docker and not chaos" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/fencemark demo

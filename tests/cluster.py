@@ -20,7 +20,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -31,22 +30,17 @@ from typing import Any, Self
 from fencemark.node.api.server import NodeConfig, NodeServer
 from fencemark.node.replication.tuning import Tuning
 from fencemark.node.tools.process import NodeProcess
+from tests.ports import free_ports
 
 LOOPBACK = "127.0.0.1"
 FAST_ANTI_ENTROPY = 0.2  # seconds between rounds (jittered): converge quickly in tests
 SHARED_LOOP_NAP_S = 3.0  # in-process nodes: the test's loop stalls are not naps (Cluster)
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free right now on loopback (held open together while picked)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((LOOPBACK, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+def shared_loop(tuning: Tuning | None = None, nap_s: float = SHARED_LOOP_NAP_S) -> Tuning:
+    """``tuning`` for an in-process node, whose event loop is the test's: the test's own
+    stalls, or a busy machine running tests side by side, are not naps (``Cluster``)."""
+    return dataclasses.replace(tuning or Tuning(), nap_s=nap_s)
 
 
 async def eventually(
@@ -175,8 +169,7 @@ class Cluster(_Topology):
             **self.overrides,
             **overrides,
         }
-        tuning = settings.get("replication") or Tuning()
-        settings["replication"] = dataclasses.replace(tuning, nap_s=self.nap_s)
+        settings["replication"] = shared_loop(settings.get("replication"), self.nap_s)
         return NodeConfig(**settings)
 
     async def start(self, region: str, **overrides: Any) -> NodeServer:

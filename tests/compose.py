@@ -12,7 +12,8 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from tests.dockerenv import DEPLOY, IMAGE, IMAGE_UID, free_port, inspect, run
+from tests.dockerenv import DEPLOY, IMAGE, IMAGE_UID, inspect, run
+from tests.ports import free_port
 
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 PROMETHEUS_FILE = DEPLOY / "docker-compose.prometheus.yml"  # the opt-in Prometheus

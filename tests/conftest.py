@@ -6,13 +6,14 @@ Nothing here mocks a Fencemark component: ``node`` is the gRPC server the
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
-import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,9 @@ from hypothesis import HealthCheck, Phase, settings
 
 from fencemark.client import AsyncClient
 from fencemark.node.api.server import NodeConfig, NodeServer
-from tests import dockerenv
+from fencemark.node.replication.tuning import Tuning
+from tests import components, dockerenv
+from tests.cluster import shared_loop
 
 settings.register_profile(
     "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -71,12 +74,79 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config._fencemark_exit_status = exitstatus  # type: ignore[attr-defined]
 
 
+# -- components a test needs (tests/components.py) -----------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for mark in item.iter_markers("requires"):
+            components.check_names(mark.args, item.nodeid)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("requires"):
+        components.require(*mark.args)
+
+
+# Around pytest's own summary, so that this block comes last, above the counts.
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter,
+) -> Generator[None, object, object]:
+    result = yield
+    messages = [
+        report.longrepr[2]
+        for report in terminalreporter.stats.get("skipped", [])
+        if isinstance(report.longrepr, tuple)
+    ]
+    lines = components.summary_lines(messages)
+    if lines:
+        terminalreporter.section("skipped for want of a component")
+        for line in lines:
+            terminalreporter.write_line(line)
+    return result
+
+
+# -- tests side by side (pytest-xdist, docs/testing.md) -------------------------------
+
+
+# Outermost, so that waiting for the lock is not counted in a test's timeout.
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    """Under pytest-xdist, a container test runs alone on the machine.
+
+    The chaos tier judges its nodes' availability, and a node that a busy machine
+    starves for a second takes it for a pause (a nap: it settles again and refuses
+    claims meanwhile). So while a Docker engine is here, every other test holds a
+    shared lock and each container test an exclusive one: the container tests wait
+    until nothing else runs (in practice, the end of the run) and run one by one.
+    """
+    lock_path = _side_by_side_lock()
+    if lock_path is None:
+        return (yield)
+    alone = item.get_closest_marker("docker") is not None and components.present("docker")
+    with lock_path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _side_by_side_lock() -> Path | None:
+    """The lock file the workers of this run share; None outside pytest-xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of a run
+    return Path(tempfile.gettempdir()) / f"fencemark-tests-{run}.lock" if run else None
+
+
 @pytest.fixture
 async def start_node(tmp_path: Path) -> AsyncIterator[StartNode]:
     """Start in-process nodes: ``await start_node(region=..., enable_writes=...)``.
 
     Each node gets its own data directory under ``tmp_path`` (pass ``data_dir``
-    to reuse one, e.g. for a restart); all are stopped at the end of the test.
+    to reuse one, e.g. for a restart); all are stopped at the end of the test. Like
+    ``tests.cluster.Cluster``'s, the nodes share the test's event loop, so its stalls
+    are not taken for naps (``shared_loop``).
     """
     running: list[NodeServer] = []
 
@@ -85,6 +155,7 @@ async def start_node(tmp_path: Path) -> AsyncIterator[StartNode]:
         *,
         enable_writes: bool = True,
         data_dir: Path | None = None,
+        replication: Tuning | None = None,
         **overrides: object,
     ) -> NodeServer:
         config = NodeConfig(
@@ -93,6 +164,7 @@ async def start_node(tmp_path: Path) -> AsyncIterator[StartNode]:
             data_dir=data_dir or tmp_path / f"{region}-{len(running)}",
             enable_writes=enable_writes,
             grace_seconds=0.5,
+            replication=shared_loop(replication),
             **overrides,  # type: ignore[arg-type]
         )
         node = await NodeServer.start(config)
@@ -120,8 +192,7 @@ async def client(node: NodeServer) -> AsyncIterator[AsyncClient]:
 @pytest.fixture(scope="session")
 def docker_engine() -> None:
     """A Docker engine answers; else skip (locally) or fail (under CI)."""
-    if not dockerenv.engine_answers():
-        dockerenv.missing("no Docker engine answers")
+    components.require("docker")
 
 
 @pytest.fixture(scope="session")
@@ -133,12 +204,8 @@ def image(docker_engine: None) -> str:
 @pytest.fixture(scope="session")
 def compose(docker_engine: None) -> list[str]:
     """The compose command: Debian's docker-compose (v1.29), else ``docker compose`` (v2)."""
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    dockerenv.missing("neither docker-compose nor docker compose is installed")
-    raise AssertionError("unreachable")
+    components.require("docker-compose")
+    return ["docker-compose"] if shutil.which("docker-compose") else ["docker", "compose"]
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,8 @@
 """Docker helpers shared by the deployment tests and the chaos tier.
 
 The engine and the image are session fixtures in ``tests/conftest.py``
-(``docker_engine``, ``image``): without an engine they skip, except under CI
-(``CI`` set), where a missing engine is a failure — CI runs
-``deploy/ensure-docker.sh`` first and must not pass by skipping. The image is
+(``docker_engine``, ``image``); a missing engine is decided like every other
+missing component (``tests/components.py``: skipped locally, a failure under CI). The image is
 the one ``make image`` built (found by tag), or is built by the same scripts.
 """
 
@@ -11,15 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -57,13 +52,6 @@ def run(
     return done
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def wait_until(what: str, limit_s: float, probe: Callable[[], bool]) -> None:
     """Poll ``probe()`` every half second until it holds, for at most ``limit_s``."""
     deadline = time.monotonic() + limit_s
@@ -74,26 +62,6 @@ def wait_until(what: str, limit_s: float, probe: Callable[[], bool]) -> None:
 
 
 # -- the engine and the image --------------------------------------------------------
-
-
-def engine_answers() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def missing(what: str) -> None:
-    """Skip for want of ``what``; under CI, fail instead."""
-    if os.environ.get("CI"):
-        pytest.fail(
-            f"CI is set and {what}: the docker tests must run there"
-            " (.ci/run calls deploy/ensure-docker.sh before the tests)",
-            pytrace=False,
-        )
-    pytest.skip(f"{what} (deploy/ensure-docker.sh installs and starts it)")
 
 
 def image_exists(tag: str) -> bool:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fencemark.bench.runner import DOCS_BEGIN, DOCS_END, SCENARIOS
-from fencemark.bench.servers import missing_servers
+from tests import components
 from tests.test_cli import fencemark
 
 pytestmark = pytest.mark.slow
@@ -39,12 +38,7 @@ PLOTS = (
 
 @pytest.fixture(scope="module")
 def servers() -> None:
-    missing = missing_servers()
-    if missing:
-        why = f"the baselines are not installed: apt-get install -y {' '.join(missing)}"
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"{why} (.ci/run installs them before the tests)")
-        pytest.skip(why)
+    components.require("etcd", "redis")
 
 
 def numbers(value: Any) -> list[float]:

@@ -15,15 +15,15 @@ from fencemark.client import AsyncClient
 from fencemark.node.replication.peers import parse_peers
 from fencemark.node.tools.cli import build_parser
 from fencemark.node.tools.cli_node import load_config
-from fencemark.node.tools.cluster import free_port
 from tests.cluster import eventually
+from tests.ports import free_ports
 from tests.test_cli import clean_env
 
 pytestmark = pytest.mark.slow
 
 
 async def test_fencemark_cluster_runs_peered_regions_until_interrupted(tmp_path: Path) -> None:
-    base = free_port()
+    base, _ = free_ports(2, consecutive=True)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fencemark.node", "cluster", "--regions", "us,eu",
         "--base-port", str(base), "--data", str(tmp_path),

@@ -32,16 +32,11 @@ from playwright.async_api import Page, async_playwright, expect
 from fencemark.client import AsyncClient, ClaimConflict, tls_credentials
 from fencemark.node.api.server import NodeServer
 from fencemark.node.security.tls import TlsFiles, init_dir
+from tests import components
 from tests.cluster import Cluster, all_deciding
 from tests.conftest import StartNode
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 REPO = "dash"
-
-
-def needs_chromium() -> None:
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"Debian's chromium is not installed ({CHROMIUM}): apt-get install chromium")
 
 
 @pytest.fixture
@@ -77,16 +72,16 @@ def counts(page: Page, topic: str, status: str) -> Any:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.requires("chromium")
 async def test_the_dashboard_shows_the_node_and_follows_it_live(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    needs_chromium()
     us = cluster["us"]
     async with AsyncClient(us.address, timeout=5) as client:
         key, token = await fill_backlog(client)
         url = f"http://127.0.0.1:{us.dashboard_port}/"
         async with async_playwright() as playwright:
-            browser = await playwright.chromium.launch(executable_path=CHROMIUM)
+            browser = await playwright.chromium.launch(executable_path=components.CHROMIUM)
             try:
                 page = await browser.new_page(viewport={"width": 1280, "height": 900})
                 errors: list[str] = []

@@ -42,11 +42,11 @@ from tests.dockerenv import (
     BUILD_LIMIT_S,
     DEPLOY,
     IMAGE_UID,
-    free_port,
     inspect,
     run,
     wait_until,
 )
+from tests.ports import free_port
 
 CLAIMS_SERVICE = "fencemark.v1.Claims"
 HEALTHY_LIMIT_S = 90.0

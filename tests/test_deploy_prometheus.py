@@ -28,7 +28,8 @@ from tests.compose import (
     data_root,
     published_ports,
 )
-from tests.dockerenv import BUILD_LIMIT_S, DEPLOY, free_port, inspect, wait_until
+from tests.dockerenv import BUILD_LIMIT_S, DEPLOY, inspect, wait_until
+from tests.ports import free_port
 
 RULES = DEPLOY / "prometheus" / "alerts.yml"
 NODE_TARGETS = {f"{region}:9400" for region in REGIONS}

@@ -33,7 +33,8 @@ from tests.compose import (
     data_root,
     published_ports,
 )
-from tests.dockerenv import BUILD_LIMIT_S, DEPLOY, IMAGE, free_port, run, wait_until
+from tests.dockerenv import BUILD_LIMIT_S, DEPLOY, IMAGE, run, wait_until
+from tests.ports import free_port
 from tests.test_deploy_prometheus import NODE_TARGETS
 
 STACK_FILE = DEPLOY / "docker-stack.yml"

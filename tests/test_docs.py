@@ -45,8 +45,10 @@ from pathlib import Path
 import pytest
 
 from fencemark.node.api.server import NodeConfig, NodeServer
-from fencemark.node.tools.cluster import free_port
+from fencemark.node.replication.tuning import Tuning
+from tests.cluster import shared_loop
 from tests.conftest import StartNode
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 API_DOC = ROOT / "docs" / "api.md"
@@ -229,6 +231,8 @@ async def start_regions(data: Path, regions: tuple[str, ...]) -> list[NodeServer
             grace_seconds=0.5,
             peers={r: a for r, a in addresses.items() if r != region},
             anti_entropy_interval=0.2,
+            # A twin's settle is no concern of the examples: a short one.
+            replication=shared_loop(Tuning(heartbeat_s=0.2, settle_slack_s=0.2)),
         )
         nodes.append(await NodeServer.start(config))
     return nodes

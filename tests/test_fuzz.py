@@ -31,7 +31,7 @@ from fencemark.node.api.handlers import SERVICES
 from fencemark.node.api.server import MAX_RECEIVE_BYTES
 from fencemark.node.api.service import CURSOR_HEADER
 from fencemark.v1 import node_pb2, node_pb2_grpc, replication_pb2, replication_pb2_grpc
-from tests.dockerenv import free_port
+from tests.ports import free_port
 
 FD = descriptor.FieldDescriptor
 # A refusal is one of these; anything else (UNKNOWN, INTERNAL, ...) is a defect.

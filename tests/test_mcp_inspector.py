@@ -35,6 +35,7 @@ from mcp_types import ResourceUpdatedNotification
 from fencemark.client import AsyncClient
 from fencemark.mcp import MUTATING_TOOL_NAMES, READ_TOOL_NAMES
 from fencemark.node.api.server import NodeServer
+from tests import components
 from tests.cluster import eventually
 from tests.conftest import StartNode
 from tests.test_mcp import clean_env, http_server, mcp_command
@@ -52,8 +53,7 @@ pytestmark = pytest.mark.slow  # every test spawns Node and Python processes
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALLER = ROOT / ".ci" / "ensure-inspector"
-PREFIX = Path(os.environ.get("FENCEMARK_INSPECTOR_PREFIX", ROOT / ".tools" / "node22"))
-BIN = PREFIX / "node_modules" / ".bin"
+PREFIX, BIN = components.INSPECTOR_PREFIX, components.INSPECTOR_BIN
 EXIT_OK, EXIT_TOOL_ERROR = 0, 5
 INSPECTOR_LIMIT_S = 90.0
 ALL_TOOLS = {*MUTATING_TOOL_NAMES, *READ_TOOL_NAMES}
@@ -132,12 +132,8 @@ class Inspector:
 
 @pytest.fixture(scope="module")
 def installed() -> tuple[Path, Path]:
+    components.require("inspector")
     node, script = BIN / "node", BIN / "mcp-inspector"
-    if not (node.exists() and script.exists()):
-        why = f"the MCP Inspector is not installed under {PREFIX}: run `make inspector`"
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"{why} (.ci/run must run .ci/ensure-inspector before the tests)")
-        pytest.skip(why)
     return node, script.resolve()
 
 

@@ -79,6 +79,7 @@ async def lapsed(client: AsyncClient, key: str) -> None:
     await eventually(recorded, "the claim lapsed at its lease end", explain=explain)
 
 
+@pytest.mark.slow  # waits through several leases
 @pytest.mark.parametrize("mode", ["legacy", "auto"])
 async def test_a_kept_claim_outlives_its_lease_while_the_session_lives_then_lapses(
     node: NodeServer, client: AsyncClient, mode: str

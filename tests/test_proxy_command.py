@@ -16,7 +16,7 @@ from fencemark.client import AsyncClient, Unavailable
 from fencemark.node.api.server import NodeServer
 from fencemark.node.tools import proxy_command
 from fencemark.node.tools.proxy_command import Faults, parse_control, parse_link
-from tests.dockerenv import free_port
+from tests.ports import free_port
 
 
 def test_a_link_names_its_listen_and_upstream_addresses() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 from collections.abc import Callable
@@ -32,11 +31,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from fencemark.client import AsyncClient
 from fencemark.node.api.server import NodeServer
+from tests import components
 
 ROOT = Path(__file__).resolve().parent.parent
 BUF_INSTALLER = ROOT / ".ci" / "ensure-buf"
-BUF_PREFIX = Path(os.environ.get("FENCEMARK_BUF_PREFIX", ROOT / ".tools" / "buf"))
-BUF = BUF_PREFIX / "node_modules" / ".bin" / "buf"
+BUF = components.BUF
 V1 = "grpc.reflection.v1.ServerReflection"
 V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
 VERSIONS = pytest.mark.parametrize("service", [V1, V1ALPHA])
@@ -177,11 +176,7 @@ async def test_grpcio_reflection_client_resolves_a_method(node: NodeServer, serv
 @pytest.fixture(scope="module")
 def buf() -> Path:
     """The pinned ``buf`` CLI (.ci/ensure-buf)."""
-    if not BUF.exists():
-        why = f"buf is not installed at {BUF}: run `make buf`"
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"{why} (.ci/run must run .ci/ensure-buf before the tests)")
-        pytest.skip(why)
+    components.require("buf")
     pinned = re.search(r"^BUF_VERSION=(\S+)", BUF_INSTALLER.read_text(), re.MULTILINE)
     assert pinned, f"{BUF_INSTALLER} pins no BUF_VERSION"
     version = subprocess.run([BUF, "--version"], capture_output=True, text=True, timeout=30)

@@ -272,6 +272,7 @@ async def test_a_write_made_while_its_key_is_being_pushed_is_pushed_too(tmp_path
         assert_no_round_since(cluster, rounds)
 
 
+@pytest.mark.slow  # waits through settles and repairs (seconds)
 async def test_anti_entropy_alone_repairs_a_node_that_was_down(tmp_path: Path) -> None:
     """SPEC §5: what a push missed, anti-entropy repairs.
 
@@ -495,6 +496,7 @@ async def test_a_stale_state_is_answered_to_its_sender_alone(tmp_path: Path) -> 
         assert eu.replicator.backlog("us") == 0
 
 
+@pytest.mark.slow  # waits through settles and repairs (seconds)
 async def test_in_sync_rounds_cost_constant_bytes_and_repairs_move_only_the_differences(
     tmp_path: Path,
 ) -> None:

@@ -20,11 +20,16 @@ import shutil
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
+import pytest
+
 from fencemark.client import AsyncClient, WatchEvent
 from fencemark.node.api.server import NodeServer
 from fencemark.node.store import feed
 from tests.cluster import Cluster, all_deciding, eventually, wait_converged
 from tests.metrics import counters
+
+# Every test stops, reverts and restarts nodes, waiting out their settles: seconds each.
+pytestmark = pytest.mark.slow
 
 REPO, TOPIC = "lattice", "backlog"
 

@@ -10,7 +10,6 @@ eu; reads must stay at us.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,20 +26,15 @@ from fencemark.client import (
     WrongRegion,
 )
 from fencemark.node.api.server import NodeConfig, NodeServer
-from tests.cluster import all_deciding
+from fencemark.node.replication.tuning import Tuning
+from tests.cluster import all_deciding, shared_loop
+from tests.ports import free_port
 
 REPO, TOPIC = "routing", "backlog"
 LEASE = 30.0
 PATIENCE_SECONDS = 10.0  # replication and catch-up are bounded by this in every test
 
 _T = TypeVar("_T")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 async def eventually(probe: Callable[[], Awaitable[_T]], what: str) -> _T:
@@ -96,6 +90,8 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
             grace_seconds=0.5,
             peers={peer: a for peer, a in addresses.items() if peer != region},
             anti_entropy_interval=0.2,
+            # A twin's settle is no concern here: a short one (docs/replication.md).
+            replication=shared_loop(Tuning(heartbeat_s=0.2, settle_slack_s=0.2)),
         )
         for region, address in addresses.items()
     ]

@@ -24,7 +24,7 @@ from fencemark.node.api.telemetry import REQUEST_ID_METADATA
 from fencemark.v1 import records_pb2, records_pb2_grpc
 from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode
-from tests.dockerenv import free_port
+from tests.ports import free_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -46,6 +46,9 @@ from tests.cluster import (
 )
 from tests.metrics import counters, gauges
 
+# Every test waits out settles, naps or real node processes (ProcessCluster): seconds each.
+pytestmark = pytest.mark.slow
+
 REPO, TOPIC = "lattice", "backlog"
 FORGET_S = 3.0  # how long a peer remembers a silent life (30 s in a deployment)
 SETTLE_S = HEARTBEAT_S + 2 * 0.5 + SETTLE_SLACK_S  # a restart's settle, default clock offset

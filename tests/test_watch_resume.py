@@ -42,7 +42,8 @@ from fencemark.node.crdt import codec
 from fencemark.node.rules.validation import key_range
 from fencemark.node.store import feed
 from fencemark.node.tools.process import NodeProcess
-from tests.cluster import LOOPBACK, free_ports
+from tests.cluster import LOOPBACK
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 

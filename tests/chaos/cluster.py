@@ -67,7 +67,8 @@ from testcontainers.core.network import Network
 
 from fencemark.client import tls_credentials
 from fencemark.node.security.tls import Identity, TlsFiles, init_dir, issue_into
-from tests.dockerenv import IMAGE_UID, free_port
+from tests.dockerenv import IMAGE_UID
+from tests.ports import free_port
 
 # Read when the first container starts, not at import.
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
