@@ -134,14 +134,15 @@ def present(name: str) -> bool:
 
 def require(*names: str) -> None:
     """Skip the running test for want of any of ``names`` (fail it under CI)."""
-    for name in names:
-        component = COMPONENTS[name]
-        if present(name):
-            continue
-        message = f"{SKIP_PREFIX} {name}: {component.what}; install it with `{component.install}`"
-        if under_ci():
-            pytest.fail(f"{message} (CI is set: nothing may be skipped)", pytrace=False)
-        pytest.skip(message)
+    missing = [COMPONENTS[name] for name in names if not present(name)]
+    if not missing:
+        return
+    message = "; ".join(
+        f"{SKIP_PREFIX} {c.name}: {c.what}; install it with `{c.install}`" for c in missing
+    )
+    if under_ci():
+        pytest.fail(f"{message} (CI is set: nothing may be skipped)", pytrace=False)
+    pytest.skip(message)
 
 
 def check_names(names: Iterable[str], where: str) -> None:
@@ -157,7 +158,7 @@ def check_names(names: Iterable[str], where: str) -> None:
 def summary_lines(skip_messages: Iterable[str]) -> list[str]:
     """The end-of-run block: each missing component, the tests it cost, its install command."""
     counts = Counter(
-        match.group("name") for message in skip_messages if (match := SKIP_PATTERN.search(message))
+        match.group("name") for message in skip_messages for match in SKIP_PATTERN.finditer(message)
     )
     if not counts:
         return []
