@@ -8,6 +8,7 @@ longer than that, every wait is bounded by ``eventually`` or ``wait_seconds``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.client import AsyncClient, InvalidArgument, Record
+from fencemark.client import AsyncClient, ClaimNextResult, InvalidArgument, Record
 from fencemark.node.api.server import NodeServer
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.work_queue import WorkQueue
@@ -187,6 +188,91 @@ async def test_waiters_for_an_item_are_served_first_come_first_served(
 
 async def _waiting(node: NodeServer, count: int) -> bool:
     return node.claims.waiting == count
+
+
+async def _in_line(
+    client: AsyncClient, node: NodeServer, owners_and_tags: list[tuple[str, list[str]]]
+) -> list[asyncio.Task[ClaimNextResult]]:
+    """Callers waiting in the topic's line in this order, each with its own tags."""
+    waiters = []
+    for owner, tags in owners_and_tags:
+        waiters.append(asyncio.create_task(client.claim_next(
+            REPO, TOPIC, owner, wait_seconds=WAIT, lease_seconds=LONG, tags=tags
+        )))  # fmt: skip
+        await eventually(functools.partial(_waiting, node, len(waiters)), f"{owner} in line")
+    return waiters
+
+
+async def test_a_waiter_whose_tags_match_nothing_blocks_nobody(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """Issue 33, finding 6: a ClaimNext waiting for a tag no item has made every other
+    ClaimNext of the topic answer ``empty`` (at once, or at its deadline) while
+    eligible items were open. Fairness is among the waiters an item suits (SPEC §8)."""
+    for id_ in ("a", "b", "c", "d"):
+        await item(client, id_)
+    [picky] = await _in_line(client, node, [("picky", ["needs:gpu"])])
+    at_once = await client.claim_next(REPO, TOPIC, "w0", lease_seconds=LONG)
+    assert at_once.granted and at_once.record is not None and at_once.record.id == "a"
+    async with asyncio.timeout(SOON):  # not its deadline: at once too
+        waited = await client.claim_next(REPO, TOPIC, "w8", wait_seconds=8, lease_seconds=LONG)
+    assert waited.granted and waited.record is not None and waited.record.id == "b"
+    assert not picky.done()
+    await item(client, "gpu-job", "needs:gpu")
+    got = await asyncio.wait_for(picky, SOON)
+    assert got.granted and got.record is not None and got.record.id == "gpu-job"
+
+
+async def test_an_item_that_suits_only_the_third_waiter_goes_to_the_third(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    first, second, third = await _in_line(
+        client, node, [("first", ["x"]), ("second", ["y"]), ("third", ["z"])]
+    )
+    await item(client, "for-z", "z")
+    got = await asyncio.wait_for(third, SOON)
+    assert got.granted and got.record is not None and got.record.id == "for-z"
+    assert not first.done() and not second.done()
+    await item(client, "for-x-and-y", "x", "y")  # suits both: the first in line has it
+    got = await asyncio.wait_for(first, SOON)
+    assert got.record is not None and got.record.id == "for-x-and-y"
+    assert not second.done()
+    await item(client, "for-y", "y")
+    got = await asyncio.wait_for(second, SOON)
+    assert got.record is not None and got.record.id == "for-y"
+
+
+async def test_waiters_with_mixed_tags_are_served_in_line_order_among_those_an_item_suits(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """No tags suit every item; an item goes to the earliest waiter it suits, and a
+    newcomer that does not wait takes only what suits nobody ahead of it."""
+    line = [("a1", ["a"]), ("any1", []), ("b1", ["b"]), ("a2", ["a"]), ("any2", [])]
+    waiters = dict(zip([owner for owner, _ in line], await _in_line(client, node, line),
+                       strict=True))  # fmt: skip
+    served: list[tuple[str, str]] = []
+
+    async def make_and_see(id_: str, *tags: str) -> None:
+        await item(client, id_, *tags)
+        await eventually(lambda: _served(len(served) + 1), f"{id_} handed out")
+
+    async def _served(count: int) -> bool:
+        for owner, task in waiters.items():
+            if task.done() and all(owner != o for o, _ in served):
+                result = task.result()
+                assert result.record is not None
+                served.append((owner, result.record.id))
+        return len(served) >= count
+
+    await make_and_see("i1", "a")  # a1 first
+    await make_and_see("i2", "a")  # then any1: it takes anything
+    await make_and_see("i3", "b")  # b1
+    nobody_ahead = await client.claim_next(REPO, TOPIC, "newcomer", lease_seconds=LONG)
+    assert nobody_ahead.reason == "empty"
+    await make_and_see("i4")  # untagged: only any2 takes it, a2 is ahead but wants "a"
+    await make_and_see("i5", "a")  # a2
+    assert served == [("a1", "i1"), ("any1", "i2"), ("b1", "i3"), ("any2", "i4"), ("a2", "i5")]
+    assert node.claims.waiting == 0
 
 
 async def test_a_waiter_gets_an_item_when_its_deferral_ends(client: AsyncClient) -> None:
@@ -791,7 +877,7 @@ async def test_an_item_picked_for_a_waiter_that_left_stays_to_lapse_if_its_relea
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert not wall.armed, "premise: cancelled while its pick was made"
-        assert "releasing an item picked for a caller that left failed" in caplog.text
+        assert "giving back what was picked for a caller that left failed" in caplog.text
         status = await claims.status(key, caller=ANYONE)
         assert status.holder is not None and status.holder.owner == "waiter"
 

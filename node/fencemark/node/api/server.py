@@ -213,6 +213,7 @@ class NodeServer:
         await self.health.enter_graceful_shutdown()
         self.replica.end_feed()  # watch streams end now: they resume from their cursor
         await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        await self.work.stop()
         await self.replicator.stop()
         await self.lapses.stop()
         if self._stop_dashboard is not None and self._dashboard is not None:

@@ -4,21 +4,22 @@ parked one, take a claim back.
 ``ClaimNext`` reads the pick index (``store.picks``) in pick order and tries each
 candidate under its record's lock with the full rule (``queue.eligible``), so the
 index saves reading every record and is never trusted for a grant. Callers that
-wait for an item stand in one FIFO line per topic: only the head picks, and it
-looks again whenever a record of the topic changes (a release, a new item, a
-merge) or a deferral or lease of the topic ends. Grants are ``Claims``' grants:
-the same tokens, attempts, signatures and waiter bounds.
+wait for an item stand in one FIFO line per topic (``PickLines``): the line looks
+whenever a record of the topic changes (a release, a new item, a merge) or a
+deferral or lease of the topic ends, and each waiter picks with its own tags in
+turn, so an item goes to the first waiter it suits and a waiter whose tags match
+nothing blocks nobody. Grants are ``Claims``' grants: the same tokens, attempts,
+signatures and waiter bounds.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fencemark.node.core.claims import LOOK_AGAIN_S, Claims
-from fencemark.node.core.lines import Lines
+from fencemark.node.core.lines import Picker, PickLines
 from fencemark.node.crdt import Record
 from fencemark.node.crdt.record import DONE, FORCED
 from fencemark.node.rules import queue, validation
@@ -47,11 +48,22 @@ class WorkQueue:
     def __init__(self, claims: Claims) -> None:
         self.claims = claims
         self.replica = claims.replica
-        self._lines = Lines()  # callers waiting for an item, FIFO per topic
+        # Callers waiting for an item, FIFO per topic.
+        self._lines: PickLines[Picked] = PickLines(self._next_look_s)
         self.replica.on_change(self._changed)
 
+    async def stop(self) -> None:
+        """Before the storage closes: the topics' lines look no more."""
+        await self._lines.stop()
+
     def _changed(self, key: str) -> None:
-        self._lines.wake(key.rsplit("/", 1)[0] + "/")  # the head looks again
+        self._lines.wake(key.rsplit("/", 1)[0] + "/")  # the topic's line looks again
+
+    async def _next_look_s(self, scope: str) -> float:
+        """Seconds until the topic's earliest deferral or lease ends (inf: none)."""
+        now_ms = self.replica.wall_ms()
+        soonest = await self.replica.next_pickable_ms(scope, now_ms)
+        return float("inf") if soonest is None else (soonest - now_ms) / 1000 + LOOK_AGAIN_S
 
     async def claim_next(
         self,
@@ -78,11 +90,15 @@ class WorkQueue:
         wanted = validation.tags(tags, "tags")
         self.claims.check_deciding()
         picked = await self._held(scope, owner, caller, lease_ms, wanted)
-        if picked is None and self._lines.depth(scope) == 0:  # a newcomer does not overtake
+        if picked is None and self._lines.depth(scope) == 0:
             picked = await self._pick(scope, owner, caller, lease_ms, wanted)
         if picked is None and wait_s > 0:
             with self.claims.waiter(client, on_wait):
                 picked = await self._wait_for_item(scope, owner, caller, lease_ms, wanted, wait_s)
+        elif picked is None and self._lines.depth(scope) > 0:
+            # Callers are waiting: one look behind them, so that a newcomer takes only
+            # what suits none of those ahead of it (it does not overtake).
+            picked = await self._wait_for_item(scope, owner, caller, lease_ms, wanted, 0.0)
         if picked is None:
             picked = Picked(Outcome(False, Reason.EMPTY, home_region=self.replica.region))
         reason = picked.outcome.reason
@@ -203,37 +219,22 @@ class WorkQueue:
         tags: list[str],
         wait_s: float,
     ) -> Picked | None:
-        async def at_head() -> tuple[Picked | None, float]:
-            picked = await self._pick_at_head(scope, owner, caller, lease_ms, tags)
-            if picked is not None:
-                return picked, 0.0
-            # Nothing eligible: look again on a change in the topic (``wake``), or when
-            # its earliest deferral or lease ends.
-            now_ms = self.replica.wall_ms()
-            soonest = await self.replica.next_pickable_ms(scope, now_ms)
-            pause = float("inf") if soonest is None else (soonest - now_ms) / 1000 + LOOK_AGAIN_S
-            return None, pause
+        """Stand in the topic's line up to ``wait_s`` seconds (0: for one look)."""
 
-        return await self._lines.wait(scope, owner, wait_s, at_head)
+        async def give_back(picked: Picked) -> None:
+            # Picked for a caller that left meanwhile: released at once rather than
+            # held by nobody for a whole lease (docs/consistency.md, *Claims*).
+            if picked.stored is not None:
+                key = picked.stored.record.key
+                await self.claims.release(key, picked.outcome.token, caller=caller)
 
-    async def _pick_at_head(
-        self, scope: str, owner: str, caller: Caller, lease_ms: int, tags: list[str]
-    ) -> Picked | None:
-        """``_pick`` for the head of the line, whose caller may leave meanwhile: a
-        token granted to a caller that left is released before the cancellation
-        goes on (``Claims._try_at_head`` says why)."""
-        attempt = asyncio.create_task(self._pick(scope, owner, caller, lease_ms, tags))
-        try:
-            return await asyncio.shield(attempt)
-        except asyncio.CancelledError:
-            try:
-                picked = await attempt
-                if picked is not None and picked.stored is not None:
-                    key = picked.stored.record.key
-                    await self.claims.release(key, picked.outcome.token, caller=caller)
-            except Exception:  # the lease still lapses on its own
-                log.exception("releasing an item picked for a caller that left failed")
-            raise
+        picker = Picker[Picked](
+            kind=tuple(sorted(tags)),  # what a pick finds depends on the tags alone
+            once=wait_s <= 0,
+            try_pick=lambda: self._pick(scope, owner, caller, lease_ms, tags),
+            give_back=give_back,
+        )
+        return await self._lines.wait(scope, picker, wait_s)
 
     async def reopen(self, key: str, reason: str, *, caller: Caller) -> Picked:
         """Make the item ``open`` again with no attempts counted (an operator's call)."""
