@@ -68,7 +68,9 @@ check: proto-check lint typecheck
 # as cores, at most 8; an idle worker takes tests queued for a busy one (worksteal).
 # Container tests run alone, after the rest (tests/conftest.py).
 TEST_WORKERS ?= $(shell n=$$(( $$(nproc) * 2 )); echo $$(( n > 8 ? 8 : n )))
-PYTEST := $(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal
+# Bytecode is cached (__pycache__, ignored by git) even where the environment says not
+# to: every worker imports the whole suite, and compiling it anew costs each one seconds.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal
 
 test: $(STAMP)
 	$(PYTEST) $(PYTEST_ARGS)

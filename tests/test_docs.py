@@ -336,6 +336,7 @@ def json_keys(value: object) -> object:
     return None
 
 
+@pytest.mark.slow  # spawns a CLI process per command
 @pytest.mark.parametrize("block", _params(SHELL_BLOCKS))
 async def test_cli_example_runs(block: Block, node: NodeServer, start_node: StartNode) -> None:
     commands = parse_commands(block)

@@ -27,6 +27,7 @@ async def item(client: AsyncClient, id_: str) -> str:
     return (await client.remember(REPO, TOPIC, id_, title=id_)).record.key
 
 
+@pytest.mark.slow  # waits through many leases
 async def test_a_hold_keeps_a_short_lease_alive_for_many_leases(node: NodeServer) -> None:
     async with AsyncClient(node.address) as client:
         key = await item(client, "long-work")
@@ -131,6 +132,7 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
+@pytest.mark.slow  # a holder process, paused past its lease
 async def test_a_holder_stalled_past_its_lease_hears_at_once_that_a_rival_took_over(
     node: NodeServer,
 ) -> None:

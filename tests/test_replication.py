@@ -1417,6 +1417,7 @@ async def test_after_a_heal_the_regions_that_kept_a_peer_leave_the_returning_one
         await mesh.close()
 
 
+@pytest.mark.slow  # waits out a back-off
 async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Path) -> None:
     """SPEC §5: per-peer last sync, counters and reachability; a failing peer is backed off."""
     async with Cluster(tmp_path, ["us", "eu"], anti_entropy_interval=0.05) as cluster:

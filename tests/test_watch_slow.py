@@ -68,6 +68,7 @@ async def test_a_watcher_that_stops_reading_is_cut_off_with_its_cursor_while_wri
     await eventually(counted, "the cut-off counted as a refusal")
 
 
+@pytest.mark.slow  # streams 12 MB to a reader that falls behind
 async def test_a_watcher_cut_off_as_too_slow_resumes_by_itself_with_nothing_repeated(
     start_node: StartNode,
 ) -> None:
