@@ -29,7 +29,8 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -142,11 +143,18 @@ class AccessMap:
 DEFAULT_ACCESS = AccessMap()
 
 
+# The authorization of the call under way, asked again by a long-lived call before
+# each hand-over (Caller.still_allowed); set by Authorize for each fencemark.v1 call.
+_CALL_CHECK: ContextVar[Callable[[], None] | None] = ContextVar("call_check", default=None)
+
+
 def caller_of(access: AccessMap) -> Callable[[grpc.aio.ServicerContext[Any, Any]], Caller]:
     """The servicers' view of a call's caller on a node serving TLS."""
 
     def of(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
-        return access.caller(peer_identity(context))
+        caller = access.caller(peer_identity(context))
+        check = _CALL_CHECK.get()
+        return caller if check is None else replace(caller, still_allowed=check)
 
     return of
 
@@ -220,10 +228,22 @@ class Authorize(Interceptor):
         access, revocations = self.access, self.revocations
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            # A revoked certificate first: clients and peer nodes alike, whatever its rights.
-            denied = revocations.check(context) or access.check(peer_identity(context), method)
+            def denial() -> PermissionDenied | None:
+                # A revoked certificate first: clients and peers alike, whatever its rights.
+                return revocations.check(context) or access.check(peer_identity(context), method)
+
+            def still_allowed() -> None:
+                denied = denial()
+                if denied is not None:
+                    raise denied
+
+            denied = denial()
             if denied is not None:
                 await refuse(context, denied)
-            return await inner(request, context)
+            checking = _CALL_CHECK.set(still_allowed)
+            try:
+                return await inner(request, context)
+            finally:
+                _CALL_CHECK.reset(checking)
 
         return authorized

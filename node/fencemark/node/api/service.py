@@ -345,7 +345,9 @@ class RecordsService:
         # Where it starts, so a client that loses the stream before any event resumes
         # from there, not from a later "now".
         await context.send_initial_metadata(((CURSOR_HEADER, taken),))
+        caller = self.caller_of(context)
         async for event in watch.follow(self.replica, wanted, after, decode=self._decode):
+            caller.still_allowed()  # a certificate revoked since the stream began ends it
             if event.stored is None:  # a progress event: no change, no record
                 message = records_pb2.WatchEvent(
                     cursor=event.cursor, kind=event.kind, committed_at=timestamp(event.at_ms)

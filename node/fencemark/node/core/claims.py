@@ -162,6 +162,7 @@ class Claims:
     ) -> Outcome:
         async def at_head() -> tuple[Outcome | None, float]:
             nonlocal home
+            caller.still_allowed()  # revoked while it waited: refused, the next may have it
             outcome = await self._try_at_head(key, owner, caller, lease_ms)
             if outcome.ok or outcome.reason is not Reason.CONTENDED:
                 return outcome, 0.0

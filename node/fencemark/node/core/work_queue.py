@@ -228,10 +228,14 @@ class WorkQueue:
                 key = picked.stored.record.key
                 await self.claims.release(key, picked.outcome.token, caller=caller)
 
+        async def try_pick() -> Picked | None:
+            caller.still_allowed()  # revoked while it waited: refused, the next may have it
+            return await self._pick(scope, owner, caller, lease_ms, tags)
+
         picker = Picker[Picked](
             kind=tuple(sorted(tags)),  # what a pick finds depends on the tags alone
             once=wait_s <= 0,
-            try_pick=lambda: self._pick(scope, owner, caller, lease_ms, tags),
+            try_pick=try_pick,
             give_back=give_back,
         )
         return await self._lines.wait(scope, picker, wait_s)

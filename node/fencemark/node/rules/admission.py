@@ -9,7 +9,8 @@ identity rule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from fencemark.node.crdt import FenceState, Grant, Record
 from fencemark.node.crdt.hlc import physical_ms
@@ -32,17 +33,25 @@ RECOVERY_GAP = 1 << 20
 TOKENS_PER_MS_BITS = 10
 
 
+def _never_rechecked() -> None:
+    """A caller whose call is never re-authorized: a node without TLS knows no one."""
+
+
 @dataclass(frozen=True)
 class Caller:
     """Who asks, as far as claims care: a grant records the identity it was made to.
 
     ``identity`` is the caller's certificate identity (``client/alice``), ``""``
     on a node without TLS; ``acts_for_others`` is the access map's
-    ``act-for-others`` right.
+    ``act-for-others`` right. ``still_allowed()`` raises ``PermissionDenied`` once
+    the caller may no longer make the call it is in (its certificate revoked): a
+    long-lived call asks it again at each hand-over — a grant to a caller that
+    waited in line, each event of a watch (docs/security.md, *Long-lived calls*).
     """
 
     identity: str
     acts_for_others: bool = False
+    still_allowed: Callable[[], None] = field(default=_never_rechecked, compare=False, repr=False)
 
 
 # A node without TLS (--insecure) knows no identities: any caller may act on any
