@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,18 @@ def test_acting_for_others_is_a_right_of_the_map_and_no_method_needs_it() -> Non
     assert Right.ACT_FOR_OTHERS not in METHOD_RIGHTS.values()
     with pytest.raises(PermissionDenied):
         access.caller(None)
+
+
+def test_the_rights_table_of_security_md_is_the_code_s() -> None:
+    """docs/security.md's table of rights and methods says what METHOD_RIGHTS says,
+    row for row (it once said ForceRelease needed act-for-others; it needs operate)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    table = text[text.index("| right | methods |") :].split("\n\n", 1)[0]
+    documented: dict[str, set[str]] = {}
+    for row in table.splitlines()[2:]:
+        right, methods = (cell.strip() for cell in row.strip("|").split("|", 1))
+        documented[right.strip("`")] = set(re.findall(r"`(\w+\.\w+)`", methods))
+    in_code: dict[str, set[str]] = {right.value: set() for right in Right}
+    for method, right in METHOD_RIGHTS.items():
+        in_code[right.value].add(method.removeprefix("/fencemark.v1.").replace("/", "."))
+    assert documented == in_code

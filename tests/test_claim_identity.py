@@ -193,6 +193,30 @@ async def test_a_read_identity_sees_the_claim_but_not_its_token(
         assert seen == {"reader": 0, "bob": 0, "alice": token, "ops": token}, region
 
 
+async def test_history_hides_the_live_token_and_the_holders_identity_as_status_does(
+    cluster: Cluster, certs: Path
+) -> None:
+    """Issue 33, finding 8: Records.History showed the live token and the holder's
+    identity to a reader, to another client and to node certificates, which
+    ClaimStatus hides. Now each sees of the history what ClaimStatus shows it: the
+    live token only to alice and to ops (act-for-others), alice's identity likewise;
+    an ended claim's token is no secret (it is refused for good)."""
+    key, first = await alice_holds(cluster, certs, "history")
+    async with client(cluster["us"], certs, "alice") as alice:
+        assert (await alice.release_claim(key, first)).released
+        again = await alice.claim(key, OWNER, lease_seconds=60)
+    live = again.fencing_token
+    seen = {}
+    for name in ("reader", "bob", "us", "alice", "ops"):
+        async with client(cluster["us"], certs, name) as c:
+            events = (await c.history(key)).events
+        seen[name] = [(e.kind, e.fencing_token, e.identity) for e in events]
+    hidden = [("granted", first, ""), ("released", first, ""), ("granted", 0, "")]
+    shown = [("granted", first, "client/alice"), ("released", first, "client/alice"),
+             ("granted", live, "client/alice")]  # fmt: skip
+    assert seen == {"reader": hidden, "bob": hidden, "us": hidden, "alice": shown, "ops": shown}
+
+
 async def test_an_identity_that_acts_for_others_may_release_alices_claim(
     cluster: Cluster, certs: Path
 ) -> None:

@@ -23,7 +23,7 @@ from grpc_status import rpc_status
 
 from fencemark.node import __version__
 from fencemark.node.api.telemetry import note_refusal
-from fencemark.node.core import watch
+from fencemark.node.core import history, watch
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import hlc
@@ -316,10 +316,13 @@ class RecordsService:
     async def History(
         self, request: records_pb2.HistoryRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> records_pb2.HistoryResponse:
-        events = await self.replica.history(request.key)
+        kept = await self.replica.history(request.key)
         found = await self.replica.find(request.key)
         if found is None or not found.record.exists:
             raise NotFound(request.key)
+        events = history.shown_to(
+            self.caller_of(context), kept, found.record, self.replica.wall_ms()
+        )
         return records_pb2.HistoryResponse(
             events=[
                 records_pb2.ClaimEvent(

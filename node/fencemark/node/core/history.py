@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fencemark.node.crdt import Record
 from fencemark.node.crdt.record import ATTEMPTS, OPEN, PARKED, STATUS
+from fencemark.node.rules.admission import Caller, acts_for
 from fencemark.node.store.events import Event
 
 # Event kinds, lowercase words like every other reason on the wire.
@@ -63,3 +64,23 @@ def events_of(before: Record, after: Record, *, at_ms: int, note: str = "") -> l
     ):
         events.append(Event(at_ms, REOPENED, old.fence, detail=note))
     return events
+
+
+def shown_to(caller: Caller, events: list[Event], record: Record, now_ms: int) -> list[Event]:
+    """What ``caller`` may see of ``record``'s ``events``, as ``ClaimStatus`` shows
+    it (docs/security.md, *Claims are bound to identities*): the live claim's token
+    only to an identity that acts for its holder, and the identity a grant was made
+    to only to that identity or one that acts for others."""
+    holder = record.fence.holder() if record.claim_live(now_ms) else None
+    live = record.fence.fence if holder is not None and not acts_for(caller, holder) else 0
+    return [
+        event._replace(
+            token=0 if live and event.token == live else event.token,
+            identity=event.identity if _sees(caller, event.identity) else "",
+        )
+        for event in events
+    ]
+
+
+def _sees(caller: Caller, identity: str) -> bool:
+    return caller.acts_for_others or not identity or identity == caller.identity
