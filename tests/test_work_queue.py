@@ -959,6 +959,45 @@ async def test_take_backs_and_reopens_are_logged_with_who_and_why(
     ]
 
 
+async def test_take_backs_and_reopens_name_their_operator_in_the_history(tmp_path: Path) -> None:
+    """Issue 33, finding 8: history's ``forced`` and ``reopened`` events did not say
+    which operator acted; they keep the caller's identity beside the reason."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "audited")
+        await claims.claim(key, "holder", lease_seconds=LONG, caller=ANYONE)
+        taken = await work.force_release(key, "stuck", caller=Caller("client/ops"))
+        assert taken.outcome.ok
+        assert (await work.reopen(key, "again", caller=Caller("client/lead"))).outcome.ok
+        events = await claims.replica.history(key)
+    assert [(e.kind, e.detail, e.actor) for e in events if e.actor or e.detail] == [
+        ("forced", "stuck", "client/ops"),
+        ("reopened", "again", "client/lead"),
+    ]
+
+
+async def test_a_data_file_from_before_operators_were_named_keeps_its_history(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """Opening a file whose history table has no ``actor`` column adds it; the events
+    it holds stay, with no operator named."""
+    data = tmp_path / "old"
+    node = await start_node("local", data_dir=data)
+    async with AsyncClient(node.address) as client:
+        made = await item(client, "kept")
+        await client.claim(made.key, "w", lease_seconds=LONG)
+    await node.stop()
+    import sqlite3
+
+    with sqlite3.connect(data / DB_FILE) as db:
+        db.execute("ALTER TABLE events DROP COLUMN actor")
+    node = await start_node("local", data_dir=data)
+    async with AsyncClient(node.address) as client:
+        await client.force_release(made.key, "moved on")
+        events = (await client.history(made.key)).events
+    assert [(e.kind, e.actor) for e in events] == [("granted", ""), ("forced", "")]
+
+
 async def test_a_claim_next_retry_gets_its_item_again_with_claim_waiters_queued_for_it(
     tmp_path: Path,
 ) -> None:

@@ -220,6 +220,7 @@ def history_from_proto(message: records_pb2.HistoryResponse) -> History:
                 owner=event.owner,
                 identity=event.identity,
                 detail=event.detail,
+                actor=event.actor,
             )
             for event in message.events
         ),

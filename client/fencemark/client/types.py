@@ -142,6 +142,7 @@ class ClaimEvent:
     owner: str
     identity: str
     detail: str
+    actor: str = ""  # forced, reopened: the operator's identity (empty without TLS)
 
 
 @dataclass(frozen=True)

@@ -514,6 +514,7 @@ class ClaimEvent(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     IDENTITY_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """`granted`, `renewed`, `released`, `lapsed`, `forced` (taken back by
     `ForceRelease`) or `reopened`.
@@ -529,6 +530,10 @@ class ClaimEvent(_message.Message):
     """More: a release's outcome (`done`, `failed`, `deferred`), `parked` when the
     end parked the item, an operator's reason for `forced` and `reopened`.
     """
+    actor: _builtins.str
+    """For `forced` and `reopened`: the client identity of the operator who took the
+    claim back or reopened the item (empty without TLS).
+    """
     @_builtins.property
     def at(self) -> _timestamp_pb2.Timestamp:
         """When the home decided it (its wall clock, UTC)."""
@@ -542,10 +547,11 @@ class ClaimEvent(_message.Message):
         owner: _builtins.str = ...,
         identity: _builtins.str = ...,
         detail: _builtins.str = ...,
+        actor: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "detail", b"detail", "fencing_token", b"fencing_token", "identity", b"identity", "kind", b"kind", "owner", b"owner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "at", b"at", "detail", b"detail", "fencing_token", b"fencing_token", "identity", b"identity", "kind", b"kind", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

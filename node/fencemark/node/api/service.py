@@ -332,6 +332,7 @@ class RecordsService:
                     owner=event.owner,
                     identity=event.identity,
                     detail=event.detail,
+                    actor=event.actor,
                 )
                 for event in events
             ],

@@ -20,10 +20,12 @@ GRANTED, RENEWED, RELEASED, LAPSED, FORCED, REOPENED = (
 )  # fmt: skip
 
 
-def events_of(before: Record, after: Record, *, at_ms: int, note: str = "") -> list[Event]:
+def events_of(
+    before: Record, after: Record, *, at_ms: int, note: str = "", actor: str = ""
+) -> list[Event]:
     """The claim events of the change from ``before`` to ``after`` made here at
-    ``at_ms``, in the order they happened; ``note`` (an operator's reason) goes
-    with a take-back or a reopen."""
+    ``at_ms``, in the order they happened; ``note`` (an operator's reason) and
+    ``actor`` (the operator's identity) go with a take-back or a reopen."""
     events: list[Event] = []
     old, new = before.fence, after.fence
     parked = after.status == PARKED and before.status != PARKED
@@ -42,7 +44,7 @@ def events_of(before: Record, after: Record, *, at_ms: int, note: str = "") -> l
     if new.moved > old.moved and old.holder() is not None and old.unreleased():
         holder = old.holder()
         assert holder is not None
-        events.append(Event(at_ms, FORCED, old.fence, holder.owner, holder.identity, note))
+        events.append(Event(at_ms, FORCED, old.fence, holder.owner, holder.identity, note, actor))
     for token in sorted(set(new.grants) - set(old.grants)):
         grant = new.grants[token]
         events.append(Event(at_ms, GRANTED, token, grant.owner, grant.identity))
@@ -62,7 +64,7 @@ def events_of(before: Record, after: Record, *, at_ms: int, note: str = "") -> l
         and attempts.value == "0"
         and attempts.stamp == status.stamp
     ):
-        events.append(Event(at_ms, REOPENED, old.fence, detail=note))
+        events.append(Event(at_ms, REOPENED, old.fence, detail=note, actor=actor))
     return events
 
 

@@ -302,6 +302,7 @@ class Replica:
         local: bool = True,
         known: tuple[Record, bytes] | None = None,
         note: str = "",
+        actor: str = "",
         decides: bool = False,
     ) -> tuple[Stored | None, T]:
         """Apply ``change`` to the durable state of ``key`` and persist the result.
@@ -314,8 +315,8 @@ class Replica:
         ``known`` is a record with its canonical encoding: should the new record
         equal it, that encoding is stored instead of encoding again. A local change
         at the record's home keeps its claim events (``history``) in the same
-        commit, ``note`` (an operator's reason) with them. A change that ``decides``
-        (a grant, a renewal, a release, a fenced write) is refused
+        commit, ``note`` (an operator's reason) and ``actor`` (who) with them. A
+        change that ``decides`` (a grant, a renewal, a release, a fenced write) is refused
         (:class:`NotServing`) if this process napped before it was committed
         (``grant_gate.awake``): a copy of the node may have decided meanwhile.
         """
@@ -331,7 +332,9 @@ class Replica:
                 return stored, result
             state = _within_limits(changed, known, local=local)
             events = (
-                history.events_of(current, changed, at_ms=self.clock.wall_ms(), note=note)
+                history.events_of(
+                    current, changed, at_ms=self.clock.wall_ms(), note=note, actor=actor
+                )
                 if local and changed.home_region == self.region
                 else []
             )

@@ -256,7 +256,9 @@ class WorkQueue:
             return opened, Outcome(True, None, home_region=current.home_region,
                                    fence=current.fence.fence)  # fmt: skip
 
-        stored, outcome = await replica.transact(key, change, note=why, decides=True)
+        stored, outcome = await replica.transact(
+            key, change, note=why, actor=caller.identity, decides=True
+        )
         if outcome.ok:
             log.info("reopened %s for %s: %s", key, caller.identity or "a caller", why)
         return Picked(outcome, stored if outcome.ok else None)
@@ -283,7 +285,9 @@ class WorkQueue:
             ended = replica.end_claim(moved, replica.stamp(token + 1), FORCED)
             return ended, (Outcome(True, None, home_region=home, fence=token + 1), token)
 
-        stored, (outcome, token) = await replica.transact(key, change, note=why, decides=True)
+        stored, (outcome, token) = await replica.transact(
+            key, change, note=why, actor=caller.identity, decides=True
+        )
         if outcome.ok:
             log.info("took claim %d of %s back for %s: %s", token, key,
                      caller.identity or "a caller", why)  # fmt: skip

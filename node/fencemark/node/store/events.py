@@ -21,6 +21,7 @@ CREATE TABLE IF NOT EXISTS events (
     owner    TEXT NOT NULL,
     identity TEXT NOT NULL,
     detail   TEXT NOT NULL,     -- an outcome, parked, an operator's reason
+    actor    TEXT NOT NULL DEFAULT '',  -- the operator's identity: forced, reopened
     PRIMARY KEY (key, seq)
 ) WITHOUT ROWID;
 """
@@ -28,7 +29,8 @@ CREATE TABLE IF NOT EXISTS events (
 
 class Event(NamedTuple):
     """One claim event: when, what, for which token, by or for whom, and what
-    else: a release's outcome, ``parked``, an operator's reason."""
+    else: a release's outcome, ``parked``, an operator's reason; ``actor``, the
+    identity of the operator who took the claim back or reopened the item."""
 
     at_ms: int
     kind: str
@@ -36,3 +38,4 @@ class Event(NamedTuple):
     owner: str = ""
     identity: str = ""
     detail: str = ""
+    actor: str = ""

@@ -295,7 +295,7 @@ class Storage:
     async def events(self, key: str) -> list[Event]:
         """``key``'s claim events kept here, oldest first."""
         rows = await self._reader.execute_fetchall(
-            "SELECT at_ms, kind, token, owner, identity, detail FROM events"
+            "SELECT at_ms, kind, token, owner, identity, detail, actor FROM events"
             " WHERE key = ? ORDER BY seq",
             (key,),
         )

@@ -285,7 +285,9 @@ def _keep_events(conn: sqlite3.Connection, events: list[tuple[str, Event]]) -> N
             row = conn.execute("SELECT max(seq) FROM events WHERE key = ?", (key,)).fetchone()
             last[key] = int(row[0] or 0)
         last[key] += 1
-        conn.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (key, last[key], *event))
+        conn.execute(
+            "INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", (key, last[key], *event)
+        )
     for key, seq in last.items():
         conn.execute(
             "DELETE FROM events WHERE key = ? AND seq <= ?", (key, seq - events_table.KEPT)
@@ -332,4 +334,7 @@ def _migrate(conn: sqlite3.Connection) -> None:
             "UPDATE records SET max_hlc = ? WHERE key = ?",
             [(codec.decode(state).max_hlc(), key) for key, state in states],
         )
+    event_columns = {row[1] for row in conn.execute("PRAGMA table_info(events)")}
+    if event_columns and "actor" not in event_columns:  # before operators were named
+        conn.execute("ALTER TABLE events ADD COLUMN actor TEXT NOT NULL DEFAULT ''")
     conn.execute("COMMIT")
