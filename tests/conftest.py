@@ -6,6 +6,7 @@ Nothing here mocks a Fencemark component: ``node`` is the gRPC server the
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -110,33 +111,40 @@ def pytest_terminal_summary(
 # -- tests side by side (pytest-xdist, docs/testing.md) -------------------------------
 
 
-# Outermost, so that waiting for the lock is not counted in a test's timeout.
+# Outermost, so that waiting for a lock is not counted in a test's timeout.
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
-    """Under pytest-xdist, a container test runs alone on the machine.
+    """Under pytest-xdist, the chaos tier runs alone on the machine, and the other
+    container tests one at a time beside the rest.
 
     The chaos tier judges its nodes' availability, and a node that a busy machine
     starves for a second takes it for a pause (a nap: it settles again and refuses
-    claims meanwhile). So while a Docker engine is here, every other test holds a
-    shared lock and each container test an exclusive one: the container tests wait
-    until nothing else runs (in practice, the end of the run) and run one by one.
+    claims meanwhile). So while a Docker engine is here every test holds the run's
+    lock shared and the chaos tier holds it exclusively: it waits until nothing
+    else runs (in practice, the end of the run). The deployment tests share one
+    engine's swarm and images: each holds a second lock exclusively.
     """
-    lock_path = _side_by_side_lock()
-    if lock_path is None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of a run
+    if not run:
         return (yield)
-    alone = item.get_closest_marker("docker") is not None and components.present("docker")
-    with lock_path.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    docker = item.get_closest_marker("docker") is not None and components.present("docker")
+    alone = docker and item.get_closest_marker("chaos") is not None
+    with contextlib.ExitStack() as held:
+        held.enter_context(_locked(f"fencemark-tests-{run}", exclusive=alone))
+        if docker:
+            held.enter_context(_locked(f"fencemark-tests-{run}-docker", exclusive=True))
+        return (yield)
+
+
+@contextlib.contextmanager
+def _locked(name: str, *, exclusive: bool) -> Iterator[None]:
+    """A lock the workers of this run share, in the temporary directory."""
+    with (Path(tempfile.gettempdir()) / f"{name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
-            return (yield)
+            yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _side_by_side_lock() -> Path | None:
-    """The lock file the workers of this run share; None outside pytest-xdist."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of a run
-    return Path(tempfile.gettempdir()) / f"fencemark-tests-{run}.lock" if run else None
 
 
 @pytest.fixture
