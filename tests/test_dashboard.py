@@ -30,10 +30,12 @@ import pytest
 from playwright.async_api import Page, async_playwright, expect
 
 from fencemark.client import AsyncClient, ClaimConflict, tls_credentials
+from fencemark.node.api.authz import load_access
 from fencemark.node.api.server import NodeServer
 from fencemark.node.security.tls import TlsFiles, init_dir
+from fencemark.node.tools.cli import main
 from tests import components
-from tests.cluster import Cluster, all_deciding
+from tests.cluster import Cluster, all_deciding, eventually
 from tests.conftest import StartNode
 
 REPO = "dash"
@@ -188,3 +190,49 @@ def https_checks(url: str, certs: Path, port: int) -> dict[str, int]:
         assert shown["owner"] == "op-worker"
         tokens[name] = shown["token"]
     return tokens
+
+
+async def test_under_tls_it_answers_only_readers_that_are_not_revoked(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """Issue 33, finding 1: the dashboard answered a right-less identity (gRPC:
+    ``missing_right``) and a revoked one (gRPC: ``revoked_certificate``) with 200. It
+    follows the same access map and CRL as the gRPC port: 403 with the reason, and an
+    open stream ends at its next frame once its certificate is revoked."""
+    certs = tmp_path / "certs"
+    init_dir(certs, regions=["us"], clients=["alice", "bob", "mallory"])
+    access = tmp_path / "access.toml"
+    access.write_text('[clients]\nalice = ["read"]\nbob = ["read"]\nmallory = []\n')
+    node = await start_node("us", tls=TlsFiles.in_dir(certs, "us"), access=load_access(access),
+                            dashboard_listen="127.0.0.1:0", tls_reload_interval=0.1)  # fmt: skip
+    base = f"https://localhost:{node.dashboard_port}"
+    stream = await asyncio.to_thread(open_as, f"{base}/api/stream", certs, "bob")
+    assert stream.status == 200 and stream.readline().startswith(b"data: ")
+    assert main(["certs", "revoke", "--dir", str(certs), "--client", "bob"]) == 0
+
+    async def bob_refused() -> bool:
+        return await asyncio.to_thread(status_as, f"{base}/api/snapshot", certs, "bob") == 403
+
+    await eventually(bob_refused, "bob's revoked certificate refused")
+    for path in ("/api/snapshot", "/", "/api/stream"):
+        assert await asyncio.to_thread(status_as, base + path, certs, "mallory") == 403
+    assert await asyncio.to_thread(status_as, f"{base}/api/snapshot", certs, "alice") == 200
+    # bob's stream, open since before, ends at its next frame (one every IDLE_S at most).
+    rest = await asyncio.wait_for(asyncio.to_thread(stream.read), 10)
+    assert rest.count(b"data: ") <= 1
+
+
+def open_as(url: str, certs: Path, name: str) -> Any:
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    context.load_cert_chain(str(certs / f"{name}.pem"), str(certs / f"{name}-key.pem"))
+    return urllib.request.urlopen(url, context=context, timeout=10)
+
+
+def status_as(url: str, certs: Path, name: str) -> int:
+    try:
+        with open_as(url, certs, name) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
+        body = refused.read().decode()
+        assert body.split(":")[0] in ("missing_right", "revoked_certificate"), body
+        return refused.code

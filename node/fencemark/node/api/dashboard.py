@@ -31,10 +31,11 @@ import logging
 import ssl
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from fencemark.node.api.authz import DEFAULT_ACCESS, AccessMap
+from fencemark.node.api.authz import DEFAULT_ACCESS, AccessMap, Right
 from fencemark.node.api.telemetry import RecentRefusals
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.replica import Replica
@@ -42,6 +43,7 @@ from fencemark.node.crdt import Grant
 from fencemark.node.crdt.record import DONE, PARKED
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.rules.admission import ANYONE, Caller, acts_for
+from fencemark.node.security.revocation import Revocations
 from fencemark.node.security.tls import Identity, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -169,21 +171,36 @@ def for_viewer(snapshot: dict[str, Any], viewer: Caller) -> dict[str, Any]:
     return {**snapshot, "claims": claims}
 
 
-def _viewer(connection: Any, access: AccessMap | None) -> Caller | None:
-    """Who looks: ``ANYONE`` without TLS; with it, the identity of the one
-    ``fencemark://`` URI of the client certificate (None when it names none)."""
-    if access is None:
-        return ANYONE
-    cert = connection.getpeercert() or {}
-    uris = [v for kind, v in cert.get("subjectAltName", ()) if kind == "URI"]
-    identities = [i for i in map(Identity.parse, uris) if i is not None]
-    if len(identities) != 1 or len(uris) != 1:
-        return None
-    return access.caller(identities[0])
+@dataclass(frozen=True)
+class _Gate:
+    """Who may look, with TLS: the access map's ``read`` right, and not revoked —
+    the same map and CRL as the gRPC port (docs/security.md, *The dashboard*)."""
+
+    access: AccessMap
+    revocations: Revocations
+
+    def viewer(self, connection: Any) -> Caller | str:
+        """The viewer behind ``connection``, or why it is refused (a 403's body)."""
+        cert = connection.getpeercert() or {}
+        uris = [v for kind, v in cert.get("subjectAltName", ()) if kind == "URI"]
+        identities = [i for i in map(Identity.parse, uris) if i is not None]
+        if len(identities) != 1 or len(uris) != 1:
+            return "no_identity: the client certificate names no fencemark identity"
+        denied = self.revocations.check_der(connection.getpeercert(binary_form=True) or b"")
+        if denied is not None:
+            return f"revoked_certificate: {denied}"
+        if Right.READ not in self.access.rights(identities[0]):
+            return f"missing_right: {identities[0]} may not read (it needs the 'read' right)"
+        return self.access.caller(identities[0])
+
+
+def _viewer(connection: Any, gate: _Gate | None) -> Caller | str:
+    """Who looks: ``ANYONE`` without TLS; with it, as ``gate`` says."""
+    return ANYONE if gate is None else gate.viewer(connection)
 
 
 def _handler(
-    dashboard: Dashboard, loop: asyncio.AbstractEventLoop, access: AccessMap | None
+    dashboard: Dashboard, loop: asyncio.AbstractEventLoop, gate: _Gate | None
 ) -> type[Any]:
     def ask(make: Callable[[], Any], timeout: float) -> Any:
         return asyncio.run_coroutine_threadsafe(make(), loop).result(timeout)
@@ -213,10 +230,9 @@ def _handler(
 
         def do_GET(self, head: bool = False) -> None:
             path = self.path.split("?", 1)[0]
-            viewer = _viewer(self.connection, access)
-            if viewer is None:
-                body = b"the client certificate names no fencemark identity\n"
-                self._send(403, body, "text/plain", head=head)
+            viewer = _viewer(self.connection, gate)
+            if isinstance(viewer, str):
+                self._send(403, viewer.encode() + b"\n", "text/plain", head=head)
             elif path in FILES:
                 name, kind = FILES[path]
                 self._send(200, _asset(name), kind, head=head)
@@ -237,6 +253,8 @@ def _handler(
             try:
                 while not self.server.closing:  # type: ignore[attr-defined]
                     snapshot = ask(functools.partial(dashboard.next_snapshot, after), IDLE_S + 30)
+                    if isinstance(_viewer(self.connection, gate), str):
+                        return  # revoked (or its right taken) since the stream began
                     after = snapshot["feed"]
                     shown = json.dumps(for_viewer(snapshot, viewer)).encode()
                     self.wfile.write(b"data: " + shown + b"\n\n")
@@ -272,14 +290,17 @@ def serve(
     listen: str,
     tls: TlsFiles | None = None,
     access: AccessMap | None = None,
+    revocations: Revocations | None = None,
 ) -> tuple[int, Callable[[], None]]:
     """Serve the dashboard on ``listen`` (HOST:PORT; port 0 picks one); returns the
     bound port and a stopper. HTTPS with client certificates when ``tls`` is given,
-    their identities' rights from ``access``."""
+    their identities' rights from ``access``, refused when ``revocations`` lists them."""
     host, _, port = listen.rpartition(":")
     loop = asyncio.get_running_loop()
-    rights = (access or DEFAULT_ACCESS) if tls is not None else None
-    server = _Server((host.strip("[]"), int(port)), _handler(dashboard, loop, rights))
+    gate = (
+        _Gate(access or DEFAULT_ACCESS, revocations or Revocations()) if tls is not None else None
+    )
+    server = _Server((host.strip("[]"), int(port)), _handler(dashboard, loop, gate))
     if tls is not None:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls.ca))
         context.load_cert_chain(str(tls.cert), str(tls.key))

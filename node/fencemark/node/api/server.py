@@ -189,7 +189,11 @@ class NodeServer:
         if config.dashboard_listen:
             node._dashboard = Dashboard(replica, claims, peers, metrics.recent_refusals)
             node.dashboard_port, node._stop_dashboard = dashboard.serve(
-                node._dashboard, config.dashboard_listen, config.tls, config.access
+                node._dashboard,
+                config.dashboard_listen,
+                config.tls,
+                config.access,
+                tls.revocations if tls is not None else None,
             )
         log.info(
             "region %s node %s listening on %s (%s, writes %s, data %s)",

@@ -108,7 +108,15 @@ class _Caller:
 @functools.lru_cache(maxsize=4096)
 def _caller(pem: bytes) -> _Caller:
     """A verified certificate's issuer, serial and identity (cached: parsed once per cert)."""
-    cert = x509.load_pem_x509_certificate(pem)
+    return _described(x509.load_pem_x509_certificate(pem))
+
+
+@functools.lru_cache(maxsize=4096)
+def _caller_der(der: bytes) -> _Caller:
+    return _described(x509.load_der_x509_certificate(der))
+
+
+def _described(cert: x509.Certificate) -> _Caller:
     found = identities_of(cert)
     return _Caller(
         cert.issuer.rfc4514_string(), cert.serial_number, str(found[0]) if found else "?"
@@ -139,15 +147,24 @@ class Revocations:
             return None
         pems = context.auth_context().get(PEM_PROPERTY) or ()
         for pem in pems:
-            caller = _caller(bytes(pem))
-            if (caller.issuer, caller.serial) in self.revoked:
-                return PermissionDenied(
-                    Denial.REVOKED_CERTIFICATE,
-                    f"the certificate of {caller.identity} (serial {caller.serial:x}) is"
-                    f" revoked ({CRL_FILE}): get a new one (fencemark certs issue)",
-                    identity=caller.identity,
-                )
+            if (denied := self._refusal(_caller(bytes(pem)))) is not None:
+                return denied
         return None
+
+    def check_der(self, der: bytes) -> PermissionDenied | None:
+        """``check`` for a caller met outside gRPC (the dashboard's HTTPS): its
+        verified certificate in DER."""
+        return self._refusal(_caller_der(der)) if self.revoked else None
+
+    def _refusal(self, caller: _Caller) -> PermissionDenied | None:
+        if (caller.issuer, caller.serial) not in self.revoked:
+            return None
+        return PermissionDenied(
+            Denial.REVOKED_CERTIFICATE,
+            f"the certificate of {caller.identity} (serial {caller.serial:x}) is"
+            f" revoked ({CRL_FILE}): get a new one (fencemark certs issue)",
+            identity=caller.identity,
+        )
 
 
 # -- writing the list ----------------------------------------------------------------
