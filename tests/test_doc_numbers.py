@@ -34,6 +34,7 @@ QUOTED: list[tuple[str, str, float, float]] = [
     ("security.md", r"`--max-concurrent-writes` \((\S+)\)", Limits.write, 1),
     ("security.md", r"`--max-concurrent-replication` \((\S+)\)", Limits.replication, 1),
     ("security.md", r"`--max-concurrent-health` \((\S+)\)", Limits.health, 1),
+    ("security.md", r"`--max-streams-per-client` \((\S+)\)", Limits.streams_per_client, 1),
     ("architecture.md", r"`MAX_BACKOFF_S` = (\S+) s", tuning.MAX_BACKOFF_S, 1),
     ("architecture.md", r"`HISTORY` \((\S+)\)", HISTORY, 1),
     ("architecture.md", r"descend \(≤ (\S+ ?\d*) per level", tuning.MAX_FRONTIER, 1),

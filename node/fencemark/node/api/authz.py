@@ -19,9 +19,11 @@ retry their claims, see them in ``ClaimStatus``). The claim rules ask for it
 
 A denial is ``PERMISSION_DENIED`` with an ``ErrorInfo`` (reason
 ``PERMISSION_DENIED``, metadata ``denial``, ``identity``, ``right``), decided
-before the servicer runs, so nothing is read or written for it. Health
-checking and reflection are open to every authenticated caller: the TLS
-handshake already refused everyone else. docs/security.md has the model.
+before the servicer runs, so nothing is read or written for it. Health checking
+and reflection pass the same check (:data:`OTHER_METHOD_RIGHTS`): a health
+``Check`` needs no right (a load balancer's probe), but no revoked certificate;
+the streams — health ``Watch``, reflection — need ``read``. docs/security.md has
+the model.
 """
 
 from __future__ import annotations
@@ -95,6 +97,16 @@ METHOD_RIGHTS: Mapping[str, Right] = {
     "/fencemark.v1.Replication/Push": Right.REPLICATE,
     "/fencemark.v1.Replication/Certificates": Right.REPLICATE,
 }
+# The standard services beside fencemark.v1, the same way: a health Check is
+# answered to any caller of the CA that is not revoked (None: no right needed); the
+# streams a caller can hold open need `read`.
+OTHER_METHOD_RIGHTS: Mapping[str, Right | None] = {
+    "/grpc.health.v1.Health/Check": None,
+    "/grpc.health.v1.Health/Watch": Right.READ,
+    "/grpc.health.v1.Health/List": Right.READ,
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": Right.READ,
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": Right.READ,
+}
 # A node holds every record anyway; `read` lets its certificate serve probes and status.
 REGION_RIGHTS = frozenset({Right.READ, Right.REPLICATE})
 CLIENT_RIGHTS = frozenset({Right.READ, Right.WRITE, Right.CLAIM})
@@ -115,13 +127,15 @@ class AccessMap:
 
     def check(self, identity: Identity | None, method: str) -> PermissionDenied | None:
         """Why ``identity`` may not call ``method`` (a full gRPC method name); None if it may."""
+        if method in OTHER_METHOD_RIGHTS and OTHER_METHOD_RIGHTS[method] is None:
+            return None  # a health Check: any caller of the CA (a load balancer's probe)
         if identity is None:
             return PermissionDenied(
                 Denial.NO_IDENTITY,
                 "the client certificate names no fencemark:// identity"
                 " (make one with `fencemark certs issue`)",
             )
-        right = METHOD_RIGHTS.get(method)
+        right = METHOD_RIGHTS.get(method) or OTHER_METHOD_RIGHTS.get(method)
         if right is None or right not in self.rights(identity):
             wanted = right.value if right is not None else "?"
             return PermissionDenied(
@@ -220,12 +234,20 @@ class Authorize(Interceptor):
         self.revocations = revocations or Revocations()
 
     def wrap(self, method: str, behaviour: Behaviour, shape: Shape) -> Behaviour | None:
-        if not method.startswith(PACKAGE):
-            return None  # health, reflection: any authenticated caller
-        if not awaited(shape, behaviour):  # fencemark.v1 streams only by writing (Watch)
-            raise RuntimeError(f"{method}: authorization covers awaited methods only")
-        inner: Handler = behaviour
+        if not method.startswith(PACKAGE) and method not in OTHER_METHOD_RIGHTS:
+            raise RuntimeError(f"{method}: no right is named for it (OTHER_METHOD_RIGHTS)")
         access, revocations = self.access, self.revocations
+        if not awaited(shape, behaviour):  # reflection: a stream of requests and answers
+
+            async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                denied = revocations.check(context) or access.check(peer_identity(context), method)
+                if denied is not None:
+                    await refuse(context, denied)
+                async for response in behaviour(request, context):
+                    yield response
+
+            return streaming
+        inner: Handler = behaviour
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             def denial() -> PermissionDenied | None:

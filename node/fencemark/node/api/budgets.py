@@ -12,6 +12,11 @@ node unreachable. Here each class has a budget of its own (docs/operations.md,
 - ``replication``: the peers' ``fencemark.v1.Replication`` calls;
 - ``health``: ``grpc.health.v1.Health/Check``, which answers at once.
 
+A stream a caller can hold open for as long as it likes — ``Records.Watch``, health
+``Watch``, reflection — also counts against its client's own cap
+(``--max-streams-per-client``: one certificate identity, or one address without
+TLS), so that no one caller holds the whole ``read`` budget against the others.
+
 A claim that starts waiting in line gives its slot back (:func:`give_back`): a
 waiting claim holds a place in a queue, bounded by the waiter limits
 (``--max-waiters``, ``--max-waiters-per-client``), not a call slot. A call over its
@@ -21,6 +26,7 @@ naming the resource and the limit, and counted by class.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import inspect
 from collections.abc import AsyncIterator, Mapping
@@ -29,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from fencemark.node.api.claims_service import client_of
 from fencemark.node.api.interceptor import Behaviour, Interceptor, Shape
 from fencemark.node.api.service import refuse
 from fencemark.node.api.telemetry import NodeMetrics
@@ -36,6 +43,14 @@ from fencemark.node.rules.errors import Exhausted
 
 CLASSES = ("read", "write", "replication", "health")
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# Calls that stay open as long as their caller likes: each counts against its
+# client's cap too.
+LONG_LIVED = frozenset({
+    "/fencemark.v1.Records/Watch",
+    "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,21 +61,23 @@ class Limits:
     write: int = 512
     replication: int = 128
     health: int = 64
+    streams_per_client: int = 64  # long-lived streams open from one client
 
     def of(self, kind: str) -> int:
         return int(getattr(self, kind))
 
 
 class _Slot:
-    def __init__(self, budgets: CallBudgets, kind: str) -> None:
+    def __init__(self, budgets: CallBudgets, kind: str, client: str | None = None) -> None:
         self.budgets = budgets
         self.kind = kind
+        self.client = client  # a long-lived stream's client
         self.held = True
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self.budgets.leave(self.kind)
+            self.budgets.leave(self.kind, self.client)
 
 
 _slot: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("budget_slot", default=None)
@@ -85,6 +102,7 @@ class CallBudgets(Interceptor):
         self.limits = limits
         self.classes = classes
         self.in_flight = dict.fromkeys(CLASSES, 0)
+        self.streams: collections.Counter[str] = collections.Counter()  # open, per client
         # Each class's gauge and counter, looked up once rather than on every call.
         self._gauges = {kind: metrics.in_flight.labels(kind) for kind in CLASSES}
         self._refusals = {kind: metrics.budget_refusals.labels(kind) for kind in CLASSES}
@@ -96,29 +114,43 @@ class CallBudgets(Interceptor):
             return "health"
         return self.classes.get(method, "read")
 
-    async def enter(self, kind: str, context: grpc.aio.ServicerContext[Any, Any]) -> _Slot:
-        """A slot of ``kind``'s budget, or the call refused RESOURCE_EXHAUSTED."""
+    async def enter(
+        self, kind: str, context: grpc.aio.ServicerContext[Any, Any], long_lived: bool = False
+    ) -> _Slot:
+        """A slot of ``kind``'s budget (and for a ``long_lived`` stream, of its
+        client's cap), or the call refused RESOURCE_EXHAUSTED."""
         limit = self.limits.of(kind)
         if self.in_flight[kind] >= limit:
             self._refusals[kind].inc()
             await refuse(context, Exhausted(f"concurrent {kind} calls", limit))
+        client = client_of(context) if long_lived else None
+        if client is not None and self.streams[client] >= self.limits.streams_per_client:
+            self._refusals[kind].inc()
+            cap = self.limits.streams_per_client
+            await refuse(context, Exhausted("open streams from one client", cap))
         self.in_flight[kind] += 1
         self._gauges[kind].inc()
-        return _Slot(self, kind)
+        if client is not None:
+            self.streams[client] += 1
+        return _Slot(self, kind, client)
 
-    def leave(self, kind: str) -> None:
+    def leave(self, kind: str, client: str | None = None) -> None:
         self.in_flight[kind] -= 1
         self._gauges[kind].dec()
+        if client is not None:
+            self.streams[client] -= 1
+            if not self.streams[client]:
+                del self.streams[client]
 
     def wrap(self, method: str, behaviour: Behaviour, shape: Shape) -> Behaviour:
-        return self._within(self.kind_of(method), behaviour)
+        return self._within(self.kind_of(method), behaviour, method in LONG_LIVED)
 
-    def _within(self, kind: str, behaviour: Behaviour) -> Behaviour:
+    def _within(self, kind: str, behaviour: Behaviour, long_lived: bool) -> Behaviour:
         """``behaviour`` holding a slot of ``kind`` while it runs (or streams)."""
         if inspect.isasyncgenfunction(behaviour):
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                slot = await self.enter(kind, context)
+                slot = await self.enter(kind, context, long_lived)
                 try:
                     responses: AsyncIterator[Any] = behaviour(request, context)
                     async for response in responses:
@@ -129,7 +161,7 @@ class CallBudgets(Interceptor):
             return streaming
 
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            slot = await self.enter(kind, context)
+            slot = await self.enter(kind, context, long_lived)
             _slot.set(slot)
             try:
                 return await behaviour(request, context)

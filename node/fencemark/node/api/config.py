@@ -59,6 +59,7 @@ class NodeConfig:
     max_concurrent_health: int = Limits.health
     max_waiters: int = MAX_WAITERS
     max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
+    max_streams_per_client: int = Limits.streams_per_client
     # Attempts after which a failed or lapsed claim parks an item (SPEC §8), for
     # items without a maxAttempts:N tag.
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
@@ -93,6 +94,7 @@ class NodeConfig:
             write=self.max_concurrent_writes,
             replication=self.max_concurrent_replication,
             health=self.max_concurrent_health,
+            streams_per_client=self.max_streams_per_client,
         )
 
 

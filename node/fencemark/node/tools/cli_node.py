@@ -108,6 +108,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_concurrent_health=args.max_concurrent_health,
         max_waiters=args.max_waiters,
         max_waiters_per_client=args.max_waiters_per_client,
+        max_streams_per_client=args.max_streams_per_client,
         max_attempts=args.max_attempts,
         max_token_jump=args.max_token_jump,
         feed_window=args.feed_window,
@@ -294,6 +295,13 @@ def _add_bound_flags(
         default=_setting(config, "max_waiters_per_client", defaults.max_waiters_per_client),
         help="claims waiting in queues from one client: one certificate identity"
         " (with --tls-dir), or one address (--insecure)",
+    )
+    node.add_argument(
+        "--max-streams-per-client",
+        type=int,
+        default=_setting(config, "max_streams_per_client", defaults.max_streams_per_client),
+        help="long-lived streams (Records.Watch, health Watch, reflection) open from one"
+        " client: one certificate identity (with --tls-dir), or one address (--insecure)",
     )
     node.add_argument(
         "--max-attempts",
