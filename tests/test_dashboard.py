@@ -19,7 +19,9 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import ssl
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -30,6 +32,7 @@ import pytest
 from playwright.async_api import Page, async_playwright, expect
 
 from fencemark.client import AsyncClient, ClaimConflict, tls_credentials
+from fencemark.node.api import dashboard
 from fencemark.node.api.authz import load_access
 from fencemark.node.api.server import NodeServer
 from fencemark.node.security.tls import TlsFiles, init_dir
@@ -207,7 +210,8 @@ async def test_under_tls_it_answers_only_readers_that_are_not_revoked(
                             dashboard_listen="127.0.0.1:0", tls_reload_interval=0.1)  # fmt: skip
     base = f"https://localhost:{node.dashboard_port}"
     stream = await asyncio.to_thread(open_as, f"{base}/api/stream", certs, "bob")
-    assert stream.status == 200 and stream.readline().startswith(b"data: ")
+    assert stream.status == 200
+    assert (await asyncio.to_thread(stream.readline)).startswith(b"data: ")
     assert main(["certs", "revoke", "--dir", str(certs), "--client", "bob"]) == 0
 
     async def bob_refused() -> bool:
@@ -235,4 +239,68 @@ def status_as(url: str, certs: Path, name: str) -> int:
     except urllib.error.HTTPError as refused:
         body = refused.read().decode()
         assert body.split(":")[0] in ("missing_right", "revoked_certificate"), body
+        return refused.code
+
+
+async def test_idle_connections_cost_no_thread_and_are_closed(
+    start_node: StartNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33, finding 2: 500 idle connections to the dashboard took the node from
+    14 to 514 threads, held until the client closed them. Now a connection is a task
+    on the node's loop: no thread, at most MAX_CONNECTIONS at once (more are closed at
+    once), and one that sends no request is closed after REQUEST_TIMEOUT_S."""
+    monkeypatch.setattr(dashboard, "REQUEST_TIMEOUT_S", 1.0)
+    node = await start_node(dashboard_listen="127.0.0.1:0")
+    await asyncio.to_thread(lambda: None)  # the loop's worker thread, before counting
+    threads = threading.active_count()
+    address = ("127.0.0.1", node.dashboard_port)
+    # Connected from another thread: the node's loop accepts them meanwhile.
+    idle = await asyncio.to_thread(lambda: [socket.create_connection(address) for _ in range(200)])
+    try:
+        site = node._dashboard.site if node._dashboard is not None else None
+        assert site is not None
+
+        async def all_met() -> bool:
+            return site.connections == len(idle)
+
+        await eventually(all_met, "every connection met")
+        assert threading.active_count() == threads
+        assert site.most_open == dashboard.MAX_CONNECTIONS and site.refused_connections > 0
+        async with AsyncClient(node.address) as client:  # the node's calls go on
+            assert (await client.info()).region == "local"
+
+        async def all_closed() -> bool:
+            return not site.open
+
+        await eventually(all_closed, "the idle connections closed")
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+async def test_a_burst_of_viewers_shares_one_snapshot_within_a_rate(
+    start_node: StartNode,
+) -> None:
+    """Issue 33, finding 3: every viewer made its own snapshot (1.5 s of node time at
+    20,000 records each), and 60 of them stalled claims long enough for the node to
+    take it for a nap. Now a snapshot is made once per change of the feed and shared,
+    in slices; and each viewer gets at most a burst of them before 429."""
+    node = await start_node(dashboard_listen="127.0.0.1:0")
+    async with AsyncClient(node.address) as client:
+        for index in range(50):
+            await client.remember(REPO, "build", f"item-{index}", title="t")
+    assert node._dashboard is not None
+    made = node._dashboard.made
+    url = f"http://127.0.0.1:{node.dashboard_port}/api/snapshot"
+    codes = await asyncio.gather(*(asyncio.to_thread(status_of, url) for _ in range(20)))
+    assert sorted(codes) == [200] * int(dashboard.BURST) + [429] * (20 - int(dashboard.BURST))
+    assert node._dashboard.made == made + 1, "one snapshot, shared by every viewer"
+
+
+def status_of(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            json.loads(answer.read())
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
         return refused.code

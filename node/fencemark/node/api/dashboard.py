@@ -8,15 +8,19 @@ live: ``/api/stream`` is a server-sent event stream that sends a new snapshot as
 as this node's change feed grows (and every ``IDLE_S`` without a change, for the
 clocks and the chart).
 
-Served by the standard library's threaded HTTP server, as ``/metrics`` is
-(prometheus_client): its threads ask the event loop for snapshots
-(``run_coroutine_threadsafe``), never touch the node's state themselves. Read-only
-by construction: GET and HEAD of the files below and the two API paths; every other
-method is refused 405. With TLS the listener serves HTTPS with the node's own
-certificate and asks for a client certificate of the cluster's CA, as the gRPC port
-does, and shows a claim's token only to a viewer that ``acts_for`` its grant (its
-holder's identity, or one with the ``act-for-others`` right), as ``ClaimStatus``
-does. docs/operations.md, *The dashboard*.
+Served on the node's own event loop (``asyncio.start_server``): a connection costs a
+socket and a small task, never a thread, and a node accepts at most
+``MAX_CONNECTIONS`` at once (more are closed at once); a request must arrive within
+``REQUEST_TIMEOUT_S``. A snapshot is made at most once per change of the feed (or
+every ``IDLE_S``) and shared by every viewer and stream; it is made in slices of
+``SLICE`` records with the loop handed back between them, so a viewer never stalls
+the node's calls (nor is taken for a nap), and each identity may ask for at most
+``RATE`` snapshots a second. Read-only by construction: GET and HEAD of the files
+below and the two API paths; every other method is refused 405. With TLS the
+listener serves HTTPS with the node's own certificate and asks for a client
+certificate of the cluster's CA, and answers only an identity with the ``read`` right
+that is not revoked, as the gRPC port does; it shows a claim's token only to a viewer
+that ``acts_for`` its grant, as ``ClaimStatus`` does. docs/operations.md, *The dashboard*.
 """
 
 from __future__ import annotations
@@ -24,13 +28,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
-import http.server
 import json
 import logging
 import ssl
-import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -53,6 +55,12 @@ FILES = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascrip
 IDLE_S = 2.0  # a snapshot at least this often on the stream, changes or not
 SAMPLES = 300  # the chart's window: five minutes of one-second samples
 MAX_SCANNED = 20_000  # records read for the backlog per snapshot; beyond, "partial"
+SLICE = 200  # records read between two hand-backs of the event loop
+MAX_CONNECTIONS = 64  # open at once; more are closed at once
+REQUEST_TIMEOUT_S = 10.0  # for a TLS handshake, and for a request to arrive
+MAX_REQUEST_BYTES = 8192  # a request line and its headers
+SEND_TIMEOUT_S = 10.0  # a stream whose viewer takes nothing for this long is closed
+RATE, BURST = 5.0, 10.0  # snapshots (a page's stream counts one) per second per identity
 MAX_CLAIMS = 100  # live claims listed, soonest to lapse first
 STATUSES = ("open", "claimed", DONE, PARKED)
 
@@ -73,6 +81,12 @@ class Dashboard:
         self.refusals = refusals
         self.series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SAMPLES)
         self._sampler: asyncio.Task[None] | None = None
+        # The snapshot every viewer shares: (feed, made at, snapshot), and the one
+        # being made, which a viewer asking meanwhile waits for instead of making one.
+        self._shared: tuple[int, float, dict[str, Any]] | None = None
+        self._making: asyncio.Task[dict[str, Any]] | None = None
+        self.made = 0  # snapshots made, however many viewers saw each
+        self.site: _Site | None = None  # the listener, once it serves
 
     def start(self) -> None:
         self._sampler = asyncio.get_running_loop().create_task(self._sample())
@@ -103,13 +117,38 @@ class Dashboard:
         return await self.snapshot()
 
     async def snapshot(self) -> dict[str, Any]:
+        """The node now, as every viewer shares it: made again only once the feed
+        grew or ``IDLE_S`` passed, and by one viewer while the others wait for it."""
+        shared = self._shared
+        if (
+            shared is not None
+            and shared[0] == self.replica.feed_last
+            and time.monotonic() - shared[1] < IDLE_S
+        ):
+            return shared[2]
+        if self._making is None:
+            self._making = asyncio.get_running_loop().create_task(self._make())
+        return await asyncio.shield(self._making)
+
+    async def _make(self) -> dict[str, Any]:
+        try:
+            feed, started = self.replica.feed_last, time.monotonic()
+            snapshot = await self._scan()
+            self._shared = (feed, started, snapshot)
+            self.made += 1
+            return snapshot
+        finally:
+            self._making = None
+
+    async def _scan(self) -> dict[str, Any]:
         replica = self.replica
         now = replica.wall_ms()
         backlog: dict[str, dict[str, int]] = {}
         claims: list[dict[str, Any]] = []
         scanned, after = 0, ""
         while scanned < MAX_SCANNED:
-            page = await replica.scan_all(after, min(1000, MAX_SCANNED - scanned))
+            await asyncio.sleep(0)  # a slice at a time: the node's calls go on between
+            page = await replica.scan_all(after, min(SLICE, MAX_SCANNED - scanned))
             if not page:
                 break
             scanned += len(page)
@@ -199,123 +238,175 @@ def _viewer(connection: Any, gate: _Gate | None) -> Caller | str:
     return ANYONE if gate is None else gate.viewer(connection)
 
 
-def _handler(
-    dashboard: Dashboard, loop: asyncio.AbstractEventLoop, gate: _Gate | None
-) -> type[Any]:
-    def ask(make: Callable[[], Any], timeout: float) -> Any:
-        return asyncio.run_coroutine_threadsafe(make(), loop).result(timeout)
+class _Rate:
+    """At most ``RATE`` snapshots a second per identity, in bursts of ``BURST``."""
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        server_version = "fencemark-dashboard"
-        protocol_version = "HTTP/1.1"
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("dashboard: " + format, *args)
+    def allows(self, identity: str) -> bool:
+        now = time.monotonic()
+        tokens, last = self._buckets.get(identity, (BURST, now))
+        tokens = min(BURST, tokens + (now - last) * RATE)
+        if tokens < 1:
+            self._buckets[identity] = (tokens, now)
+            return False
+        self._buckets[identity] = (tokens - 1, now)
+        if len(self._buckets) > 10_000:  # identities are few; addresses may not be
+            self._buckets.clear()
+        return True
 
-        def _send(self, code: int, body: bytes, kind: str, *, head: bool = False) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", f"{kind}; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            # Only the page's own files: no CDN, no inline script, no frames.
-            policy = "default-src 'self'; frame-ancestors 'none'"
-            self.send_header("Content-Security-Policy", policy)
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.end_headers()
-            if not head:
-                self.wfile.write(body)
 
-        def do_HEAD(self) -> None:
-            self.do_GET(head=True)
+class _Site:
+    """The listener's connections, each a task on the node's loop."""
 
-        def do_GET(self, head: bool = False) -> None:
-            path = self.path.split("?", 1)[0]
-            viewer = _viewer(self.connection, gate)
-            if isinstance(viewer, str):
-                self._send(403, viewer.encode() + b"\n", "text/plain", head=head)
-            elif path in FILES:
-                name, kind = FILES[path]
-                self._send(200, _asset(name), kind, head=head)
-            elif path == "/api/snapshot":
-                snapshot = for_viewer(ask(dashboard.snapshot, 30.0), viewer)
-                self._send(200, json.dumps(snapshot).encode(), "application/json", head=head)
-            elif path == "/api/stream" and not head:
-                self._stream(viewer)
-            else:
-                self._send(404, b"not found\n", "text/plain", head=head)
+    def __init__(self, dashboard: Dashboard, gate: _Gate | None) -> None:
+        self.dashboard = dashboard
+        self.gate = gate
+        self.open: set[asyncio.Task[Any]] = set()
+        self.rate = _Rate()
+        self.connections = 0  # accepted, ever
+        self.refused_connections = 0  # of them, closed at once: MAX_CONNECTIONS were open
+        self.most_open = 0
 
-        def _stream(self, viewer: Caller) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            after = -1
-            try:
-                while not self.server.closing:  # type: ignore[attr-defined]
-                    snapshot = ask(functools.partial(dashboard.next_snapshot, after), IDLE_S + 30)
-                    if isinstance(_viewer(self.connection, gate), str):
-                        return  # revoked (or its right taken) since the stream began
-                    after = snapshot["feed"]
-                    shown = json.dumps(for_viewer(snapshot, viewer)).encode()
-                    self.wfile.write(b"data: " + shown + b"\n\n")
-                    self.wfile.flush()
-            except (OSError, ssl.SSLError, RuntimeError, TimeoutError):
-                return  # the page went away, or the node is stopping
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.connections += 1
+        if len(self.open) >= MAX_CONNECTIONS:
+            self.refused_connections += 1
+            writer.close()
+            return
+        self.open.add(task)
+        self.most_open = max(self.most_open, len(self.open))
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+            await self._answer(head.decode("latin-1").split("\r\n", 1)[0].split(), writer)
+        except (
+            TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+            ConnectionError, ssl.SSLError,
+        ):  # fmt: skip
+            pass  # a page that went away, a silent or oversized request: closed
+        finally:
+            self.open.discard(task)
+            writer.close()
+            with contextlib.suppress(ConnectionError, ssl.SSLError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await writer.wait_closed()
 
-        def refuse(self) -> None:
-            self.send_response(405)
-            self.send_header("Allow", "GET, HEAD")
+    async def _answer(self, request_line: list[str], writer: asyncio.StreamWriter) -> None:
+        if len(request_line) != 3:
+            return await _send(writer, 400, b"bad request\n", "text/plain")
+        method, target, _ = request_line
+        path, head = target.split("?", 1)[0], method == "HEAD"
+        if method not in ("GET", "HEAD"):
             body = b"read-only: the dashboard takes GET and HEAD only\n"
-            self.send_header("Content-Type", "text/plain; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            return await _send(writer, 405, body, "text/plain", allow=True)
+        viewer = _viewer(writer.get_extra_info("ssl_object"), self.gate)
+        if isinstance(viewer, str):
+            return await _send(writer, 403, viewer.encode() + b"\n", "text/plain", head=head)
+        if path in FILES:
+            name, kind = FILES[path]
+            return await _send(writer, 200, _asset(name), kind, head=head)
+        if path not in ("/api/snapshot", "/api/stream") or (head and path == "/api/stream"):
+            return await _send(writer, 404, b"not found\n", "text/plain", head=head)
+        if not self.rate.allows(viewer.identity or _address(writer)):
+            body = b"too many snapshots: at most a few a second per viewer\n"
+            return await _send(writer, 429, body, "text/plain", head=head, retry_after=1)
+        if path == "/api/snapshot":
+            snapshot = for_viewer(await self.dashboard.snapshot(), viewer)
+            return await _send(writer, 200, json.dumps(snapshot).encode(), "application/json",
+                               head=head)  # fmt: skip
+        await self._stream(writer, viewer)
 
-        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = refuse
+    async def _stream(self, writer: asyncio.StreamWriter, viewer: Caller) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Cache-Control: no-store\r\nConnection: close\r\n\r\n")  # fmt: skip
+        after = -1
+        while True:
+            snapshot = await self.dashboard.next_snapshot(after)
+            if isinstance(_viewer(writer.get_extra_info("ssl_object"), self.gate), str):
+                return  # revoked (or its right taken) since the stream began
+            after = snapshot["feed"]
+            writer.write(b"data: " + json.dumps(for_viewer(snapshot, viewer)).encode() + b"\n\n")
+            async with asyncio.timeout(SEND_TIMEOUT_S):  # a viewer that reads nothing goes
+                await writer.drain()
 
-    return Handler
+    async def close(self) -> None:
+        for task in list(self.open):
+            task.cancel()
+        await asyncio.gather(*self.open, return_exceptions=True)
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    closing = False
+async def _send(
+    writer: asyncio.StreamWriter,
+    code: int,
+    body: bytes,
+    kind: str,
+    *,
+    head: bool = False,
+    allow: bool = False,
+    retry_after: int = 0,
+) -> None:
+    reasons = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+               405: "Method Not Allowed", 429: "Too Many Requests"}  # fmt: skip
+    headers = [
+        f"HTTP/1.1 {code} {reasons[code]}",
+        f"Content-Type: {kind}; charset=utf-8",
+        f"Content-Length: {len(body)}",
+        "Cache-Control: no-store",
+        # Only the page's own files: no CDN, no inline script, no frames.
+        "Content-Security-Policy: default-src 'self'; frame-ancestors 'none'",
+        "X-Content-Type-Options: nosniff",
+        "Connection: close",
+    ]
+    if allow:
+        headers.append("Allow: GET, HEAD")
+    if retry_after:
+        headers.append(f"Retry-After: {retry_after}")
+    writer.write(("\r\n".join(headers) + "\r\n\r\n").encode("latin-1"))
+    if not head:
+        writer.write(body)
+    async with asyncio.timeout(SEND_TIMEOUT_S):
+        await writer.drain()
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A page that went away, a failed TLS handshake: logged, not printed."""
-        log.debug("dashboard: a request from %s failed", client_address, exc_info=True)
+
+def _address(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if peer else "?"
 
 
-def serve(
+async def serve(
     dashboard: Dashboard,
     listen: str,
     tls: TlsFiles | None = None,
     access: AccessMap | None = None,
     revocations: Revocations | None = None,
-) -> tuple[int, Callable[[], None]]:
-    """Serve the dashboard on ``listen`` (HOST:PORT; port 0 picks one); returns the
-    bound port and a stopper. HTTPS with client certificates when ``tls`` is given,
-    their identities' rights from ``access``, refused when ``revocations`` lists them."""
+) -> tuple[int, Callable[[], Awaitable[None]]]:
+    """Serve the dashboard on ``listen`` (HOST:PORT; port 0 picks one) on the running
+    loop; returns the bound port and a stopper. HTTPS with client certificates when
+    ``tls`` is given, their identities' rights from ``access``, refused when
+    ``revocations`` lists them."""
     host, _, port = listen.rpartition(":")
-    loop = asyncio.get_running_loop()
-    gate = (
-        _Gate(access or DEFAULT_ACCESS, revocations or Revocations()) if tls is not None else None
-    )
-    server = _Server((host.strip("[]"), int(port)), _handler(dashboard, loop, gate))
+    context: ssl.SSLContext | None = None
+    gate: _Gate | None = None
     if tls is not None:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls.ca))
         context.load_cert_chain(str(tls.cert), str(tls.key))
         context.verify_mode = ssl.CERT_REQUIRED
-        # The handshake in the request's thread, not in the one accepting connections.
-        server.socket = context.wrap_socket(
-            server.socket, server_side=True, do_handshake_on_connect=False
-        )
-    thread = threading.Thread(target=server.serve_forever, name="dashboard", daemon=True)
-    thread.start()
+        gate = _Gate(access or DEFAULT_ACCESS, revocations or Revocations())
+    site = _Site(dashboard, gate)
+    server = await asyncio.start_server(
+        site.connection, host.strip("[]"), int(port), ssl=context, limit=MAX_REQUEST_BYTES,
+        ssl_handshake_timeout=REQUEST_TIMEOUT_S if context is not None else None,
+    )  # fmt: skip
+    dashboard.site = site
     dashboard.start()
 
-    def stop() -> None:
-        server.closing = True
-        server.shutdown()
-        server.server_close()
+    async def stop() -> None:
+        server.close()
+        await site.close()
+        await server.wait_closed()
 
-    return int(server.server_address[1]), stop
+    return int(server.sockets[0].getsockname()[1]), stop

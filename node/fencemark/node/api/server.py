@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
 import grpc
@@ -104,7 +104,7 @@ class NodeServer:
         self.tls = tls
         self._tls_watch: asyncio.Task[None] | None = None
         self.dashboard_port = 0  # where the dashboard is served, if it is
-        self._stop_dashboard: Callable[[], None] | None = None
+        self._stop_dashboard: Callable[[], Awaitable[None]] | None = None
         self._dashboard: Dashboard | None = None
         if tls is not None and config.tls_reload_interval > 0:
             self._tls_watch = asyncio.create_task(self._watch_tls(config.tls_reload_interval))
@@ -188,7 +188,7 @@ class NodeServer:
             follower.wait_for_peers()
         if config.dashboard_listen:
             node._dashboard = Dashboard(replica, claims, peers, metrics.recent_refusals)
-            node.dashboard_port, node._stop_dashboard = dashboard.serve(
+            node.dashboard_port, node._stop_dashboard = await dashboard.serve(
                 node._dashboard,
                 config.dashboard_listen,
                 config.tls,
@@ -221,7 +221,7 @@ class NodeServer:
         await self.replicator.stop()
         await self.lapses.stop()
         if self._stop_dashboard is not None and self._dashboard is not None:
-            await asyncio.to_thread(self._stop_dashboard)
+            await self._stop_dashboard()
             await self._dashboard.stop()
         await self.storage.close()
         if self._stop_metrics is not None:
