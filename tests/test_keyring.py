@@ -25,6 +25,7 @@ import pytest
 from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import codec
 from fencemark.node.crdt.fence import Grant
+from fencemark.node.crdt.record import Birth
 from fencemark.node.replication import signers
 from fencemark.node.security.revocation import Revocations, read_revoked
 from fencemark.node.security.signing import KEY_ID_SIZE, REVOKED_SIGNER, Keyring, Signer
@@ -194,6 +195,54 @@ async def test_a_grant_signed_by_a_revoked_key_is_refused_and_the_holder_keeps_i
         (at,) = [i for i, line in enumerate(lines) if line.strip().startswith("peer ap")]
         assert "REFUSED 1 states" in lines[at], lines[at]
         assert "last refused state" in lines[at + 1] and "revoked_signer" in lines[at + 1]
+
+
+@pytest.mark.slow
+async def test_a_birth_signed_by_a_revoked_key_never_takes_a_home(
+    tmp_path: Path, certs: Path
+) -> None:
+    """Issue 33, finding 7 (its revoked half): a birth of eu, back-dated before us's,
+    signed with eu's revoked key and relayed by another region, was accepted
+    everywhere: the home of a record alice held at us moved to eu, and her renewal
+    answered ``wrong_region``. A birth that would take a home from another region's
+    is refused when its key is revoked (``revoked_signer``), relayed or not; the home
+    stays, and alice renews."""
+    async with Cluster(tmp_path / "cluster", REGIONS, tls_reload_interval=FAST) as cluster:
+        nodes = {r: await cluster.start(r, tls=files(certs, r)) for r in REGIONS}
+        us, eu, ap = nodes["us"], nodes["eu"], nodes["ap"]
+        await serving(us, certs)
+        async with client(us, certs) as alice:
+            made = await alice.remember("lattice", "backlog", "homed", tags=["homeRegion:us"])
+            key = made.record.key
+            token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
+        async with client(eu, certs) as bob:  # a birth eu signs: every node knows its key
+            await bob.remember("lattice", "backlog", "of-eu", tags=["homeRegion:eu"])
+        await wait_converged([us, eu, ap])
+        old = Signer.from_files(files(certs, "eu"))  # the key that leaks
+        for node in (us, ap):
+            assert old.key_id in node.replica.keyring  # type: ignore[operator]
+        leaked = tmp_path / "leaked-eu.pem"
+        shutil.copyfile(certs / "eu.pem", leaked)
+        reissue(certs, tmp_path / "reissued", "eu")
+        assert main(["certs", "revoke", "--dir", str(certs), "--cert", str(leaked)]) == 0
+
+        async def every_node_has_the_crl() -> bool:
+            return all(n.tls is not None and n.tls.revocations.revoked for n in nodes.values())
+
+        await eventually(every_node_has_the_crl, "every node taking crl.pem in")
+        held = await state_of(us, key)
+        ours = held.births["us"].stamp
+        earlier = Birth(ours._replace(hlc=ours.hlc - (1 << 16)))  # a millisecond before
+        forged = old.sign_birth(held.with_birth("eu", earlier), "eu")
+        assert forged.home_region == "eu", "premise: merged as it is, it takes the home"
+        for target, sender in ((us, "ap"), (ap, "us"), (eu, "ap")):
+            assert await push(target, certs, sender, forged) == 0, target.config.region
+            stats = target.replicator.peer_stats(sender)
+            assert "revoked_signer" in stats.last_refusal, stats.last_refusal
+            assert (await state_of(target, key)).home_region == "us"
+        async with client(us, certs) as alice:
+            renewed = await alice.renew_claim(key, token, lease_seconds=60)
+        assert renewed.renewed, renewed.reason
 
 
 # -- slow signers -------------------------------------------------------------------------------

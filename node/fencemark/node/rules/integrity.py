@@ -88,8 +88,11 @@ class GrantVerifier(Protocol):
     def problem(self, record_key: str, token: int, grant: Grant) -> tuple[str, str] | None:
         """(reason, detail) when ``grant`` is not signed by its region's node."""
 
-    def birth_problem(self, record_key: str, region: str, birth: Birth) -> tuple[str, str] | None:
-        """(reason, detail) when ``region``'s ``birth`` is not signed by that region's node."""
+    def birth_problem(
+        self, record_key: str, region: str, birth: Birth, *, takes_home: bool = False
+    ) -> tuple[str, str] | None:
+        """(reason, detail) when ``region``'s ``birth`` is not signed by that region's
+        node (or, when it ``takes_home`` from another region's, by a revoked key)."""
 
     def write_problem(
         self, record_key: str, kind: str, name: str, register: Register, regions: Iterable[str]
@@ -194,10 +197,20 @@ class _Join:
 
     def check_births(self, verifier: GrantVerifier) -> None:
         """Every birth this node did not hold as it is: the region that made it
-        signed it, so no other node can claim an earlier birth for it (SPEC §4)."""
-        for region, birth in self.merged.births.items():
-            if self.local.births.get(region) != birth:
-                problem = verifier.birth_problem(self.remote.key, region, birth)
+        signed it, so no other node can claim an earlier birth for it (SPEC §4);
+        and one that would take the home from another region's birth is not signed by
+        a revoked key (SPEC §2: a revoked key moves no record away from its home)."""
+        local, merged = self.local, self.merged
+        for region, birth in merged.births.items():
+            if local.births.get(region) != birth:
+                takes_home = (
+                    bool(local.births)
+                    and merged.home_region == region
+                    and local.home_region != region
+                )
+                problem = verifier.birth_problem(
+                    self.remote.key, region, birth, takes_home=takes_home
+                )
                 if problem is not None:
                     raise self.refuse(*problem)
 

@@ -244,17 +244,19 @@ class Keyring:
         message = codec.grant_message(record_key, token, grant)
         return self._check(f"token {token}", grant.signature, grant.region, message)
 
-    def birth_problem(self, record_key: str, region: str, birth: Birth) -> tuple[str, str] | None:
+    def birth_problem(
+        self, record_key: str, region: str, birth: Birth, *, takes_home: bool = False
+    ) -> tuple[str, str] | None:
         """Why ``region``'s birth of the record is not signed by that region's node
-        (docs/security.md, *Signed births*): (reason, detail), or None when it is."""
+        (docs/security.md, *Signed births*): (reason, detail), or None when it is.
+        A birth that ``takes_home`` from another region's is refused when its key is
+        revoked too; any other is not: a birth never changes, so one signed before its
+        key was revoked would be refused for good by every node that had not merged it."""
         if not birth.signature:
             return UNSIGNED_BIRTH, f"the birth in region {region!r} carries no signature"
         message = codec.birth_message(record_key, region, birth)
         what = f"the birth in region {region!r}"
-        # Not checked against revocations: a birth never changes, so one signed before
-        # its key was revoked would be refused for good by every node that had not
-        # merged it yet (docs/security.md, *Signed births*).
-        return self._check(what, birth.signature, region, message, revocable=False)
+        return self._check(what, birth.signature, region, message, revocable=takes_home)
 
     def write_problem(
         self, record_key: str, kind: str, name: str, register: Register, regions: Iterable[str]
