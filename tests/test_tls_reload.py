@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -157,10 +158,13 @@ async def test_unusable_files_are_ignored_and_the_node_keeps_serving(
 # -- revocation ----------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-async def test_a_revoked_client_is_refused_on_every_call(
-    start_node: StartNode, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+Pair = tuple[NodeServer, Path, AsyncClient, AsyncClient]
+
+
+@pytest.fixture
+async def pair(start_node: StartNode, tmp_path: Path) -> AsyncIterator[Pair]:
+    """A node of region us serving TLS (reloading its files every FAST s), its
+    certificates, and the clients alice and bob on it."""
     certs = tmp_path / "certs"
     init_dir(certs, regions=["us"], clients=["alice", "bob"])
     node = await start_node("us", tls=TlsFiles.in_dir(certs, "us"), tls_reload_interval=FAST)
@@ -168,24 +172,32 @@ async def test_a_revoked_client_is_refused_on_every_call(
         client(node.address, certs, "alice") as alice,
         client(node.address, certs, "bob") as bob,
     ):
-        record = (await alice.remember("lattice", "backlog", "revoke-1", title="t")).record
-        assert main(["certs", "revoke", "--dir", str(certs), "--client", "alice"]) == 0
-        assert "lists 1 revoked certificates" in capsys.readouterr().out
+        yield node, certs, alice, bob
 
-        async def alice_refused() -> bool:
-            try:
-                await alice.get(record.key)
-            except PermissionDenied as denied:
-                return denied.reason == "revoked_certificate"
-            return False
 
-        # Refused on the connection alice already has open, within the reload interval.
-        await eventually(alice_refused, "alice's revoked certificate refused")
-        with pytest.raises(PermissionDenied) as denied:
-            await alice.update(record.key, fields={"body": "after revocation"})
-        assert denied.value.reason == "revoked_certificate"
-        assert denied.value.identity == "client/alice"
-        assert (await bob.get(record.key)).fields["title"] == "t"  # others are unaffected
+@pytest.mark.slow
+async def test_a_revoked_client_is_refused_on_every_call(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node, certs, alice, bob = pair
+    record = (await alice.remember("lattice", "backlog", "revoke-1", title="t")).record
+    assert main(["certs", "revoke", "--dir", str(certs), "--client", "alice"]) == 0
+    assert "lists 1 revoked certificates" in capsys.readouterr().out
+
+    async def alice_refused() -> bool:
+        try:
+            await alice.get(record.key)
+        except PermissionDenied as denied:
+            return denied.reason == "revoked_certificate"
+        return False
+
+    # Refused on the connection alice already has open, within the reload interval.
+    await eventually(alice_refused, "alice's revoked certificate refused")
+    with pytest.raises(PermissionDenied) as denied:
+        await alice.update(record.key, fields={"body": "after revocation"})
+    assert denied.value.reason == "revoked_certificate"
+    assert denied.value.identity == "client/alice"
+    assert (await bob.get(record.key)).fields["title"] == "t"  # others are unaffected
     stored = await node.storage.get(record.key)
     assert stored is not None and "body" not in stored.record.field_values()
     assert refusals(node)[("Update", "revoked_certificate")] == 1
@@ -266,76 +278,62 @@ async def revoked(node: NodeServer, certs: Path, name: str) -> None:
 
 @pytest.mark.slow
 async def test_a_waiter_revoked_while_it_waits_is_refused_and_the_next_in_line_is_served(
-    start_node: StartNode, tmp_path: Path
+    pair: Pair,
 ) -> None:
     """A ClaimNext waiting when its certificate was revoked was handed an item 9 s
     later, and the rightful next waiter got ``empty``. A grant to a waiter re-checks
     the caller first: alice is refused ``revoked_certificate``, bob gets the item;
     the same for a Claim waiting in a record's line."""
-    certs = tmp_path / "certs"
-    init_dir(certs, regions=["us"], clients=["alice", "bob"])
-    node = await start_node("us", tls=TlsFiles.in_dir(certs, "us"), tls_reload_interval=FAST)
-    async with (
-        client(node.address, certs, "alice") as alice,
-        client(node.address, certs, "bob") as bob,
-    ):
-        held = (await bob.remember("lattice", "held", "r1", title="t")).record.key
-        first = await bob.claim(held, "bob-1", lease_seconds=60)
-        alice_next = asyncio.create_task(
-            alice.claim_next("lattice", "backlog", "alice", wait_seconds=30)
-        )
-        bob_next = asyncio.create_task(bob.claim_next("lattice", "backlog", "bob", wait_seconds=30))
-        alice_claim = asyncio.create_task(alice.claim(held, "alice", wait_seconds=30))
-        bob_claim = asyncio.create_task(bob.claim(held, "bob-2", wait_seconds=30))
+    node, certs, alice, bob = pair
+    held = (await bob.remember("lattice", "held", "r1", title="t")).record.key
+    first = await bob.claim(held, "bob-1", lease_seconds=60)
+    alice_next = asyncio.create_task(
+        alice.claim_next("lattice", "backlog", "alice", wait_seconds=30)
+    )
+    bob_next = asyncio.create_task(bob.claim_next("lattice", "backlog", "bob", wait_seconds=30))
+    alice_claim = asyncio.create_task(alice.claim(held, "alice", wait_seconds=30))
+    bob_claim = asyncio.create_task(bob.claim(held, "bob-2", wait_seconds=30))
 
-        async def all_waiting() -> bool:
-            return node.claims.waiting == 4
+    async def all_waiting() -> bool:
+        return node.claims.waiting == 4
 
-        await eventually(all_waiting, "four callers waiting")
-        await revoked(node, certs, "alice")
-        item = (await bob.remember("lattice", "backlog", "i1", title="i")).record
-        assert (await bob.release_claim(held, first.fencing_token)).released
-        for refused in (alice_next, alice_claim):
-            with pytest.raises(PermissionDenied) as denied:
-                await asyncio.wait_for(refused, 20)
-            assert denied.value.reason == "revoked_certificate"
-        picked = await asyncio.wait_for(bob_next, 20)
-        assert picked.granted and picked.record is not None and picked.record.key == item.key
-        claimed = await asyncio.wait_for(bob_claim, 20)
-        assert claimed.granted and claimed.fencing_token == first.fencing_token + 1
+    await eventually(all_waiting, "four callers waiting")
+    await revoked(node, certs, "alice")
+    item = (await bob.remember("lattice", "backlog", "i1", title="i")).record
+    assert (await bob.release_claim(held, first.fencing_token)).released
+    for refused in (alice_next, alice_claim):
+        with pytest.raises(PermissionDenied) as denied:
+            await asyncio.wait_for(refused, 20)
+        assert denied.value.reason == "revoked_certificate"
+    picked = await asyncio.wait_for(bob_next, 20)
+    assert picked.granted and picked.record is not None and picked.record.key == item.key
+    claimed = await asyncio.wait_for(bob_claim, 20)
+    assert claimed.granted and claimed.fencing_token == first.fencing_token + 1
 
 
 @pytest.mark.slow
-async def test_a_watch_ends_at_its_first_event_after_its_certificate_is_revoked(
-    start_node: StartNode, tmp_path: Path
-) -> None:
+async def test_a_watch_ends_at_its_first_event_after_its_certificate_is_revoked(pair: Pair) -> None:
     """An open Records.Watch kept streaming changes after its certificate was revoked:
     each event re-checks the caller, so the stream ends ``revoked_certificate``
     instead of handing the change over."""
-    certs = tmp_path / "certs"
-    init_dir(certs, regions=["us"], clients=["alice", "bob"])
-    node = await start_node("us", tls=TlsFiles.in_dir(certs, "us"), tls_reload_interval=FAST)
-    async with (
-        client(node.address, certs, "alice") as alice,
-        client(node.address, certs, "bob") as bob,
-    ):
-        seen: list[str] = []
-        opened = asyncio.Event()
+    node, certs, alice, bob = pair
+    seen: list[str] = []
+    opened = asyncio.Event()
 
-        async def follow() -> None:
-            async for event in alice.watch("lattice", on_start=lambda _: opened.set()):
-                seen.append(event.key)
+    async def follow() -> None:
+        async for event in alice.watch("lattice", on_start=lambda _: opened.set()):
+            seen.append(event.key)
 
-        watching = asyncio.create_task(follow())
-        await asyncio.wait_for(opened.wait(), 10)
-        await bob.remember("lattice", "backlog", "before", title="t")
-        await eventually(lambda: _has(seen, 1), "the change before the revocation seen")
-        await revoked(node, certs, "alice")
-        await bob.remember("lattice", "backlog", "after", title="t")
-        with pytest.raises(PermissionDenied) as denied:
-            await asyncio.wait_for(watching, 10)
-        assert denied.value.reason == "revoked_certificate"
-        assert seen == ["repo/lattice/mem/backlog/before"]
+    watching = asyncio.create_task(follow())
+    await asyncio.wait_for(opened.wait(), 10)
+    await bob.remember("lattice", "backlog", "before", title="t")
+    await eventually(lambda: _has(seen, 1), "the change before the revocation seen")
+    await revoked(node, certs, "alice")
+    await bob.remember("lattice", "backlog", "after", title="t")
+    with pytest.raises(PermissionDenied) as denied:
+        await asyncio.wait_for(watching, 10)
+    assert denied.value.reason == "revoked_certificate"
+    assert seen == ["repo/lattice/mem/backlog/before"]
 
 
 async def _has(seen: list[str], count: int) -> bool:
