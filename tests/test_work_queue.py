@@ -619,6 +619,28 @@ async def asleep_at_the_head(work: WorkQueue) -> asyncio.Task[object]:
     return waiter
 
 
+async def test_a_look_that_fails_still_answers_a_caller_that_asked_for_one_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newcomer that does not wait takes one look behind those waiting; should that
+    look fail (a storage fault), it is answered ``empty`` rather than left hanging,
+    and the failure is logged."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        waiter = await asleep_at_the_head(work)
+
+        async def failing_pass(*args: object) -> bool:
+            raise OSError("the disk is gone")
+
+        monkeypatch.setattr(work._lines, "_pass", failing_pass)  # the fault, here only
+        newcomer = await asyncio.wait_for(
+            work.claim_next("claims", "backlog", "newcomer", caller=ANYONE), SOON
+        )
+        assert newcomer.outcome.reason is Reason.EMPTY
+        assert "looking for the waiters of" in caplog.text
+        waiter.cancel()
+
+
 async def test_a_picked_lease_is_exactly_the_lease_asked_for(tmp_path: Path) -> None:
     """On a clock that stands still: the grant ends lease_seconds after the pick."""
     now = 1_767_225_600_000

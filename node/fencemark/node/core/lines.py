@@ -206,6 +206,10 @@ class PickLines(Generic[R]):
             line.look = None
             if line.again and line.waiters:
                 self.wake(key)
+            else:  # a look that failed: a caller that asked for one look is answered
+                for picker in line.waiters:
+                    if picker.once and not picker.got.done():
+                        picker.got.set_result(None)
 
     async def _pass(self, line: _PickLine[R]) -> bool:
         """Let each waiter try, from the front; True to start again from the front,
