@@ -499,6 +499,38 @@ def test_every_birth_a_node_did_not_hold_carries_its_regions_signature() -> None
     assert refusal(held, forged, KEYRING).reason == "signer_not_home"
 
 
+def test_a_birth_by_a_revoked_key_is_refused_only_where_it_would_take_the_home() -> None:
+    """SPEC §2: a revoked key moves no record away from its home. Its birth of a
+    record this node holds under another region's earlier birth is refused; a birth
+    that would not take the home, or a record's only birth, is merged as before (a
+    birth never changes: one signed before the revocation must still reach everyone)."""
+    from cryptography import x509
+
+    from fencemark.node.security.revocation import Revocations
+    from tests.strategies import _OTHER_CERT
+
+    other_cert = x509.load_pem_x509_certificate(_OTHER_CERT[0])
+    ring = keyring()
+    ring.revocations = Revocations(
+        frozenset({(other_cert.issuer.rfc4514_string(), other_cert.serial_number)})
+    )
+    held, other = signed(), REGIONS[1]
+
+    def born(record: Record, ms: int) -> Record:
+        return OTHER_SIGNER.sign_birth(record.with_birth(other, Birth(stamp(ms, node="n-eu"))),
+                                       other)  # fmt: skip
+
+    earlier = born(held, EPOCH_MS - 1)
+    assert refusal(held, earlier, ring).reason == "revoked_signer"
+    assert check(held, earlier, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING).home_region == other
+    later = check(held, born(held, EPOCH_MS + 1), now_ms=NOW, bounds=BOUNDS, verifier=ring)
+    assert later.home_region == HOME and set(later.births) == {HOME, other}
+    only = born(Record(held.key), EPOCH_MS - 1)
+    assert (
+        check(Record(held.key), only, now_ms=NOW, bounds=BOUNDS, verifier=ring).home_region == other
+    )
+
+
 # -- a hostile peer, against a real node -----------------------------------------------------
 
 
