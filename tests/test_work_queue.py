@@ -117,6 +117,24 @@ async def test_a_claim_next_retried_by_its_holder_answers_the_same_claim_again(
     assert (await client.claim_next(REPO, TOPIC, "worker-a")).reason == "empty"
 
 
+async def test_a_retry_while_others_wait_in_line_answers_the_held_item_and_takes_no_other(
+    client: AsyncClient, node: NodeServer
+) -> None:
+    """The retry of a lost reply is answered from the durable state even while callers
+    wait in the topic's line: not a second item, however many are open (pinned by the
+    mutation run: a newcomer's look behind the waiters must not follow a retry)."""
+    await item(client, "first")
+    await item(client, "second")
+    picked = await client.claim_next(REPO, TOPIC, "worker-a", lease_seconds=LONG)
+    assert picked.record is not None and picked.record.id == "first"
+    [picky] = await _in_line(client, node, [("picky", ["needs:gpu"])])
+    retried = await client.claim_next(REPO, TOPIC, "worker-a", lease_seconds=LONG)
+    assert retried.record is not None
+    assert (retried.record.id, retried.fencing_token) == ("first", picked.fencing_token)
+    assert (await client.claim_status(key_of("second"))).claim is None
+    picky.cancel()
+
+
 async def test_a_retry_with_other_tags_does_not_answer_an_item_without_them(
     client: AsyncClient,
 ) -> None:
