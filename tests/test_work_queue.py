@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ from fencemark.node.crdt import Stamp
 from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
 from fencemark.node.rules import queue
 from fencemark.node.rules.admission import ANYONE, Caller
-from fencemark.node.rules.errors import Reason
+from fencemark.node.rules.errors import Denial, PermissionDenied, Reason
 from fencemark.node.rules.validation import DEFAULT_LEASE_S
 from fencemark.node.store.storage import DB_FILE, Storage
 from tests.cluster import Cluster, all_deciding, eventually
@@ -635,6 +636,66 @@ async def asleep_at_the_head(work: WorkQueue) -> asyncio.Task[object]:
     await eventually(lambda: _idle(work.claims), "the waiter in line")
     await asyncio.sleep(0.05)
     return waiter
+
+
+async def test_a_waiter_refused_at_its_turn_lets_the_next_one_be_served(tmp_path: Path) -> None:
+    """A waiter whose turn ends in a refusal (its certificate revoked meanwhile,
+    ``Caller.still_allowed``) hears it, and the same look goes on to the waiter
+    behind, which takes the item (pinned by the mutation run of core/lines)."""
+
+    revocations: list[str] = []
+
+    def still_allowed() -> None:
+        if revocations:
+            raise PermissionDenied(Denial.REVOKED_CERTIFICATE, "revoked while it waited")
+
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        first = asyncio.create_task(work.claim_next(
+            "claims", "backlog", "first", wait_seconds=WAIT,
+            caller=Caller("client/first", still_allowed=still_allowed),
+        ))  # fmt: skip
+        await eventually(lambda: _idle(claims), "the first waiter in line")
+        second = asyncio.create_task(
+            work.claim_next("claims", "backlog", "second", wait_seconds=WAIT, caller=ANYONE)
+        )
+        await eventually(functools.partial(_waiting_here, claims, 2), "the second behind it")
+        revocations.append("client/first")
+        key = await made(claims, "one")
+        with pytest.raises(PermissionDenied):
+            await asyncio.wait_for(first, SOON)
+        got = await asyncio.wait_for(second, SOON)
+        assert got.stored is not None and got.stored.record.key == key
+
+
+async def test_a_change_during_a_look_makes_the_line_look_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item made while a look is under way (its pick already read the index) is
+    not missed: the wake-up during the look makes the line look once more (pinned by
+    the mutation run of core/lines)."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        real_pick = work._pick
+        picks: list[int] = []
+        made_meanwhile: list[str] = []
+
+        async def pick_then_an_item_appears(*args: Any) -> Any:
+            found = await real_pick(*args)
+            picks.append(1)
+            if len(picks) == 2:  # the line's first look (after the call's own pick)
+                made_meanwhile.append(await made(claims, "meanwhile"))
+            return found
+
+        monkeypatch.setattr(work, "_pick", pick_then_an_item_appears)
+        got = await asyncio.wait_for(
+            work.claim_next("claims", "backlog", "w", wait_seconds=WAIT, caller=ANYONE), SOON
+        )
+        assert got.stored is not None and got.stored.record.key == made_meanwhile[0]
+
+
+async def _waiting_here(claims: Claims, count: int) -> bool:
+    return claims.waiting == count
 
 
 async def test_a_look_that_fails_still_answers_a_caller_that_asked_for_one_look(

@@ -248,8 +248,9 @@ class PickLines(Generic[R]):
 
 
 def _handed(got: asyncio.Future[R | None]) -> R | None:
-    """What a look handed over, if it did (None for nothing, a refusal or not yet)."""
-    if not got.done() or got.cancelled() or got.exception() is not None:
+    """What a look handed over, if it did (None for nothing, a refusal or not yet;
+    ``got`` is never cancelled: the caller awaits it shielded)."""
+    if not got.done() or got.exception() is not None:
         return None
     return got.result()
 
