@@ -42,7 +42,12 @@ WARM_UP_TRY_S = 1.0  # for one warm-up write to reach every watcher
 
 
 async def run_feed(settings: Settings, progress: Progress, work: Path, out: Path) -> ScenarioResult:
-    cluster = await LocalCluster.start(REGIONS, work / "feed")
+    # Every watcher of the cost runs comes from this one machine: one client to the
+    # node, whose cap on open streams per client (64) they would pass.
+    streams = max(settings.feed_watchers, default=0) + 16
+    cluster = await LocalCluster.start(
+        REGIONS, work / "feed", node_args=(f"--max-streams-per-client={streams}",)
+    )
     try:
         async with drivers.region_clients(cluster.addresses) as clients:
             delivered = await measure_delivery(clients, settings, progress)

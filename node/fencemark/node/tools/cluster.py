@@ -55,6 +55,7 @@ class LocalCluster:
         faults: bool = False,
         anti_entropy_interval: float = 1.0,
         enable_writes: bool = True,
+        node_args: Sequence[str] = (),
     ) -> LocalCluster:
         ports = {
             region: base_port + index if base_port else free_port()
@@ -78,6 +79,7 @@ class LocalCluster:
                     extra_args=(
                         *(f"--peer={r}={a}" for r, a in peers[region].items()),
                         f"--anti-entropy-interval={anti_entropy_interval}",
+                        *node_args,
                     ),
                 )
                 for region in regions
