@@ -237,10 +237,15 @@ class Authorize(Interceptor):
         if not method.startswith(PACKAGE) and method not in OTHER_METHOD_RIGHTS:
             raise RuntimeError(f"{method}: no right is named for it (OTHER_METHOD_RIGHTS)")
         access, revocations = self.access, self.revocations
+
+        def denial(context: grpc.aio.ServicerContext[Any, Any]) -> PermissionDenied | None:
+            # A revoked certificate first: clients and peers alike, whatever its rights.
+            return revocations.check(context) or access.check(peer_identity(context), method)
+
         if not awaited(shape, behaviour):  # reflection: a stream of requests and answers
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                denied = revocations.check(context) or access.check(peer_identity(context), method)
+                denied = denial(context)
                 if denied is not None:
                     await refuse(context, denied)
                 async for response in behaviour(request, context):
@@ -250,16 +255,12 @@ class Authorize(Interceptor):
         inner: Handler = behaviour
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            def denial() -> PermissionDenied | None:
-                # A revoked certificate first: clients and peers alike, whatever its rights.
-                return revocations.check(context) or access.check(peer_identity(context), method)
-
             def still_allowed() -> None:
-                denied = denial()
+                denied = denial(context)
                 if denied is not None:
                     raise denied
 
-            denied = denial()
+            denied = denial(context)
             if denied is not None:
                 await refuse(context, denied)
             checking = _CALL_CHECK.set(still_allowed)
