@@ -14,8 +14,10 @@ by simulated nodes the way the node does them (SPEC §2, §3, §4):
   other replicas learn claims by merging — except that a replica that has not seen
   the key may create it too (as a region cut off from the home does), and while it
   believes itself the home it grants as well (``SplitCreate``, ``SplitGrant``): the
-  two births every replica must resolve alike. A grant is signed the way a TLS
-  home signs it (``signing.Signer``, with a real key of a test CA: ``SIGNERS``,
+  two births every replica must resolve alike. A replica holding a claim born
+  elsewhere says so (``Sees``), and a hostile one back-dates a birth of its own
+  (``BackdatedBirth``): void once it had seen the record. A grant is signed the way
+  a TLS home signs it (``signing.Signer``, with a real key of a test CA: ``SIGNERS``,
   two keys of the home as after a re-issued certificate) or left unsigned as an
   ``--insecure`` home leaves it.
   (Two regions granting the same token differently is impossible in the real
@@ -39,7 +41,7 @@ from hypothesis import strategies as st
 
 from fencemark.node.crdt import HybridClock, Record, Stamp
 from fencemark.node.crdt.fence import HISTORY, Grant
-from fencemark.node.crdt.record import ATTEMPTS, NOT_BEFORE, STATUS, STATUSES
+from fencemark.node.crdt.record import ATTEMPTS, NOT_BEFORE, STATUS, STATUSES, Birth
 from fencemark.node.security.signing import Keyring, Signer
 from fencemark.node.security.tls import Identity, create_ca, issue
 
@@ -92,19 +94,25 @@ _HOME_CERTS = [issue(_CA_CERT, _CA_KEY, Identity("region", REGIONS[0])) for _ in
 SIGNERS = tuple(Signer.from_pem(key) for _, key in _HOME_CERTS)
 
 
-# A node certificate of the second region, for a birth region other than the home.
+# A node certificate of the second region, for a birth region other than the home,
+# and one of every region but the home's, for their sightings (``Sees``).
 _OTHER_CERT = issue(_CA_CERT, _CA_KEY, Identity("region", REGIONS[1]))
 OTHER_SIGNER = Signer.from_pem(_OTHER_CERT[1])
+_THIRD_CERTS = [issue(_CA_CERT, _CA_KEY, Identity("region", r)) for r in REGIONS[2:]]
+REGION_SIGNERS = {
+    REGIONS[1]: OTHER_SIGNER,
+    **{r: Signer.from_pem(key) for r, (_, key) in zip(REGIONS[2:], _THIRD_CERTS, strict=True)},
+}
 
 
 def keyring() -> Keyring:
-    """A keyring of the test CA that knows both of the home's certificates, and the
-    second region's (``OTHER_SIGNER``)."""
+    """A keyring of the test CA that knows both of the home's certificates, the
+    second region's (``OTHER_SIGNER``) and every other region's (``REGION_SIGNERS``)."""
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import Encoding
 
     ring = Keyring([x509.load_pem_x509_certificate(_CA_CERT)])
-    for cert, _ in (*_HOME_CERTS, _OTHER_CERT):
+    for cert, _ in (*_HOME_CERTS, _OTHER_CERT, *_THIRD_CERTS):
         ring.add(x509.load_pem_x509_certificate(cert).public_bytes(Encoding.DER))
     return ring
 
@@ -260,6 +268,38 @@ class SplitCreate:
 
 
 @dataclass(frozen=True)
+class Sees:
+    """A replica holding a claim on a record born elsewhere only says so, as the
+    node does on merging it (``Replica._seen``; a no-op otherwise), signed by its
+    region (``REGION_SIGNERS``) or, as an ``--insecure`` node does, not."""
+
+    signed: bool = True
+
+    def apply(self, node: SimNode) -> None:
+        record, region = node.record, node.region
+        if not record.fence.grants or region in record.births or region in record.seen:
+            return
+        seen = record.see(region, Birth(node.stamp()._replace(epoch=0)))
+        signer = REGION_SIGNERS.get(region) if self.signed else None
+        node.record = signer.sign_seen(seen, region) if signer is not None else seen
+
+
+@dataclass(frozen=True)
+class BackdatedBirth:
+    """A hostile replica claims a birth of its own region 1 ms before the home's, as
+    a region signing with its own key can (docs/security.md): void if it had seen
+    the record (``Record.creators``), the home otherwise. A no-op on a record it has
+    no birth to back-date from."""
+
+    def apply(self, node: SimNode) -> None:
+        home = node.record.home
+        if home is None or node.region in node.record.births:
+            return
+        earlier = home.stamp._replace(hlc=max(0, home.stamp.hlc - (1 << 16)), node=node.region)
+        node.record = node.record.with_birth(node.region, Birth(earlier))
+
+
+@dataclass(frozen=True)
 class SplitGrant:
     """A replica whose own birth is the earliest it knows grants, unsigned, as a
     home does (a no-op while it knows an earlier birth)."""
@@ -388,7 +428,7 @@ class HomeQueue:
 ClaimOp = (
     GrantNext | Extend | Release | Lapse | MoveFence | BusyRun | SignOwnWrites | Sealed | HomeQueue
 )
-SplitOp = SplitCreate | SplitGrant
+SplitOp = SplitCreate | SplitGrant | Sees | BackdatedBirth
 Operation = WriteOp | Admitted | ClaimOp | SplitOp
 
 tag_names = st.frozensets(st.sampled_from(TAGS), min_size=1, max_size=2)
@@ -544,7 +584,10 @@ def steps(n: int) -> st.SearchStrategy[Step]:
     """One step among ``n`` nodes; claim operations only at node 0, the home."""
     node = st.integers(0, n - 1)
     split: st.SearchStrategy[SplitOp] = st.one_of(
-        st.builds(SplitCreate), st.builds(SplitGrant, st.sampled_from(OWNERS), lease_ms)
+        st.builds(SplitCreate),
+        st.builds(SplitGrant, st.sampled_from(OWNERS), lease_ms),
+        st.builds(Sees, st.booleans()),
+        st.builds(BackdatedBirth),
     )
     return st.one_of(
         st.builds(Act, st.just(0), operations(home=True, regions=[REGIONS[0]])),

@@ -547,8 +547,8 @@ def test_integers_in_a_state_are_uint64_on_both_sides_of_the_codec() -> None:
     at_limit = Record(KEY).with_fence(FenceState(released=frozenset({2**64 - 1})))
     assert decode(encode(at_limit)) == at_limit
     # released: one token, 2**64 - 1 in ten bytes; then no lapsed token, no seal,
-    # moved 0, no signature of it and no queue register
-    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00" * 5)
+    # moved 0, no signature of it, no queue register and no sighting
+    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00" * 6)
     for beyond in (2**64, 2**77):
         with pytest.raises(ValueError, match="uint64"):
             encode(Record(KEY).with_fence(FenceState(released=frozenset({beyond}))))
@@ -611,6 +611,7 @@ def test_equal_states_encode_to_equal_bytes(states: tuple[Record, ...]) -> None:
                 r.fence.moved_signature,
             ),
             dict(reversed(list(r.queue.items()))),
+            dict(reversed(list(r.seen.items()))),
         )
 
     assert encode(reversed_maps(orders[0])) == encode(orders[0])
@@ -706,7 +707,7 @@ def birth_entry(region: str, signature: bytes = b"") -> bytes:
 
 def layout(
     *,
-    fmt: bytes = b"\x05",
+    fmt: bytes = b"\x06",
     key: bytes = text("k"),
     births: bytes = section(),
     fields: bytes = section(),
@@ -720,11 +721,12 @@ def layout(
     moved: bytes = varint(0),
     moved_signature: bytes = b"",
     queue: bytes = section(),
+    seen: bytes = section(),
 ) -> bytes:
     ended = released + lapsed + seals
     signed_move = varint(len(moved_signature)) + moved_signature
     content = fmt + key + births + fields + tags + deleted
-    return content + grants + leases + ended + moved + signed_move + queue
+    return content + grants + leases + ended + moved + signed_move + queue + seen
 
 
 def legacy_layout(*, fmt: bytes, home: bytes, grants: bytes, leases: bytes) -> bytes:
@@ -734,6 +736,7 @@ def legacy_layout(*, fmt: bytes, home: bytes, grants: bytes, leases: bytes) -> b
 
 
 FULL_QUEUE = section(field_entry("attempts", "2"), field_entry("status", "done", SIG))
+FULL_SEEN = section(birth_entry("ap", SIG))
 FULL = layout(
     key=text(KEY),
     births=section(birth_entry("eu", SIG), birth_entry("local")),
@@ -746,11 +749,12 @@ FULL = layout(
     lapsed=section(varint(1)),
     seals=section(varint(2) + varint(len(SIG)) + SIG),
     queue=FULL_QUEUE,
+    seen=FULL_SEEN,
 )
 
 
 def test_encoding_matches_documented_layout() -> None:
-    """Pins format 5 byte for byte: a change here breaks every stored digest."""
+    """Pins format 6 byte for byte: a change here breaks every stored digest."""
     s1 = Stamp(1, pack(EPOCH_MS, 1), "local")
     grant = Grant(pack(EPOCH_MS), "worker-a", "local")
     signed = grant._replace(signature=SIG, identity="client/alice")
@@ -768,6 +772,7 @@ def test_encoding_matches_documented_layout() -> None:
             seals={2: SIG},
         ),
         queue={"status": LWW(s1, "done", SIG), "attempts": LWW(s1, "2")},
+        seen={"ap": Birth(s1, SIG)},
     )
     assert encode(record) == FULL
     assert decode(FULL) == record
@@ -782,7 +787,7 @@ def test_encoding_matches_documented_layout() -> None:
 
 NON_CANONICAL = {
     "empty input": b"",
-    "unknown format": layout(fmt=b"\x06"),
+    "unknown format": layout(fmt=b"\x07"),
     "format 1 (before signatures)": layout(fmt=b"\x01"),
     "format 2 (before births)": layout(fmt=b"\x02"),
     "format 3 (before signed writes)": layout(fmt=b"\x03"),
@@ -902,14 +907,26 @@ def test_format_3_states_are_upgraded_with_unsigned_writes() -> None:
 
 def test_format_4_states_are_upgraded_with_no_queue_registers() -> None:
     """Format 4 ended at the move's signature: storage re-encodes it with an empty
-    queue (every item ``open``, no attempts), and decode takes format 5 only."""
-    v4 = b"\x04" + FULL[1 : -len(FULL_QUEUE)]
-    v5 = b"\x05" + v4[1:] + section()
-    assert upgrade(v4) == v5
+    queue (every item ``open``, no attempts), and decode takes format 6 only."""
+    v4 = b"\x04" + FULL[1 : -len(FULL_QUEUE) - len(FULL_SEEN)]
+    v6 = b"\x06" + v4[1:] + section() + section()
+    assert upgrade(v4) == v6
     with pytest.raises(DecodeError):
         decode(v4)
-    upgraded = decode(v5)
+    upgraded = decode(v6)
     assert (upgraded.queue, upgraded.status, upgraded.attempts) == ({}, "open", 0)
+
+
+def test_format_5_states_are_upgraded_with_no_sightings() -> None:
+    """Format 5 ended at the queue registers: storage re-encodes it with no region
+    having seen the record (``Record.seen``), and decode takes format 6 only."""
+    v5 = b"\x05" + FULL[1 : -len(FULL_SEEN)]
+    v6 = b"\x06" + v5[1:] + section()
+    assert upgrade(v5) == v6
+    with pytest.raises(DecodeError):
+        decode(v5)
+    upgraded = decode(v6)
+    assert upgraded.seen == {} and upgraded.creators == {"eu", "local"}
 
 
 def test_layout_builder_is_canonical() -> None:
@@ -977,12 +994,12 @@ def test_decode_refuses_an_integer_in_more_bytes_than_it_needs(n: int, extra: in
         decode(layout(moved=longer_form(n, extra)))
 
 
-def test_the_encoding_is_format_5() -> None:
+def test_the_encoding_is_format_6() -> None:
     """Every node must write and read the same format: a state's first byte says which,
-    decode refuses any other, and storage upgrades files of formats 1 to 4 (codec
+    decode refuses any other, and storage upgrades files of formats 1 to 5 (codec
     docstring). A new format is a deliberate step with an upgrade path, never a drift."""
-    assert FORMAT == 5
-    assert encode(Record("k"))[0] == 5
+    assert FORMAT == 6
+    assert encode(Record("k"))[0] == 6
 
 
 @LAWS

@@ -25,7 +25,7 @@ from fencemark.node.crdt.fence import HISTORY, Grant
 from fencemark.node.crdt.hlc import pack
 from fencemark.node.crdt.record import ATTEMPTS, DONE, OUTCOME, PARKED, STATUS
 from fencemark.node.rules.admission import RECOVERY_GAP, token_ceiling
-from fencemark.node.rules.integrity import Bounds, MergeRefused, check
+from fencemark.node.rules.integrity import Bounds, MergeRefused, check, voided_births
 from fencemark.node.security.signing import Keyring
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 from tests.cluster import Cluster
@@ -33,10 +33,12 @@ from tests.strategies import (
     EPOCH_MS,
     KEY,
     OTHER_SIGNER,
+    REGION_SIGNERS,
     REGIONS,
     SIGNERS,
     Act,
     Admitted,
+    BackdatedBirth,
     BusyRun,
     Create,
     GrantNext,
@@ -47,6 +49,7 @@ from tests.strategies import (
     Release,
     Scenario,
     Sealed,
+    Sees,
     SetQueue,
     Tombstone,
     WriteOp,
@@ -64,7 +67,7 @@ def realistic(scenario: Scenario) -> Scenario:
     """As nodes do it: the record exists before anyone claims it, only its home
     region creates it (a node creates a record only in its own region), and writes
     are admitted (and signed) as a TLS node admits them (``Admitted``; the queue's
-    ``HomeQueue``)."""
+    ``HomeQueue``; sightings). No region back-dates a birth (``BackdatedBirth``)."""
 
     def homed(op: Operation) -> Operation:
         if isinstance(op, Create | Tombstone):
@@ -77,12 +80,16 @@ def realistic(scenario: Scenario) -> Scenario:
             return homed(op.op)
         if isinstance(op, SetQueue):
             return HomeQueue(op.values, 0)  # only a TLS home writes the queue, signed
+        if isinstance(op, Sees):
+            return Sees(signed=True)  # a TLS node signs its sightings
         if isinstance(op, WriteOp):
             return Admitted(op, 0)
         return op
 
     steps = tuple(
-        dataclasses.replace(s, op=homed(s.op)) if isinstance(s, Act) else s for s in scenario.steps
+        dataclasses.replace(s, op=homed(s.op)) if isinstance(s, Act) else s
+        for s in scenario.steps
+        if not (isinstance(s, Act) and isinstance(s.op, BackdatedBirth))  # hostile
     )
     ancestor = (Create(HOME), *(homed(op) for op in scenario.ancestor))
     return dataclasses.replace(scenario, steps=steps, ancestor=ancestor)
@@ -529,6 +536,59 @@ def test_a_birth_by_a_revoked_key_is_refused_only_where_it_would_take_the_home()
     assert (
         check(Record(held.key), only, now_ms=NOW, bounds=BOUNDS, verifier=ring).home_region == other
     )
+
+
+def test_a_birth_of_a_region_that_had_seen_the_record_is_void_in_either_order() -> None:
+    """Issue 33, finding 7: a region that held a claimed record born elsewhere says
+    so, signed (``Record.seen``); a birth of its own, back-dated and signed with its
+    own live key, is then void — never the home, never a granter — whichever of the
+    two a node learns first, and the merge reports it (``seen_before_birth``). A
+    sighting is its region's word alone: unsigned or signed by another, refused."""
+    held, other = signed(), REGIONS[1]
+    sighting = Birth(stamp(EPOCH_MS + 2, node="n-eu"))
+    assert refusal(held, held.see(other, sighting), KEYRING).reason == "unsigned_seen"
+    by_home = SIGNERS[0].sign_seen(held.see(other, sighting), other)
+    assert refusal(held, by_home, KEYRING).reason == "signer_not_home"
+    seen = check(held, OTHER_SIGNER.sign_seen(held.see(other, sighting), other),
+                 now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)  # fmt: skip
+    assert seen.seen.keys() == {other} and seen.creators == {HOME}
+
+    back_dated = Birth(stamp(EPOCH_MS - 1, node="n-eu"))
+    forged = OTHER_SIGNER.sign_birth(held.with_birth(other, back_dated), other)
+    after = check(seen, forged, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert after.home_region == HOME and after.creators == {HOME}
+    assert after.births[other] == forged.births[other]  # kept, as evidence
+    assert [(v.key, v.reason) for v in voided_births(seen, after)] == [(KEY, "seen_before_birth")]
+    assert voided_births(after, after) == []  # reported once, where it is news
+    # The other order: the birth first (it takes the home there, as at any meet),
+    # then the sighting — the same state, the same home, reported when it voids.
+    taken = check(held, forged, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert taken.home_region == other
+    back = check(taken, seen, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert back == after and len(voided_births(taken, back)) == 1
+
+    # Nor can the void region grant, nor write the queue, as a birth region could.
+    grant = Grant(pack(EPOCH_MS + 3), "thief", other)
+    granting = after.with_fence(after.fence.grant(2, grant, NOW + 60_000))
+    signed_grant = granting.with_fence(OTHER_SIGNER.sign_fence(KEY, granting.fence))
+    assert refusal(after, signed_grant, KEYRING).reason == "grant_outside_home"
+    at = stamp(EPOCH_MS + 4, node="n-eu")
+    done = OTHER_SIGNER.sign_writes(after.set_queue({STATUS: DONE}, at), at)
+    assert refusal(after, done, KEYRING).reason == "signer_not_home"
+
+
+def test_two_births_without_a_sighting_still_meet_at_the_earliest() -> None:
+    """The split SPEC §2 allows stays allowed: neither region had seen the other's
+    record, and a third region's sighting voids neither birth."""
+    here, eu, ap = signed(), REGIONS[1], REGIONS[2]
+    there = OTHER_SIGNER.sign_birth(
+        here.with_birth(eu, Birth(stamp(EPOCH_MS - 9, node="n-eu"))), eu
+    )
+    merged = check(here, there, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert merged.home_region == eu and merged.creators == {HOME, eu}
+    assert voided_births(here, merged) == []
+    third = REGION_SIGNERS[ap].sign_seen(merged.see(ap, Birth(stamp(node="n-ap"))), ap)
+    assert check(merged, third, now_ms=NOW, bounds=BOUNDS, verifier=KEYRING).home_region == eu
 
 
 # -- a hostile peer, against a real node -----------------------------------------------------

@@ -25,7 +25,7 @@ import pytest
 from fencemark.node.api.server import NodeServer
 from fencemark.node.crdt import codec
 from fencemark.node.crdt.fence import Grant
-from fencemark.node.crdt.record import Birth
+from fencemark.node.crdt.record import Birth, Record
 from fencemark.node.replication import signers
 from fencemark.node.security.revocation import Revocations, read_revoked
 from fencemark.node.security.signing import KEY_ID_SIZE, REVOKED_SIGNER, Keyring, Signer
@@ -206,7 +206,9 @@ async def test_a_birth_signed_by_a_revoked_key_never_takes_a_home(
     everywhere: the home of a record alice held at us moved to eu, and her renewal
     answered ``wrong_region``. A birth that would take a home from another region's
     is refused when its key is revoked (``revoked_signer``), relayed or not; the home
-    stays, and alice renews."""
+    stays, and alice renews. (eu had seen alice's claim, so that birth is void by its
+    sighting first — ``test_signed_grants``; the refusal is shown on a record nobody
+    claimed, which eu's node had no reason to say it saw.)"""
     async with Cluster(tmp_path / "cluster", REGIONS, tls_reload_interval=FAST) as cluster:
         nodes = {r: await cluster.start(r, tls=files(certs, r)) for r in REGIONS}
         us, eu, ap = nodes["us"], nodes["eu"], nodes["ap"]
@@ -215,6 +217,8 @@ async def test_a_birth_signed_by_a_revoked_key_never_takes_a_home(
             made = await alice.remember("lattice", "backlog", "homed", tags=["homeRegion:us"])
             key = made.record.key
             token = (await alice.claim(key, "alice", lease_seconds=60)).fencing_token
+            made = await alice.remember("lattice", "backlog", "quiet", tags=["homeRegion:us"])
+            quiet = made.record.key
         async with client(eu, certs) as bob:  # a birth eu signs: every node knows its key
             await bob.remember("lattice", "backlog", "of-eu", tags=["homeRegion:eu"])
         await wait_converged([us, eu, ap])
@@ -230,15 +234,23 @@ async def test_a_birth_signed_by_a_revoked_key_never_takes_a_home(
             return all(n.tls is not None and n.tls.revocations.revoked for n in nodes.values())
 
         await eventually(every_node_has_the_crl, "every node taking crl.pem in")
-        held = await state_of(us, key)
-        ours = held.births["us"].stamp
-        earlier = Birth(ours._replace(hlc=ours.hlc - (1 << 16)))  # a millisecond before
-        forged = old.sign_birth(held.with_birth("eu", earlier), "eu")
+
+        def back_dated(held: Record) -> Record:
+            ours = held.births["us"].stamp
+            earlier = Birth(ours._replace(hlc=ours.hlc - (1 << 16)))  # a millisecond before
+            return old.sign_birth(held.with_birth("eu", earlier), "eu")
+
+        forged = back_dated(await state_of(us, quiet))
         assert forged.home_region == "eu", "premise: merged as it is, it takes the home"
         for target, sender in ((us, "ap"), (ap, "us"), (eu, "ap")):
             assert await push(target, certs, sender, forged) == 0, target.config.region
             stats = target.replicator.peer_stats(sender)
             assert "revoked_signer" in stats.last_refusal, stats.last_refusal
+            assert (await state_of(target, quiet)).home_region == "us"
+        claimed = back_dated(await state_of(us, key))
+        assert claimed.home_region == "us"  # void: eu had seen alice's claim
+        for target, sender in ((us, "ap"), (ap, "us")):
+            await push(target, certs, sender, claimed)
             assert (await state_of(target, key)).home_region == "us"
         async with client(us, certs) as alice:
             renewed = await alice.renew_claim(key, token, lease_seconds=60)

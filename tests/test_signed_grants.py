@@ -466,7 +466,10 @@ async def test_a_file_from_before_signed_grants_is_upgraded_and_its_fences_signe
         # A node that never saw the unsigned grant takes the signed one.
         eu = await cluster.start("eu", tls=files(certs, "eu"))
         await wait_converged([us, eu])
-        assert (await state_of(eu, key)) == upgraded
+        converged = await state_of(eu, key)
+        assert converged == await state_of(us, key)
+        # ... and, holding a claim born in us, sees it (Record.seen), signed.
+        assert converged == upgraded.merge(converged) and converged.seen.keys() == {"eu"}
         assert eu.replicator.peer_stats("us").merges_refused == 0
         await all_deciding(us)  # restarted: it has compared states with eu
         async with client(us, certs) as alice:
@@ -568,9 +571,10 @@ async def test_no_node_can_claim_a_birth_for_another_region(tmp_path: Path, cert
     """Regression (issue 14, hole 1): a peer pushed "born in eu 1 ms before us" for a
     us-homed record, us merged it silently, and every region then sent alice to eu.
     A birth is signed by the region that made it: ap can neither leave eu's
-    signature off nor sign for eu. (eu itself signing a back-dated birth of its own
-    is the residual docs/security.md names: it takes the home, and the fence moves
-    past alice's token — never two holders.)"""
+    signature off nor sign for eu. Nor can eu itself, signing a back-dated birth of
+    its own region: eu held alice's claim, born in us, and said so (its signed
+    sighting, ``Record.seen``), so its birth is void everywhere — merged, as evidence
+    against eu, and reported ``seen_before_birth`` (issue 33, finding 7)."""
     async with Cluster(tmp_path, REGIONS) as cluster:
         us, eu, ap = [await cluster.start(r, tls=files(certs, r)) for r in REGIONS]
         for node in (us, eu, ap):
@@ -595,16 +599,21 @@ async def test_no_node_can_claim_a_birth_for_another_region(tmp_path: Path, cert
         async with client(us, certs) as alice:
             assert (await alice.renew_claim(key, token)).renewed
 
-        # eu's own node, signing a back-dated birth of its own region: accepted, and
-        # safe — the new home moves its fence past alice's token.
+        # eu's own node (or its live key), signing a back-dated birth of its own
+        # region, after eu saw the claim: void, on every node.
+        assert state.seen.keys() == {"eu", "ap"}
         signed_by_eu = Signer.from_files(files(certs, "eu")).sign_birth(forged, "eu")
-        assert await push(us, certs, "eu", signed_by_eu) == 1
+        assert await push(us, certs, "eu", signed_by_eu) == 1  # kept, as evidence
+        assert "seen_before_birth" in us.replicator.peer_stats("eu").last_refusal
+        assert us.replicator.peer_stats("eu").merge_refusals["seen_before_birth"] == 1
         await wait_converged([us, eu, ap])
-        record = await state_of(eu, key)
-        assert record.home_region == "eu" and record.fence.fence > token
-        async with client(eu, certs) as alice:
-            renewal = await alice.renew_claim(key, token)
-            assert (renewal.renewed, renewal.reason) == (False, "superseded")
+        for node in (us, eu, ap):
+            record = await state_of(node, key)
+            assert record.births["eu"] == signed_by_eu.births["eu"]
+            assert record.home_region == "us" and record.creators == {"us"}
+            assert record.fence.fence == token
+        async with client(us, certs) as alice:
+            assert (await alice.renew_claim(key, token)).renewed
 
 
 @pytest.mark.slow

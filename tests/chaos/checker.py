@@ -39,7 +39,8 @@ work queue's in ``queue_invariants.py``:
     was already waiting in line; and a twin started beside its running original,
     its peers connected, decided nothing at all;
 11. forgeries refused — no state the hostile peer of a ``forge`` fault pushed was
-    merged, each was refused by the rule named for it (``forger.RULES``), and every
+    merged (but the kept kind, ``forger.KEPT``, which must leave the record's home
+    where it was), each was refused by the rule named for it (``forger.RULES``), and every
     kind was refused by its rule at least once;
 12. no item done twice — no work-queue item is released ``done`` twice, nor handed
     out again after an acknowledged done, without an operator's reopen that could
@@ -79,7 +80,7 @@ from tests.chaos.claims import (
     lost_with_disk,
     splits_of,
 )
-from tests.chaos.forger import RULES
+from tests.chaos.forger import KEPT, RULES
 from tests.chaos.nemesis import (
     DISK_LOSSES,
     PARTITIONS,
@@ -576,11 +577,17 @@ def forgeries_refused(played: Sequence[Played]) -> Verdict:
     that rule), and every kind of forgery refused by its rule at least once."""
     faults = [f for f in played if f.kind == "forge" and f.injected]
     pushed = [push for f in faults for push in f.forged]
-    merged = [p for p in pushed if p.merged]
-    otherwise = [p for p in pushed if not p.merged and p.refused and p.refused != p.rule]
-    by_rule = [p for p in pushed if not p.merged and p.refused == p.rule]
+    # A kept forgery (forger.KEPT) is merged as evidence: it must leave the home.
+    merged = [p for p in pushed if p.merged and (p.forgery not in KEPT or not p.home_kept)]
+    judged = [p for p in pushed if p not in merged]
+    otherwise = [p for p in judged if p.refused and p.refused != p.rule]
+    by_rule = [p for p in judged if p.refused == p.rule]
     unseen = len(pushed) - len(merged) - len(otherwise) - len(by_rule)
-    problems = [f"a {p.forgery} forgery of {p.key} was merged" for p in merged[:3]]
+    problems = [
+        f"a {p.forgery} forgery of {p.key} was merged"
+        + (" and moved its home" if p.forgery in KEPT else "")
+        for p in merged[:3]
+    ]
     problems += [
         f"a {p.forgery} forgery of {p.key} was refused {p.refused}, not {p.rule}"
         for p in otherwise[:3]

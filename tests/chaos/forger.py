@@ -35,22 +35,32 @@ unreleased for every push, and the rule applies: a forgery of an ended claim
 would be a write anyone may make. The integrity and birth forgeries are pushed
 against a few records the agents claimed as well.
 
+One forgery is kept, not refused (:data:`KEPT`): a birth of the posing region's
+own, back-dated before the home's and signed with its own key, of a record that
+region had seen — its node held a claim on it and said so (``Record.seen``). The
+node merges it as evidence and reports it ``seen_before_birth``; the forger then
+reads the record back and checks that its home did not move. It is pushed only
+against records the victim holds the posing region's sighting of (for the held
+record the forger waits for it).
+
 Each state is pushed on its own, so each answer says whether that one was merged,
 and after each the node's ``Info`` says why it refused it (the refusal counted
 against the posing region, ``last_refusal``). The invariant (checker.py, 11):
-none is merged, each is refused by its rule, and every kind is pushed at least
-once in a run — while the workload's claims and writes go on around them, and
-every other invariant still holds. What signatures cannot refuse (a region
-signing a back-dated birth of its own, a lease extended within the hour) is
-documented in docs/security.md and not pushed: it would be merged.
+none is merged (but the kept kind, whose home must stay), each is refused by its
+rule, and every kind is pushed at least once in a run — while the workload's
+claims and writes go on around them, and every other invariant still holds. What
+signatures cannot refuse (a lease extended within the hour) is documented in
+docs/security.md and not pushed: it would be merged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -95,20 +105,27 @@ RULES: dict[str, str] = {
     "queue-marked-done": "unsigned_write",
     "queue-reopened": "unsigned_write",
     "queue-marked-done-signed-by-peer": "signer_not_home",
+    "back-dated-birth-of-its-own-region": "seen_before_birth",
 }
+# Forgeries the node merges as evidence, reporting them by their rule, with the
+# record's home unchanged.
+KEPT = frozenset({"back-dated-birth-of-its-own-region"})
+SIGHTING_WAIT_S = 5.0  # for the posing region's sighting of the held record
 
 
 @dataclasses.dataclass(frozen=True)
 class Pushed:
     """One forged state pushed: which forgery, the rule that must refuse it, the
-    record, how many states the node merged (0 or 1), and the reason it refused it
-    with ("": no refusal of it was seen)."""
+    record, how many states the node merged (0 or 1), the reason it refused it
+    with ("": no refusal of it was seen), and for a kept one whether the record's
+    home stayed."""
 
     forgery: str
     rule: str
     key: str
     merged: int
     refused: str = ""
+    home_kept: bool = True  # a kept forgery: the record's home did not move
 
 
 Forgeries = list[tuple[str, Record]]
@@ -159,6 +176,17 @@ def birth_forgeries(record: Record, third: str, signer: Signer) -> Forgeries:
         ("earlier-birth", forged),
         ("earlier-birth-signed-by-peer", signer.sign_birth(forged, third)),
     ]
+
+
+def own_birth_forgery(record: Record, posing: str, signer: Signer) -> Forgeries:
+    """A birth of ``posing``'s own region 1 ms before the home's, signed with its own
+    key, of a record it had seen (:data:`KEPT`); none if it had not."""
+    home = record.home
+    if home is None or posing not in record.seen or posing in record.births:
+        return []
+    earlier = Birth(home.stamp._replace(hlc=home.stamp.hlc - (1 << 16), node="forger"))
+    forged = signer.sign_birth(record.with_birth(posing, earlier), posing)
+    return [("back-dated-birth-of-its-own-region", forged)]
 
 
 def queue_forgeries(record: Record, now: int, signer: Signer) -> Forgeries:
@@ -325,12 +353,15 @@ class Forger:
                 log(f"forger: fetching from {victim} as {posing} failed: {exc}")
                 return pushed
             records = {r.key: r for r in map(codec.decode, fetched.states)}
+            if held is not None and held.key in records:
+                records[held.key] = await _sighted(stub, origin, records[held.key], posing)
             homed = [records[k] for k in keys if k in records]
             for record in [r for r in homed if r.home_region == victim][:PER_FAULT]:
                 now = wall_clock_ms()
                 forged = bound_forgeries(record, now) + queue_forgeries(record, now, signer)
                 if thirds:
                     forged += birth_forgeries(record, thirds[0], signer)
+                forged += own_birth_forgery(record, posing, signer)
                 if held is not None and record.key == held.key and record.fence.unreleased():
                     field = held.field(0)
                     home_node = refusals.node_id
@@ -343,9 +374,44 @@ class Forger:
                     except grpc.aio.AioRpcError as exc:
                         log(f"forger: push of {name} for {record.key}: {exc.code().name}")
                         continue
-                    reason = "" if answer.merged else await refusals.of(record.key)
-                    pushed.append(Pushed(name, RULES[name], record.key, answer.merged, reason))
+                    kept = name in KEPT
+                    reason = "" if answer.merged and not kept else await refusals.of(record.key)
+                    home_kept = not kept or await _home_of(stub, origin, record.key) == victim
+                    pushed.append(Pushed(name, RULES[name], record.key, answer.merged, reason,
+                                         home_kept))  # fmt: skip
         return pushed
+
+
+async def _fetch(stub: Any, origin: replication_pb2.Origin, key: str) -> Record | None:
+    request = replication_pb2.FetchRequest(origin=origin, keys=[key])
+    fetched = await stub.Fetch(request, timeout=CALL_TIMEOUT_S)
+    return next(map(codec.decode, fetched.states), None)
+
+
+async def _sighted(
+    stub: Any,
+    origin: replication_pb2.Origin,
+    record: Record,
+    posing: str,
+) -> Record:
+    """``record`` as the victim holds it once the posing region's sighting of it has
+    arrived there (its node merged the claim and said so), or after
+    ``SIGHTING_WAIT_S`` as it is."""
+    deadline = time.monotonic() + SIGHTING_WAIT_S
+    while posing not in record.seen and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            record = await _fetch(stub, origin, record.key) or record
+    return record
+
+
+async def _home_of(stub: Any, origin: replication_pb2.Origin, key: str) -> str:
+    """The home region of ``key`` as the victim holds it now ("" if unreadable)."""
+    try:
+        record = await _fetch(stub, origin, key)
+    except grpc.aio.AioRpcError:
+        return ""
+    return record.home_region if record is not None else ""
 
 
 class Held(NamedTuple):

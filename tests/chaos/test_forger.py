@@ -17,14 +17,16 @@ from fencemark.node.crdt.hlc import wall_clock_ms
 from fencemark.node.security.signing import Signer
 from fencemark.node.security.tls import init_dir
 from tests.chaos.forger import (
+    KEPT,
     RULES,
     Refusals,
     birth_forgeries,
     bound_forgeries,
     claim_forgeries,
+    own_birth_forgery,
     queue_forgeries,
 )
-from tests.cluster import Cluster
+from tests.cluster import Cluster, wait_converged
 from tests.test_signed_grants import REGIONS, claimed_at_us, client, files, push, state_of
 
 
@@ -45,8 +47,10 @@ async def test_every_forgery_is_refused_by_the_rule_named_for_it(
         field = f"progress.alice.{token}.0"
         async with client(us, certs) as alice:
             await alice.update(key, fields={field: "alice"}, fencing_token=token)
+        await wait_converged([us, cluster.nodes["eu"]])
         held = await state_of(us, key)
         assert held.fence.unreleased() and held.fence.fence == token
+        assert held.seen.keys() == {"eu"}  # eu held alice's claim, and said so
 
         now = wall_clock_ms()
         eu = Signer.from_files(files(certs, "eu"))
@@ -54,6 +58,7 @@ async def test_every_forgery_is_refused_by_the_rule_named_for_it(
             *bound_forgeries(held, now),
             *queue_forgeries(held, now, eu),
             *birth_forgeries(held, "ap", eu),
+            *own_birth_forgery(held, "eu", eu),
             *claim_forgeries(
                 held, now, posing="eu", signer=eu, home_node=us.storage.node_id, field=field
             ),
@@ -63,15 +68,20 @@ async def test_every_forgery_is_refused_by_the_rule_named_for_it(
         async with client(us, certs) as reader:
             refusals = await Refusals.at(reader, "eu")
             assert refusals.node_id == us.storage.node_id
+            kept = held
             for name, state in forged:
-                assert await push(us, certs, "eu", state) == 0, name
+                assert await push(us, certs, "eu", state) == (name in KEPT), name
                 last = us.replicator.peer_stats("eu").last_refusal
                 assert await refusals.of(key) == RULES[name], (name, last)
+                if name in KEPT:
+                    kept = kept.merge(state)
+                    assert (await state_of(us, key)).home_region == "us"
             # Nothing was refused since: no new refusal reads as none.
             assert await refusals.of(key) == ""
 
-        # Nothing changed, and alice's claim is hers: she writes under it and releases.
-        assert await state_of(us, key) == held
+        # Nothing changed but the void birth kept as evidence, and alice's claim is
+        # hers: she writes under it and releases.
+        assert await state_of(us, key) == kept and kept.creators == {"us"}
         async with client(us, certs) as alice:
             await alice.update(key, fields={f"progress.alice.{token}.1": "alice"},
                                fencing_token=token)  # fmt: skip

@@ -25,7 +25,7 @@ from typing import TypeVar
 from fencemark.node.core import history
 from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.crdt import HybridClock, Record, Stamp, codec, tagset
-from fencemark.node.crdt.record import LAPSED
+from fencemark.node.crdt.record import LAPSED, Birth
 from fencemark.node.rules import changes, integrity, queue, validation
 from fencemark.node.rules.admission import (
     Caller,
@@ -371,10 +371,24 @@ class Replica:
         if local:
             self._written(key)
 
-    async def merge(self, remote: Record, state: bytes | None = None, *, sender: str = "") -> bool:
+    async def merge(
+        self,
+        remote: Record,
+        state: bytes | None = None,
+        *,
+        sender: str = "",
+        voided: list[integrity.MergeRefused] | None = None,
+    ) -> bool:
         """Join a remote state into the local one; True when that changed anything.
         ``state`` is the remote record's canonical encoding, when the caller has it;
-        ``sender`` the region whose node sent it, when known.
+        ``sender`` the region whose node sent it, when known; births the join holds
+        void that were not void here (``integrity.voided_births``) are added to
+        ``voided``, for the caller to count and alert as refusals.
+
+        A record born elsewhere that holds a claim is *seen* here: this node adds its
+        region's signed sighting (``Record.seen``, ``_seen``) the first time, so that a
+        birth of this region can never take it from its home afterwards — whoever
+        signs it with this region's key (docs/security.md, *Signed births*).
 
         A state that fails :func:`integrity.check` is not merged at all: it raises
         :class:`~fencemark.node.rules.integrity.MergeRefused` and nothing is written.
@@ -401,10 +415,13 @@ class Replica:
             nonlocal share
             merged = integrity.check(current, remote, now_ms=self.clock.wall_ms(),
                                      bounds=self.bounds, verifier=self.keyring)  # fmt: skip
+            if voided is not None:
+                voided.extend(integrity.voided_births(current, merged))
             if merged.home_region == self.region and split_tokens(merged):
                 # Two births met, and this node is the surviving home: every claim
                 # either side granted apart is superseded (SPEC §2).
                 merged = merged.with_fence(merged.fence.move(merged.fence.fence + 1))
+            merged = self._seen(merged)
             # Whatever the sender lacks (a decision just made, or what this node held
             # and the sender did not) is pushed at once, as a write is. Anti-entropy
             # would fetch it only once the sender's largest HLC stops outrunning
@@ -415,6 +432,7 @@ class Replica:
             # the one anti-entropy will not fetch it for.
             births = current.births.keys()
             learnt = bool(births) and merged.births.keys() != births
+            learnt = learnt or merged.creators != current.creators
             learnt = learnt or merged.fence.moved != current.fence.moved
             share = learnt or merged != remote
             return merged, merged != current
@@ -430,6 +448,17 @@ class Replica:
         elif share:
             self._written(remote.key)
         return changed
+
+    def _seen(self, record: Record) -> Record:
+        """``record`` with this region's sighting, signed, when it holds a claim and
+        was born elsewhere only, and this region has none yet (``merge``)."""
+        region = self.region
+        if not (record.exists and record.fence.grants):
+            return record
+        if region in record.births or region in record.seen:
+            return record
+        seen = record.see(region, Birth(self.stamp(0)))
+        return self.signer.sign_seen(seen, region) if self.signer is not None else seen
 
     def _written(self, key: str) -> None:
         for listener in self._write_listeners:
@@ -517,9 +546,11 @@ class Replica:
         return changed
 
     async def sign_own(self) -> int:
-        """Sign every unsigned fence grant and birth of this region, every write
-        this node made at the epoch of an unreleased grant, and every queue
-        register it wrote; returns how many records that changed.
+        """Sign every unsigned fence grant, birth and sighting of this region, every
+        write this node made at the epoch of an unreleased grant, and every queue
+        register it wrote, and see every claimed record born elsewhere that this
+        region has not seen yet (a file from before sightings: ``merge``); returns
+        how many records that changed.
 
         Grants, births and writes made before they were signed (a file upgraded
         from an older format), or while this node ran ``--insecure``, carry no
@@ -533,7 +564,8 @@ class Replica:
             return 0
 
         def change(current: Record) -> tuple[Record, bool]:
-            signed = signer.sign_birth(current, region)
+            signed = signer.sign_seen(self._seen(current) if current.exists else current, region)
+            signed = signer.sign_birth(signed, region)
             holder = signed.fence.holder()
             ours = holder is not None and holder.region == region == signed.home_region
             if ours and holder is not None and not holder.signature:

@@ -6,9 +6,10 @@ booleans as one byte. ``decode`` accepts only canonical input (sorted, unique
 keys, minimal varints, nothing trailing), so ``encode(decode(b)) == b`` for every
 ``b`` it accepts and the digest of a state is well defined.
 
-Layout (format 5)::
+Layout (format 6)::
 
-    0x05 key births fields tags deleted grants lease_expiry released lapsed seals moved queue
+    0x06 key births fields tags deleted grants lease_expiry released lapsed seals moved queue
+         seen
     births       = n (region stamp signature)*  sorted by region
     fields       = n (name stamp str signature)*  sorted by name
     tags         = n (tag stamp bool signature)*  sorted by tag
@@ -21,10 +22,11 @@ Layout (format 5)::
     seals        = n (token signature)*         sorted by token; the fence's only
     moved        = token signature
     queue        = n (name stamp str signature)*  sorted by name (SPEC §8: status, ...)
+    seen         = n (region stamp signature)*  sorted by region
     stamp        = epoch hlc node
     bytes        = varint length, then the bytes
 
-Format 4 had no queue registers; format 3 also had no signatures on registers,
+Format 5 had no ``seen``; format 4 no queue registers; format 3 also had no signatures on registers,
 no seals and no signed move; format 2 also had one optional home
 (``0x00 | 0x01 stamp str``) instead of births, grants without an identity, and
 neither ``lapsed`` nor ``moved``; format 1 also had no signatures at all. Storage
@@ -34,7 +36,8 @@ re-encodes them when it opens an older file
 What a home signs for a grant is ``grant_message`` (docs/security.md, *Signed
 grants*): the record key, the token and the grant without its signature; for a
 write made under a claim, ``write_message``; for the end of a claim, ``end_message``;
-for a move, ``move_message`` (*Signed writes*).
+for a move, ``move_message`` (*Signed writes*); for having seen a record born
+elsewhere, ``seen_message`` (*Signed births*).
 """
 
 from __future__ import annotations
@@ -48,15 +51,16 @@ from fencemark.node.crdt.hlc import Stamp
 from fencemark.node.crdt.lww import LWW
 from fencemark.node.crdt.record import Birth, Record
 
-FORMAT = 5
+FORMAT = 6
 # Before signed grants (1), before births (2), before signed writes (3), before the
-# work queue (4): ``upgrade``.
-LEGACY_FORMATS = (1, 2, 3, 4)
+# work queue (4), before ``seen`` (5): ``upgrade``.
+LEGACY_FORMATS = (1, 2, 3, 4, 5)
 GRANT_MESSAGE = b"fencemark grant v1\x00"  # domain separation of grant signatures
 BIRTH_MESSAGE = b"fencemark birth v1\x00"  # ... of birth signatures
 WRITE_MESSAGE = b"fencemark write v1\x00"  # ... of signed writes
 END_MESSAGE = b"fencemark end v1\x00"  # ... of a claim's end (release, lapse)
-MOVE_MESSAGE = b"fencemark move v1\x00"  # ... and of a moved fence
+MOVE_MESSAGE = b"fencemark move v1\x00"  # ... of a moved fence
+SEEN_MESSAGE = b"fencemark seen v1\x00"  # ... and of a region having seen a record
 DIGEST_SIZE = 16
 MAX_UINT = (1 << 64) - 1  # every integer in a state is a uint64 (tokens, stamps, expiries)
 
@@ -108,12 +112,7 @@ def _stamp(out: bytearray, stamp: Stamp) -> None:
 def encode(record: Record) -> bytes:
     out = bytearray([FORMAT])
     _str(out, record.key)
-    _varint(out, len(record.births))
-    for region in sorted(record.births):
-        birth = record.births[region]
-        _str(out, region)
-        _stamp(out, birth.stamp)
-        _bytes(out, birth.signature)
+    _births(out, record.births)
     _string_registers(out, record.fields)
     _varint(out, len(record.tags))
     for tag in sorted(record.tags):
@@ -150,7 +149,18 @@ def encode(record: Record) -> bytes:
     _varint(out, fence.moved)
     _bytes(out, fence.moved_signature)
     _string_registers(out, record.queue)
+    _births(out, record.seen)
     return bytes(out)
+
+
+def _births(out: bytearray, births: Mapping[str, Birth]) -> None:
+    """Births and sightings: n (region stamp signature)*, sorted by region."""
+    _varint(out, len(births))
+    for region in sorted(births):
+        birth = births[region]
+        _str(out, region)
+        _stamp(out, birth.stamp)
+        _bytes(out, birth.signature)
 
 
 def _string_registers(out: bytearray, registers: Mapping[str, LWW[str]]) -> None:
@@ -184,6 +194,15 @@ def birth_message(key: str, region: str, birth: Birth) -> bytes:
     _str(out, key)
     _str(out, region)
     _stamp(out, birth.stamp)
+    return bytes(out)
+
+
+def seen_message(key: str, region: str, seen: Birth) -> bytes:
+    """The bytes a region signs for having held ``key``, born elsewhere, at a stamp."""
+    out = bytearray(SEEN_MESSAGE)
+    _str(out, key)
+    _str(out, region)
+    _stamp(out, seen.stamp)
     return bytes(out)
 
 
@@ -313,7 +332,7 @@ def upgrade(data: bytes) -> bytes:
     """A stored state in the current format: a state of a legacy format is
     re-encoded (grants unsigned if format 1; the home as the one birth before
     format 3; registers unsigned before format 4; no queue registers before
-    format 5); others are returned as they
+    format 5, no ``seen`` before format 6); others are returned as they
     are. Only storage calls this, when it opens an older file: the wire takes the
     current format only."""
     if data[:1] not in (bytes([fmt]) for fmt in LEGACY_FORMATS):
@@ -363,6 +382,9 @@ def _decode(data: bytes, fmt: int) -> Record:
     queue: dict[str, LWW[str]] = {}
     if fmt >= 5:
         queue = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str(), r.blob()))
+    seen: dict[str, Birth] = {}
+    if fmt >= 6:
+        seen = r.sorted_map(r.str, lambda: Birth(r.stamp(), r.blob()))
     if r.pos != len(data):
         raise DecodeError("trailing bytes")
     fence = FenceState(
@@ -374,4 +396,4 @@ def _decode(data: bytes, fmt: int) -> Record:
         raise DecodeError("a seal of a token that is not the fence")
     if moved_signature and not moved:
         raise DecodeError("a signature of a move that was never made")
-    return Record(key, births, fields, tags, deleted, fence, queue)
+    return Record(key, births, fields, tags, deleted, fence, queue, seen)

@@ -71,6 +71,12 @@ class Record:
     replica alike (SPEC §2), and the grants of every birth region are kept, so
     that the home can supersede whatever the other side granted
     (docs/consistency.md, *Two births*).
+
+    ``seen`` maps each region that held the record while another region's birth
+    was its only origin — it acknowledged a claim granted on it — to when, signed
+    by that region (``Replica.merge``). Such a region could not create the record
+    afterwards: a birth of its own is void, kept as evidence against it and never
+    the home (``creators``; docs/security.md, *Signed births*).
     """
 
     key: str
@@ -80,6 +86,7 @@ class Record:
     deleted: LWW[bool] = lww.FALSE
     fence: FenceState = field(default_factory=FenceState)
     queue: Mapping[str, LWW[str]] = field(default_factory=dict)
+    seen: Mapping[str, Birth] = field(default_factory=dict)
 
     # -- lattice --------------------------------------------------------------
 
@@ -94,6 +101,7 @@ class Record:
             deleted=lww.merge(self.deleted, other.deleted),
             fence=self.fence.merge(other.fence),
             queue=lww.merge_maps(self.queue, other.queue, lww.merge),
+            seen=lww.merge_maps(self.seen, other.seen, merge_birth),
         )
 
     # -- value ----------------------------------------------------------------
@@ -103,11 +111,24 @@ class Record:
     # changes (every update makes a new one: ``replace``).
 
     @cached_property
+    def creators(self) -> frozenset[str]:
+        """The regions whose births count: every birth region but one that had
+        seen the record first (``seen``) — unless that leaves none, when all do
+        (a region voiding its own only birth moves nothing)."""
+        counted = frozenset(r for r in self.births if r not in self.seen)
+        return counted or frozenset(self.births)
+
+    @cached_property
     def home(self) -> LWW[str] | None:
-        """The earliest birth, as ``(stamp, region)``; None if never created."""
+        """The earliest birth that counts (``creators``), as ``(stamp, region)``;
+        None if never created."""
         if not self.births:
             return None
-        region, birth = min(self.births.items(), key=lambda item: (item[1].stamp, item[0]))
+        creators = self.creators
+        region, birth = min(
+            ((r, b) for r, b in self.births.items() if r in creators),
+            key=lambda item: (item[1].stamp, item[0]),
+        )
         return LWW(birth.stamp, region)
 
     @property
@@ -196,6 +217,7 @@ class Record:
         yield from (reg.stamp for reg in self.tags.values())
         yield self.deleted.stamp
         yield from (reg.stamp for reg in self.queue.values())
+        yield from (sighting.stamp for sighting in self.seen.values())
 
     def registers(self) -> Iterator[tuple[str, str, Register]]:
         """Every register of the record's content, as ``(kind, name, register)``:
@@ -276,6 +298,13 @@ class Record:
         """``region``'s birth replaced by ``birth`` — another version of the same one
         (its signature): the merge keeps whichever it prefers."""
         return replace(self, births={**self.births, region: birth})
+
+    def see(self, region: str, sighting: Birth) -> Record:
+        """``region`` held the record, born elsewhere, at ``sighting`` (``seen``): kept
+        unless it already had (the merge keeps the earliest)."""
+        current = self.seen.get(region)
+        kept = sighting if current is None else merge_birth(current, sighting)
+        return replace(self, seen={**self.seen, region: kept})
 
 
 def _assigned(

@@ -61,7 +61,8 @@ async def merge_all(
     again). A state that breaks the limits of a client write, alone or merged
     with this node's (``over_limit``, ``validation.state``), or the integrity
     rules (``fencemark.node.rules.integrity``), is not merged; the others are. Each
-    refusal is counted against the sending ``peer``, and logged once per key.
+    refusal is counted against the sending ``peer``, and logged once per key; so is
+    a birth the merge holds void (``seen_before_birth``), though its state merged.
     """
     check_clock(replica, region, [r.max_hlc() for r in records])
     encoded = list(states) if states is not None else [codec.encode(r) for r in records]
@@ -76,8 +77,9 @@ async def merge_all(
         await learn_signers(replica, peer, [records[i] for i in merging])
     await replica.preload([records[i].key for i in merging])  # one read, not one each
     # Concurrent merges of different records share group commits.
+    voided: list[MergeRefused] = []  # births void by a sighting: merged, and reported
     results = await asyncio.gather(
-        *(replica.merge(records[i], encoded[i], sender=region) for i in merging),
+        *(replica.merge(records[i], encoded[i], sender=region, voided=voided) for i in merging),
         return_exceptions=True,
     )
     changed = 0
@@ -90,6 +92,9 @@ async def merge_all(
             changed += result
     for index, refusal in sorted(refused.items()):
         await _refused(replica, region, peer, refusal, encoded[index])
+    by_key = {record.key: state for record, state in zip(records, encoded, strict=True)}
+    for refusal in voided:
+        await _refused(replica, region, peer, refusal, by_key.get(refusal.key, b""))
     return changed
 
 

@@ -185,7 +185,7 @@ def split_tokens(record: Record) -> bool:
     of one token merge into one entry, so which side made it says nothing. After
     that move, only a grant by another birth region can still be from the split
     (it granted before it learnt of the earlier birth)."""
-    if len(record.births) < 2:
+    if len(record.creators) < 2:
         return False
     fence = record.fence
     if fence.moved == 0:

@@ -11,10 +11,16 @@ legitimate state (and so never stops convergence):
   write outrank every later one;
 - a record's births are not refused: two regions may create one key while cut off
   from each other, the earliest birth is the home everywhere, and the home moves
-  the fence past every claim either side granted (SPEC §2, ``Replica.merge``);
+  the fence past every claim either side granted (SPEC §2, ``Replica.merge``).
+  But a birth of a region that had *seen* the record (``Record.seen``: it held a
+  claim granted on it, born elsewhere) is void — never the home, never a creator:
+  such a region could not have created it. The join keeps it, as signed evidence
+  against that region, so every replica computes one home from one state; the
+  merge reports it (:func:`voided_births`, ``seen_before_birth``), counted and
+  alerted like a refusal;
 - ``grant_outside_home``: every grant names the region that made it, and only a
   region that created the record grants (the home; another birth region only
-  while the two births were apart);
+  while the two births were apart; never one whose birth is void);
 - ``token_jump``: a home grants ``fence + 1``, or once after a disk loss a recovery
   floor (``admission.next_token``): at most ``RECOVERY_GAP`` above the fence it
   learnt, or the ceiling of the grant's own millisecond (``token_ceiling``). A token
@@ -65,6 +71,7 @@ from fencemark.node.rules.errors import FencemarkError
 from fencemark.node.rules.validation import MAX_LEASE_S
 
 DEFAULT_MAX_TOKEN_JUMP = 2 * RECOVERY_GAP
+SEEN_BEFORE_BIRTH = "seen_before_birth"
 
 
 class MergeRefused(FencemarkError):
@@ -93,6 +100,9 @@ class GrantVerifier(Protocol):
     ) -> tuple[str, str] | None:
         """(reason, detail) when ``region``'s ``birth`` is not signed by that region's
         node (or, when it ``takes_home`` from another region's, by a revoked key)."""
+
+    def seen_problem(self, record_key: str, region: str, seen: Birth) -> tuple[str, str] | None:
+        """(reason, detail) when ``region``'s sighting is not signed by that region's node."""
 
     def write_problem(
         self, record_key: str, kind: str, name: str, register: Register, regions: Iterable[str]
@@ -125,6 +135,7 @@ def check(
     join.check_grants(bounds)
     if verifier is not None:
         join.check_births(verifier)
+        join.check_seen(verifier)
         join.check_fence_grant(verifier)
         join.check_end(verifier)
         join.check_move_signature(verifier)
@@ -133,6 +144,25 @@ def check(
     join.check_move(bounds)
     join.check_leases(bounds, now_ms)
     return join.merged
+
+
+def voided_births(local: Record, merged: Record) -> list[MergeRefused]:
+    """The births of ``merged`` that are void (their region had seen the record:
+    ``Record.seen``) and were not void in ``local`` — a birth new here, or one a
+    sighting new here voids: what the merge reports as ``seen_before_birth``."""
+    out = []
+    for region in sorted(merged.births):
+        if region in merged.creators:
+            continue
+        if local.births.get(region) == merged.births[region] and region not in local.creators:
+            continue  # void here already
+        seen, birth = merged.seen[region].stamp, merged.births[region].stamp
+        out.append(MergeRefused(merged.key, SEEN_BEFORE_BIRTH, (
+            f"region {region!r} claims a birth at {tuple(birth)}, but it had seen the record"
+            f" born in {merged.home_region!r} (its sighting at {tuple(seen)}): the birth is"
+            " void, kept as evidence against that region"
+        )))  # fmt: skip
+    return out
 
 
 def _check_epochs(remote: Record) -> None:
@@ -168,9 +198,9 @@ class _Join:
         """``grant_outside_home`` for every grant of the join this node did not hold
         as it is; ``token_jump`` for every new one."""
         local, merged = self.local.fence, self.merged.fence
-        births = self.merged.births
+        creators = self.merged.creators
         for token, grant in merged.grants.items():
-            if grant != local.grants.get(token) and grant.region not in births:
+            if grant != local.grants.get(token) and grant.region not in creators:
                 home = self.merged.home_region
                 raise self.refuse("grant_outside_home", f"token {token} granted by"
                                   f" {grant.region!r}, home is {home!r}")  # fmt: skip
@@ -214,6 +244,17 @@ class _Join:
                 if problem is not None:
                     raise self.refuse(*problem)
 
+    def check_seen(self, verifier: GrantVerifier) -> None:
+        """Every sighting this node did not hold as it is: signed by its region, so
+        no node can void another region's birth (a sighting only holds against the
+        region that made it)."""
+        local = self.local.seen
+        for region, seen in self.merged.seen.items():
+            if local.get(region) != seen:
+                problem = verifier.seen_problem(self.remote.key, region, seen)
+                if problem is not None:
+                    raise self.refuse(*problem)
+
     def check_fence_grant(self, verifier: GrantVerifier) -> None:
         """A fence grant this node did not hold (a new one, or another version of
         its own): only its region's signature lets it raise the fence."""
@@ -230,7 +271,7 @@ class _Join:
         have granted this very token apart, and the join kept one grant of it (the
         chaos tier, under TLS, seed 424242); the home moves past it at once."""
         merged = self.merged
-        deciders = set(merged.births) if split_tokens(merged) else {merged.home_region}
+        deciders = set(merged.creators) if split_tokens(merged) else {merged.home_region}
         return deciders | {holder.region}
 
     def check_end(self, verifier: GrantVerifier) -> None:
@@ -272,10 +313,10 @@ class _Join:
         """Work-queue registers (status, attempts, ...) new to this node: only a
         region that created the record writes them, and signs them (SPEC §8), so no
         peer can mark an item done, reopen it or park it."""
-        births = set(self.merged.births)
+        creators = self.merged.creators
         for name, register in self.merged.queue.items():
             if register != self.local.queue.get(name):
-                problem = verifier.write_problem(self.remote.key, QUEUE, name, register, births)
+                problem = verifier.write_problem(self.remote.key, QUEUE, name, register, creators)
                 if problem is not None:
                     raise self.refuse(*problem)
 

@@ -54,6 +54,7 @@ ALGORITHM = ec.ECDSA(hashes.SHA256(), deterministic_signing=True)
 # Refusal reasons (integrity.MergeRefused.reason).
 UNSIGNED = "unsigned_grant"
 UNSIGNED_BIRTH = "unsigned_birth"
+UNSIGNED_SEEN = "unsigned_seen"
 UNSIGNED_WRITE = "unsigned_write"
 UNSIGNED_END = "unsigned_end"
 UNSIGNED_MOVE = "unsigned_move"
@@ -109,6 +110,16 @@ class Signer:
             return record
         signature = self._sign(codec.birth_message(record.key, region, birth))
         return record.with_birth(region, birth._replace(signature=signature))
+
+    def sign_seen(self, record: Record, region: str) -> Record:
+        """``record`` with ``region``'s sighting signed (unchanged when it already is,
+        or there is none): a region vouches that it held the record, born elsewhere,
+        at that stamp — so a birth of its own can never take the record's home."""
+        seen = record.seen.get(region)
+        if seen is None or seen.signature:
+            return record
+        signature = self._sign(codec.seen_message(record.key, region, seen))
+        return record.see(region, seen._replace(signature=signature))
 
     def sign_writes(self, record: Record, stamp: Stamp) -> Record:
         """``record`` with the registers written at ``stamp`` signed: a write this
@@ -226,6 +237,7 @@ class Keyring:
         for record in records:
             holder = record.fence.holder()
             signatures = [birth.signature for birth in record.births.values()]
+            signatures.extend(seen.signature for seen in record.seen.values())
             if holder is not None:
                 signatures.append(holder.signature)
                 signatures.extend(reg.signature for _, _, reg in record.registers())
@@ -257,6 +269,17 @@ class Keyring:
         message = codec.birth_message(record_key, region, birth)
         what = f"the birth in region {region!r}"
         return self._check(what, birth.signature, region, message, revocable=takes_home)
+
+    def seen_problem(self, record_key: str, region: str, seen: Birth) -> tuple[str, str] | None:
+        """Why ``region``'s sighting of the record is not signed by that region's node:
+        (reason, detail), or None when it is. A revoked key's sighting is accepted: it
+        only ever holds against its own region, and one signed before the revocation
+        must reach every node alike, or their homes would differ."""
+        what = f"the sighting by region {region!r}"
+        if not seen.signature:
+            return UNSIGNED_SEEN, f"{what} carries no signature"
+        message = codec.seen_message(record_key, region, seen)
+        return self._check(what, seen.signature, region, message, revocable=False)
 
     def write_problem(
         self, record_key: str, kind: str, name: str, register: Register, regions: Iterable[str]
