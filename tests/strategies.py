@@ -125,6 +125,7 @@ def grant_next(node: SimNode, owner: str, lease_ms: int, signer: int | None) -> 
     fence = fence.grant(fence.fence + 1, grant, node.wall_ms + lease_ms)
     if signer is not None:
         fence = SIGNERS[signer].sign_fence(node.record.key, fence)
+        fence = SIGNERS[signer].seal(node.record.key, fence, end=True, move=False)  # the lease
     node.record = node.record.with_fence(fence)
 
 
@@ -338,10 +339,11 @@ class BusyRun:
 
 @dataclass(frozen=True)
 class Sealed:
-    """A release, a lapse or a move as a TLS home makes it: the end of the fence's
-    claim sealed, the move signed (``SIGNERS[signer]``; ``Replica._sealed``)."""
+    """A release, a lapse, a move or a renewal as a TLS home makes it: the end of
+    the fence's claim sealed, the move signed, the lease's expiry sealed
+    (``SIGNERS[signer]``; ``Replica._sealed``)."""
 
-    op: Release | Lapse | MoveFence
+    op: Release | Lapse | MoveFence | Extend
     signer: int = 0
 
     def apply(self, node: SimNode) -> None:
@@ -467,10 +469,11 @@ def write_ops(regions: Sequence[str] = REGIONS) -> st.SearchStrategy[WriteOp]:
     )
 
 
-ends: st.SearchStrategy[Release | Lapse | MoveFence] = st.one_of(
+ends: st.SearchStrategy[Release | Lapse | MoveFence | Extend] = st.one_of(
     st.builds(Release, st.integers(0, 7)),
     st.builds(Lapse, st.integers(0, 7)),
     st.builds(MoveFence),
+    st.builds(Extend, st.integers(0, 7), st.integers(1, 120_000)),
 )
 
 

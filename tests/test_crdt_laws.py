@@ -547,8 +547,8 @@ def test_integers_in_a_state_are_uint64_on_both_sides_of_the_codec() -> None:
     at_limit = Record(KEY).with_fence(FenceState(released=frozenset({2**64 - 1})))
     assert decode(encode(at_limit)) == at_limit
     # released: one token, 2**64 - 1 in ten bytes; then no lapsed token, no seal,
-    # moved 0, no signature of it, no queue register and no sighting
-    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00" * 6)
+    # moved 0, no signature of it, no queue register, no sighting and no lease seal
+    assert encode(at_limit).endswith(b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00" * 7)
     for beyond in (2**64, 2**77):
         with pytest.raises(ValueError, match="uint64"):
             encode(Record(KEY).with_fence(FenceState(released=frozenset({beyond}))))
@@ -609,6 +609,7 @@ def test_equal_states_encode_to_equal_bytes(states: tuple[Record, ...]) -> None:
                 r.fence.moved,
                 dict(reversed(list(r.fence.seals.items()))),
                 r.fence.moved_signature,
+                dict(reversed(list(r.fence.lease_seals.items()))),
             ),
             dict(reversed(list(r.queue.items()))),
             dict(reversed(list(r.seen.items()))),
@@ -722,11 +723,12 @@ def layout(
     moved_signature: bytes = b"",
     queue: bytes = section(),
     seen: bytes = section(),
+    lease_seals: bytes = section(),
 ) -> bytes:
     ended = released + lapsed + seals
     signed_move = varint(len(moved_signature)) + moved_signature
     content = fmt + key + births + fields + tags + deleted
-    return content + grants + leases + ended + moved + signed_move + queue + seen
+    return content + grants + leases + ended + moved + signed_move + queue + seen + lease_seals
 
 
 def legacy_layout(*, fmt: bytes, home: bytes, grants: bytes, leases: bytes) -> bytes:
@@ -737,6 +739,7 @@ def legacy_layout(*, fmt: bytes, home: bytes, grants: bytes, leases: bytes) -> b
 
 FULL_QUEUE = section(field_entry("attempts", "2"), field_entry("status", "done", SIG))
 FULL_SEEN = section(birth_entry("ap", SIG))
+FULL_LEASES = section(varint(2) + varint(EPOCH_MS + 60_000) + varint(len(SIG)) + SIG)
 FULL = layout(
     key=text(KEY),
     births=section(birth_entry("eu", SIG), birth_entry("local")),
@@ -750,6 +753,7 @@ FULL = layout(
     seals=section(varint(2) + varint(len(SIG)) + SIG),
     queue=FULL_QUEUE,
     seen=FULL_SEEN,
+    lease_seals=FULL_LEASES,
 )
 
 
@@ -770,6 +774,7 @@ def test_encoding_matches_documented_layout() -> None:
             released=frozenset({2}),
             lapsed=frozenset({1}),
             seals={2: SIG},
+            lease_seals={2: (EPOCH_MS + 60_000, SIG)},
         ),
         queue={"status": LWW(s1, "done", SIG), "attempts": LWW(s1, "2")},
         seen={"ap": Birth(s1, SIG)},
@@ -908,8 +913,8 @@ def test_format_3_states_are_upgraded_with_unsigned_writes() -> None:
 def test_format_4_states_are_upgraded_with_no_queue_registers() -> None:
     """Format 4 ended at the move's signature: storage re-encodes it with an empty
     queue (every item ``open``, no attempts), and decode takes format 6 only."""
-    v4 = b"\x04" + FULL[1 : -len(FULL_QUEUE) - len(FULL_SEEN)]
-    v6 = b"\x06" + v4[1:] + section() + section()
+    v4 = b"\x04" + FULL[1 : -len(FULL_QUEUE) - len(FULL_SEEN) - len(FULL_LEASES)]
+    v6 = b"\x06" + v4[1:] + section() * 3
     assert upgrade(v4) == v6
     with pytest.raises(DecodeError):
         decode(v4)
@@ -919,9 +924,10 @@ def test_format_4_states_are_upgraded_with_no_queue_registers() -> None:
 
 def test_format_5_states_are_upgraded_with_no_sightings() -> None:
     """Format 5 ended at the queue registers: storage re-encodes it with no region
-    having seen the record (``Record.seen``), and decode takes format 6 only."""
-    v5 = b"\x05" + FULL[1 : -len(FULL_SEEN)]
-    v6 = b"\x06" + v5[1:] + section()
+    having seen the record (``Record.seen``) and no lease sealed, and decode takes
+    format 6 only."""
+    v5 = b"\x05" + FULL[1 : -len(FULL_SEEN) - len(FULL_LEASES)]
+    v6 = b"\x06" + v5[1:] + section() * 2
     assert upgrade(v5) == v6
     with pytest.raises(DecodeError):
         decode(v5)

@@ -41,6 +41,7 @@ from tests.strategies import (
     BackdatedBirth,
     BusyRun,
     Create,
+    Extend,
     GrantNext,
     HomeQueue,
     Lapse,
@@ -74,8 +75,8 @@ def realistic(scenario: Scenario) -> Scenario:
             op = dataclasses.replace(op, home_region=HOME)
         if isinstance(op, GrantNext | BusyRun) and op.signer is None:
             return dataclasses.replace(op, signer=0)  # a TLS home signs every grant
-        if isinstance(op, Release | Lapse | MoveFence):
-            return Sealed(op, 0)  # a TLS home seals an end and signs a move
+        if isinstance(op, Release | Lapse | MoveFence | Extend):
+            return Sealed(op, 0)  # a TLS home seals an end and a lease, signs a move
         if isinstance(op, Admitted):
             return homed(op.op)
         if isinstance(op, SetQueue):
@@ -202,8 +203,10 @@ def test_expiries_and_releases_of_tokens_nobody_granted_are_refused() -> None:
 
 
 def signed(tokens: tuple[int, ...] = (1,), signer: int = 0) -> Record:
+    """``granted(tokens)`` as a TLS home holds it: its fence grant and lease signed."""
     record = granted(tokens)
-    return record.with_fence(SIGNERS[signer].sign_fence(KEY, record.fence))
+    fence = SIGNERS[signer].sign_fence(KEY, record.fence)
+    return record.with_fence(SIGNERS[signer].seal(KEY, fence, end=True, move=False))
 
 
 def refused_signed(local: Record, remote: Record) -> str:
@@ -536,6 +539,31 @@ def test_a_birth_by_a_revoked_key_is_refused_only_where_it_would_take_the_home()
     assert (
         check(Record(held.key), only, now_ms=NOW, bounds=BOUNDS, verifier=ring).home_region == other
     )
+
+
+def test_a_lease_lengthened_within_the_hour_needs_the_seal_of_the_claims_decider() -> None:
+    """docs/security.md's last *not yet* of leases: an expiry within ``lease_too_long``
+    was merged from anyone, so a peer could keep a lapsed claim alive (or lengthen a
+    live one) for up to an hour. The expiry of an unreleased fence claim carries the
+    seal of a node that decides it (the home, or the region that granted), over
+    exactly that expiry: ``unsigned_lease`` otherwise."""
+    held = signed()
+    longer = dataclasses.replace(held.fence, lease_expiry={1: NOW + 3_000_000})
+    assert refused_signed(held, held.with_fence(longer)) == "unsigned_lease"
+    by_peer = OTHER_SIGNER.seal(KEY, longer, end=True, move=False)
+    assert refused_signed(held, held.with_fence(by_peer)) == "signer_not_home"
+    renewed = SIGNERS[1].seal(KEY, longer, end=True, move=False)  # the home's other key
+    merged = check(held, held.with_fence(renewed), now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
+    assert merged.fence.expiry(1) == NOW + 3_000_000 and merged.fence.lease_seal()
+    # A seal of another expiry than the lease's own seals nothing (and would block
+    # the home's next renewal): refused too.
+    stale = dataclasses.replace(held.fence, lease_seals={1: (NOW + 9_000_000, b"\x01" * 72)})
+    assert refused_signed(held, held.with_fence(stale)) == "unsigned_lease"
+    # Once the claim has ended, its lease decides nothing: not checked.
+    ended = SIGNERS[0].seal(KEY, held.fence.release(1), end=True, move=False)
+    done = held.with_fence(ended)
+    later = dataclasses.replace(ended, lease_expiry={1: NOW + 3_000_000})
+    assert check(done, done.with_fence(later), now_ms=NOW, bounds=BOUNDS, verifier=KEYRING)
 
 
 def test_a_birth_of_a_region_that_had_seen_the_record_is_void_in_either_order() -> None:

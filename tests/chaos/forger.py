@@ -19,8 +19,10 @@ which refusal reason (docs/security.md, *State integrity*) must refuse it:
   later clock and the home's node id (``unsigned_write``; signed with the posing
   key: ``signer_not_home``); a forged release or lapse of the live claim's token,
   then a write at its epoch (``unsigned_end``; a release sealed with the posing key:
-  ``signer_not_home``); a move of the fence past the live claim, then a write at the
-  new epoch (``unsigned_move``; signed with the posing key: ``signer_not_home``);
+  ``signer_not_home``); the live claim's lease lengthened within the hour bound
+  (``unsigned_lease``; sealed with the posing key: ``signer_not_home``); a move of
+  the fence past the live claim, then a write at the new epoch (``unsigned_move``;
+  signed with the posing key: ``signer_not_home``);
   the work queue's state written by the peer — an item marked done, or reopened
   (``unsigned_write``; signed with the posing key: ``signer_not_home``).
 
@@ -49,8 +51,9 @@ against the posing region, ``last_refusal``). The invariant (checker.py, 11):
 none is merged (but the kept kind, whose home must stay), each is refused by its
 rule, and every kind is pushed at least once in a run — while the workload's
 claims and writes go on around them, and every other invariant still holds. What
-signatures cannot refuse (a lease extended within the hour) is documented in
-docs/security.md and not pushed: it would be merged.
+signatures cannot refuse (a back-dated birth of the posing region's own, of a
+record it has not seen) is documented in docs/security.md and not pushed: it
+would be merged.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ RULES: dict[str, str] = {
     "release-then-write": "unsigned_end",
     "lapse-then-write": "unsigned_end",
     "release-sealed-by-peer-then-write": "signer_not_home",
+    "lease-extended-within-the-hour": "unsigned_lease",
+    "lease-extended-sealed-by-peer": "signer_not_home",
     "fence-move-then-write": "unsigned_move",
     "fence-move-signed-by-peer-then-write": "signer_not_home",
     "queue-marked-done": "unsigned_write",
@@ -228,6 +233,12 @@ def claim_forgeries(
     sealed = released.with_fence(signer.seal(key, released.fence, end=True, move=False))
     lapsed = record.with_fence(fence.lapse(token))
 
+    # The live claim's lease 50 minutes out: within the bound, so only the seal of
+    # the node that decides the claim tells it from a renewal.
+    longer_ms = now + 3_000_000
+    longer = dataclasses.replace(fence, lease_expiry={**fence.lease_expiry, token: longer_ms})
+    lease_sealed = signer.seal(key, longer, end=True, move=False)  # seals the lease
+
     moved = record.with_fence(fence.move(token + 1))
     moved_signed = moved.with_fence(signer.seal(key, moved.fence, end=False, move=True))
     after_move = later._replace(epoch=token + 1)
@@ -242,6 +253,8 @@ def claim_forgeries(
         ("release-then-write", released.set_fields(forged_value, later)),
         ("lapse-then-write", lapsed.set_fields(forged_value, later)),
         ("release-sealed-by-peer-then-write", sealed.set_fields(forged_value, later)),
+        ("lease-extended-within-the-hour", record.with_fence(longer)),
+        ("lease-extended-sealed-by-peer", record.with_fence(lease_sealed)),
         ("fence-move-then-write", moved.set_fields(forged_value, after_move)),
         ("fence-move-signed-by-peer-then-write", moved_signed.set_fields(forged_value, after_move)),
     ]

@@ -25,7 +25,7 @@ from tests.chaos.checker import (
 )
 from tests.chaos.claim_invariants import leases_recorded
 from tests.chaos.claims import Ending
-from tests.chaos.forger import RULES, Pushed
+from tests.chaos.forger import KEPT, RULES, Pushed
 from tests.chaos.nemesis import KINDS, Played, cut_pairs, schedule
 from tests.chaos.queue_work import QUEUE_TOPIC
 from tests.chaos.shapes import SPLIT_TOPIC
@@ -46,7 +46,10 @@ CATCH_UP = Played("wipe-restart", ("ap", "us"), 40.0, 50.0, cut=(("ap", "us"),),
                   cut_healed=48.0)  # fmt: skip
 # A hostile peer posing as eu pushed every forgery of a us record; us merged none and
 # refused each by its rule.
-REFUSED = tuple(Pushed(forgery, rule, KEY, 0, rule) for forgery, rule in RULES.items())
+# (A kept one, forger.KEPT, us merged as evidence and reported by its rule, its home kept.)
+REFUSED = tuple(
+    Pushed(forgery, rule, KEY, int(forgery in KEPT), rule) for forgery, rule in RULES.items()
+)
 FORGE = Played("forge", ("us", "eu"), 55.0, 56.0, forged=REFUSED)
 # ap frozen from 57.1 s, woken at 61 s, saying it was settling when asked at 64 s.
 PAUSE = Played("pause", ("ap",), 57.0, 61.0, down_at=57.1, settling_until=64.0)
@@ -607,6 +610,22 @@ def test_a_forged_state_a_node_merged_is_caught() -> None:
     assert verdict["forgeries refused"].numbers["merged"] == 1
 
 
+def test_a_kept_forgery_passes_only_if_the_home_stayed_and_it_was_reported() -> None:
+    """forger.KEPT: the back-dated birth of the posing region's own is merged as
+    evidence; the run fails if it moved the record's home, or was not reported."""
+    name = "back-dated-birth-of-its-own-region"
+    moved = replace(forged(name, merged=1), forged=tuple(
+        replace(p, home_kept=False) if p.forgery == name else p for p in REFUSED
+    ))  # fmt: skip
+    verdict = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP, moved])["forgeries refused"]
+    assert not verdict.ok and f"a {name} forgery of {KEY} was merged and moved its home" in (
+        verdict.detail
+    )
+    quiet = forged(name, merged=1, refused="")
+    verdict = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP, quiet])["forgeries refused"]
+    assert not verdict.ok and f"never refused by its rule: {name}" in verdict.detail
+
+
 def test_a_forgery_refused_by_another_rule_did_not_test_its_own() -> None:
     # A forged grant naming the home refused as a token jump: its signature went unchecked.
     other = forged("home-grant", refused="token_jump")
@@ -636,12 +655,13 @@ def test_forgeries_all_refused_pass_and_a_run_without_any_judges_nothing() -> No
     assert verdict.ok, verdict
     assert verdict.numbers == {
         "pushed": len(RULES),
-        "merged": 0,
+        "merged": 0,  # the kept one merged, its home kept: not counted as merged
         "refused by their rule": len(RULES),
         "refused by another rule": 0,
         "no refusal seen": 0,
     }
-    assert "unsigned_write 4" in verdict.detail and "signer_not_home 7" in verdict.detail
+    assert "unsigned_write 4" in verdict.detail and "signer_not_home 8" in verdict.detail
+    assert "seen_before_birth 1" in verdict.detail
     unjudged = verdicts(history(*SERVED), played=[PARTITION, CATCH_UP])["forgeries refused"]
     assert not unjudged.ok and "nothing to judge" in unjudged.detail
 

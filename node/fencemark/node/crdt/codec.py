@@ -9,7 +9,7 @@ keys, minimal varints, nothing trailing), so ``encode(decode(b)) == b`` for ever
 Layout (format 6)::
 
     0x06 key births fields tags deleted grants lease_expiry released lapsed seals moved queue
-         seen
+         seen lease_seals
     births       = n (region stamp signature)*  sorted by region
     fields       = n (name stamp str signature)*  sorted by name
     tags         = n (tag stamp bool signature)*  sorted by tag
@@ -23,21 +23,22 @@ Layout (format 6)::
     moved        = token signature
     queue        = n (name stamp str signature)*  sorted by name (SPEC §8: status, ...)
     seen         = n (region stamp signature)*  sorted by region
+    lease_seals  = n (token expiry_ms signature)*  sorted by token; the fence's only
     stamp        = epoch hlc node
     bytes        = varint length, then the bytes
 
-Format 5 had no ``seen``; format 4 no queue registers; format 3 also had no signatures on registers,
-no seals and no signed move; format 2 also had one optional home
-(``0x00 | 0x01 stamp str``) instead of births, grants without an identity, and
-neither ``lapsed`` nor ``moved``; format 1 also had no signatures at all. Storage
-re-encodes them when it opens an older file
+Format 5 had no ``seen`` and no lease seals; format 4 no queue registers either;
+format 3 also had no signatures on registers, no seals and no signed move; format 2
+also had one optional home (``0x00 | 0x01 stamp str``) instead of births, grants
+without an identity, and neither ``lapsed`` nor ``moved``; format 1 also had no
+signatures at all. Storage re-encodes them when it opens an older file
 (``upgrade``); the wire takes the current format only.
 
 What a home signs for a grant is ``grant_message`` (docs/security.md, *Signed
 grants*): the record key, the token and the grant without its signature; for a
 write made under a claim, ``write_message``; for the end of a claim, ``end_message``;
-for a move, ``move_message`` (*Signed writes*); for having seen a record born
-elsewhere, ``seen_message`` (*Signed births*).
+for a move, ``move_message``; for a lease's expiry, ``lease_message`` (*Signed
+writes*); for having seen a record born elsewhere, ``seen_message`` (*Signed births*).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ BIRTH_MESSAGE = b"fencemark birth v1\x00"  # ... of birth signatures
 WRITE_MESSAGE = b"fencemark write v1\x00"  # ... of signed writes
 END_MESSAGE = b"fencemark end v1\x00"  # ... of a claim's end (release, lapse)
 MOVE_MESSAGE = b"fencemark move v1\x00"  # ... of a moved fence
-SEEN_MESSAGE = b"fencemark seen v1\x00"  # ... and of a region having seen a record
+SEEN_MESSAGE = b"fencemark seen v1\x00"  # ... of a region having seen a record
+LEASE_MESSAGE = b"fencemark lease v1\x00"  # ... and of a lease's expiry
 DIGEST_SIZE = 16
 MAX_UINT = (1 << 64) - 1  # every integer in a state is a uint64 (tokens, stamps, expiries)
 
@@ -150,6 +152,12 @@ def encode(record: Record) -> bytes:
     _bytes(out, fence.moved_signature)
     _string_registers(out, record.queue)
     _births(out, record.seen)
+    _varint(out, len(fence.lease_seals))
+    for token in sorted(fence.lease_seals):
+        expiry, signature = fence.lease_seals[token]
+        _varint(out, token)
+        _varint(out, expiry)
+        _bytes(out, signature)
     return bytes(out)
 
 
@@ -203,6 +211,16 @@ def seen_message(key: str, region: str, seen: Birth) -> bytes:
     _str(out, key)
     _str(out, region)
     _stamp(out, seen.stamp)
+    return bytes(out)
+
+
+def lease_message(key: str, token: int, expiry_ms: int) -> bytes:
+    """The bytes the node deciding ``token``'s claim on ``key`` signs for setting its
+    lease to end at ``expiry_ms`` (a grant, or a renewal)."""
+    out = bytearray(LEASE_MESSAGE)
+    _str(out, key)
+    _varint(out, token)
+    _varint(out, expiry_ms)
     return bytes(out)
 
 
@@ -332,7 +350,7 @@ def upgrade(data: bytes) -> bytes:
     """A stored state in the current format: a state of a legacy format is
     re-encoded (grants unsigned if format 1; the home as the one birth before
     format 3; registers unsigned before format 4; no queue registers before
-    format 5, no ``seen`` before format 6); others are returned as they
+    format 5, no ``seen`` nor lease seals before format 6); others are returned as they
     are. Only storage calls this, when it opens an older file: the wire takes the
     current format only."""
     if data[:1] not in (bytes([fmt]) for fmt in LEGACY_FORMATS):
@@ -383,12 +401,21 @@ def _decode(data: bytes, fmt: int) -> Record:
     if fmt >= 5:
         queue = r.sorted_map(r.str, lambda: LWW(r.stamp(), r.str(), r.blob()))
     seen: dict[str, Birth] = {}
+    lease_seals: dict[int, tuple[int, bytes]] = {}
     if fmt >= 6:
         seen = r.sorted_map(r.str, lambda: Birth(r.stamp(), r.blob()))
+        lease_seals = r.sorted_map(r.varint, lambda: (r.varint(), r.blob()))
     if r.pos != len(data):
         raise DecodeError("trailing bytes")
     fence = FenceState(
-        grants, lease_expiry, frozenset(released), frozenset(lapsed), moved, seals, moved_signature
+        grants,
+        lease_expiry,
+        frozenset(released),
+        frozenset(lapsed),
+        moved,
+        seals,
+        moved_signature,
+        lease_seals,
     )
     if any(g.signature for t, g in grants.items() if t != fence.fence):
         raise DecodeError("a signature on a grant that is not the fence")
@@ -396,4 +423,6 @@ def _decode(data: bytes, fmt: int) -> Record:
         raise DecodeError("a seal of a token that is not the fence")
     if moved_signature and not moved:
         raise DecodeError("a signature of a move that was never made")
+    if any(t != fence.fence for t in lease_seals):
+        raise DecodeError("a lease seal of a token that is not the fence")
     return Record(key, births, fields, tags, deleted, fence, queue, seen)

@@ -18,6 +18,9 @@ Five lattices side by side, each with an obvious join:
   (released it, or recorded its lapse), merged by maximum; ``moved_signature``,
   the home's signature of the move, goes with ``moved`` (the larger move's; of
   one move, the larger signature).
+- ``lease_seals``: token -> ``(expiry, signature)`` of the node that decides the
+  claim, over that expiry of its lease, merged by maximum (the later expiry's; of
+  one expiry, the larger signature).
 
 The *fence* is the largest of ``moved`` and every granted token (0 when none);
 it only ever grows. A claim is live when the fence is a granted token, not
@@ -25,9 +28,10 @@ released, not lapsed, and ``now < lease_expiry[fence]`` (SPEC §3).
 
 Only the fence's grant carries a signature (``Grant.signature``, the home's, made
 with its node key: docs/security.md, *Signed grants*), and only the fence token's
-end a seal (*Signed writes*). A grant below the fence can never become the fence
-again, so its signature would protect nothing; ``_compact`` strips it, and drops
-the seals of tokens below the fence. Stripping after every join is still a join:
+end a seal (*Signed writes*) and its lease's latest expiry a lease seal. A grant
+below the fence can never become the fence again, so its signature would protect
+nothing; ``_compact`` strips it, and drops the seals and lease seals of tokens
+below the fence. Stripping after every join is still a join:
 whether a grant keeps its signature (a token its seal) depends only on the tokens
 of the join, and a side's own fence grant keeps its signature on that side
 (tests/test_crdt_laws.py checks the laws with signed grants, and with two
@@ -79,6 +83,7 @@ class FenceState:
     moved: int = 0
     seals: Mapping[int, bytes] = field(default_factory=dict)
     moved_signature: bytes = b""
+    lease_seals: Mapping[int, tuple[int, bytes]] = field(default_factory=dict)
 
     # -- lattice --------------------------------------------------------------
 
@@ -94,6 +99,7 @@ class FenceState:
             moved=moved,
             seals=merge_maps(self.seals, other.seals, max),
             moved_signature=moved_signature,
+            lease_seals=merge_maps(self.lease_seals, other.lease_seals, max),
         )._compact()
 
     def floor(self) -> int:
@@ -110,6 +116,7 @@ class FenceState:
         fence = self.fence
         stale = any(g.signature for t, g in self.grants.items() if t != fence)
         stale = stale or any(t != fence for t in self.seals)
+        stale = stale or any(t != fence for t in self.lease_seals)
         if not floor and not stale:
             return self
         grants = {
@@ -118,8 +125,9 @@ class FenceState:
             if t >= floor
         }
         seals = {t: sig for t, sig in self.seals.items() if t == fence}
+        leases = {t: seal for t, seal in self.lease_seals.items() if t == fence}
         if not floor:
-            return replace(self, grants=grants, seals=seals)
+            return replace(self, grants=grants, seals=seals, lease_seals=leases)
         return replace(
             self,
             grants=grants,
@@ -127,6 +135,7 @@ class FenceState:
             released=frozenset(t for t in self.released if t >= floor),
             lapsed=frozenset(t for t in self.lapsed if t >= floor),
             seals=seals,
+            lease_seals=leases,
         )
 
     # -- value ----------------------------------------------------------------
@@ -191,6 +200,23 @@ class FenceState:
         if signature <= self.seals.get(fence, b""):
             return self
         return replace(self, seals={**self.seals, fence: signature})
+
+    def lease_sealed(self, signature: bytes) -> FenceState:
+        """The fence token's lease, at its current expiry, with ``signature``, of the
+        node that decides the claim (docs/security.md, *Signed writes*)."""
+        fence = self.fence
+        if fence not in self.grants:
+            raise ValueError(f"token {fence} was never granted")
+        seal = (self.expiry(fence), signature)
+        if seal <= self.lease_seals.get(fence, (0, b"")):
+            return self
+        return replace(self, lease_seals={**self.lease_seals, fence: seal})
+
+    def lease_seal(self) -> bytes:
+        """The signature over the fence token's current expiry (b"": none)."""
+        fence = self.fence
+        expiry, signature = self.lease_seals.get(fence, (0, b""))
+        return signature if expiry == self.expiry(fence) and expiry else b""
 
     def move_signed(self, signature: bytes) -> FenceState:
         """The move with ``signature``, the home's."""

@@ -45,8 +45,10 @@ legitimate state (and so never stops convergence):
   fenced write of the holder, so no peer can overwrite or delete a live claim's
   record with a stamp at its epoch; likewise the end of the fence's claim (a
   release or a lapse, which readmits unfenced writes) carries the seal of the node
-  that decided it (``unsigned_end``), and a move that is the fence the home's
-  signature (``unsigned_move``); and every work-queue register new to this node
+  that decided it (``unsigned_end``), the expiry of its lease, while it is not
+  ended, the seal of a node that decides it (``unsigned_lease``: no peer keeps a
+  lapsed claim alive), and a move that is the fence the home's signature
+  (``unsigned_move``); and every work-queue register new to this node
   carries the signature of a region that created the record (``unsigned_write``)
   (docs/security.md, *Signed writes*).
 
@@ -119,6 +121,12 @@ class GrantVerifier(Protocol):
     ) -> tuple[str, str] | None:
         """(reason, detail) when the move of the fence to ``token`` is not ``home``'s."""
 
+    def lease_problem(
+        self, record_key: str, token: int, expiry_ms: int, seal: bytes, regions: Iterable[str]
+    ) -> tuple[str, str] | None:
+        """(reason, detail) when ``token``'s lease to ``expiry_ms`` is not sealed by
+        the node of one of ``regions``."""
+
 
 def check(
     local: Record,
@@ -133,16 +141,17 @@ def check(
     _check_epochs(remote)
     join = _Join(local, remote, local.merge(remote))
     join.check_grants(bounds)
+    join.check_leases(bounds, now_ms)
     if verifier is not None:
         join.check_births(verifier)
         join.check_seen(verifier)
         join.check_fence_grant(verifier)
         join.check_end(verifier)
+        join.check_lease(verifier)
         join.check_move_signature(verifier)
         join.check_writes(verifier)
         join.check_queue(verifier)
     join.check_move(bounds)
-    join.check_leases(bounds, now_ms)
     return join.merged
 
 
@@ -282,6 +291,24 @@ class _Join:
             return
         seal = fence.seals.get(top, b"")
         problem = verifier.end_problem(self.remote.key, top, seal, self.deciders(holder))
+        if problem is not None:
+            raise self.refuse(*problem)
+
+    def check_lease(self, verifier: GrantVerifier) -> None:
+        """The lease of an unreleased fence claim, new here (its expiry or its seal):
+        sealed at exactly its expiry by a node that decides the claim, so no peer can
+        keep a lapsed claim alive or lengthen a live one (a renewal is the home's)."""
+        merged, local, top, holder = self.merged.fence, self.local.fence, self.top, self.holder
+        if holder is None or not merged.unreleased():
+            return
+        if (merged.expiry(top), merged.lease_seals.get(top)) == (
+            local.expiry(top),
+            local.lease_seals.get(top),
+        ):
+            return
+        problem = verifier.lease_problem(
+            self.remote.key, top, merged.expiry(top), merged.lease_seal(), self.deciders(holder)
+        )
         if problem is not None:
             raise self.refuse(*problem)
 

@@ -58,6 +58,7 @@ UNSIGNED_SEEN = "unsigned_seen"
 UNSIGNED_WRITE = "unsigned_write"
 UNSIGNED_END = "unsigned_end"
 UNSIGNED_MOVE = "unsigned_move"
+UNSIGNED_LEASE = "unsigned_lease"
 BAD_SIGNATURE = "bad_signature"
 UNKNOWN_SIGNER = "unknown_signer"
 SIGNER_NOT_HOME = "signer_not_home"
@@ -133,13 +134,17 @@ class Signer:
         return record.with_signed_writes(stamp, signature)
 
     def seal(self, record_key: str, fence: FenceState, *, end: bool, move: bool) -> FenceState:
-        """``fence`` with the end of its fence token's claim sealed (``end``: this node
-        ended it) and its move signed (``move``: this node is the home), where they
-        are not yet: only the node that decides them can say a claim ended or the
+        """``fence`` with the end of its fence token's claim sealed, or else its
+        lease's expiry (``end``: this node decides that claim), and its move signed
+        (``move``: this node is the home), where they are not yet: only the node that
+        decides them can say a claim ended, how long its lease runs, or that the
         fence moved (docs/security.md, *Signed writes*)."""
         top = fence.fence
         if end and top in fence.grants and fence.ended(top) and top not in fence.seals:
             fence = fence.sealed(self._sign(codec.end_message(record_key, top)))
+        if end and fence.unreleased() and fence.expiry(top) and not fence.lease_seal():
+            expiry = fence.expiry(top)
+            fence = fence.lease_sealed(self._sign(codec.lease_message(record_key, top, expiry)))
         if move and fence.moved and not fence.moved_signature:
             fence = fence.move_signed(self._sign(codec.move_message(record_key, fence.moved)))
         return fence
@@ -242,6 +247,7 @@ class Keyring:
                 signatures.append(holder.signature)
                 signatures.extend(reg.signature for _, _, reg in record.registers())
             signatures.extend(record.fence.seals.values())
+            signatures.extend(sig for _, sig in record.fence.lease_seals.values())
             signatures.append(record.fence.moved_signature)
             for sig in signatures:
                 if len(sig) == SIGNATURE_SIZE and sig[:KEY_ID_SIZE] not in self._signers:
@@ -313,6 +319,17 @@ class Keyring:
         if not seal:
             return UNSIGNED_END, f"{what} carries no seal of the node that ended it"
         message = codec.end_message(record_key, token)
+        return self._check(what, seal, self._region_of(seal, regions), message)
+
+    def lease_problem(
+        self, record_key: str, token: int, expiry_ms: int, seal: bytes, regions: Iterable[str]
+    ) -> tuple[str, str] | None:
+        """Why ``token``'s lease ending at ``expiry_ms`` is not sealed by the node of
+        one of ``regions`` (the deciders of its claim): (reason, detail), or None."""
+        what = f"token {token}'s lease to {expiry_ms}"
+        if not seal:
+            return UNSIGNED_LEASE, f"{what} carries no seal of the node that decides the claim"
+        message = codec.lease_message(record_key, token, expiry_ms)
         return self._check(what, seal, self._region_of(seal, regions), message)
 
     def move_problem(
