@@ -33,6 +33,8 @@ PLOTS = (
     "drain_latency.png",
     "pick_cost.png",
     "feed_latency.png",
+    "wan_latency.png",
+    "wan_cut.png",
 )
 
 
@@ -58,7 +60,7 @@ async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
     servers: None, tmp_path: Path
 ) -> None:
     results = tmp_path / "results"
-    ran = await fencemark("bench", "--quick", "--results", str(results), limit_s=330)
+    ran = await fencemark("bench", "--quick", "--results", str(results), limit_s=420)
     assert ran.code == 0, ran.stdout + ran.stderr[-4000:]
     report = json.loads((results / "results.json").read_text())
     assert report["mode"] == "quick"
@@ -82,6 +84,21 @@ async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
     assert all(writes[c]["update"]["server_ms_per_call"] > 0 for c in ("1", "16", "64"))
     drain = report["scenarios"]["drain"]["data"]
     assert all(drain[a]["fencemark"]["server_ms_per_op"] > 0 for a in ("1", "16", "64"))
+    wan = report["scenarios"]["wan"]["data"]
+    for system in ("fencemark", "etcd", "redis"):
+        row = wan["windows"]["4"]["50"][system]
+        assert all(row[r]["items"] > 0 for r in ("us", "eu", "ap")), (system, row)
+        ledger = wan["ledger"][system]
+        assert ledger["finished"] > 0 and (ledger["done_twice"], ledger["lost"]) == (0, 0), ledger
+        assert wan["cut"][system]["steady"]["ap"]["items"] > 0, (system, wan["cut"][system])
+    # Cut off, ap drains its own items on Fencemark, and can do nothing on the others:
+    # its etcd member has no quorum, and Redis is across the cut.
+    assert wan["cut"]["fencemark"]["cut"]["ap"]["items"] > 0
+    assert wan["cut"]["etcd"]["cut"]["ap"]["items"] == 0
+    assert wan["cut"]["redis"]["cut"]["ap"]["items"] == 0
+    assert wan["ledger"]["fencemark"]["identical"]
+    # The harness checked itself: every baseline that crosses the network paid R.
+    assert not any("no delay applied" in n for n in report["scenarios"]["wan"]["notes"])
     markdown = (results / "results.md").read_text()
     assert "### Targets" in markdown and "| target |" in markdown
     for plot in PLOTS:

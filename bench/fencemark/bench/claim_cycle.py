@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from fencemark.bench import drivers, plots
+from fencemark.bench.core_cost import core_ms_per_call
 from fencemark.bench.load import Operation
 from fencemark.bench.matrix import Factory, Runs, latencies, ops_ratio, rpc_ratio, run_matrix
 from fencemark.bench.matrix import summary as summarise
 from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Table, at_least, at_most, fmt
 from fencemark.bench.servers import start_etcd, start_redis
+from fencemark.bench.stats import ratio
 from fencemark.node.tools.process import NodeProcess
 
 CYCLE_CALLS = ("claim", "write", "release")
@@ -31,6 +33,9 @@ def _health(address: str) -> Factory:
             yield [drivers.health_check(client) for client, _ in pairs]
 
     return factory
+
+
+GOAL_CLIENTS = 16  # the clients the node's targets are judged at
 
 
 def _claim_cycles(address: str, records: int) -> Factory:
@@ -80,11 +85,17 @@ async def run_claim_cycle(
         servers = {"fencemark": node.proc.pid, "grpc-health": node.proc.pid,
                    "etcd": etcd.pid, "redis": redis.pid}  # fmt: skip
         runs = await run_matrix(systems, settings, progress, servers)
-    return _claim_report(runs, settings, out)
+    progress.status(f"the core in-process, {GOAL_CLIENTS} callers")
+    core_ms = await core_ms_per_call(work / "core", GOAL_CLIENTS, settings.duration)
+    progress.line(f"the core in-process: {core_ms:.3f} ms CPU per claim-path call")
+    return _claim_report(runs, settings, out, core_ms)
 
 
-def _claim_report(runs: Runs, settings: Settings, out: Path) -> ScenarioResult:
-    data: dict[str, Any] = {}
+def _claim_report(runs: Runs, settings: Settings, out: Path, core_ms: float) -> ScenarioResult:
+    """The figures, and the node's two targets (issue 34): CPU per claim-path call
+    against the floor of a Python node, and p99 claim at 16 clients. The ratios to
+    etcd and Redis are reported as facts, without a verdict."""
+    data: dict[str, Any] = {"core_ms_per_call": core_ms}
     table = Table(
         "Claim cycle (claim → fenced update → release), one node, medians over "
         f"{settings.repeats} runs",
@@ -119,12 +130,23 @@ def _claim_report(runs: Runs, settings: Settings, out: Path) -> ScenarioResult:
         ratios.rows.append(
             [str(clients), f"{fmt(vs_grpc, 2)}x", f"{fmt(vs_etcd, 2)}x", f"{fmt(vs_redis, 2)}x"]
         )
-        targets.append(at_least(f"claim-path RPC rate / bare gRPC, {clients} clients",
-                                vs_grpc, 0.7, "x"))  # fmt: skip
-        targets.append(at_least(f"claim cycles / etcd, {clients} clients", vs_etcd, 1.0, "x"))
-        if clients == 16:
+        if clients == GOAL_CLIENTS:
+            node = row["fencemark"]["server_ms_per_call"]
+            floor = row["grpc-health"]["server_ms_per_call"] + core_ms
+            row["cpu_vs_floor"] = ratio(node, floor)
+            targets.append(at_most(
+                f"node CPU per claim-path call / (bare gRPC call + core in-process),"
+                f" {clients} clients", row["cpu_vs_floor"], 1.5, "x",
+            ))  # fmt: skip
             p99 = row["fencemark"]["claim_p99_ms"]
-            targets.append(at_most("p99 claim latency, 16 clients", p99, 10, " ms"))
+            targets.append(at_most(f"p99 claim latency, {clients} clients", p99, 20, " ms"))
+    notes = [
+        f"The core in-process (claim → fenced update → release on a SQLite file, no gRPC,"
+        f" {GOAL_CLIENTS} callers): {fmt(core_ms, 3)} ms CPU per call. The node's floor is"
+        " the bare gRPC call's CPU plus this.",
+        "The ratios to etcd and Redis on one machine are facts, not targets: the node"
+        " stays Python on grpcio's asyncio server (docs/performance.md).",
+    ]
     return ScenarioResult(
         "claims",
         "Claim cycle vs bare gRPC, etcd and durable Redis",
@@ -132,6 +154,7 @@ def _claim_report(runs: Runs, settings: Settings, out: Path) -> ScenarioResult:
         [table, ratios, cpu],
         targets,
         _claim_plots(runs, settings, out),
+        notes,
     )
 
 

@@ -29,7 +29,7 @@ from fencemark.bench.matrix import Runs, latencies, ops_ratio
 from fencemark.bench.matrix import summary as summarise
 from fencemark.bench.pick_cost import measure_picks
 from fencemark.bench.progress import Progress
-from fencemark.bench.results import ScenarioResult, Settings, Table, Target, at_least, at_most, fmt
+from fencemark.bench.results import ScenarioResult, Settings, Table, Target, at_most, fmt
 from fencemark.bench.servers import start_etcd, start_redis
 from fencemark.bench.stats import ratio
 from fencemark.bench.work_queues import Take
@@ -243,12 +243,9 @@ def report(
         data[str(agents)] = row
         ratios.rows.append([str(agents), f"{fmt(vs_etcd, 2)}x", f"{fmt(vs_redis, 2)}x"])
         if agents == GOAL_AGENTS:
-            targets += [
-                at_least(f"drained items/s / etcd, {agents} agents", vs_etcd, 1.5, "x"),
-                at_least(f"drained items/s / durable Redis, {agents} agents", vs_redis, 0.5, "x"),
-                at_most(f"p99 per drained item, {agents} agents", row["fencemark"]["p99_ms"],
-                        20, " ms"),
-            ]  # fmt: skip
+            # The ratios to etcd and Redis are facts, not targets (issue 34).
+            targets.append(at_most(f"p99 per drained item, {agents} agents",
+                                   row["fencemark"]["p99_ms"], 20, " ms"))  # fmt: skip
     pick_table, pick_targets = _pick_report(picks, settings, data)
     return ScenarioResult(
         "drain",

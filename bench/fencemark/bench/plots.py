@@ -91,3 +91,31 @@ def lines(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def panel_lines(
+    path: Path,
+    title: str,
+    panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+    xlabel: str,
+    ylabel: str,
+    *,
+    logy: bool = False,
+) -> Path:
+    """One panel per key of ``panels`` (a region, a system), one line per series."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (panel, series) in zip(axes[0], panels.items(), strict=True):
+        for name, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o" if len(xs) < 12 else None, label=name)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(panel)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -33,6 +33,10 @@ class Settings:
     feed_write_rate: float  # writes per second at the writer meanwhile (open loop)
     feed_watchers: tuple[int, ...]  # Watch streams attached while the write path is measured
     feed_writers: int  # closed-loop clients writing while the watchers watch
+    wan_rtts_ms: tuple[int, ...]  # round trips between regions the wan scenario runs at
+    wan_agents: tuple[int, ...]  # agents per region
+    wan_window_s: float  # how long each system drains at each (agents, R)
+    wan_cut_phases: tuple[float, float, float]  # steady, cut off, healed (seconds)
 
     @classmethod
     def full(cls) -> Settings:
@@ -58,6 +62,10 @@ class Settings:
             feed_write_rate=100.0,
             feed_watchers=(0, 1, 100),
             feed_writers=16,
+            wan_rtts_ms=(0, 50, 150),
+            wan_agents=(4, 16),
+            wan_window_s=3.0,
+            wan_cut_phases=(4.0, 20.0, 8.0),
         )
 
     @classmethod
@@ -84,6 +92,10 @@ class Settings:
             feed_write_rate=50.0,
             feed_watchers=(0, 1, 100),
             feed_writers=16,
+            wan_rtts_ms=(50,),
+            wan_agents=(4,),
+            wan_window_s=2.0,
+            wan_cut_phases=(2.0, 4.0, 3.0),
         )
 
 

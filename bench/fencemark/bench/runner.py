@@ -23,7 +23,7 @@ from fencemark.bench import headline
 from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Target
 
-SCENARIOS = ("claims", "writes", "lag", "anti-entropy", "footprint", "drain", "feed")
+SCENARIOS = ("wan", "claims", "writes", "lag", "anti-entropy", "footprint", "drain", "feed")
 DOCS_BEGIN = "<!-- bench:results:begin (written by `fencemark bench`; edits are lost) -->"
 DOCS_END = "<!-- bench:results:end -->"
 DOCS_PLOTS = "performance"  # docs/<this>/: the plots the headline shows
@@ -33,6 +33,10 @@ async def _run_scenario(
     name: str, settings: Settings, progress: Progress, work: Path, out: Path, seeds: Any
 ) -> ScenarioResult:
     # Imported here: each scenario pulls in its own clients (aetcd, redis, psutil).
+    if name == "wan":
+        from fencemark.bench.wan import run_wan
+
+        return await run_wan(settings, progress, work, out)
     if name == "claims":
         from fencemark.bench.claim_cycle import run_claim_cycle
 
