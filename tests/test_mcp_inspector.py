@@ -345,3 +345,24 @@ async def test_the_inspector_reads_what_another_session_follows_over_http(
     assert content["following"] is True
     assert [(e["kind"], e["id"]) for e in content["events"]] == [("created", "one")]
     await no_stream_left(node, ended=1)  # the follower's session closed: its Watch ended
+
+
+async def test_the_inspector_starts_the_server_from_the_configuration_init_wrote(
+    installed: tuple[Path, Path], tmp_path: Path, node: NodeServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Issue 35: a repository after `fencemark init` — the Inspector reads its
+    ``.mcp.json``, starts ``fencemark mcp --bindings ...`` from it in the repository,
+    and lists every tool."""
+    from tests.test_adopt import VENV_BIN, run_cli
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    ran = await run_cli("init", "--repo", "widgets", "--region", "us", "--regions",
+                        f"us={node.address}", cwd=repo)  # fmt: skip
+    assert ran.code == 0, ran.stderr
+    monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    node_bin, script = installed
+    in_repo = Inspector(node=node_bin, script=script, home=repo)  # runs in the repository
+    tools = await in_repo.list_tools("--config", ".mcp.json", "--server", "fencemark")
+    assert {tool["name"] for tool in tools} == ALL_TOOLS

@@ -44,9 +44,20 @@ def cmd_walkthrough(args: argparse.Namespace) -> int:
 def cmd_mcp(args: argparse.Namespace) -> int:
     from fencemark.mcp.server import run
 
+    target, regions = args.target, args.regions
+    if args.bindings:
+        from fencemark.node.tools.adopt import AdoptError, load_bindings
+
+        try:
+            bindings = load_bindings(Path(args.bindings))
+        except AdoptError as exc:
+            print(f"fencemark mcp: {exc}", file=sys.stderr)
+            return 2
+        target = target or bindings.target
+        regions = regions or bindings.regions_flag()
     return run(
-        args.target,
-        regions=args.regions,
+        target or os.environ.get("FENCEMARK_TARGET", DEFAULT_TARGET),
+        regions=regions,
         timeout=args.timeout,
         transport=args.transport,
         listen=args.listen,
@@ -259,6 +270,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     client_parser = functools.partial(_client_parser, sub)
     _add_walkthrough_command(client_parser)
     _add_mcp_command(client_parser)
+    _add_adopt_commands(sub, client_parser)
     _add_demo_command(sub)
     _add_bench_command(sub)
     _add_cluster_command(sub)
@@ -298,6 +310,14 @@ def _add_mcp_command(client_parser: Callable[[str, str], argparse.ArgumentParser
         metavar="REGION=HOST:PORT,...",
         help="route claims and fenced writes to each record's home region",
     )
+    mcp.add_argument(
+        "--bindings",
+        default=None,
+        metavar="FILE",
+        help="take --target and --regions from a repository's bindings"
+        " (.fencemark/bindings.toml, written by `fencemark init`)",
+    )
+    mcp.set_defaults(target=None)  # from --bindings, FENCEMARK_TARGET or the default
     mcp.add_argument("--transport", choices=("stdio", "http"), default="stdio")
     mcp.add_argument(
         "--listen",
@@ -305,6 +325,85 @@ def _add_mcp_command(client_parser: Callable[[str, str], argparse.ArgumentParser
         help="HOST:PORT for --transport http (port 0 picks one); the endpoint is /mcp",
     )
     mcp.set_defaults(func=cmd_mcp)
+
+
+def _add_adopt_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    client_parser: Callable[[str, str], argparse.ArgumentParser],
+) -> None:
+    init = sub.add_parser(
+        "init", help="write the agent template into a repository, its bindings filled in"
+    )
+    init.add_argument("--dir", default=".", help="the repository's root (default: here)")
+    init.add_argument("--repo", default=None, help="repo id (default: the git remote's name)")
+    init.add_argument("--region", required=True, help="this repository's agents' own region")
+    init.add_argument(
+        "--regions", default=None, metavar="REGION=HOST:PORT,...",
+        help="every region's node (default: REGION=127.0.0.1:7400)",
+    )  # fmt: skip
+    init.add_argument("--force", action="store_true", help="overwrite files that differ")
+    init.set_defaults(func=cmd_init)
+
+    mirror = client_parser("mirror", "bring a repository's issues into the backlog")
+    mirror.set_defaults(target=None, func=cmd_mirror)
+    mirror.add_argument("--regions", default=None, metavar="REGION=HOST:PORT,...")
+    mirror.add_argument("--repo", default=None)
+    mirror.add_argument("--topic", default=None)
+    mirror.add_argument("--region", default=None, help="home of items without a region: label")
+    mirror.add_argument(
+        "--from", dest="source", default="-", metavar="FILE",
+        help="gh issue list --json ... output, or JSON lines (default: stdin)",
+    )  # fmt: skip
+    mirror.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from fencemark.node.tools.adopt import cmd_init as init
+
+    return init(args.dir, args.repo, args.region, args.regions, args.force)
+
+
+def cmd_mirror(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from fencemark.node.tools import mirror
+    from fencemark.node.tools.adopt import (
+        BINDINGS,
+        AdoptError,
+        Bindings,
+        load_bindings,
+        make_bindings,
+        parse_regions,
+    )
+
+    try:
+        if BINDINGS.is_file():
+            bindings = load_bindings(BINDINGS)
+        elif args.repo and (args.region or args.regions):
+            regions = parse_regions(args.regions) if args.regions else None
+            region = args.region or next(iter(regions or {}))
+            bindings = make_bindings(args.repo, region, regions)
+        else:
+            raise AdoptError(
+                f"no {BINDINGS} here: run `fencemark init`, or pass --repo and --region"
+            )
+        overrides: dict[str, object] = {}
+        if args.repo:
+            overrides["repo"] = args.repo
+        if args.topic:
+            overrides["topic"] = args.topic
+        if args.regions:
+            overrides["regions"] = parse_regions(args.regions)
+        if args.region:
+            overrides["region"] = args.region
+        bindings = replace(bindings, **overrides)  # type: ignore[arg-type]
+        checked: Bindings = make_bindings(bindings.repo, bindings.region, bindings.regions)
+        bindings = replace(bindings, regions=checked.regions)
+    except AdoptError as exc:
+        print(f"fencemark mirror: {exc}", file=sys.stderr)
+        return 2
+    return mirror.run(bindings, args.source, dry_run=args.dry_run, timeout=args.timeout,
+                      credentials=client_credentials(args), target=args.target)  # fmt: skip
 
 
 def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
