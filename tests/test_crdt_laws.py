@@ -226,6 +226,33 @@ def test_a_seal_goes_when_a_newer_grant_becomes_the_fence() -> None:
     assert decode(encode(record)) == record
 
 
+def test_a_lease_seal_holds_for_its_expiry_only_and_only_for_the_fence() -> None:
+    """``lease_seals`` (docs/security.md, *Signed writes*): a seal is over one expiry of
+    the fence token's lease; a renewal leaves the lease unsealed until the home seals
+    it again; storing a seal is an inflation (the later expiry, then the larger
+    signature); a newer grant drops the old token's seal."""
+    grant = Grant(pack(EPOCH_MS), "w", "local")
+    fence = FenceState().grant(1, grant, EPOCH_MS + 9)
+    assert fence.lease_seal() == b""
+    sealed = fence.lease_sealed(b"\x05")
+    assert sealed.lease_seals == {1: (EPOCH_MS + 9, b"\x05")} and sealed.lease_seal() == b"\x05"
+    assert sealed.lease_sealed(b"\x04") == sealed == sealed.lease_sealed(b"\x05")
+    assert sealed.lease_sealed(b"\x06").lease_seal() == b"\x06"
+    renewed = sealed.extend(1, EPOCH_MS + 20)
+    assert renewed.lease_seal() == b""  # the seal is of the old expiry
+    resealed = renewed.lease_sealed(b"\x01")  # a later expiry wins, whatever its signature
+    assert resealed.lease_seals == {1: (EPOCH_MS + 20, b"\x01")} and resealed.lease_seal()
+    with pytest.raises(ValueError, match="never granted"):
+        FenceState().lease_sealed(b"\x01")
+    regranted = sealed.grant(2, grant._replace(granted_hlc=pack(EPOCH_MS + 1)), EPOCH_MS + 9)
+    assert regranted.lease_seals == {}
+    # A lease seal below the fence, alone (no signature to strip beside it): dropped.
+    below = FenceState(grants={1: grant, 2: grant}, lease_seals={1: (EPOCH_MS + 9, b"\x05")})
+    assert below.merge(FenceState()).lease_seals == {}
+    record = Record(KEY).with_fence(regranted)
+    assert decode(encode(record)) == record
+
+
 def test_moving_the_fence_to_where_it_already_is_keeps_the_moves_signature() -> None:
     """Only a move further on starts unsigned: the home's signature of this move stays."""
     signed = FenceState().move(3).move_signed(b"\x05")

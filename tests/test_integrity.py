@@ -605,6 +605,20 @@ def test_a_birth_of_a_region_that_had_seen_the_record_is_void_in_either_order() 
     assert refusal(after, done, KEYRING).reason == "signer_not_home"
 
 
+def test_each_birth_a_merge_voids_is_reported_once_whatever_else_is_void() -> None:
+    """``voided_births`` reports every birth that is void in the join and was not in
+    this node's state — past one that was void here already."""
+    held = granted()
+    first, second = sorted(REGIONS[1:3])  # both sort before or after HOME alike
+    early = Birth(stamp(EPOCH_MS - 5, node="n-x"))
+    here = held.see(first, Birth(stamp(node="n-1"))).with_birth(first, early)
+    assert voided_births(held, here)[0].detail.startswith(f"region {first!r}")
+    there = here.see(second, Birth(stamp(node="n-2"))).with_birth(second, early)
+    reported = voided_births(here, here.merge(there))
+    assert [v.detail.split()[1] for v in reported] == [repr(second)]
+    assert voided_births(here, here) == []
+
+
 def test_two_births_without_a_sighting_still_meet_at_the_earliest() -> None:
     """The split SPEC §2 allows stays allowed: neither region had seen the other's
     record, and a third region's sighting voids neither birth."""
