@@ -337,3 +337,20 @@ async def test_the_adoption_guide_runs_as_shown(tmp_path: Path, node: NodeProces
         assert ran.code == 0, (command, ran.stderr)
         expected = [line.replace(DOCUMENTED_NODE, node.address) for line in shown]
         assert matches(expected, ran.stdout.splitlines()), (command, ran.stdout)
+
+
+def test_an_installed_package_carries_every_template_file() -> None:
+    """A wheel installs template/ under <prefix>/share/fencemark/template (pyproject's
+    data-files), where `fencemark init` finds it outside a source checkout."""
+    data_files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "data-files"
+    ]
+    installed = {
+        f"{target.removeprefix('share/fencemark/template')}/{Path(f).name}".lstrip("/"): f
+        for target, files in data_files.items()
+        for f in files
+    }
+    template = ROOT / "template"
+    shipped = {str(p.relative_to(template)) for p in template.rglob("*") if p.is_file()}
+    assert set(installed) == shipped
+    assert all(f == f"template/{name}" for name, f in installed.items())
