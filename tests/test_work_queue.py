@@ -1164,3 +1164,50 @@ async def test_claim_next_only_at_target_leaves_the_other_regions_alone(tmp_path
             routed = await us.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
     assert (alone.granted, alone.reason) == (False, "empty")
     assert routed.granted and routed.record is not None and routed.record.id == "eu-item"
+
+
+@pytest.mark.slow
+async def test_one_new_item_elsewhere_goes_to_one_of_two_hundred_waiters_with_a_few_looks(
+    tmp_path: Path,
+) -> None:
+    """Issue 36: agents in ``us`` waiting for work across regions each made ``eu``
+    serve a ``ClaimNext`` for one new ``eu`` item — at 1,000 agents, 1,000 calls for
+    one item. Now ``us`` tells one waiter, the first, of the item (``elsewhere``) and
+    only that waiter asks ``eu``: one grant, one call at ``eu``, and the other 199
+    wait on in ``us``'s line."""
+    waiters = 200
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        limits = {"max_waiters": 2 * waiters, "max_waiters_per_client": 2 * waiters}
+        us, eu = await asyncio.gather(*(cluster.start(r, **limits) for r in ("us", "eu")))
+        await all_deciding(us, eu)
+        regions = dict(cluster.addresses)
+        agents = [AsyncClient(regions["us"], regions=regions) for _ in range(waiters)]
+        try:
+            tasks = []
+            for index, agent in enumerate(agents):  # in line in this order
+                tasks.append(asyncio.create_task(agent.claim_next(
+                    REPO, TOPIC, f"agent-{index:03d}", wait_seconds=WAIT, lease_seconds=LONG,
+                )))  # fmt: skip
+                await eventually(functools.partial(_waiting, us, index + 1), "in line")
+            calls_at_eu = sum(eu.claims.outcomes.values())
+            async with AsyncClient(regions["eu"]) as pm:
+                await pm.remember(REPO, TOPIC, "new", tags=["homeRegion:eu"])
+
+            async def granted() -> bool:
+                return any(t.done() for t in tasks)
+
+            await eventually(granted, "one waiter granted the eu item")
+            done = [t for t in tasks if t.done()]
+            assert len(done) == 1 and tasks[0] in done  # the first in line
+            first = done[0].result()
+            assert first.granted and first.record is not None and first.record.id == "new"
+            assert first.home_region == "eu"
+            await asyncio.sleep(1.0)  # the grant replicates back: nobody else is sent
+            assert sum(t.done() for t in tasks) == 1
+            assert sum(eu.claims.outcomes.values()) - calls_at_eu == 1  # one call at eu
+            assert us.work.hints == 1 and us.claims.waiting == waiters - 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(a.close() for a in agents))

@@ -56,6 +56,7 @@ _Result = TypeVar("_Result")
 
 MAX_WAIT_SECONDS = 300.0  # SPEC §2: a claim waits at most 300 s
 EMPTY = "empty"  # ClaimNext found no eligible item
+ELSEWHERE = "elsewhere"  # ... here, but one homed elsewhere (to a hint_elsewhere waiter)
 # The initial metadata of a Watch stream: the cursor it starts from.
 CURSOR_HEADER = "fencemark-cursor"
 # A watch stream ending with one of these is the node going away: watch() resumes.
@@ -570,8 +571,10 @@ class AsyncClient:
         ``target`` first, then every other region of ``regions`` in name order,
         each without waiting, passing over a region it cannot reach (``Unavailable``
         only when none answered); only if none has an item does it wait up to
-        ``wait_seconds`` at ``target``. A grant whose reply was lost on the way is
-        not retried at another region: it lapses there and counts one attempt.
+        ``wait_seconds`` at ``target`` — for an item of any region: the target tells
+        the first waiter an item of another region suits, and only that waiter asks
+        the item's home (``_wait_at_target``). A grant whose reply was lost on the
+        way is not retried at another region: it lapses there and counts one attempt.
         ``only_target`` asks ``target`` alone, in one call that waits there: a
         caller that learns of other regions' items otherwise (their changes on the
         feed) may leave that wait early, and a caller that leaves ``target``'s line
@@ -605,8 +608,36 @@ class AsyncClient:
             raise unreachable[0]  # no region answered
         if wait == 0:
             return result
-        request.wait_seconds = wait
-        return await self._next_at(self.target, request, extra_seconds=extra)
+        return await self._wait_at_target(request, wait, result)
+
+    async def _wait_at_target(
+        self, request: claims_pb2.ClaimNextRequest, wait: float, empty: ClaimNextResult
+    ) -> ClaimNextResult:
+        """Wait in ``target``'s line up to ``wait`` seconds. With other regions, the
+        target also tells this waiter of an eligible item homed elsewhere when it is
+        the first waiter the item suits (``hint_elsewhere``: one waiter per item, not
+        every waiter): ask that item's home for it — without waiting, so its own
+        waiters keep their turn — then wait again for what is left of ``wait``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        others = {r: a for r, a in self._router.regions.items() if a != self.target}
+        while (remaining := deadline - loop.time()) > 0:
+            request.wait_seconds = remaining
+            request.hint_elsewhere = bool(others)
+            result = await self._next_at(self.target, request, extra_seconds=remaining)
+            if result.reason != ELSEWHERE:
+                return result
+            address = others.get(result.home_region)
+            if address is None:
+                continue  # a region this client does not know: wait on
+            there = claims_pb2.ClaimNextRequest()
+            there.CopyFrom(request)
+            there.wait_seconds, there.hint_elsewhere = 0.0, False
+            with contextlib.suppress(Unavailable):  # cut off from it: wait on here
+                answer = await self._next_at(address, there)
+                if answer.granted or answer.reason != EMPTY:
+                    return answer
+        return empty
 
     async def _next_at(
         self, address: str, request: claims_pb2.ClaimNextRequest, *, extra_seconds: float = 0.0

@@ -393,6 +393,7 @@ class ClaimNextRequest(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     WAIT_SECONDS_FIELD_NUMBER: _builtins.int
     TAGS_FIELD_NUMBER: _builtins.int
+    HINT_ELSEWHERE_FIELD_NUMBER: _builtins.int
     repo: _builtins.str
     """The repo and topic of the items to pick from."""
     topic: _builtins.str
@@ -402,6 +403,13 @@ class ClaimNextRequest(_message.Message):
     """Lease length, 1-3600 seconds; 0 means 60."""
     wait_seconds: _builtins.float
     """How long to wait for an eligible item, 0-300 seconds."""
+    hint_elsewhere: _builtins.bool
+    """While waiting, also be told of an eligible item homed in another region: the
+    answer is then `granted=false`, reason `elsewhere`, `home_region` the item's
+    home and `record` the item as this node knows it — ask its home for it. One
+    waiter is told of each such item at a time, the first it suits (a routing
+    client's cross-region wait, without every waiter looking at every region).
+    """
     @_builtins.property
     def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Only items carrying every one of these tags."""
@@ -415,10 +423,11 @@ class ClaimNextRequest(_message.Message):
         lease_seconds: _builtins.float = ...,
         wait_seconds: _builtins.float = ...,
         tags: _abc.Iterable[_builtins.str] | None = ...,
+        hint_elsewhere: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_seconds", b"lease_seconds", "owner", b"owner", "repo", b"repo", "tags", b"tags", "topic", b"topic", "wait_seconds", b"wait_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hint_elsewhere", b"hint_elsewhere", "lease_seconds", b"lease_seconds", "owner", b"owner", "repo", b"repo", "tags", b"tags", "topic", b"topic", "wait_seconds", b"wait_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -437,14 +446,20 @@ class ClaimNextResponse(_message.Message):
     granted: _builtins.bool
     fencing_token: _builtins.int
     reason: _builtins.str
-    """Why nothing was granted (`empty`); empty when granted."""
+    """Why nothing was granted (`empty`, or `elsewhere` for a caller that asked for
+    `hint_elsewhere`); empty when granted.
+    """
     home_region: _builtins.str
-    """The region of the node that answered (whose items it picks from)."""
+    """The region of the node that answered (whose items it picks from); with
+    `elsewhere`, the region of the item's home.
+    """
     @_builtins.property
     def lease_expires_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def record(self) -> _record_pb2.Record:
-        """The item claimed, as it is with the grant; unset when not granted."""
+        """The item claimed, as it is with the grant (with `elsewhere`, the item to ask
+        its home for); unset otherwise.
+        """
 
     def __init__(
         self,

@@ -156,6 +156,7 @@ class ClaimsService:
             tags=list(request.tags),
             client=client_of(context),
             on_wait=self.on_wait,
+            hint_elsewhere=request.hint_elsewhere,
         )
         outcome = picked.outcome
         return claims_pb2.ClaimNextResponse(

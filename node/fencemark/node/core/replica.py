@@ -198,6 +198,11 @@ class Replica:
         """Items of ``scope`` homed here the pick index offers now, in pick order."""
         return await self.storage.picks(scope, self.region, now_ms, after=after, limit=limit)
 
+    async def other_homes(self, scope: str) -> list[str]:
+        """The regions other than this one that items of ``scope`` in the pick index
+        are homed in."""
+        return await self.storage.homes(scope, exclude=self.region)
+
     def busy(self, key: str) -> bool:
         """A change of ``key`` is under way (or waiting): its lock is taken."""
         return self._locks.busy(key)

@@ -10,11 +10,22 @@ deferral or lease of the topic ends, and each waiter picks with its own tags in
 turn, so an item goes to the first waiter it suits and a waiter whose tags match
 nothing blocks nobody. Grants are ``Claims``' grants: the same tokens, attempts,
 signatures and waiter bounds.
+
+A waiter may also ask to hear of items homed in other regions (``hint_elsewhere``:
+the routing client's cross-region wait). Every record reaches this node's replica,
+so a look that finds nothing here also reads the pick index of the other homes and
+tells the first such waiter it suits of one eligible item there (``elsewhere``,
+with the item): that waiter asks the item's home, the others go on waiting. An item
+told of is not told of again for ``HINT_HOLD_S`` — the waiter's claim there, or its
+failure, reaches this node meanwhile — so one new item in ``eu`` sends one waiter of
+``us`` there, not all of them (docs/consistency.md, *Waiting across regions*).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +42,10 @@ from fencemark.node.store.storage import Stored
 log = logging.getLogger(__name__)
 
 PICK_PAGE = 32  # candidates read from the pick index at a time
+# An item homed elsewhere that one waiter was told of is told of to no other waiter
+# for this long: its claim at the home (or that waiter's going) replicates back
+# within it; after it, the next waiter it suits is told.
+HINT_HOLD_S = 2.0
 MAX_REASON_CHARS = 256  # of an operator's reason for a reopen or a force-release
 
 
@@ -50,6 +65,9 @@ class WorkQueue:
         self.replica = claims.replica
         # Callers waiting for an item, FIFO per topic.
         self._lines: PickLines[Picked] = PickLines(self._next_look_s)
+        self._told: dict[str, float] = {}  # item homed elsewhere -> when a waiter was told
+        self._hinting: Counter[str] = Counter()  # waiters to tell of items elsewhere, by topic
+        self.hints = 0  # waiters told of an item elsewhere (metrics, tests)
         self.replica.on_change(self._changed)
 
     async def stop(self) -> None:
@@ -60,9 +78,16 @@ class WorkQueue:
         self._lines.wake(key.rsplit("/", 1)[0] + "/")  # the topic's line looks again
 
     async def _next_look_s(self, scope: str) -> float:
-        """Seconds until the topic's earliest deferral or lease ends (inf: none)."""
-        now_ms = self.replica.wall_ms()
-        soonest = await self.replica.next_pickable_ms(scope, now_ms)
+        """Seconds until the topic's earliest deferral or lease ends (inf: none) —
+        of the items homed here, and of those homed elsewhere that a waiter may be
+        told of (their deferral ends with no write to say so)."""
+        replica = self.replica
+        now_ms = replica.wall_ms()
+        ends = [await replica.next_pickable_ms(scope, now_ms)]
+        if self._hinting[scope]:
+            for home in await replica.other_homes(scope):
+                ends.append(await replica.storage.next_pickable_ms(scope, home, now_ms))
+        soonest = min((e for e in ends if e is not None), default=None)
         return float("inf") if soonest is None else (soonest - now_ms) / 1000 + LOOK_AGAIN_S
 
     async def claim_next(
@@ -77,12 +102,15 @@ class WorkQueue:
         tags: Sequence[str] = (),
         client: str = "",
         on_wait: Callable[[], None] | None = None,
+        hint_elsewhere: bool = False,
     ) -> Picked:
         """Claim the first eligible item of ``repo``/``topic`` homed here, or answer
         ``empty``; with ``wait_seconds``, wait in the topic's line that long first
-        (within the same waiter bounds as ``Claims.claim``). An owner that holds the
-        live claim of an item of the topic (asking from an identity that acts for
-        it) gets that item again, its lease extended: the retry of a lost reply."""
+        (within the same waiter bounds as ``Claims.claim``), and with
+        ``hint_elsewhere`` hear of an eligible item homed in another region while
+        waiting (``elsewhere``, module docstring). An owner that holds the live
+        claim of an item of the topic (asking from an identity that acts for it)
+        gets that item again, its lease extended: the retry of a lost reply."""
         scope = scope_of(validation.segment(repo, "repo"), validation.segment(topic, "topic"))
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
@@ -94,7 +122,9 @@ class WorkQueue:
             picked = await self._pick(scope, owner, caller, lease_ms, wanted)
         if picked is None and wait_s > 0:
             with self.claims.waiter(client, on_wait):
-                picked = await self._wait_for_item(scope, owner, caller, lease_ms, wanted, wait_s)
+                picked = await self._wait_for_item(
+                    scope, owner, caller, lease_ms, wanted, wait_s, hint_elsewhere=hint_elsewhere
+                )
         elif picked is None and self._lines.depth(scope) > 0:
             # Callers are waiting: one look behind them, so that a newcomer takes only
             # what suits none of those ahead of it (it does not overtake).
@@ -218,8 +248,12 @@ class WorkQueue:
         lease_ms: int,
         tags: list[str],
         wait_s: float,
+        *,
+        hint_elsewhere: bool = False,
     ) -> Picked | None:
-        """Stand in the topic's line up to ``wait_s`` seconds (0: for one look)."""
+        """Stand in the topic's line up to ``wait_s`` seconds (0: for one look);
+        ``hint_elsewhere``: a look that finds nothing here may tell of an item homed
+        in another region instead."""
 
         async def give_back(picked: Picked) -> None:
             # Picked for a caller that left meanwhile: released at once rather than
@@ -230,15 +264,60 @@ class WorkQueue:
 
         async def try_pick() -> Picked | None:
             caller.still_allowed()  # revoked while it waited: refused, the next may have it
-            return await self._pick(scope, owner, caller, lease_ms, tags)
+            picked = await self._pick(scope, owner, caller, lease_ms, tags)
+            if picked is None and hint_elsewhere:
+                picked = await self._elsewhere(scope, tags)
+            return picked
 
         picker = Picker[Picked](
-            kind=tuple(sorted(tags)),  # what a pick finds depends on the tags alone
+            # What a pick finds depends on the tags, and on whether it may tell of
+            # items elsewhere.
+            kind=(tuple(sorted(tags)), hint_elsewhere),
             once=wait_s <= 0,
             try_pick=try_pick,
             give_back=give_back,
         )
-        return await self._lines.wait(scope, picker, wait_s)
+        self._hinting[scope] += hint_elsewhere
+        try:
+            return await self._lines.wait(scope, picker, wait_s)
+        finally:
+            self._hinting[scope] -= hint_elsewhere
+            if not self._hinting[scope]:
+                del self._hinting[scope]
+
+    async def _elsewhere(self, scope: str, tags: list[str]) -> Picked | None:
+        """An item of ``scope`` homed in another region that looks eligible to this
+        node (its home decides), and that no waiter was told of in the last
+        ``HINT_HOLD_S``: the answer ``elsewhere`` with it. None when there is none."""
+        replica = self.replica
+        now_ms, now = replica.wall_ms(), asyncio.get_running_loop().time()
+        self._told = {k: t for k, t in self._told.items() if now - t < HINT_HOLD_S}
+        for home in await replica.other_homes(scope):
+            after: Pickable | None = None
+            while True:
+                page = await replica.storage.picks(scope, home, now_ms, after=after,
+                                                   limit=PICK_PAGE)  # fmt: skip
+                for candidate in page:
+                    if candidate.key in self._told:
+                        continue
+                    found = await replica.find(candidate.key)
+                    if found is None:
+                        continue
+                    record = found.record
+                    finished = {i for i in record.waits_on if await self._done(scope + i)}
+                    if queue.eligible(record, region=home, now_ms=now_ms, tags=tags,
+                                      done=finished.__contains__):  # fmt: skip
+                        self._told[candidate.key] = now
+                        self.hints += 1
+                        # Told of, it is told of again after the hold if still there.
+                        asyncio.get_running_loop().call_later(HINT_HOLD_S, self._lines.wake, scope)
+                        outcome = Outcome(False, Reason.ELSEWHERE, home_region=home,
+                                          fence=record.fence.fence)  # fmt: skip
+                        return Picked(outcome, found)
+                if len(page) < PICK_PAGE:
+                    break
+                after = page[-1]
+        return None
 
     async def reopen(self, key: str, reason: str, *, caller: Caller) -> Picked:
         """Make the item ``open`` again with no attempts counted (an operator's call)."""

@@ -28,6 +28,8 @@ class Reason(StrEnum):
     # for ForceRelease to take back.
     EMPTY = "empty"
     NO_CLAIM = "no_claim"
+    # A waiter that asked to hear of items homed elsewhere: one is eligible there.
+    ELSEWHERE = "elsewhere"
 
 
 class FencemarkError(Exception):

@@ -254,6 +254,23 @@ class Storage:
         rows = await self._reader.execute_fetchall(sql, [*args, limit])
         return [Pickable(*row) for row in rows]
 
+    async def homes(self, scope: str, *, exclude: str) -> list[str]:
+        """The home regions of ``scope``'s items in the pick index, but ``exclude``;
+        one index step per region (a skip-scan), not one per item."""
+        homes: list[str] = []
+        after = ""
+        while True:
+            rows = await self._reader.execute_fetchall(
+                "SELECT home FROM picks WHERE scope = ? AND home > ? ORDER BY home LIMIT 1",
+                (scope, after),
+            )
+            row = next(iter(rows), None)
+            if row is None:
+                return homes
+            after = str(row[0])
+            if after != exclude:
+                homes.append(after)
+
     async def held_by(self, scope: str, home: str, owner: str, now_ms: int) -> list[str]:
         """Keys of ``scope``'s items at ``home`` that a live lease of ``owner`` holds,
         as the pick index says (the state under its lock decides)."""
