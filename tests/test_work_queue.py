@@ -23,6 +23,7 @@ from fencemark.node.core.claims import Claims
 from fencemark.node.core.work_queue import WorkQueue
 from fencemark.node.crdt import Record as StateRecord
 from fencemark.node.crdt import Stamp
+from fencemark.node.crdt.fence import Grant
 from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
 from fencemark.node.rules import queue
 from fencemark.node.rules.admission import ANYONE, Caller
@@ -1211,3 +1212,56 @@ async def test_one_new_item_elsewhere_goes_to_one_of_two_hundred_waiters_with_a_
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*(a.close() for a in agents))
+
+
+def _homed_elsewhere(id_: str, region: str, *tags: str) -> StateRecord:
+    """An item of the claims topic homed in ``region``, as a merge brings it."""
+    key = f"repo/claims/mem/backlog/{id_}"
+    stamp = Stamp(0, int(time.time() * 1000) << 16, f"n-{region}")
+    return StateRecord(key).create(region, stamp).add_tags(tags, stamp)
+
+
+async def test_a_waiter_that_asks_is_told_of_an_item_elsewhere_and_only_the_first(
+    tmp_path: Path,
+) -> None:
+    """``hint_elsewhere`` (issue 36): nothing here, an eligible item homed in eu —
+    the first waiter that asked is told (``elsewhere``, with the item); the one
+    behind it, and one that did not ask, wait on; an item whose tags a waiter lacks
+    is not told to it, nor is a claimed one."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+
+        def waiting(owner: str, *, hint: bool, tags: tuple[str, ...] = ()) -> asyncio.Task[Any]:
+            return asyncio.create_task(work.claim_next(
+                "claims", "backlog", owner, wait_seconds=WAIT, caller=ANYONE,
+                hint_elsewhere=hint, tags=tags,
+            ))  # fmt: skip
+
+        plain = waiting("plain", hint=False)
+        await eventually(functools.partial(_waiting_in, claims, 1), "plain in line")
+        picky = waiting("picky", hint=True, tags=("gpu",))
+        await eventually(functools.partial(_waiting_in, claims, 2), "picky in line")
+        first, second = waiting("first", hint=True), waiting("second", hint=True)
+        await eventually(functools.partial(_waiting_in, claims, 4), "all in line")
+        held = _homed_elsewhere("held", "eu")
+        grant = Grant(held.max_hlc(), "someone", "eu")
+        held = held.with_fence(held.fence.grant(1, grant, int(time.time() * 1000) + 60_000))
+        await claims.replica.merge(held)  # claimed at eu: nobody is told of it
+        await asyncio.sleep(0.2)
+        assert work.hints == 0
+        await claims.replica.merge(_homed_elsewhere("free", "eu"))
+        told = await asyncio.wait_for(first, 5)
+        assert (told.outcome.ok, told.outcome.reason, told.outcome.home_region) == (
+            False, Reason.ELSEWHERE, "eu"
+        )  # fmt: skip
+        assert told.stored is not None and told.stored.record.key.endswith("/free")
+        await asyncio.sleep(0.2)
+        assert not (plain.done() or picky.done() or second.done()) and work.hints == 1
+        for task in (plain, picky, second):
+            task.cancel()
+        await asyncio.gather(plain, picky, second, return_exceptions=True)
+        await work.stop()
+
+
+async def _waiting_in(claims: Claims, count: int) -> bool:
+    return claims.waiting == count
