@@ -77,8 +77,10 @@ TOPIC = "wan"
 ETCD_BASE, REDIS_BASE = "/wan", "wan"
 CALL_TIMEOUT_S = 3.0  # an agent's call across a cut gives up after this
 RETRY_PAUSE_S = 0.2  # after an error, before the agent tries again
-# Items/s guessed for a system's first window, to size its backlog.
-FIRST_SEED = {"fencemark": 600, "etcd": 150, "redis": 1_000}
+# Items/s guessed for a system's first window, to size its backlog (more than any
+# system drains on two cores: a backlog that runs dry makes the rate a lower bound).
+FIRST_SEED = {"fencemark": 600, "etcd": 500, "redis": 4_000}
+SETTLE_LIMIT_S = 60.0  # for a seeded backlog to reach every Fencemark replica
 CONVERGE_LIMIT_S = 30.0
 SAMPLED = 30  # items done during the cut, checked everywhere after the heal
 
@@ -199,11 +201,27 @@ async def fencemark_agents(cluster: Any, agents: int, seeds: Seeds) -> Agents:
             _seed_in(cluster.addresses[region], region, seeds.take(f"fm-{region}", per_region))
             for region in REGIONS
         ))  # fmt: skip
+        await _replicated(cluster)  # a window measures draining, not replicating the seeds
 
     async def close() -> None:
         await asyncio.gather(*(c.close() for cs in clients.values() for c in cs))
 
     return Agents("fencemark", takes, seed, close)
+
+
+async def _replicated(cluster: Any) -> None:
+    """Until every node holds as many records as the one holding most (the seeds
+    replicated everywhere), or ``SETTLE_LIMIT_S``."""
+    clients = [AsyncClient(cluster.addresses[r], retries=2) for r in REGIONS]
+    try:
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        while time.monotonic() < deadline:
+            counts = [(await c.info()).record_count for c in clients]
+            if min(counts) == max(counts):
+                return
+            await asyncio.sleep(0.2)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
 
 
 async def _seed_in(address: str, region: str, indexes: range) -> None:
