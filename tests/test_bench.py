@@ -35,6 +35,8 @@ PLOTS = (
     "feed_latency.png",
     "wan_latency.png",
     "wan_cut.png",
+    "fleet_cost.png",
+    "fleet_wakes.png",
 )
 
 
@@ -99,6 +101,9 @@ async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
     assert wan["ledger"]["fencemark"]["identical"]
     # The harness checked itself: every baseline that crosses the network paid R.
     assert not any("no delay applied" in n for n in report["scenarios"]["wan"]["notes"])
+    fleet = report["scenarios"]["fleet"]["data"]["fleets"][0]
+    assert fleet["agents"] == 100 and fleet["lapsed"] == 0 and fleet["renewals"] > 0
+    assert fleet["woken_per_item"] >= 1 and fleet["work_claims"] > 0
     markdown = (results / "results.md").read_text()
     assert "### Targets" in markdown and "| target |" in markdown
     for plot in PLOTS:

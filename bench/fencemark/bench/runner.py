@@ -23,7 +23,17 @@ from fencemark.bench import headline
 from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Target
 
-SCENARIOS = ("wan", "claims", "writes", "lag", "anti-entropy", "footprint", "drain", "feed")
+SCENARIOS = (
+    "wan",
+    "claims",
+    "writes",
+    "lag",
+    "anti-entropy",
+    "footprint",
+    "drain",
+    "feed",
+    "fleet",
+)
 DOCS_BEGIN = "<!-- bench:results:begin (written by `fencemark bench`; edits are lost) -->"
 DOCS_END = "<!-- bench:results:end -->"
 DOCS_PLOTS = "performance"  # docs/<this>/: the plots the headline shows
@@ -37,6 +47,10 @@ async def _run_scenario(
         from fencemark.bench.wan import run_wan
 
         return await run_wan(settings, progress, work, out)
+    if name == "fleet":
+        from fencemark.bench.fleet import run_fleet
+
+        return await run_fleet(settings, progress, work, out)
     if name == "claims":
         from fencemark.bench.claim_cycle import run_claim_cycle
 
