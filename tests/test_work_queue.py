@@ -20,7 +20,7 @@ import pytest
 from fencemark.client import AsyncClient, ClaimNextResult, InvalidArgument, Record
 from fencemark.node.api.server import NodeServer
 from fencemark.node.core.claims import Claims
-from fencemark.node.core.work_queue import WorkQueue
+from fencemark.node.core.work_queue import HINT_HOLD_S, WorkQueue
 from fencemark.node.crdt import Record as StateRecord
 from fencemark.node.crdt import Stamp
 from fencemark.node.crdt.fence import Grant
@@ -1265,3 +1265,34 @@ async def test_a_waiter_that_asks_is_told_of_an_item_elsewhere_and_only_the_firs
 
 async def _waiting_in(claims: Claims, count: int) -> bool:
     return claims.waiting == count
+
+
+async def test_each_waiter_that_asks_is_told_of_another_item_elsewhere_in_pick_order(
+    tmp_path: Path,
+) -> None:
+    """Several items homed in eu: each waiter in line is told of the next one not yet
+    told of, in pick order, passing over one whose ``after:`` item is not done."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        tasks = []
+        for index in range(3):
+            tasks.append(asyncio.create_task(work.claim_next(
+                "claims", "backlog", f"w{index}", wait_seconds=WAIT, caller=ANYONE,
+                hint_elsewhere=True,
+            )))  # fmt: skip
+            await eventually(functools.partial(_waiting_in, claims, index + 1), "in line")
+        began = time.monotonic()
+        for state in (
+            _homed_elsewhere("a-first", "eu"),
+            _homed_elsewhere("b-blocked", "eu", "after:never-done"),
+            _homed_elsewhere("never-done", "eu", "priority:P9"),
+            _homed_elsewhere("c-third", "eu"),
+        ):
+            await claims.replica.merge(state)
+        told = [await asyncio.wait_for(t, 5) for t in tasks]
+        assert time.monotonic() - began < HINT_HOLD_S  # no item told of twice meanwhile
+        keys = [t.stored.record.key.rsplit("/", 1)[1] for t in told if t.stored is not None]
+        # Each told of its own item; the one whose after: item is not done, to nobody.
+        assert sorted(keys) == ["a-first", "c-third", "never-done"]
+        assert work.hints == 3
+        await work.stop()
