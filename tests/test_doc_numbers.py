@@ -69,7 +69,7 @@ QUOTED: list[tuple[str, str, float, float]] = [
         1,
     ),
     (
-        "performance.md",
+        "performance-history.md",
         r"full collection after (\S+) second-generation collections",
         FULL_COLLECTION_EVERY,
         1,

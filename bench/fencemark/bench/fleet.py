@@ -256,8 +256,11 @@ async def run_fleet(
         await node.stop()
     data = {"base": {"cpu_pct": base_cpu, "rss_mib": base_rss, "fds": base_fds},
             "fleets": rows}  # fmt: skip
+    notes = ["The agents of one load-generator process share one connection to the node"
+             " (gRPC's global subchannel pool): file descriptors and per-connection costs"
+             " are not in these figures."]  # fmt: skip
     return ScenarioResult("fleet", "A fleet of agents on one node, most of them idle", data,
-                          _tables(data), _targets(rows), _plots(out, data))  # fmt: skip
+                          _tables(data), _targets(rows), _plots(out, data), notes)  # fmt: skip
 
 
 def _tables(data: dict[str, Any]) -> list[Table]:
