@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -80,17 +81,8 @@ def lines(
         ax.plot(xs, ys, marker="o", label=name)
     if logx:
         ax.set_xscale("log")
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    _axes(ax, title, xlabel, ylabel, logy=logy)
+    return _saved(fig, path)
 
 
 def panel_lines(
@@ -107,14 +99,22 @@ def panel_lines(
     for ax, (panel, series) in zip(axes[0], panels.items(), strict=True):
         for name, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o" if len(xs) < 12 else None, label=name)
-        if logy:
-            ax.set_yscale("log")
-        ax.set_title(panel)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        _axes(ax, panel, xlabel, ylabel, logy=logy)
     fig.suptitle(title)
+    return _saved(fig, path)
+
+
+def _axes(ax: Any, title: str, xlabel: str, ylabel: str, *, logy: bool = False) -> None:
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def _saved(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -60,13 +60,13 @@ from fencemark.bench.stats import percentile, ratio
 from fencemark.bench.work_queues import (
     ETCD_SEED_BATCH,
     LEASE_SECONDS,
-    REDIS_SEED_BATCH,
     RESULT,
     Take,
     _etcd_take,
     _fencemark_take,
     _redis_take,
     item_id,
+    seed_redis,
 )
 from fencemark.client import AsyncClient
 
@@ -298,16 +298,7 @@ async def redis_agents(redis: wan_net.RedisPrimary, agents: int, seeds: Seeds) -
     seeder = Redis(host="127.0.0.1", port=redis.server.port, socket_timeout=30)
 
     async def seed(count: int) -> None:
-        indexes = seeds.take("redis", count)
-        for start in range(indexes.start, indexes.stop, REDIS_SEED_BATCH):
-            batch = range(start, min(indexes.stop, start + REDIS_SEED_BATCH))
-            pipe = seeder.pipeline(transaction=True)
-            for index in batch:
-                fields = {**typical_fields(index), "tags": " ".join(typical_tags("us"))}
-                pairs = [part for pair in fields.items() for part in pair]
-                pipe.hset(f"{REDIS_BASE}:item:{item_id(index)}", items=pairs)
-            pipe.rpush(f"{REDIS_BASE}:queue", *(item_id(i) for i in batch))
-            await pipe.execute()
+        await seed_redis(seeder, REDIS_BASE, seeds.take("redis", count), "us")
 
     async def close() -> None:
         for client in (*(c for cs in clients.values() for c in cs), seeder):

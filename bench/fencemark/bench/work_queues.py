@@ -307,15 +307,7 @@ async def redis_backlog(port: int, agents: int, tag: str, items: int) -> AsyncIt
     base = f"drain:{tag}"
     clients = [Redis(host="127.0.0.1", port=port, socket_timeout=10) for _ in range(agents)]
     try:
-        for start in range(0, items, REDIS_SEED_BATCH):
-            batch = range(start, min(items, start + REDIS_SEED_BATCH))
-            pipe = clients[0].pipeline(transaction=True)
-            for index in batch:
-                fields = {**typical_fields(index), "tags": " ".join(typical_tags("local"))}
-                pairs = [part for pair in fields.items() for part in pair]
-                pipe.hset(f"{base}:item:{item_id(index)}", items=pairs)
-            pipe.rpush(f"{base}:queue", *(item_id(i) for i in batch))
-            await pipe.execute()
+        await seed_redis(clients[0], base, range(items), "local")
         takes = []
         for index, client in enumerate(clients):
             await client.ping()
@@ -325,6 +317,19 @@ async def redis_backlog(port: int, agents: int, tag: str, items: int) -> AsyncIt
         for client in clients:
             with contextlib.suppress(Exception):
                 await client.aclose()
+
+
+async def seed_redis(client: Redis, base: str, indexes: range, home: str) -> None:
+    """Items ``indexes`` at the tail of ``base``'s queue, their fields in hashes."""
+    for start in range(indexes.start, indexes.stop, REDIS_SEED_BATCH):
+        batch = range(start, min(indexes.stop, start + REDIS_SEED_BATCH))
+        pipe = client.pipeline(transaction=True)
+        for index in batch:
+            fields = {**typical_fields(index), "tags": " ".join(typical_tags(home))}
+            pairs = [part for pair in fields.items() for part in pair]
+            pipe.hset(f"{base}:item:{item_id(index)}", items=pairs)
+        pipe.rpush(f"{base}:queue", *(item_id(i) for i in batch))
+        await pipe.execute()
 
 
 def _redis_take(client: Redis, base: str, owner: str) -> Take:

@@ -198,19 +198,19 @@ def grant_message(key: str, token: int, grant: Grant) -> bytes:
 
 def birth_message(key: str, region: str, birth: Birth) -> bytes:
     """The bytes a region signs for creating ``key``: key, region and birth stamp."""
-    out = bytearray(BIRTH_MESSAGE)
-    _str(out, key)
-    _str(out, region)
-    _stamp(out, birth.stamp)
-    return bytes(out)
+    return _region_message(BIRTH_MESSAGE, key, region, birth.stamp)
 
 
 def seen_message(key: str, region: str, seen: Birth) -> bytes:
     """The bytes a region signs for having held ``key``, born elsewhere, at a stamp."""
-    out = bytearray(SEEN_MESSAGE)
+    return _region_message(SEEN_MESSAGE, key, region, seen.stamp)
+
+
+def _region_message(domain: bytes, key: str, region: str, stamp: Stamp) -> bytes:
+    out = bytearray(domain)
     _str(out, key)
     _str(out, region)
-    _stamp(out, seen.stamp)
+    _stamp(out, stamp)
     return bytes(out)
 
 
