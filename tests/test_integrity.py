@@ -714,3 +714,29 @@ def test_bounds_follow_the_configured_token_jump(jump: int) -> None:
     check(granted(), made_now(ceiling + jump), now_ms=NOW, bounds=bounds)
     with pytest.raises(MergeRefused):
         check(granted(), made_now(ceiling + jump + 1), now_ms=NOW, bounds=bounds)
+
+
+async def test_a_record_new_here_is_not_pushed_back_and_a_sighting_is(tmp_path: Path) -> None:
+    """A merge pushes on only what the sender lacks: a record merged as it came is not
+    echoed to every peer (a regression of sightings: the join's creators differ from
+    an empty record's), while this node's own sighting of a claimed record is news
+    for everyone."""
+    from fencemark.node.core.replica import Replica
+    from fencemark.node.crdt import HybridClock
+    from fencemark.node.store.storage import DB_FILE, Storage
+
+    storage = await Storage.open(tmp_path / DB_FILE)
+    try:
+        replica = Replica(storage, HybridClock(), "eu")
+        pushed: list[str] = []
+        back: list[tuple[str, str]] = []
+        replica.on_local_write(pushed.append)
+        replica.on_sender_lacks(lambda key, region: back.append((key, region)))
+        plain = Record(KEY).create(HOME, stamp())
+        assert await replica.merge(plain, sender=HOME)
+        assert (pushed, back) == ([], [])
+        claimed = granted()
+        assert await replica.merge(claimed, sender=HOME)
+        assert pushed == [KEY]  # eu saw the claim: its sighting goes to every peer
+    finally:
+        await storage.close()

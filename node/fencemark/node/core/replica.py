@@ -437,7 +437,7 @@ class Replica:
             # the one anti-entropy will not fetch it for.
             births = current.births.keys()
             learnt = bool(births) and merged.births.keys() != births
-            learnt = learnt or merged.creators != current.creators
+            learnt = learnt or (bool(births) and merged.creators != current.creators)
             learnt = learnt or merged.fence.moved != current.fence.moved
             share = learnt or merged != remote
             return merged, merged != current
