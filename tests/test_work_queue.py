@@ -20,7 +20,7 @@ import pytest
 from fencemark.client import AsyncClient, ClaimNextResult, InvalidArgument, Record
 from fencemark.node.api.server import NodeServer
 from fencemark.node.core.claims import Claims
-from fencemark.node.core.work_queue import HINT_HOLD_S, WorkQueue
+from fencemark.node.core.work_queue import HINT_HOLD_S, PICK_PAGE, WorkQueue
 from fencemark.node.crdt import Record as StateRecord
 from fencemark.node.crdt import Stamp
 from fencemark.node.crdt.fence import Grant
@@ -1237,7 +1237,9 @@ async def test_a_waiter_that_asks_is_told_of_an_item_elsewhere_and_only_the_firs
                 hint_elsewhere=hint, tags=tags,
             ))  # fmt: skip
 
-        plain = waiting("plain", hint=False)
+        plain = asyncio.create_task(  # one that does not ask (the default)
+            work.claim_next("claims", "backlog", "plain", wait_seconds=WAIT, caller=ANYONE)
+        )
         await eventually(functools.partial(_waiting_in, claims, 1), "plain in line")
         picky = waiting("picky", hint=True, tags=("gpu",))
         await eventually(functools.partial(_waiting_in, claims, 2), "picky in line")
@@ -1295,4 +1297,24 @@ async def test_each_waiter_that_asks_is_told_of_another_item_elsewhere_in_pick_o
         # Each told of its own item; the one whose after: item is not done, to nobody.
         assert sorted(keys) == ["a-first", "c-third", "never-done"]
         assert work.hints == 3
+        await work.stop()
+
+
+async def test_a_waiter_is_told_of_an_item_elsewhere_past_a_page_of_ineligible_ones(
+    tmp_path: Path,
+) -> None:
+    """The pick index of another home is read a page at a time: an eligible item
+    behind more ineligible ones than a page holds (each waits on an item never done)
+    is still told of."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        for index in range(PICK_PAGE + 3):  # ahead of the free one in pick order
+            waiting_on = _homed_elsewhere(f"a-{index:03d}", "eu", "priority:P0", "after:nope")
+            await claims.replica.merge(waiting_on)
+        await claims.replica.merge(_homed_elsewhere("z-free", "eu"))
+        told = await asyncio.wait_for(work.claim_next(
+            "claims", "backlog", "w", wait_seconds=WAIT, caller=ANYONE, hint_elsewhere=True,
+        ), 5)  # fmt: skip
+        assert told.outcome.reason == Reason.ELSEWHERE and told.stored is not None
+        assert told.stored.record.key.endswith("/z-free")
         await work.stop()
