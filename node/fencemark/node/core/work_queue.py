@@ -258,9 +258,14 @@ class WorkQueue:
         async def give_back(picked: Picked) -> None:
             # Picked for a caller that left meanwhile: released at once rather than
             # held by nobody for a whole lease (docs/consistency.md, *Claims*).
-            if picked.stored is not None:
-                key = picked.stored.record.key
-                await self.claims.release(key, picked.outcome.token, caller=caller)
+            if picked.stored is None:
+                return
+            key = picked.stored.record.key
+            if not picked.outcome.ok:  # told of an item elsewhere: tell the next waiter
+                self._told.pop(key, None)
+                self._lines.wake(scope)
+                return
+            await self.claims.release(key, picked.outcome.token, caller=caller)
 
         async def try_pick() -> Picked | None:
             caller.still_allowed()  # revoked while it waited: refused, the next may have it
