@@ -160,7 +160,7 @@ async def test_a_wait_takes_an_item_of_another_region_when_the_feed_says_it_came
             AsyncClient(regions["eu"]) as eu,
         ):
             await eventually(lambda: _serving(fencemark, eu), "every node serving claims")
-            server = create_server(fencemark, writes_enabled=True, region="us")
+            server = create_server(fencemark, writes_enabled=True)
             async with Client(server, mode="legacy") as tools:
                 waiting = asyncio.create_task(
                     tools.call_tool(
@@ -195,7 +195,7 @@ async def test_a_wait_names_the_argument_the_node_refuses(tmp_path: Path) -> Non
         await cluster.start_all()
         regions = dict(cluster.addresses)
         async with AsyncClient(regions["us"], regions=regions) as fencemark:
-            server = create_server(fencemark, writes_enabled=True, region="us")
+            server = create_server(fencemark, writes_enabled=True)
             async with Client(server, mode="legacy") as tools:
                 bad = await call(
                     tools,

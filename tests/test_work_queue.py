@@ -1318,3 +1318,34 @@ async def test_a_waiter_is_told_of_an_item_elsewhere_past_a_page_of_ineligible_o
         assert told.outcome.reason == Reason.ELSEWHERE and told.stored is not None
         assert told.stored.record.key.endswith("/z-free")
         await work.stop()
+
+
+async def test_an_item_elsewhere_told_to_a_waiter_that_left_is_told_to_the_next_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first waiter leaves exactly while its look tells it of an item homed in
+    eu: the item is not held back for the hold (here a minute) for nobody — the
+    waiter behind it is told of it at once."""
+    monkeypatch.setattr("fencemark.node.core.work_queue.HINT_HOLD_S", 60.0)
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        work = WorkQueue(claims)
+        tasks = []
+        for owner in ("leaves", "next"):
+            tasks.append(asyncio.create_task(work.claim_next(
+                "claims", "backlog", owner, wait_seconds=WAIT, caller=ANYONE,
+                hint_elsewhere=True,
+            )))  # fmt: skip
+            await eventually(functools.partial(_waiting_in, claims, len(tasks)), "in line")
+        await asyncio.sleep(0.05)  # both asleep, their first looks over
+        leaves, after = tasks
+        wall.arm(leaves)  # cancelled by the clock read of its next look
+        await claims.replica.merge(_homed_elsewhere("free", "eu"))
+        with pytest.raises(asyncio.CancelledError):
+            await leaves
+        assert not wall.armed, "premise: cancelled while it looked"
+        told = await asyncio.wait_for(after, 5)
+        assert told.outcome.reason == Reason.ELSEWHERE and told.stored is not None
+        assert told.stored.record.key.endswith("/free")
+        assert work.hints == 2  # told twice: to the one that left, then to the next
+        await work.stop()

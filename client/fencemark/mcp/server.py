@@ -139,17 +139,15 @@ class RepoContextServer(MCPServer[Any]):
 
 
 def create_server(
-    client: AsyncClient, *, writes_enabled: bool, region: str = "", http: bool = False
+    client: AsyncClient, *, writes_enabled: bool, http: bool = False
 ) -> RepoContextServer:
     """The tools over ``client``; without ``writes_enabled`` only the read tools exist.
 
     Each tool takes exactly the arguments, of exactly the JSON types, that its
-    input schema lists (``fencemark.mcp.arguments``). ``region`` is the target
-    node's (``repocontext_wait_for_work`` leaves the target's own items to its
-    line); ``http``: the server is served over streamable HTTP, whose 2026-07-28
-    requests share no session.
+    input schema lists (``fencemark.mcp.arguments``). ``http``: the server is
+    served over streamable HTTP, whose 2026-07-28 requests share no session.
     """
-    tools = WorkTools(client, KeepAlives(client), region)
+    tools = WorkTools(client, KeepAlives(client))
     specs = (*MUTATING_TOOLS, *WORK_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
     bus = InMemorySubscriptionBus()
     server = RepoContextServer(
@@ -171,7 +169,7 @@ async def open_server(client: AsyncClient) -> RepoContextServer:
     Raises ``FencemarkError`` (e.g. ``Unavailable``) when the node cannot say.
     """
     info = await client.info()
-    return create_server(client, writes_enabled=info.writes_enabled, region=info.region)
+    return create_server(client, writes_enabled=info.writes_enabled)
 
 
 def parse_regions(spec: str | None) -> dict[str, str]:
@@ -228,7 +226,6 @@ async def serve(
         server = create_server(
             client,
             writes_enabled=info.writes_enabled,
-            region=info.region,
             http=transport == "http",
         )
         tools = len(await server.list_tools())

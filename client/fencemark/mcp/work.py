@@ -27,8 +27,7 @@ from mcp.server.mcpserver.context import Context
 from mcp_types import CallToolResult
 from pydantic import Field
 
-from fencemark.client import AsyncClient, ClaimNextResult
-from fencemark.mcp.holds import KeepAlives
+from fencemark.client import ClaimNextResult
 from fencemark.mcp.models import ClaimNextOut
 from fencemark.mcp.outcomes import success
 from fencemark.mcp.schema import (
@@ -68,11 +67,7 @@ Ask = Callable[..., Awaitable[ClaimNextResult]]
 
 
 class WorkTools(RepoContextTools):
-    """The tools, with ``repocontext_wait_for_work``; ``region`` is the target's."""
-
-    def __init__(self, client: AsyncClient, keep_alives: KeepAlives, region: str) -> None:
-        super().__init__(client, keep_alives)
-        self.region = region
+    """The tools, with ``repocontext_wait_for_work``."""
 
     async def wait_for_work(
         self,
