@@ -341,3 +341,57 @@ async def _synced_since(node: NodeServer, peer: str, since: float) -> bool:
     """``node`` completed an anti-entropy round with ``peer`` after ``since``."""
     stats = node.replicator.peer_stats(peer)
     return stats.last_sync is not None and stats.last_sync > since and stats.reachable
+
+
+async def test_a_connection_beyond_the_limit_is_closed_at_once_and_the_others_serve(
+    start_node: StartNode,
+) -> None:
+    """``--max-connections``: the third connection to a node that takes two is closed
+    as it comes — its call fails ``UNAVAILABLE`` at once (retryable), not after its
+    deadline — while the two it holds go on serving; once one closes, a new one is
+    taken."""
+    node = await start_node(max_connections=2)
+    held = [AsyncClient(node.address, own_connection=True, retries=0) for _ in range(2)]
+    extra = AsyncClient(node.address, own_connection=True, retries=0, timeout=30)
+    try:
+        for client in held:
+            await client.info()
+        began = time.monotonic()
+        with pytest.raises(FencemarkError) as refused:
+            await extra.info()
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - began < 10, "closed as it came, not left to its deadline"
+        assert all([(await c.info()).region == "local" for c in held])
+        await held.pop().close()
+
+        async def taken() -> bool:
+            with contextlib.suppress(FencemarkError):
+                return (await extra.info()).region == "local"
+            return False
+
+        await eventually(taken, "a connection is taken once another closed")
+    finally:
+        await asyncio.gather(*(c.close() for c in [*held, extra]))
+
+
+def test_the_connection_limit_fits_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soft open-file limit is raised up to the hard one; what still does not
+    fit lowers the connection limit rather than leave callers stalled on accept."""
+    from fencemark.node.api import connections
+
+    limits = {"soft": 1024, "hard": 4096}
+    monkeypatch.setattr(
+        connections.resource, "getrlimit", lambda _: (limits["soft"], limits["hard"])
+    )
+
+    def setrlimit(_: int, values: tuple[int, int]) -> None:
+        limits["soft"] = values[0]
+
+    monkeypatch.setattr(connections.resource, "setrlimit", setrlimit)
+    assert connections.connection_limit(500) == 500 and limits["soft"] == 1024
+    assert (
+        connections.connection_limit(2000) == 2000
+        and limits["soft"] == 2000 + connections.KEPT_FILES
+    )
+    assert connections.connection_limit(10_000) == 4096 - connections.KEPT_FILES
+    assert limits["soft"] == 4096

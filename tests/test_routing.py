@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
 import pytest
 
 from fencemark.client import (
@@ -28,6 +29,7 @@ from fencemark.client import (
 from fencemark.node.api.server import NodeConfig, NodeServer
 from fencemark.node.replication.tuning import Tuning
 from tests.cluster import all_deciding, shared_loop
+from tests.conftest import StartNode
 from tests.ports import free_port
 
 REPO, TOPIC = "routing", "backlog"
@@ -286,3 +288,28 @@ def test_regions_must_map_names_to_addresses() -> None:
         AsyncClient("127.0.0.1:1", regions=["eu"])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"regions\['eu'\]"):
         AsyncClient("127.0.0.1:1", regions={"eu": 7400})  # type: ignore[dict-item]
+
+
+def _connections_to(address: str) -> int:
+    port = int(address.rsplit(":", 1)[1])
+    return sum(
+        1
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
+
+
+@pytest.mark.parametrize(("own", "expected"), [(False, 1), (True, 3)])
+async def test_clients_share_one_connection_unless_each_asks_for_its_own(
+    start_node: StartNode, own: bool, expected: int
+) -> None:
+    """gRPC lets a process's channels to one address share a connection; a client
+    made with ``own_connection`` (a load generator's agents) opens its own."""
+    node = await start_node()
+    clients = [AsyncClient(node.address, own_connection=own) for _ in range(3)]
+    try:
+        for client in clients:
+            await client.info()
+        assert _connections_to(node.address) == expected
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))

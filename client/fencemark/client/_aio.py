@@ -91,6 +91,11 @@ class AsyncClient:
     ``credentials`` secure every channel: for a node serving mutual TLS, pass
     ``tls_credentials(DIR, NAME)`` (the CA and this client's certificate, as
     ``fencemark certs`` writes them). Without, calls are plaintext.
+
+    ``own_connection``: this client's channels open connections of their own.
+    By default gRPC lets every channel of a process to one address share one
+    connection, which suits a process with many clients of one node; a process
+    that stands in for many agents (a load generator) wants one each.
     """
 
     def __init__(
@@ -101,10 +106,13 @@ class AsyncClient:
         timeout: float = 10.0,
         retries: int = 4,
         credentials: grpc.ChannelCredentials | None = None,
+        own_connection: bool = False,
     ) -> None:
         self.target = convert.check_str("target", target)
         self.timeout = convert.check_seconds("timeout", timeout)
-        self._router = Router(target, convert.check_regions(regions), retries, credentials)
+        self._router = Router(
+            target, convert.check_regions(regions), retries, credentials, own_connection
+        )
 
     @property
     def regions(self) -> dict[str, str]:

@@ -115,11 +115,14 @@ class Router:
         regions: Mapping[str, str],
         retries: int,
         credentials: grpc.ChannelCredentials | None = None,
+        own_connection: bool = False,
     ) -> None:
         self.target = target
         self.credentials = credentials  # None: plaintext
         self.regions = dict(regions)
         self._options = channel_options(retries)
+        if own_connection:  # not gRPC's process-wide pool of connections
+            self._options.append(("grpc.use_local_subchannel_pool", 1))
         self._stubs: dict[str, Stubs] = {}
         self._homes: OrderedDict[str, str] = OrderedDict()
         self._closed = False

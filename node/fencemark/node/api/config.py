@@ -11,6 +11,7 @@ from pathlib import Path
 # grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
 from fencemark.node.api.authz import AccessMap
 from fencemark.node.api.budgets import Limits
+from fencemark.node.api.connections import MAX_CONNECTIONS
 from fencemark.node.core.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replication.intake import MAX_LIST_RECORDS
@@ -60,6 +61,9 @@ class NodeConfig:
     max_waiters: int = MAX_WAITERS
     max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
     max_streams_per_client: int = Limits.streams_per_client
+    # Client and peer connections open at once; one more is closed as it comes
+    # (the client sees UNAVAILABLE and retries), never left to stall.
+    max_connections: int = MAX_CONNECTIONS
     # Attempts after which a failed or lapsed claim parks an item (SPEC §8), for
     # items without a maxAttempts:N tag.
     max_attempts: int = DEFAULT_MAX_ATTEMPTS

@@ -109,6 +109,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_waiters=args.max_waiters,
         max_waiters_per_client=args.max_waiters_per_client,
         max_streams_per_client=args.max_streams_per_client,
+        max_connections=args.max_connections,
         max_attempts=args.max_attempts,
         max_token_jump=args.max_token_jump,
         feed_window=args.feed_window,
@@ -302,6 +303,13 @@ def _add_bound_flags(
         default=_setting(config, "max_streams_per_client", defaults.max_streams_per_client),
         help="long-lived streams (Records.Watch, health Watch, reflection) open from one"
         " client: one certificate identity (with --tls-dir), or one address (--insecure)",
+    )
+    node.add_argument(
+        "--max-connections",
+        type=int,
+        default=_setting(config, "max_connections", defaults.max_connections),
+        help="client and peer connections open at once; one more is closed as it comes"
+        " (UNAVAILABLE: retry). Lowered to fit the process's open-file limit",
     )
     node.add_argument(
         "--max-attempts",
