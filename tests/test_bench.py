@@ -101,9 +101,16 @@ async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
     assert wan["ledger"]["fencemark"]["identical"]
     # The harness checked itself: every baseline that crosses the network paid R.
     assert not any("no delay applied" in n for n in report["scenarios"]["wan"]["notes"])
-    fleet = report["scenarios"]["fleet"]["data"]["fleets"][0]
+    fleet_data = report["scenarios"]["fleet"]["data"]
+    fleet = fleet_data["fleets"][0]
     assert fleet["agents"] == 100 and fleet["lapsed"] == 0 and fleet["renewals"] > 0
     assert fleet["woken_per_item"] >= 1 and fleet["work_claims"] > 0
+    assert fleet["mcp_waiters"] > 0 and fleet["errors"] == {} and fleet["timeouts"] == 0
+    # Every agent on a connection of its own: one descriptor each at the node.
+    assert fleet["fds"] - fleet_data["base"]["fds"] >= 100
+    across = fleet_data["regions"][0]  # waiters in us, items homed in eu
+    assert across["woken_per_item"] >= 1 and across["calls_eu_per_item"] >= 1
+    assert across["errors"] == {}
     markdown = (results / "results.md").read_text()
     assert "### Targets" in markdown and "| target |" in markdown
     for plot in PLOTS:
