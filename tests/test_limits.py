@@ -380,14 +380,12 @@ def test_the_connection_limit_fits_the_open_file_limit(monkeypatch: pytest.Monke
     from fencemark.node.api import connections
 
     limits = {"soft": 1024, "hard": 4096}
-    monkeypatch.setattr(
-        connections.resource, "getrlimit", lambda _: (limits["soft"], limits["hard"])
-    )
+    monkeypatch.setattr("resource.getrlimit", lambda _: (limits["soft"], limits["hard"]))
 
     def setrlimit(_: int, values: tuple[int, int]) -> None:
         limits["soft"] = values[0]
 
-    monkeypatch.setattr(connections.resource, "setrlimit", setrlimit)
+    monkeypatch.setattr("resource.setrlimit", setrlimit)
     assert connections.connection_limit(500) == 500 and limits["soft"] == 1024
     assert (
         connections.connection_limit(2000) == 2000

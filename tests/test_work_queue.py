@@ -1349,3 +1349,38 @@ async def test_an_item_elsewhere_told_to_a_waiter_that_left_is_told_to_the_next_
         assert told.stored.record.key.endswith("/free")
         assert work.hints == 2  # told twice: to the one that left, then to the next
         await work.stop()
+
+
+async def test_a_waiter_is_told_of_an_item_elsewhere_when_its_lease_there_runs_out(
+    tmp_path: Path,
+) -> None:
+    """No write says that a lease at eu ran out: the line of a waiter that asks for
+    items elsewhere times its next look by the leases and deferrals of the other
+    homes too — for as long as one such waiter is left in it (one of two left), and
+    the count of them goes with the last."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+
+        def hinting(owner: str) -> asyncio.Task[Any]:
+            return asyncio.create_task(work.claim_next(
+                "claims", "backlog", owner, wait_seconds=WAIT, caller=ANYONE,
+                hint_elsewhere=True,
+            ))  # fmt: skip
+
+        leaves = hinting("leaves")
+        await eventually(functools.partial(_waiting_in, claims, 1), "in line")
+        stays = hinting("stays")
+        await eventually(functools.partial(_waiting_in, claims, 2), "both in line")
+        leaves.cancel()
+        await asyncio.gather(leaves, return_exceptions=True)
+        held = _homed_elsewhere("lapsing", "eu")
+        grant = Grant(held.max_hlc(), "someone", "eu")
+        expiry = int(time.time() * 1000) + 1_000
+        await claims.replica.merge(held.with_fence(held.fence.grant(1, grant, expiry)))
+        await asyncio.sleep(0.2)
+        assert not stays.done(), "premise: held at eu, nobody is told of it yet"
+        told = await asyncio.wait_for(stays, 10)  # its wait is far longer
+        assert told.outcome.reason == Reason.ELSEWHERE and told.stored is not None
+        assert told.stored.record.key.endswith("/lapsing")
+        assert not work._hinting, "no count left behind for a topic nobody waits in"
+        await work.stop()
