@@ -8,6 +8,7 @@ published client. docs/security.md is the model these tests hold the code to.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import stat
 import sys
@@ -19,6 +20,7 @@ import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.serialization import pkcs12
 from google.rpc import error_details_pb2, status_pb2
 
 from fencemark.client import AsyncClient, PermissionDenied, Unavailable, tls_credentials
@@ -127,6 +129,61 @@ def test_certs_init_writes_a_ca_and_one_identity_per_region_and_client(
     assert main(["certs", "issue", "--dir", str(directory), "--client", "bob"]) == 0
     assert files(directory, "bob").identity() == Identity("client", "bob")
     assert main(["certs", "issue", "--dir", str(directory), "--client", "bob"]) == 2
+
+
+def open_p12(path: Path, password: bytes, certs: Path, name: str) -> None:
+    """``path`` opens with ``password`` alone and holds ``name``'s certificate and key, under
+    the identity as its friendly name, and the CA."""
+    with pytest.raises(ValueError):
+        pkcs12.load_pkcs12(path.read_bytes(), b"not " + password)
+    bundle = pkcs12.load_pkcs12(path.read_bytes(), password)
+    assert bundle.cert is not None and bundle.key is not None
+    assert bundle.cert.certificate == x509.load_pem_x509_certificate(
+        (certs / f"{name}.pem").read_bytes()
+    )
+    assert bundle.cert.friendly_name == f"fencemark://client/{name}".encode()
+    key = serialization.load_pem_private_key((certs / f"{name}-key.pem").read_bytes(), None)
+    assert bundle.key.private_numbers() == key.private_numbers()  # type: ignore[union-attr]
+    assert [c.certificate for c in bundle.additional_certs] == x509.load_pem_x509_certificates(
+        (certs / "ca.pem").read_bytes()
+    )
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_certs_p12_gives_a_browser_a_clients_certificate_key_and_the_ca(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "made"
+    init_dir(directory, regions=["us"], clients=["operator"])
+    secret = tmp_path / "password"
+    secret.write_text("correct horse\nnot this line\n")
+    made = ["certs", "p12", "--dir", str(directory), "--client", "operator"]
+    assert main([*made, "--password-file", str(secret)]) == 0
+    open_p12(directory / "operator.p12", b"correct horse", directory, "operator")
+    before = (directory / "operator.p12").read_bytes()
+    assert main([*made, "--password-file", str(secret)]) == 2  # never overwritten
+    assert "operator.p12 exists" in capsys.readouterr().err
+    assert (directory / "operator.p12").read_bytes() == before
+
+    # A new client and its .p12 at once, the password from standard input.
+    monkeypatch.setattr(sys, "stdin", io.StringIO("s3cret\n"))
+    issue = ["certs", "issue", "--dir", str(directory), "--p12"]
+    assert main([*issue, "--client", "browser", "--password-file", "-"]) == 0
+    assert files(directory, "browser").identity() == Identity("client", "browser")
+    open_p12(directory / "browser.p12", b"s3cret", directory, "browser")
+
+    # No password (an empty one, none on a pipe), or a region's certificate: refused
+    # before anything is written.
+    secret.write_text("\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    for refused, says in (
+        ([*issue, "--client", "carol", "--password-file", str(secret)], "give it a password"),
+        ([*issue, "--client", "carol"], "--password-file FILE"),
+        ([*issue, "--region", "eu", "--password-file", str(secret)], "--p12 is for client"),
+    ):
+        assert main(refused) == 2, refused
+        assert says in capsys.readouterr().err
+    assert not {"carol.pem", "carol.p12", "eu.pem"} & {p.name for p in directory.iterdir()}
 
 
 # -- the handshake ------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import pkcs12
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fencemark.node.rules import validation
@@ -49,9 +50,12 @@ __all__ = [
     "create_ca",
     "init_dir",
     "issue",
+    "issue_into",
+    "p12_bundle",
     "peer_channel",
     "peer_identity",
     "retire_channel",
+    "write_p12",
 ]
 
 SCHEME = "fencemark"
@@ -60,6 +64,7 @@ CA_KEY = "ca-key.pem"
 CA_DAYS = 3650
 LEAF_DAYS = 825  # what browsers accept for a leaf; rotate long before (operations.md)
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+P12_KDF_ROUNDS = 200_000  # PBKDF2 iterations of a PKCS#12 file's password
 Kind = Literal["region", "client"]
 KINDS: tuple[Kind, ...] = ("region", "client")
 
@@ -375,3 +380,44 @@ def init_dir(
         files = issue_into(directory, Identity("client", client))
         written += [files.cert, files.key]
     return written
+
+
+# -- a browser's copy: PKCS#12 ------------------------------------------------------------
+
+
+def p12_bundle(files: TlsFiles, password: bytes) -> bytes:
+    """``files``' certificate, key and CA in one PKCS#12 file, for a browser to import.
+
+    Encrypted with ``password`` (PBES2: PBKDF2-SHA256 and AES-256-CBC, MAC SHA-256),
+    which Chromium's and Firefox's certificate stores import; its friendly name is the
+    certificate's ``fencemark://`` identity, what a browser lists it by."""
+    if not password:
+        raise ValueError("a PKCS#12 file holds the private key: give it a password")
+    ca_pem, cert_pem, key_pem = files.read()
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{files.key}: not an EC key made by fencemark certs")
+    encryption = (
+        serialization.PrivateFormat.PKCS12.encryption_builder()
+        .kdf_rounds(P12_KDF_ROUNDS)
+        .key_cert_algorithm(pkcs12.PBES.PBESv2SHA256AndAES256CBC)
+        .hmac_hash(hashes.SHA256())
+        .build(password)
+    )
+    return pkcs12.serialize_key_and_certificates(
+        files.identity().uri.encode(),
+        key,
+        x509.load_pem_x509_certificate(cert_pem),
+        x509.load_pem_x509_certificates(ca_pem),
+        encryption,
+    )
+
+
+def write_p12(directory: Path, name: str, password: bytes) -> Path:
+    """``directory/NAME.p12`` from ``NAME.pem``, ``NAME-key.pem`` and ``ca.pem`` there
+    (owner-readable only; FileExistsError if it is there already)."""
+    path = directory / f"{check_name(name)}.p12"
+    if path.exists():
+        raise FileExistsError(f"{path} exists: remove it first to make a new one")
+    _write(path, p12_bundle(TlsFiles.in_dir(directory, name), password), secret=True)
+    return path

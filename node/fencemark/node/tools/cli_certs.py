@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,18 +39,70 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
 
 
 def cmd_certs_issue(args: argparse.Namespace) -> int:
-    from fencemark.node.security.tls import Identity, issue_into
+    from fencemark.node.security.tls import Identity, issue_into, write_p12
 
+    directory = Path(args.dir)
     try:
         if args.region:
             identity = Identity("region", validation.region(args.region, "--region"))
         else:
             identity = Identity("client", validation.region(args.client, "--client"))
-        files = issue_into(Path(args.dir), identity, hosts=_names(args.hosts))
+        password = b""
+        if args.p12:
+            if identity.kind != "client":
+                raise ValueError("--p12 is for client certificates (a browser's)")
+            if (p12 := directory / f"{identity.name}.p12").exists():
+                raise FileExistsError(f"{p12} exists: remove it first to make a new one")
+            password = p12_password(args.password_file, f"{identity.name}.p12")
+        files = issue_into(directory, identity, hosts=_names(args.hosts))
+        print(f"fencemark certs: {identity.uri}: {files.cert}, {files.key}")
+        if args.p12:
+            print(f"fencemark certs: {write_p12(directory, identity.name, password)} {P12_SAYS}")
     except (InvalidInput, ValueError, OSError) as exc:
         print(f"fencemark certs: {exc}", file=sys.stderr)
         return 2
-    print(f"fencemark certs: {identity.uri}: {files.cert}, {files.key}")
+    return 0
+
+
+P12_SAYS = (
+    "holds the certificate, its key and the CA, for a browser (docs/deploy.md, The dashboard)"
+)
+
+
+def p12_password(source: str, what: str) -> bytes:
+    """A PKCS#12 file's password: the first line of ``source`` (``-``: standard input),
+    else asked twice on the terminal; ValueError when there is neither."""
+    if source:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+        password = text.splitlines()[0] if text else ""
+    elif sys.stdin.isatty():
+        try:
+            password = getpass.getpass(f"password for {what}: ")
+            if getpass.getpass("the same again: ") != password:
+                raise ValueError("the two passwords differ")
+        except EOFError:
+            raise ValueError("no password given") from None
+    else:
+        raise ValueError(
+            "a password for the PKCS#12 file: --password-file FILE (- for standard input),"
+            " or run on a terminal to be asked"
+        )
+    if not password:
+        raise ValueError("a PKCS#12 file holds the private key: give it a password")
+    return password.encode()
+
+
+def cmd_certs_p12(args: argparse.Namespace) -> int:
+    from fencemark.node.security.tls import write_p12
+
+    try:
+        name = validation.region(args.client, "--client")
+        password = p12_password(args.password_file, f"{name}.p12")
+        path = write_p12(Path(args.dir), name, password)
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    print(f"fencemark certs: {path} {P12_SAYS}")
     return 0
 
 
@@ -127,6 +180,12 @@ def cmd_certs_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+PASSWORD_HELP = (
+    "the .p12 file's password: this file's first line (- for standard input);"
+    " without it, asked twice on the terminal"
+)
+
+
 def _names(spec: str) -> list[str]:
     return [n.strip() for n in (spec or "").split(",") if n.strip()]
 
@@ -156,7 +215,23 @@ def add_certs_command(sub: Any) -> None:
     who.add_argument("--region", help="a node certificate for this region")
     who.add_argument("--client", help="a client certificate with this name")
     issue.add_argument("--hosts", default="", help="extra DNS names/IPs (node certificates)")
+    issue.add_argument(
+        "--p12", action="store_true", help="also write DIR/CLIENT.p12, for a browser (see p12)"
+    )
+    issue.add_argument("--password-file", default="", metavar="FILE", help=PASSWORD_HELP)
     issue.set_defaults(func=cmd_certs_issue)
+    p12 = what.add_parser(
+        "p12",
+        help="a client's certificate, key and the CA as DIR/CLIENT.p12, for a browser",
+        description="Bundle DIR/CLIENT.pem, DIR/CLIENT-key.pem and DIR/ca.pem into"
+        " DIR/CLIENT.p12 (PKCS#12, PBES2 with AES-256, readable by its owner only), which"
+        " a browser imports as its client certificate for the node's dashboard"
+        " (docs/deploy.md, The dashboard).",
+    )
+    p12.add_argument("--dir", required=True, help="the CA's directory, holding CLIENT.pem")
+    p12.add_argument("--client", required=True, help="the client certificate's name")
+    p12.add_argument("--password-file", default="", metavar="FILE", help=PASSWORD_HELP)
+    p12.set_defaults(func=cmd_certs_p12)
     revoke = what.add_parser(
         "revoke",
         help="add a certificate to the CA's revocation list (--dir/crl.pem)",
