@@ -9,8 +9,8 @@ work queue's in ``queue_invariants.py``:
 
 1. fencing safety — no fenced write accepted with a token lower than one already
    granted for that record, none from a worker after it was told ``superseded``,
-   none from a worker that stalled past its lease, none under a split-time token
-   once the births met;
+   none from a worker that stalled past its lease (refused ``superseded`` or
+   ``expired``, nothing else), none under a split-time token once the births met;
 2. tokens strictly increase — per record, across every grant, restarts and disk
    loss included;
 3. no acknowledged write lost — every acknowledged unfenced write (each to a
@@ -148,7 +148,7 @@ def check(
     splits = splits_of(history, played)
     claims = claims_of(history, played, homes, splits, lease_seconds)
     return [
-        fencing_safety(history, claims, splits),
+        fencing_safety(history, claims, splits, played),
         token_order(claims, played, homes),
         acknowledged_writes(history, played, finals, homes),
         converged(convergence),

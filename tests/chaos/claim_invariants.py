@@ -7,6 +7,7 @@ id is; docs/chaos.md says what each invariant means.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +32,14 @@ from tests.chaos.nemesis import DISK_LOSSES, ROLLBACK, TWIN, Played
 # Fenced writes a holder made (a stalled worker's must be refused): a write, the
 # ``status=done`` of a finish, and a queue agent's ``result`` written with its release.
 ACKED_WRITES = ("write", "finish", "done")
+# What a worker woken from a stall past its lease (``agent-pause``) writes and renews
+# with its old token, and what it must be told (docs/chaos.md, invariant 1): its
+# lease lapsed, or a newer claim was granted since.
+STALE_OPS = ("stale-write", "stale-renew")
+STALE_REFUSALS = ("superseded", "expired")
+# How a write (the client's error) and a renewal (the outcome) of a deleted record
+# are refused: no test of the fence, unless nothing deleted the record.
+GONE = ("NotFound", "missing")
 
 
 @dataclass
@@ -44,14 +53,129 @@ class Verdict:
 # -- 1. fencing safety -----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Wake:
+    """One ``agent-pause`` as its worker lived it: the item it stalled on, and how
+    its write and renewal with the old token were answered once it woke (``accepted``,
+    the refusal, ``unknown (<why>)``; ``""``: not made). ``problem``: what violates
+    invariant 1 in them; ``untested``: why the pause tested no fencing (``""``: it
+    did)."""
+
+    agent: str
+    at: float  # the fault's start, run clock
+    key: str = ""
+    token: int = 0
+    write: str = ""
+    renewal: str = ""
+    problem: str = ""
+    untested: str = ""
+
+    @property
+    def fenced(self) -> bool:
+        """Its write was refused as promised, and nothing in its wake violated 1."""
+        return not self.problem and not self.untested
+
+    @property
+    def verdict(self) -> str:
+        if self.problem:
+            return f"VIOLATED: {self.problem}"
+        if self.untested:
+            return f"did not test fencing: {self.untested}"
+        return "fenced"
+
+
+def answer(event: Event | None) -> str:
+    if event is None:
+        return ""
+    if event.outcome == "ok":
+        return "accepted"
+    return event.detail if event.outcome == "fail" else f"unknown ({event.detail})"
+
+
+def deleted_before(history: History, key: str, before: float) -> Event | None:
+    """A delete of ``key`` sent before ``before`` (monotonic) that may have landed."""
+    return next(
+        (
+            e
+            for e in history.events
+            if e.key == key
+            and e.op == "meddle-delete"
+            and e.outcome != "fail"
+            and e.invoked < before
+        ),
+        None,
+    )
+
+
+def stale_problem(history: History, event: Event) -> str:
+    """What is wrong with a woken stalled worker's write or renewal ``event`` (``""``:
+    nothing): accepted, or refused for another reason than ``superseded`` or
+    ``expired`` — but ``missing`` after a delete of its record that may have landed."""
+    if event.outcome == "ok":
+        what = "wrote" if event.op == "stale-write" else "renewed"
+        return f"{event.agent} {what} {event.key} with a lapsed token {event.token}"
+    if event.outcome != "fail" or event.detail in STALE_REFUSALS:
+        return ""
+    if event.detail in GONE and deleted_before(history, event.key, event.completed):
+        return ""
+    return (
+        f"{event.agent}'s {event.op.removeprefix('stale-')} of {event.key} with a lapsed token"
+        f" {event.token} refused {event.detail!r}, not superseded or expired"
+    )
+
+
+def stale_wakes(history: History, played: Sequence[Played]) -> list[Wake]:
+    """Each ``agent-pause``: its agent's first stale write and renewal from the fault's
+    start until that agent's next pause, and whether they tested fencing. They did
+    not if the worker never woke, its write's outcome is unknown, or its record was
+    deleted (a delete already on its way when the worker got its grant: the meddlers
+    leave a stalled worker's item alone)."""
+    start = history.started
+    pauses = [f for f in played if f.kind == "agent-pause"]
+    wakes = []
+    for fault in pauses:
+        agent = fault.targets[0]
+        then = [f.started for f in pauses if f.targets[0] == agent and f.started > fault.started]
+        until = min(then, default=INF)
+        mine = [
+            e
+            for e in history.events
+            if e.agent == agent and e.op in STALE_OPS and fault.started <= e.invoked - start < until
+        ]
+        write = next((e for e in mine if e.op == "stale-write"), None)
+        renewal = next((e for e in mine if e.op == "stale-renew"), None)
+        if write is None:
+            wakes.append(Wake(agent, fault.started, untested="its worker did not stall and wake"))
+            continue
+        untested = ""
+        if write.outcome == "unknown":
+            untested = f"its write's outcome is unknown ({write.detail})"
+        elif write.outcome == "fail" and write.detail in GONE:
+            gone = deleted_before(history, write.key, write.completed)
+            if gone is not None:
+                untested = f"its item was deleted by {gone.agent} at {gone.invoked - start:.1f} s"
+        problem = "; ".join(
+            found
+            for e in (write, renewal)
+            if e is not None and (found := stale_problem(history, e))
+        )
+        wakes.append(Wake(agent, fault.started, write.key, write.token, answer(write),
+                          answer(renewal), problem, untested))  # fmt: skip
+    return wakes
+
+
 def fencing_safety(
     history: History,
     claims: Mapping[tuple[str, int, str], Claim],
     splits: Mapping[str, Split],
+    played: Sequence[Played] = (),
 ) -> Verdict:
     """No fenced write accepted with a token below one already granted; none after its
-    writer was told ``superseded``; none from a worker stalled past its lease; and no
-    write or renewal under a split-time token once the births met."""
+    writer was told ``superseded``; none from a worker stalled past its lease, whose
+    write and renewal must be refused ``superseded`` or ``expired`` (an
+    ``agent-pause`` that did not test that is counted apart, and a run whose pauses
+    all did not fails); and no write or renewal under a split-time token once the
+    births met."""
     start = history.started
     grouped = by_key(claims)
     violations = []
@@ -76,11 +200,6 @@ def fencing_safety(
             since = told.get((event.agent, event.key, event.token))
             if since is not None and event.invoked > since:
                 violations.append(f"{event.agent} wrote {event.key} after being told superseded")
-            if event.op == "stale-write":
-                # Written after the worker stalled past its lease: expired or superseded.
-                violations.append(
-                    f"{event.agent} wrote {event.key} with a lapsed token {event.token}"
-                )
         split = splits.get(event.key)
         if mine is not None and mine.split and split is not None and sent > split.met:
             when = (
@@ -92,13 +211,49 @@ def fencing_safety(
                 f"{event.agent}'s {event.op} of {event.key} under split-time token"
                 f" {event.token} accepted {when}"
             )
+    # Written or renewed after the worker stalled past its lease: superseded or expired.
+    violations += [
+        problem
+        for event in history.events
+        if event.op in STALE_OPS and (problem := stale_problem(history, event))
+    ]
+    wakes = stale_wakes(history, played)
+    fenced = Counter(w.write for w in wakes if w.fenced)
+    untested = [w for w in wakes if w.untested and not w.problem]
+    if wakes and len(untested) == len(wakes):  # judged nothing: no pass either
+        violations.append(
+            f"no agent pause tested fencing ({len(wakes)} played: "
+            + "; ".join(f"{w.agent}: {w.untested}" for w in wakes[:3])
+            + ")"
+        )
     writes = sum(e.op in ACKED_WRITES and e.outcome == "ok" for e in history.events)
     stale = sum(e.op == "stale-write" and e.outcome == "fail" for e in history.events)
+    pauses = (
+        f"; of {len(wakes)} agent pauses, {sum(fenced.values())} woken workers refused as"
+        " promised ("
+        + ", ".join(f"{reason} {n}" for reason, n in sorted(fenced.items()))
+        + ")"
+        + (
+            f", {len(untested)} did not test fencing ("
+            + "; ".join(f"{w.agent}: {w.untested}" for w in untested[:3])
+            + ")"
+            if untested
+            else ""
+        )
+        if wakes
+        else ""
+    )
     return Verdict(
         "1. fencing safety",
         not violations,
-        "; ".join(violations[:3]) or "no write got through with a stale token",
-        {"fenced writes acknowledged": writes, "stale writes refused": stale},
+        "; ".join(violations[:3]) or "no write got through with a stale token" + pauses,
+        {
+            "fenced writes acknowledged": writes,
+            "stale writes refused": stale,
+            "agent pauses": len(wakes),
+            "agent pauses fenced": sum(fenced.values()),
+            "agent pauses that did not test fencing": len(untested),
+        },
     )
 
 

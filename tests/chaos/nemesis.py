@@ -30,10 +30,9 @@ from docker.errors import DockerException
 from fencemark.client import AsyncClient, FencemarkError, NodeInfo
 from fencemark.node.replication.tuning import TWIN_FORGET_S
 from fencemark.node.tools.proxy import ProxyMesh
-from fencemark.node.tools.workload import Agent
 from tests.chaos.cluster import ChaosCluster, Region
 from tests.chaos.forger import Forger, Pushed
-from tests.chaos.workload import TESTER
+from tests.chaos.workload import TESTER, StallingAgent
 
 PARTITIONS = ("isolate", "halves", "bridge")
 DISK_LOSSES = ("wipe", "wipe-restart")
@@ -248,7 +247,7 @@ class Nemesis:
         self,
         cluster: ChaosCluster,
         mesh: ProxyMesh,
-        agents: Sequence[Agent],
+        agents: Sequence[StallingAgent],
         clock: Callable[[], float],
         log: Callable[[str], None],
         shapes: Shapes | None = None,
@@ -366,14 +365,7 @@ class Nemesis:
                 return f"{region} never said it was settling after the pause"
             return f"{region} settling until {self._settling_until:.1f} s"
         if fault.kind == "agent-pause":
-            agent = self.agents[region]
-            agent.pause_once = True
-            deadline = time.monotonic() + fault.seconds + 20
-            while agent.pause_once or agent.paused_refusal is None:
-                if time.monotonic() > deadline:
-                    return f"{agent.name} did not stall and wake within the fault's time"
-                await asyncio.sleep(0.2)
-            return f"{agent.name} woke and was told {agent.paused_refusal}"
+            return await self._agent_pause(fault)
         if fault.kind == "loss":
             await asyncio.to_thread(self.cluster.lose_packets, LOSS_PROBABILITY)
             await asyncio.sleep(fault.seconds)
@@ -390,6 +382,27 @@ class Nemesis:
             await asyncio.to_thread(self.cluster.set_link_faults, {})
             return "-".join(self.cluster.proxied)
         raise ValueError(f"unknown fault kind {fault.kind!r}")
+
+    async def _agent_pause(self, fault: Fault) -> str:
+        """The agent stalls after its next grant until its lease has lapsed and someone
+        else holds the item (or 10 s), then writes and renews with its old token; the
+        nemesis waits until it woke (bounded). What it was told is judged by invariant
+        1 from the history (``claim_invariants.stale_wakes``)."""
+        agent = self.agents[fault.targets[0]]
+        woken = agent.stalls
+        agent.paused_refusal = None
+        agent.pause_once = True
+        deadline = time.monotonic() + fault.seconds + 20
+        while agent.stalls == woken:
+            if time.monotonic() > deadline:
+                agent.pause_once = False  # not stalled yet: not later, in another fault
+                return f"{agent.name} did not stall and wake within the fault's time"
+            await asyncio.sleep(0.2)
+        key, token = agent.last_stall
+        return (
+            f"{agent.name} stalled on {key.rsplit('/', 1)[-1]} (token {token}), woke and was"
+            f" told {agent.paused_refusal}"
+        )
 
     async def _wipe_restart(self, fault: Fault) -> str:
         """Disk loss, then the node stopped again (and again) before it has caught up:

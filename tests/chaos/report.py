@@ -4,8 +4,9 @@ Written under the results folder (``tests/chaos/results/<run>/`` unless
 ``FENCEMARK_CHAOS_RESULTS`` names another), beside ``history.jsonl`` (every
 event) and ``logs/`` (each container's log); ``results/latest`` points at the
 newest run; ``watch-<region>.jsonl`` holds what each region's watcher received
-(one line per event, a line per segment's end). docs/chaos.md explains how to read
-them.
+(one line per event, a line per segment's end). The faults are counted as played,
+by kind, beside the schedule (a long run's time limit stops the nemesis before the
+end of its schedule). docs/chaos.md explains how to read them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from matplotlib import pyplot
 
 from fencemark.node.tools.workload import History
 from tests.chaos.checker import Verdict
-from tests.chaos.nemesis import Played
+from tests.chaos.claim_invariants import stale_wakes
+from tests.chaos.nemesis import Fault, Played
 from tests.chaos.watch_invariants import WatchLog
 from tests.chaos.workload import Sample
 
@@ -57,6 +59,7 @@ def write(
     history: History,
     heal_at: float,
     watched: Sequence[WatchLog] = (),
+    scheduled: Sequence[Fault] = (),
 ) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     passed = all(v.ok for v in verdicts)
@@ -65,7 +68,11 @@ def write(
         "passed": passed,
         "settings": dict(settings),
         "invariants": [asdict(v) for v in verdicts],
+        "faults": fault_counts(scheduled, played),
         "nemesis": [asdict(p) for p in played],
+        "agent_pauses": [
+            {**asdict(wake), "verdict": wake.verdict} for wake in stale_wakes(history, played)
+        ],
         "operations": dict(sorted(counts.items())),
         "refusals": dict(
             sorted(
@@ -94,14 +101,34 @@ def write(
     return report
 
 
+def fault_counts(scheduled: Sequence[Fault], played: Sequence[Played]) -> dict[str, Any]:
+    """How many faults were played, by kind (``not injected``: the engine refused
+    them, see their note), beside how many the schedule held: the nemesis starts no
+    fault past the first of each kind once the run's time is spent, so a long run
+    plays fewer than it scheduled."""
+    kinds = Counter(f.kind for f in scheduled)
+    done = Counter(p.kind for p in played)
+    refused = Counter(p.kind for p in played if not p.injected)
+    return {
+        "played": len(played),
+        "not injected": sum(refused.values()),
+        "scheduled": len(scheduled),
+        "by kind": {
+            kind: {"played": done[kind], "not injected": refused[kind], "scheduled": kinds[kind]}
+            for kind in sorted(kinds.keys() | done.keys(), key=lambda k: (-done[k], k))
+        },
+    }
+
+
 def markdown(report: Mapping[str, Any]) -> str:
     settings = report["settings"]
+    faults = report["faults"]
     lines = [
         f"# Chaos run, seed {settings['seed']}: {'PASSED' if report['passed'] else 'FAILED'}",
         "",
         f"{settings['regions']} regions, {settings['agents']} agents, lease"
-        f" {settings['lease_seconds']} s, {len(report['nemesis'])} faults over"
-        f" {settings['seconds']:.0f} s of nemesis."
+        f" {settings['lease_seconds']} s, {faults['played']} faults played over"
+        f" {settings['seconds']:.0f} s of nemesis ({faults['scheduled']} scheduled)."
         f" Replay: `FENCEMARK_CHAOS_SEED={settings['seed']}`.",
         "",
         "| invariant | result | detail |",
@@ -111,6 +138,8 @@ def markdown(report: Mapping[str, Any]) -> str:
             for v in report["invariants"]
         ),
         "",
+        *played_by_kind(faults),
+        *agent_pauses(report["agent_pauses"]),
         "## Nemesis",
         "",
         "| at (s) | fault | targets | lasted (s) | note |",
@@ -136,6 +165,46 @@ def markdown(report: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def played_by_kind(faults: Mapping[str, Any]) -> list[str]:
+    """The faults played, by kind, beside the schedule's count of each."""
+    lines = [
+        "## Faults played",
+        "",
+        f"{faults['played']} played ({faults['not injected']} of them not injected: the engine"
+        f" refused them), of {faults['scheduled']} scheduled. Past the first of each kind"
+        " the nemesis starts no fault once the run's time is spent: the rest of the"
+        " schedule is never played.",
+        "",
+        "| fault | played | not injected | scheduled |",
+        "|---|---:|---:|---:|",
+    ]
+    for kind, n in faults["by kind"].items():
+        lines.append(f"| {kind} | {n['played']} | {n['not injected']} | {n['scheduled']} |")
+    return [*lines, ""]
+
+
+def agent_pauses(wakes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each ``agent-pause``: what its woken worker's write and renewal with its old
+    token were told (invariant 1: ``superseded`` or ``expired``)."""
+    if not wakes:
+        return []
+    lines = [
+        "## Agent pauses",
+        "",
+        "The woken worker's write and renewal with its old token must be refused"
+        " `superseded` or `expired` (invariant 1).",
+        "",
+        "| at (s) | agent | item | token | write | renewal | verdict |",
+        "|---:|---|---|---:|---|---|---|",
+    ]
+    for w in wakes:
+        item = w["key"].rsplit("/", 1)[-1] or "-"
+        write, renewal = w["write"] or "-", w["renewal"] or "-"
+        lines.append(f"| {w['at']:.1f} | {w['agent']} | {item} | {w['token']} | {write} |"
+                     f" {renewal} | {w['verdict']} |")  # fmt: skip
+    return [*lines, ""]
 
 
 def forgeries(nemesis: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -10,7 +10,8 @@
   per side (acknowledged: detail the region, value ``created`` or ``merged``, as
   the node answered; otherwise detail the reason, value the region).
 - **Meddlers**, one per region: unfenced writes and deletes, at their own node, of
-  backlog items homed elsewhere whose claims are live and being renewed. Holders
+  backlog items homed elsewhere whose claims are live and being renewed (never the
+  item an agent the nemesis stalled holds, ``agent-pause``). Holders
   (agents that keep a claim for several leases, see ``workload.py``) give them
   claims that outlive a non-home node's view of the lease. A meddling write goes
   to a field the holder writes under its token (``progress.<holder>.<token>.<step>``)
@@ -291,14 +292,22 @@ class Shapes:
         return holding
 
     async def _meddle(self, region: str, stop: asyncio.Event) -> None:
-        """Unfenced writes and deletes at ``region``'s node of items claimed elsewhere."""
+        """Unfenced writes and deletes at ``region``'s node of items claimed elsewhere,
+        but the one a stalled agent holds."""
         rng = random.Random(self._seeds[region])
         node = self.direct(region)
         who = f"meddler-{region}"
         n = 0
         while not await stopped(stop, MEDDLE_INTERVAL_S):
             homes = self.workload.homes
-            targets = [g for g in self.held() if homes.get(g.key, region) != region]
+            # Never the item a stalled agent holds (agent-pause): its woken worker must
+            # meet the fence, not a deleted record.
+            stalled = {agent.stalled_on for agent in self.workload.agents}
+            targets = [
+                g
+                for g in self.held()
+                if homes.get(g.key, region) != region and g.key not in stalled
+            ]
             if not targets:
                 continue
             # Holders' claims first: they outlive a non-home node's view of the lease.

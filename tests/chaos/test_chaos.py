@@ -24,6 +24,7 @@ import random
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from tests.chaos.claim_invariants import leases_recorded
 from tests.chaos.cluster import ChaosCluster
 from tests.chaos.forger import Forger
 from tests.chaos.hasty import HastyWork, read_endings
-from tests.chaos.nemesis import KINDS, Nemesis, schedule, wait_for
+from tests.chaos.nemesis import KINDS, Fault, Nemesis, Played, schedule, wait_for
 from tests.chaos.queue_work import QueueWork
 from tests.chaos.shapes import SPLIT_MEET_LIMIT_S, Shapes
 from tests.chaos.watch_invariants import watched_in_order
@@ -84,6 +85,11 @@ def results_folder(seed: int) -> Path:
     latest.unlink(missing_ok=True)
     latest.symlink_to(folder.name)
     return folder
+
+
+def by_kind(faults: Sequence[Fault | Played]) -> str:
+    """``isolate x3, kill x2, ...``: how many of ``faults`` are of each kind."""
+    return ", ".join(f"{k} x{n}" for k, n in Counter(f.kind for f in faults).items())
 
 
 async def _all_serving(clients: dict[str, AsyncClient]) -> bool:
@@ -140,8 +146,10 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         await workload.prepare()
         agents = [agent.name for agent in workload.agents]
         faults = schedule(rng, REGIONS, agents, settings.seconds, LEASE_SECONDS)
-        kinds = Counter(f.kind for f in faults)
-        log(f"{len(faults)} faults scheduled: " + ", ".join(f"{k} x{n}" for k, n in kinds.items()))
+        log(
+            f"{len(faults)} faults scheduled (played until the run's time is spent, every"
+            f" kind at least once): {by_kind(faults)}"
+        )
 
         shapes = Shapes(workload)
         forger = Forger(workload, cluster.node_files)
@@ -160,6 +168,10 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         await asyncio.sleep(WARM_UP_S)
         try:
             await nemesis.play(faults, stop, until=workload.now() + settings.seconds)
+            log(
+                f"nemesis done: {len(nemesis.played)} faults played of {len(faults)} scheduled:"
+                f" {by_kind(nemesis.played)}"
+            )
             await asyncio.sleep(COOL_DOWN_S)
         finally:
             stop.set()
@@ -234,6 +246,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
             history=history,
             heal_at=heal_at,
             watched=watched,
+            scheduled=faults,
         )
     finally:
         if followers is not None:

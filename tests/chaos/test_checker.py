@@ -159,6 +159,88 @@ def test_a_stalled_workers_accepted_write_violates_fencing_safety() -> None:
     assert not verdicts(h)["fencing safety"].ok
 
 
+# eu-agent-0 stalled after its grant of KEY (token 1) at 30.5 s, from 30 s; us-agent-0
+# was granted token 2 once the lease had lapsed; eu-agent-0 woke at 34 s and wrote and
+# renewed with token 1. Its second pause, from 40 s, stalled on token 3.
+AGENT_PAUSE = Played("agent-pause", ("eu-agent-0",), 30.0, 35.0)
+AGAIN = Played("agent-pause", ("eu-agent-0",), 40.0, 45.0)
+PLAYED = [PARTITION, CATCH_UP, FORGE, PAUSE, AGENT_PAUSE]
+
+
+def woke(outcome: str, refused: str = "", renewal: str = "superseded", *, at: float = 30.0,
+         token: int = 1) -> list[Event]:  # fmt: skip
+    """A stalled worker's wake ``at`` + 4 s: its write with its old ``token`` answered
+    ``outcome`` (``refused``: why), its renewal refused ``renewal``."""
+    return [
+        event("eu-agent-0", "grant", at + 0.5, token=token, detail="us", expires=at + 2.5),
+        event("us-agent-0", "grant", at + 3.0, token=token + 1, detail="us", expires=at + 5.0),
+        event("eu-agent-0", "stale-write", at + 4.0, token=token, outcome=outcome,
+              detail=refused, value="late"),
+        event("eu-agent-0", "stale-renew", at + 4.2, token=token, outcome="fail",
+              detail=renewal),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("outcome", "refused"),
+    [("fail", "missing"), ("fail", "NotFound"), ("fail", "contended"), ("ok", "")],
+)
+def test_a_woken_stalled_worker_not_refused_superseded_or_expired_violates_fencing(
+    outcome: str, refused: str
+) -> None:
+    """Refused for another reason (its record gone, with nothing that deleted it), or
+    accepted: the fence did not turn it away as docs/chaos.md promises."""
+    verdict = verdicts(history(*woke(outcome, refused), *SERVED), PLAYED)["fencing safety"]
+    assert not verdict.ok, verdict
+    assert verdict.numbers["agent pauses fenced"] == 0
+    if refused:
+        assert f"refused {refused!r}, not superseded or expired" in verdict.detail
+
+
+def test_a_woken_stalled_workers_renewal_refused_otherwise_violates_fencing() -> None:
+    """Its write refused as promised, its renewal with the same token refused
+    ``contended``: not what the fence answers a lapsed token."""
+    renewed = woke("fail", "superseded", "contended")
+    verdict = verdicts(history(*renewed, *SERVED), PLAYED)["fencing safety"]
+    assert not verdict.ok and "renew of" in verdict.detail, verdict
+    assert verdict.numbers["agent pauses fenced"] == 0
+
+
+@pytest.mark.parametrize("refused", ["superseded", "expired"])
+def test_a_woken_stalled_worker_refused_superseded_or_expired_passes(refused: str) -> None:
+    verdict = verdicts(history(*woke("fail", refused), *SERVED), PLAYED)["fencing safety"]
+    assert verdict.ok, verdict
+    assert verdict.numbers["agent pauses fenced"] == 1
+    assert verdict.numbers["agent pauses that did not test fencing"] == 0
+    assert f"refused as promised ({refused} 1)" in verdict.detail
+
+
+def test_an_agent_pause_that_did_not_test_fencing_is_counted_apart_and_never_a_pass() -> None:
+    """Its item deleted by a delete already on its way (refused ``missing``, which tests
+    no fence), its write's outcome unknown, or no wake at all: counted apart. A run
+    whose every agent pause is such passes nothing on it."""
+    deleted = event("meddler-ap", "meddle-delete", 30.4)
+    gone = [deleted, *woke("fail", "NotFound", "missing")]
+    lost = woke("unknown", "DEADLINE_EXCEEDED")
+    for untested, played in [(gone, PLAYED), (lost, PLAYED), ([], PLAYED)]:
+        verdict = verdicts(history(*untested, *SERVED), played)["fencing safety"]
+        assert not verdict.ok and "no agent pause tested fencing" in verdict.detail, verdict
+        assert verdict.numbers["agent pauses that did not test fencing"] == 1
+        assert verdict.numbers["agent pauses fenced"] == 0
+    # Beside a pause that did test it: the run passes, and says one did not.
+    fenced = woke("fail", "superseded", at=40.0, token=3)
+    verdict = verdicts(history(*gone, *fenced, *SERVED), [*PLAYED, AGAIN])["fencing safety"]
+    assert verdict.ok, verdict
+    assert verdict.numbers["agent pauses"] == 2
+    assert verdict.numbers["agent pauses fenced"] == 1
+    assert verdict.numbers["agent pauses that did not test fencing"] == 1
+    assert "eu-agent-0: its item was deleted by meddler-ap at 30.4 s" in verdict.detail
+    # A refusal of a record nothing deleted is no excuse, beside a good pause or not.
+    missing = woke("fail", "NotFound", "missing")
+    judged = verdicts(history(*missing, *fenced, *SERVED), [*PLAYED, AGAIN])["fencing safety"]
+    assert not judged.ok and "refused 'NotFound'" in judged.detail
+
+
 def test_tokens_granted_out_of_order_are_caught() -> None:
     backwards = history(event("us-agent-0", "grant", 1.0, token=5),
                         event("eu-agent-0", "grant", 3.0, token=4), *SERVED)  # fmt: skip

@@ -2,10 +2,11 @@
 
 - Agents (``fencemark.node.tools.workload.Agent``), several per region: claim a todo
   item (routed to its home region), write fenced progress (each write to a
-  field of its own), renew, finish, release. A region's agents reach their own
-  node directly and other regions through a host-side :class:`ProxyMesh`, which
-  the nemesis cuts along with the nodes' links, so a partition separates agents
-  from remote homes as it separates the nodes.
+  field of its own), renew, finish, release. The nemesis stalls one now and
+  then past its lease (``agent-pause``, :class:`StallingAgent`). A region's
+  agents reach their own node directly and other regions through a host-side
+  :class:`ProxyMesh`, which the nemesis cuts along with the nodes' links, so a
+  partition separates agents from remote homes as it separates the nodes.
 - Holders, one per region: the same agents, but each keeps its claim for
   several leases (more steps, slower), renewing as it goes: the claims that
   ``shapes.py``'s meddlers write around.
@@ -63,6 +64,26 @@ HOLDER_STEPS = 8  # a holder's
 HOLDER_WORK_S = 0.6  # between them: a claim held about three 2 s leases
 
 
+class StallingAgent(Agent):
+    """An agent the nemesis stalls past its lease (``agent-pause``: ``pause_once``).
+    While it stalls, ``stalled_on`` names the item it holds (the meddlers leave that
+    item alone: deleted, it would refuse the woken worker ``missing``, which tests no
+    fencing); ``stalls`` counts the stalls it woke from, the latest on ``last_stall``
+    (key, token)."""
+
+    stalled_on = ""
+    stalls = 0
+    last_stall: tuple[str, int] = ("", 0)
+
+    async def _pause_past_lease(self, key: str, token: int) -> None:
+        self.stalled_on, self.last_stall = key, (key, token)
+        try:
+            await super()._pause_past_lease(key, token)
+        finally:
+            self.stalled_on = ""
+            self.stalls += 1
+
+
 @dataclass
 class Sample:
     """One look at every region: records it is behind on (None: it did not answer)."""
@@ -85,8 +106,8 @@ class Workload:
     homes: dict[str, str] = field(default_factory=dict)  # key -> home region
     notes: dict[str, str] = field(default_factory=dict)  # region -> its note record's key
     samples: list[Sample] = field(default_factory=list)
-    agents: list[Agent] = field(default_factory=list)
-    holders: list[Agent] = field(default_factory=list)  # agents that keep claims for long
+    agents: list[StallingAgent] = field(default_factory=list)
+    holders: list[StallingAgent] = field(default_factory=list)  # agents that keep claims for long
     _clients: list[AsyncClient] = field(default_factory=list)
     _created: int = 0
 
@@ -160,9 +181,9 @@ class Workload:
             for region in self.regions
         ]
 
-    def _agent(self, name: str, region: str, steps: int, work_seconds: float) -> Agent:
+    def _agent(self, name: str, region: str, steps: int, work_seconds: float) -> StallingAgent:
         """An agent of ``region`` with a client certificate of its own (its name)."""
-        return Agent(
+        return StallingAgent(
             name,
             region,
             self.client(region, routed=True, retries=2, identity=name),
