@@ -109,14 +109,15 @@ class Agents:
         self.clients.append(made)
         return made
 
-    async def _guarded(self, loop: Any) -> None:
+    async def _guarded(self, kind: str, loop: Any) -> None:
         """Run an agent's loop; an error is counted, and the agent goes on after a pause."""
         while True:
             try:
                 await loop()
                 return
             except FencemarkError as error:
-                self.seen.errors[type(error).__name__] += 1
+                code = getattr(error.code, "name", str(error.code))
+                self.seen.errors[f"{kind}: {code}: {str(error)[:60]}"] += 1
                 await asyncio.sleep(1.0)
 
     def _wait(self, first: bool) -> float:
@@ -197,21 +198,21 @@ class Agents:
     async def connect(self, hold: asyncio.Event) -> None:
         spec = self.spec
         index = spec.first
-        plan = [("w", spec.waiters), ("m", spec.mcp_waiters), ("h", spec.holders),
-                ("k", spec.workers)]  # fmt: skip
+        plan = [("waiter", spec.waiters), ("mcp", spec.mcp_waiters),
+                ("holder", spec.holders), ("worker", spec.workers)]  # fmt: skip
         for kind, count in plan:
             for _ in range(count):
                 client = self.client()
-                if kind == "w":
+                if kind == "waiter":
                     loop = lambda c=client, i=index: self.waiter(c, f"waiter-{i}")  # noqa: E731
-                elif kind == "m":
+                elif kind == "mcp":
                     loop = lambda c=client, i=index: self.mcp_waiter(c, f"mcp-{i}")  # noqa: E731
-                elif kind == "h":
+                elif kind == "holder":
                     loop = lambda c=client, i=index: self.holder(c, i, hold)  # noqa: E731
                 else:
                     loop = lambda c=client, i=index: self.worker(c, f"worker-{i}")  # noqa: E731
                 await client.info()  # its connection is open before the next one
-                self.tasks.append(asyncio.create_task(self._guarded(loop)))
+                self.tasks.append(asyncio.create_task(self._guarded(kind, loop)))
                 index += 1
                 if len(self.clients) % 500 == 0:
                     say({"connected": len(self.clients)})
