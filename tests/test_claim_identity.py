@@ -370,6 +370,6 @@ async def test_the_cli_acts_as_the_identity_of_its_tls_name(cluster: Cluster, ce
     assert renewed.json()["renewed"] is True
     refused = await fencemark("release-claim", key, "--fencing-token", token, *as_("bob"))
     assert refused.code == 1
-    assert refused.stderr.startswith("fencemark: refused: not_holder (client/bob): ")
+    assert refused.stderr.startswith("fencemark: PERMISSION_DENIED not_holder (client/bob): ")
     released = await fencemark("release-claim", key, "--fencing-token", token, *as_("alice"))
     assert released.json()["released"] is True

@@ -215,17 +215,106 @@ async def test_rpc_subcommands_print_what_the_client_sees(
     assert (info["region"], info["writes_enabled"], info["record_count"]) == ("local", True, 3)
 
 
-async def test_a_missing_record_exits_non_zero_with_the_reason(node: NodeProcess) -> None:
+async def test_a_missing_record_exits_1_with_the_reason(node: NodeProcess) -> None:
     ran = await fencemark("get", "--target", node.address, f"repo/{REPO}/mem/{TOPIC}/nope")
-    assert ran.code != 0
-    assert "NOT_FOUND" in ran.stderr
+    assert ran.code == 1
+    assert ran.stderr.startswith("fencemark: NOT_FOUND: ")
     assert ran.stdout == ""
 
 
-async def test_bad_input_exits_non_zero_naming_the_field(node: NodeProcess) -> None:
+async def test_bad_input_exits_1_naming_the_field(node: NodeProcess) -> None:
     ran = await fencemark("get", "--target", node.address, "not/a/key")
-    assert ran.code != 0
-    assert "INVALID_ARGUMENT" in ran.stderr and "key" in ran.stderr
+    assert ran.code == 1
+    assert ran.stderr.startswith("fencemark: INVALID_ARGUMENT: key: "), ran.stderr
+
+
+# -- exit codes (docs/api.md, Exit codes) ----------------------------------------------
+
+API_DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+
+
+def documented_after(command: str) -> str:
+    """The line docs/api.md shows right after ``$ COMMAND``: what it prints."""
+    lines = API_DOC.read_text(encoding="utf-8").splitlines()
+    return lines[lines.index(f"$ {command}") + 1]
+
+
+def closed_port() -> str:
+    """An address nothing listens on."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{closed.getsockname()[1]}"
+
+
+async def test_a_granted_claim_exits_0_and_one_refused_as_a_value_3_with_its_answer(
+    node: NodeProcess, client: AsyncClient
+) -> None:
+    """A refusal the API answers as a value exits 3, its JSON on stdout for scripts."""
+    await client.remember(REPO, TOPIC, "issue-2101", title="x")
+    target = ("--target", node.address)
+    granted = await fencemark("claim", *target, KEY, "--owner", "worker-a")
+    assert granted.code == 0 and json.loads(granted.stdout)["granted"] is True
+    contended = await fencemark("claim", *target, KEY, "--owner", "worker-b")
+    assert contended.code == 3, contended.stderr
+    answer = json.loads(contended.stdout)
+    assert (answer["granted"], answer["reason"]) == (False, "contended")
+    assert contended.stderr == ""
+    missing = await fencemark("claim", *target, f"repo/{REPO}/mem/{TOPIC}/nope", "--owner", "b")
+    assert missing.code == 3 and json.loads(missing.stdout)["reason"] == "missing"
+    token = str(json.loads(granted.stdout)["fencing_token"])
+    wrong = str(int(token) + 5)
+    renewed = await fencemark("renew-claim", *target, KEY, "--fencing-token", wrong)
+    assert renewed.code == 3 and json.loads(renewed.stdout)["renewed"] is False
+    released = await fencemark("release-claim", *target, KEY, "--fencing-token", token)
+    assert released.code == 0 and json.loads(released.stdout)["released"] is True
+
+
+async def test_claim_next_of_an_empty_topic_exits_3(node: NodeProcess) -> None:
+    ran = await fencemark(
+        "claim-next", "--target", node.address, "--repo", REPO, "--topic", "empty",
+        "--owner", "worker-a",
+    )  # fmt: skip
+    assert ran.code == 3, ran.stderr
+    answer = json.loads(ran.stdout)
+    assert (answer["granted"], answer["reason"]) == (False, "empty")
+
+
+async def test_a_refused_update_exits_1_saying_why_as_documented(
+    node: NodeProcess, client: AsyncClient
+) -> None:
+    """docs/api.md's refused write, on the same record in the same state, word for word."""
+    command = (
+        "fencemark update repo/docs/mem/cli/item-1 --field body=sneaky --target 127.0.0.1:7400"
+    )
+    documented = documented_after(command)
+    made = await client.remember("docs", "cli", "item-1", title="Try the CLI", tags=["backlog"])
+    assert (await client.claim(made.record.key, "worker-a", lease_seconds=60)).fencing_token == 1
+    args = command.split()[1:]
+    ran = await fencemark(*args[: args.index("--target") + 1], node.address)
+    assert ran.code == 1
+    assert ran.stdout == ""
+    assert ran.stderr == documented + "\n"
+
+
+async def test_an_unreachable_node_exits_4_saying_nothing_listens() -> None:
+    dead = closed_port()
+    ran = await fencemark("list", "--repo", REPO, "--target", dead, "--timeout", "2")
+    assert ran.code == 4
+    assert ran.stdout == ""
+    [line] = ran.stderr.splitlines()
+    assert line.startswith(("fencemark: UNAVAILABLE: ", "fencemark: DEADLINE_EXCEEDED: "))
+    assert line.endswith(f"; nothing listens at {dead}: is the node running, and --target right?")
+
+
+async def test_health_keeps_docker_s_0_and_1(node: NodeProcess) -> None:
+    """Docker's HEALTHCHECK reads 0 healthy, 1 unhealthy, and reserves 2: an unreachable
+    node is 1 there, not the 4 of the RPC commands."""
+    serving = await fencemark("health", "--target", node.address)
+    assert serving.code == 0, serving.stderr
+    dead = closed_port()
+    down = await fencemark("health", "--target", dead, "--timeout", "1")
+    assert down.code == 1
+    assert f"nothing listens at {dead}" in down.stderr
 
 
 # -- refused fenced writes -------------------------------------------------------------
@@ -266,10 +355,10 @@ async def test_a_refused_fenced_write_exits_non_zero_with_the_conflict_reason(
     ran = await fencemark(
         "update", "--target", node.address, KEY, "--field", "body=refused", *token_flags
     )
-    assert ran.code != 0
+    assert ran.code == 1
     assert ran.stdout == ""
-    assert reason in ran.stderr, f"the conflict reason {reason!r} is not in {ran.stderr!r}"
-    assert "Traceback" not in ran.stderr
+    assert ran.stderr.startswith(f"fencemark: FAILED_PRECONDITION {reason}: "), ran.stderr
+    assert len(ran.stderr.splitlines()) == 1 and "Traceback" not in ran.stderr
     assert await client.get(KEY) == before
 
 
@@ -289,11 +378,9 @@ async def test_status_shows_each_target_with_its_region(
     node: NodeProcess, client: AsyncClient
 ) -> None:
     info = await client.info()
-    with socket.socket() as closed:  # a port that nothing listens on
-        closed.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{closed.getsockname()[1]}"
+    dead = closed_port()
     ran = await fencemark("status", "--targets", node.address, dead, "--timeout", "1")
-    assert ran.code == 0, ran.stderr
+    assert ran.code == 0, ran.stderr  # a report: the node it cannot reach is a row of it
     lines = ran.stdout.splitlines()
     line = next(line for line in lines if line.startswith(node.address))
     assert line.split()[:3] == [node.address, "local", info.node_id]

@@ -1,13 +1,17 @@
-"""Metrics, request ids and JSON logs, read the way operators read them.
+"""Metrics, request ids and logs, read the way operators read them.
 
 The metrics are scraped over HTTP from a real node's endpoint and parsed with
-Prometheus' own parser; the logs come from a real ``fencemark node`` process.
+Prometheus' own parser; the JSON logs come from a real ``fencemark node`` process,
+the records of callers that left from a node in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -21,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fencemark.client import AsyncClient, ClaimConflict
 from fencemark.node.api.server import NodeServer
 from fencemark.node.api.telemetry import REQUEST_ID_METADATA
-from fencemark.v1 import records_pb2, records_pb2_grpc
+from fencemark.v1 import claims_pb2, claims_pb2_grpc, records_pb2, records_pb2_grpc
 from tests.cluster import Cluster, eventually
 from tests.conftest import StartNode
 from tests.ports import free_port
@@ -155,7 +159,7 @@ def json_node(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert process.stdout is not None
-    process.stdout.readline()  # "fencemark node: region ... listening on ..."
+    process.stdout.readline()  # its banner: "region ... listening on ..."
     yield process, address
     process.terminate()
     process.wait(timeout=30)
@@ -217,3 +221,129 @@ async def test_status_shows_every_peer_of_every_node_at_a_glance(tmp_path: Path)
     assert "UNREACHABLE" in peers["ap"] and "last error:" in peers["ap"]
     assert any(line.startswith(targets[2]) and "unreachable" in line for line in lines)
     assert lines[-1].startswith("2 of 3 nodes serving")
+
+
+# -- one line of every kind a node writes, in JSON -------------------------------------
+
+JSON_KEYS = {"time", "level", "logger", "message"}
+
+
+@pytest.mark.slow
+def test_every_line_a_json_logging_node_writes_is_json(tmp_path: Path) -> None:
+    """From its start-up banner to its last line after SIGTERM, on stdout and stderr."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fencemark.node", "--log-format", "json", "--log-level", "INFO",
+         "node", "--listen", "127.0.0.1:0", "--enable-writes", "--insecure",
+         "--data", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        banner = json.loads(process.stdout.readline())  # the node serves from here on
+        with grpc.insecure_channel(banner["address"]) as channel:
+            records_pb2_grpc.RecordsStub(channel).Remember(
+                records_pb2.RememberRequest(repo="m", topic="t", id="a", title="x"), timeout=10
+            )
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert banner["level"] == "INFO" and "listening on 127.0.0.1:" in banner["message"]
+    lines = [line for line in (stdout + stderr).splitlines() if line.strip()]
+    assert len(lines) >= 3  # the server's start, the Remember, the stop
+    for line in lines:
+        assert json.loads(line).keys() >= JSON_KEYS, line
+
+
+def test_a_node_that_cannot_start_says_why_in_json(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "fencemark.node", "--log-format", "json", "node", "--insecure",
+         "--data", str(tmp_path), "--cache-size", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    said = json.loads(line)
+    assert said.keys() >= JSON_KEYS and said["level"] == "ERROR"
+    assert "--cache-size" in said["message"]
+
+
+# -- callers that leave ------------------------------------------------------------------
+
+
+def left_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "caller_left", False)]
+
+
+def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Records an operator would be paged on: errors, and tracebacks of any level."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def test_a_caller_that_leaves_is_one_info_record_naming_its_call(
+    node: NodeServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A claim that waits past its caller's deadline, and a watch its caller cancels."""
+    caplog.set_level(logging.DEBUG)
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as gave_up:
+            await claims_pb2_grpc.ClaimsStub(channel).ClaimNext(
+                claims_pb2.ClaimNextRequest(repo="m", topic="t", owner="w", wait_seconds=30),
+                timeout=0.3, metadata=((REQUEST_ID_METADATA, "left-waiting"),),
+            )  # fmt: skip
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        watch = records_pb2_grpc.RecordsStub(channel).Watch(
+            records_pb2.WatchRequest(repo="m"), metadata=((REQUEST_ID_METADATA, "left-watching"),)
+        )
+        await watch.initial_metadata()
+        watch.cancel()
+
+    async def both_logged() -> bool:
+        return len(left_records(caplog)) >= 2
+
+    await eventually(both_logged, "both callers that left logged", within=5)
+    await asyncio.sleep(0.2)  # and nothing more of them
+    left = left_records(caplog)
+    assert sorted((r.method, r.code, r.request_id) for r in left) == [  # type: ignore[attr-defined]
+        ("ClaimNext", "DEADLINE_EXCEEDED", "left-waiting"),
+        ("Watch", "CANCELLED", "left-watching"),
+    ]
+    assert all(r.levelno == logging.INFO and r.name == "fencemark.node.access" for r in left)
+    assert all("the caller left" in r.getMessage() for r in left)
+    assert errors(caplog) == []
+    said_by_grpc = [r for r in caplog.records if "RPC cancelled for servicer" in r.getMessage()]
+    assert said_by_grpc == []  # said once, by the node
+
+
+@pytest.mark.slow
+async def test_replies_to_callers_that_left_are_never_logged_as_errors(
+    node: NodeServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Claims whose wait ends as their deadline passes: now and then a reply goes to a
+    call that just ended, which gRPC logs at ERROR with a traceback (ExecuteBatchError)
+    unless the node says it, once, as a caller that left."""
+    caplog.set_level(logging.INFO)
+    wait, calls = 0.03, 300
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        claims = claims_pb2_grpc.ClaimsStub(channel)
+
+        async def call(n: int) -> None:
+            early_or_late = -0.002 + 0.004 * (n % 20) / 19  # around the end of the wait
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await claims.ClaimNext(
+                    claims_pb2.ClaimNextRequest(repo="m", topic="t", owner=f"w{n % 5}",
+                                                wait_seconds=wait),
+                    timeout=wait + early_or_late, metadata=((REQUEST_ID_METADATA, f"race-{n}"),),
+                )  # fmt: skip
+
+        for first in range(0, calls, 5):
+            await asyncio.gather(*(call(n) for n in range(first, first + 5)))
+    await asyncio.sleep(0.2)  # the last handlers end
+    assert errors(caplog) == []
+    left = left_records(caplog)
+    ids = [r.request_id for r in left]  # type: ignore[attr-defined]
+    assert len(ids) == len(set(ids)), "a caller that left was logged more than once"
+    assert set(ids) <= {f"race-{n}" for n in range(calls)}
+    assert {r.method for r in left} <= {"ClaimNext"}  # type: ignore[attr-defined]

@@ -37,7 +37,7 @@ from fencemark.node.api.interceptor import Chain, Interceptor, Registrar
 from fencemark.node.api.reflection import enable as enable_reflection
 from fencemark.node.api.replication import ReplicationService
 from fencemark.node.api.service import NodeService, RecordsService, anyone
-from fencemark.node.api.telemetry import NodeMetrics, Telemetry
+from fencemark.node.api.telemetry import NodeMetrics, Telemetry, say
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.lapses import LapseWatcher
 from fencemark.node.core.replica import Replica
@@ -498,11 +498,12 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
     node = await NodeServer.start(config)
     # SIGHUP: take renewed certificates and crl.pem into use now (docs/operations.md).
     loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
-    print(
-        f"fencemark node: region {config.region} listening on {node.address}"
-        f" ({transport(config)}, writes {'enabled' if config.enable_writes else 'disabled'},"
-        f" data {config.db_path})",
-        flush=True,
+    say(
+        "fencemark node",
+        f"region {config.region} listening on {node.address} ({transport(config)},"
+        f" writes {'enabled' if config.enable_writes else 'disabled'}, data {config.db_path})",
+        region=config.region,
+        address=node.address,
     )
     if ready is not None:
         ready.set()

@@ -12,7 +12,12 @@
   :func:`note_refusal` (the servicer knows it; the status code alone does not).
 - :func:`configure_logging`: ``text`` or ``json`` lines; JSON lines carry the
   request id of the call being served, so a refusal in the log can be matched
-  to the client that saw it.
+  to the client that saw it. :func:`say` writes the node's own lines (its
+  banner, its start-up errors) in the same format.
+- A caller that leaves before the call ends (it cancelled, its deadline passed) is
+  one INFO record of the access log naming the method and the request id; gRPC's
+  own records of it (an ERROR with a traceback when a reply could not be sent)
+  are dropped by :class:`_CallerLeftFilter`.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import contextvars
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -315,6 +322,18 @@ class _StateCollector(Collector):
 access_log = logging.getLogger("fencemark.node.access")
 
 
+@dataclass(slots=True)
+class _Call:
+    """The call being served, for gRPC's records of it (:class:`_CallerLeftFilter`)."""
+
+    method: str
+    context: grpc.aio.ServicerContext[Any, Any]
+    left: bool = False  # the caller left before its reply, and the node logged it
+
+
+_call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("call", default=None)
+
+
 # Generic in grpc-stubs only: not subscriptable at runtime.
 class Telemetry(Interceptor):
     """Request ids, timing and counts for every unary call, and for server streams
@@ -322,6 +341,7 @@ class Telemetry(Interceptor):
 
     def __init__(self, metrics: NodeMetrics) -> None:
         self.metrics = metrics
+        _CallerLeftFilter.install()
 
     def wrap(self, path: str, behaviour: Behaviour, shape: Shape) -> Behaviour | None:
         if not awaited(shape, behaviour):
@@ -337,15 +357,20 @@ class Telemetry(Interceptor):
         async def observed(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             _request_id.set(_given_id(context) or os.urandom(8).hex())
             _refusal.set("")
+            call = _Call(method, context)
+            _call.set(call)
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
                 return await inner(request, context)
-            except asyncio.CancelledError:
-                code = _gave_up(context)
+            except asyncio.CancelledError:  # gRPC cancels the handler of a caller that left
+                code, call.left = _gave_up(context), True
                 raise
-            except BaseException:
-                code = _code(context)
+            except BaseException as exc:
+                if _reply_failed(exc):  # a stream's write to a caller that left
+                    code, call.left = _gave_up(context), True
+                else:
+                    code = _code(context)
                 raise
             finally:
                 took = time.perf_counter() - started
@@ -361,7 +386,9 @@ class Telemetry(Interceptor):
                         refused = refusals[reason] = metrics.refusals.labels(method, reason)
                     refused.inc()
                     metrics.recent_refusals.add(method, reason)
-                if access_log.isEnabledFor(logging.INFO):  # off by default: no cost per call
+                if call.left:
+                    _caller_left(method, code, took)
+                elif access_log.isEnabledFor(logging.INFO):  # off by default: no cost per call
                     access_log.info(
                         "%s %s in %.1f ms%s", method, code.name, took * 1000,
                         f" ({reason})" if reason else "",
@@ -370,6 +397,67 @@ class Telemetry(Interceptor):
                     )  # fmt: skip
 
         return observed
+
+
+def _caller_left(method: str, code: grpc.StatusCode, took: float | None) -> None:
+    """The one record of a caller that left before its reply (``took``: the handler's
+    time, None when it had ended and only its reply could not be sent)."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    spent = "" if took is None else f" in {took * 1000:.1f} ms"
+    sent = "; its reply could not be sent" if took is None else ""
+    access_log.info(
+        "%s %s%s: the caller left%s", method, code.name, spent, sent,
+        extra={"method": method, "code": code.name, "caller_left": True,
+               "request_id": request_id(),
+               **({} if took is None else {"duration_ms": round(took * 1000, 2)})},
+    )  # fmt: skip
+
+
+def _reply_failed(exc: BaseException) -> bool:
+    """gRPC's error for a write or reply the call's transport refused: the call is over,
+    its caller gone (cancelled, its deadline passed, its connection lost)."""
+    return type(exc).__name__ == "ExecuteBatchError"
+
+
+class _CallerLeftFilter(logging.Filter):
+    """Drops gRPC's records of a caller that left, which the node logs itself.
+
+    gRPC's aio server logs ``ExecuteBatchError raised in core by servicer method
+    [...]`` at ERROR, with a traceback, when a unary call's reply cannot be sent
+    because its caller left: the handler had ended, so only here can the node
+    tell; the record becomes the node's own INFO record of the caller that left.
+    ``RPC cancelled for servicer method [...]`` (DEBUG) is dropped when the node
+    logged the call already. Every other gRPC record passes.
+    """
+
+    REPLY_FAILED = "ExecuteBatchError raised in core by servicer method ["
+    CANCELLED = "RPC cancelled for servicer method ["
+    LOGGER = "grpc._cython.cygrpc"
+
+    @classmethod
+    def install(cls) -> None:
+        grpc_log = logging.getLogger(cls.LOGGER)
+        if not any(isinstance(f, cls) for f in grpc_log.filters):
+            grpc_log.addFilter(cls())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        call = _call.get()  # gRPC logs from the call's own task: this call's, if wrapped
+        if message.startswith(self.REPLY_FAILED):
+            if call is None or not call.left:
+                method = call.method if call else _method_in(message, self.REPLY_FAILED)
+                code = _gave_up(call.context) if call else grpc.StatusCode.CANCELLED
+                if call is not None:
+                    call.left = True
+                _caller_left(method, code, None)
+            return False
+        return not (message.startswith(self.CANCELLED) and call is not None and call.left)
+
+
+def _method_in(message: str, prefix: str) -> str:
+    """The method's name in gRPC's ``... [/package.Service/Method]``."""
+    return message[len(prefix) :].rstrip("]").rsplit("/", 1)[-1]
 
 
 def _given_id(context: grpc.aio.ServicerContext[Any, Any]) -> str:
@@ -430,20 +518,50 @@ class _RequestIdFilter(logging.Filter):
 
 
 LOG_FORMATS = ("text", "json")
+_format = "text"  # the process's, as configure_logging set it
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:
     """Root logging for a ``fencemark`` process: ``text`` for people, ``json`` for tools."""
+    global _format
     if fmt not in LOG_FORMATS:
         raise ValueError(f"--log-format: expected one of {LOG_FORMATS}, got {fmt!r}")
     handler = logging.StreamHandler()
     handler.addFilter(_RequestIdFilter())
-    if fmt == "json":
-        formatter: logging.Formatter = JsonFormatter()
-        formatter.converter = time.gmtime
-    else:
-        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    formatter = (
+        _json_formatter()
+        if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    _format = fmt
+
+
+def _json_formatter() -> JsonFormatter:
+    formatter = JsonFormatter()
+    formatter.converter = time.gmtime
+    return formatter
+
+
+def say(
+    who: str,
+    message: str,
+    *,
+    level: int = logging.INFO,
+    stream: TextIO | None = None,
+    **fields: object,
+) -> None:
+    """One line of the process's own, whatever ``--log-level``: ``who: message`` under
+    the text format, under json the object a log record of logger ``who`` (with
+    ``fields``) would be. To ``stream``, stdout by default (a banner), stderr for errors.
+    """
+    out = stream or sys.stdout
+    if _format != "json":
+        print(f"{who}: {message}", file=out, flush=True)
+        return
+    record = logging.LogRecord(who.replace(" ", "."), level, "", 0, message, None, None)
+    record.__dict__.update(fields)
+    print(_json_formatter().format(record), file=out, flush=True)

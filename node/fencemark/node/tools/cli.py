@@ -3,6 +3,12 @@
 Subcommands that talk to a node mirror the gRPC API one to one (etcdctl style)
 and print JSON; ``node``, ``walkthrough``, ``demo`` and ``status`` are for
 operators. Every flag of ``node`` can also come from a ``FENCEMARK_*`` variable.
+
+Exit codes (docs/api.md, *Exit codes*): a command that calls a node exits 0 done, 1
+refused with an error, 2 bad usage, 3 answered no as a value, 4 node unreachable
+(``cli_rpc``). The checks (``health``, ``walkthrough``, ``demo``) exit 0 when they
+pass and 1 when not, as Docker's HEALTHCHECK reads them; ``status`` is a report: 0
+once it printed.
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
 from fencemark.node.tools.cli_certs import add_certs_command, add_restore_command
 from fencemark.node.tools.cli_node import DEFAULT_TARGET, add_node_command, load_config
-from fencemark.node.tools.cli_rpc import add_rpc_commands, client_credentials
+from fencemark.node.tools.cli_rpc import (
+    EXIT_USAGE,
+    add_rpc_commands,
+    client_credentials,
+    failure_line,
+)
 from fencemark.node.tools.proxy_command import add_proxy_command
 
 # -- client commands ----------------------------------------------------------------
@@ -124,7 +135,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    """Exit 0 iff the node reports SERVING (standard grpc.health.v1 Check): a probe."""
+    """Exit 0 iff the node reports SERVING (standard grpc.health.v1 Check): a probe.
+
+    Docker's HEALTHCHECK reads 0 healthy and 1 unhealthy, and reserves 2: anything
+    but SERVING, the node unreachable included, is 1 (not the 4 of the RPC commands).
+    """
     from fencemark.client import AsyncClient, FencemarkError
 
     credentials = client_credentials(args)
@@ -139,7 +154,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     try:
         status = asyncio.run(check())
     except FencemarkError as exc:
-        print(f"fencemark health: {subject}: {exc}", file=sys.stderr)
+        why = failure_line(exc, target=args.target, tls=credentials is not None)
+        print(f"fencemark health: {subject}: {why}", file=sys.stderr)
         return 1
     print(f"fencemark health: {subject}: {status}")
     return 0 if status == "SERVING" else 1
@@ -186,9 +202,12 @@ def _regions(spec: str) -> list[str]:
         for region in regions:
             validation.region(region, "--regions")
     except InvalidInput as exc:
-        raise SystemExit(f"fencemark: {exc}") from exc
+        print(f"fencemark: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from exc
     if len(set(regions)) != len(regions) or len(regions) < 2:
-        raise SystemExit("fencemark: --regions takes two or more distinct names, e.g. us,eu,ap")
+        print("fencemark: --regions takes two or more distinct names, e.g. us,eu,ap",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(EXIT_USAGE)
     return regions
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import os
 import sys
 import tomllib
@@ -15,6 +16,7 @@ from typing import Any
 
 from fencemark.node.api.authz import AccessMap, load_access
 from fencemark.node.api.server import NodeConfig, serve
+from fencemark.node.api.telemetry import say
 from fencemark.node.replication.peers import parse_peers
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
@@ -62,35 +64,46 @@ def tune_collector() -> None:
     gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
 
 
+def _refuse_to_start(message: str) -> int:
+    """Why the node does not start, on stderr in the log format; the exit code, 2."""
+    say("fencemark node", message, level=logging.ERROR, stream=sys.stderr)
+    return 2
+
+
+def _bad_bounds(args: argparse.Namespace) -> str:
+    """What is wrong with the node's numeric flags; "" if nothing."""
+    if args.feed_window < 1 or args.cache_size < 1 or not args.watch_send_timeout > 0:
+        return (
+            "--feed-window and --cache-size take 1 or more,"
+            " --watch-send-timeout more than 0 seconds"
+        )
+    if not 0 <= args.start_wait <= 3600:
+        return f"--start-wait takes 0 to 3600 seconds, got {args.start_wait}"
+    if not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
+        return f"--max-attempts takes 1 to {MAX_ATTEMPTS_LIMIT}, got {args.max_attempts}"
+    return ""
+
+
 def cmd_node(args: argparse.Namespace) -> int:
+    """Run the node: every line it writes follows ``--log-format``; exits 0 once stopped
+    by SIGTERM or SIGINT, 2 when it cannot start (bad flags, its port taken)."""
     try:
         validation.region(args.region, "--region")
         peers = parse_peers(args.peer or args.configured_peers, own_region=args.region)
         tls_files, access = node_security(args)
     except (InvalidInput, ValueError) as exc:
-        print(f"fencemark node: {exc}", file=sys.stderr)
-        return 2
+        return _refuse_to_start(str(exc))
     if args.max_concurrent_rpcs:
-        print(
-            "fencemark node: --max-concurrent-rpcs is deprecated: it now sets"
+        say(
+            "fencemark node",
+            "--max-concurrent-rpcs is deprecated: it now sets"
             " --max-concurrent-reads and --max-concurrent-writes; replication and health"
             " checks have budgets of their own (docs/operations.md)",
-            file=sys.stderr,
+            level=logging.WARNING,
+            stream=sys.stderr,
         )
-    if args.feed_window < 1 or args.cache_size < 1 or not args.watch_send_timeout > 0:
-        raise SystemExit(
-            "fencemark node: --feed-window and --cache-size take 1 or more,"
-            " --watch-send-timeout more than 0 seconds"
-        )
-    if not 0 <= args.start_wait <= 3600:
-        raise SystemExit(
-            f"fencemark node: --start-wait takes 0 to 3600 seconds, got {args.start_wait}"
-        )
-    if not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
-        raise SystemExit(
-            f"fencemark node: --max-attempts takes 1 to {MAX_ATTEMPTS_LIMIT},"
-            f" got {args.max_attempts}"
-        )
+    if bad := _bad_bounds(args):
+        return _refuse_to_start(bad)
     config = NodeConfig(
         region=args.region,
         listen=args.listen,
@@ -123,8 +136,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(config))
     except (OSError, ValueError) as exc:
-        print(f"fencemark node: {exc}", file=sys.stderr)
-        return 2
+        return _refuse_to_start(str(exc))
     return 0
 
 
@@ -134,7 +146,8 @@ def load_config(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SystemExit(f"fencemark: cannot read config {path}: {exc}") from exc
+        print(f"fencemark: cannot read config {path}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
 
 
 def _setting(config: Mapping[str, Any], name: str, default: Any) -> Any:

@@ -1,7 +1,10 @@
 """The ``fencemark`` subcommands that mirror the gRPC API one to one (etcdctl style).
 
-Each takes the RPC's field names as flags and prints the result as JSON; a
-refusal goes to stderr with its reason and a non-zero exit.
+Each takes the RPC's field names as flags and prints the result as JSON. Their exit
+codes are one rule (docs/api.md, *Exit codes*): 0 done; 1 the node refused the call
+with an error, said on stderr as ``fencemark: CODE[ reason]: message``; 2 bad usage;
+3 the call answered no as a value (``granted: false``...), its JSON still on stdout;
+4 the node could not be reached in time.
 """
 
 from __future__ import annotations
@@ -10,12 +13,27 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import socket
+import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
+
+if TYPE_CHECKING:
+    from fencemark.client import FencemarkError
+
+EXIT_DONE = 0
+EXIT_REFUSED = 1  # the node refused the call with an error: stderr says why
+EXIT_USAGE = 2  # argparse's own
+EXIT_ANSWERED_NO = 3  # the call answered no as a value: its JSON is on stdout
+EXIT_UNREACHABLE = 4  # the node could not be reached in time (UNAVAILABLE, DEADLINE_EXCEEDED)
+
+# The fields by which a result says no as a value (granted: false, reason empty...).
+_ANSWERS = ("granted", "renewed", "released", "reopened")
+TLS_ADVICE = "pass --tls-dir/--tls-name or set FENCEMARK_TLS_DIR/FENCEMARK_TLS_NAME"
 
 
 def _json_default(value: object) -> object:
@@ -44,18 +62,94 @@ def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | No
     if not args.tls_dir:
         return None
     if not args.tls_name:
-        raise SystemExit(
+        print(
             "fencemark: --tls-dir needs --tls-name NAME (env FENCEMARK_TLS_NAME): the"
-            " certificate NAME.pem and key NAME-key.pem in the directory"
+            " certificate NAME.pem and key NAME-key.pem in the directory",
+            file=sys.stderr,
         )
+        raise SystemExit(EXIT_USAGE)
     try:
         return tls_credentials(args.tls_dir, args.tls_name)
     except OSError as exc:
-        raise SystemExit(f"fencemark: {exc}") from exc
+        print(f"fencemark: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from exc
+
+
+def answered_no(result: object) -> bool:
+    """Whether ``result`` is a refusal the API answers as a value: ``granted``,
+    ``renewed``, ``released`` or ``reopened`` false (its ``reason`` says why)."""
+    return any(getattr(result, name, True) is False for name in _ANSWERS)
+
+
+def failure_line(exc: FencemarkError, *, target: str, tls: bool) -> str:
+    """A failed call in one line: ``CODE[ reason[ (identity)]]: message[; hint]``.
+
+    ``reason`` is the node's machine-readable word when it gave one (a refused fenced
+    write's conflict, a PERMISSION_DENIED's denial). A node that could not be reached
+    is looked at once more (:func:`transport_at`) for the hint: nothing listening,
+    or a transport other than the call's (``tls``)."""
+    from fencemark.client import ClaimConflict, PermissionDenied, Unavailable
+
+    head = exc.code.name
+    if isinstance(exc, ClaimConflict | PermissionDenied) and exc.reason:
+        head += f" {exc.reason}"
+    if isinstance(exc, PermissionDenied) and exc.identity:
+        head += f" ({exc.identity})"
+    line = f"{head}: {exc.message}" if exc.message else head
+    if not isinstance(exc, Unavailable):
+        return line
+    found = transport_at(target)
+    if found == "nothing":
+        return f"{line}; nothing listens at {target}: is the node running, and --target right?"
+    if found == "tls" and not tls:
+        return f"{line}; the node serves TLS: {TLS_ADVICE}"
+    if found == "plaintext" and tls:
+        return f"{line}; the node is plaintext (--insecure): call it without --tls-dir"
+    if found == "unknown" and not tls:
+        return f"{line}; is the node serving TLS? {TLS_ADVICE}"
+    return line
+
+
+def transport_at(target: str, timeout: float = 1.0) -> str:
+    """What listens at ``target`` (HOST:PORT): ``tls`` (it completes a TLS handshake),
+    ``plaintext`` (it answers, not in TLS), ``nothing`` (no connection), or
+    ``unknown`` (no target, another form of one, or no clear answer in ``timeout``)."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return "unknown"
+    host = host.strip("[]")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    except ConnectionRefusedError:
+        return "nothing"
+    except OSError:
+        return "unknown"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False  # only whether it speaks TLS: no certificate checked
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with context.wrap_socket(sock, server_hostname=host):
+            return "tls"
+    except ssl.SSLError as exc:  # an alert is TLS too: it wanted a client certificate
+        if exc.reason == "WRONG_VERSION_NUMBER":
+            return "plaintext"
+        return "tls" if "ALERT" in str(exc.reason) else "unknown"
+    except OSError:
+        return "unknown"
+    finally:
+        sock.close()
+
+
+def failed(exc: FencemarkError, *, target: str, tls: bool, prefix: str = "fencemark") -> int:
+    """Say on stderr why a call failed; its exit code (4 unreachable, else 1)."""
+    from fencemark.client import Unavailable
+
+    print(f"{prefix}: {failure_line(exc, target=target, tls=tls)}", file=sys.stderr)
+    return EXIT_UNREACHABLE if isinstance(exc, Unavailable) else EXIT_REFUSED
 
 
 def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[object]]) -> int:
-    from fencemark.client import AsyncClient, ClaimConflict, FencemarkError, PermissionDenied
+    from fencemark.client import AsyncClient, FencemarkError
 
     credentials = client_credentials(args)
 
@@ -67,23 +161,12 @@ def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[objec
 
     try:
         result = asyncio.run(run())
-    except ClaimConflict as exc:
-        print(
-            f"fencemark: refused: {exc.reason} (fence {exc.fence},"
-            f" home region {exc.home_region}): {exc}",
-            file=sys.stderr,
-        )
-        return 1
-    except PermissionDenied as exc:
-        who = f" ({exc.identity})" if exc.identity else ""
-        print(f"fencemark: refused: {exc.reason}{who}: {exc.message}", file=sys.stderr)
-        return 1
     except FencemarkError as exc:
-        print(f"fencemark: {exc}", file=sys.stderr)
-        return 1
-    if result is not None:  # None: the call printed its own output (watch)
-        _print_json(result)
-    return 0
+        return failed(exc, target=args.target, tls=credentials is not None)
+    if result is None:  # the call printed its own output (watch)
+        return EXIT_DONE
+    _print_json(result)
+    return EXIT_ANSWERED_NO if answered_no(result) else EXIT_DONE
 
 
 def _fields(pairs: Sequence[str]) -> dict[str, str]:
@@ -92,7 +175,7 @@ def _fields(pairs: Sequence[str]) -> dict[str, str]:
         name, sep, value = pair.partition("=")
         if not sep:
             print(f"fencemark: --field takes NAME=VALUE, got {pair!r}", file=sys.stderr)
-            raise SystemExit(2)
+            raise SystemExit(EXIT_USAGE)
         out[name] = value
     return out
 

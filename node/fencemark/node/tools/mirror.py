@@ -40,6 +40,7 @@ from fencemark.client import AsyncClient, ClaimConflict, FencemarkError, Record
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
 from fencemark.node.tools.adopt import AdoptError, Bindings
+from fencemark.node.tools.cli_rpc import failed
 
 AUTHOR, KIND, OWNER = "backlog-pm", "Issue", "backlog-pm"
 LEASE_SECONDS = 30.0
@@ -313,9 +314,10 @@ def run(bindings: Bindings, source: str, *, dry_run: bool, timeout: float,
 
     try:
         plan = asyncio.run(go())
-    except FencemarkError as exc:
-        print(f"fencemark mirror: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    except FencemarkError as exc:  # the exit code of every command that calls a node
+        # It calls several regions' nodes: which one failed is not known ("").
+        tls = credentials is not None
+        return failed(exc, target="", tls=tls, prefix="fencemark mirror")
     for line in plan.lines:
         print(line)
     print(plan.summary(dry_run))
