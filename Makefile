@@ -128,7 +128,7 @@ image: $(STAMP) base-image
 	PYTHON=$(BIN)/python deploy/build-image.sh \
 	  --base-image $(FENCEMARK_BASE_IMAGE) --tag $(FENCEMARK_IMAGE)
 
-# The compose stack's Prometheus (profile "prometheus"): Debian's prometheus package on
+# The compose stack's Prometheus (docker-compose.prometheus.yml): Debian's prometheus package on
 # the same base, the packages fetched here, docker build with no network; kept while
 # its recipe and base are unchanged.
 prometheus-image: base-image

@@ -9,7 +9,9 @@
 #    matter; when PYTHON is a virtual environment the dependencies are pinned to
 #    the versions installed there;
 # 2. `docker build --network none -f deploy/Dockerfile CONTEXT` (the wheels and
-#    deploy/entrypoint.sh): the build can reach nothing outside its context.
+#    deploy/entrypoint.sh): the build can reach nothing outside its context;
+# 3. the images TAG and TAG-build (the build stage, the next build's cache) named
+#    before are removed unless a container uses them: rebuilds leave no dangling image.
 #
 # --base-image (env BASE_IMAGE) defaults to the air-gapped Debian base that
 # deploy/build-base-image.sh makes, fencemark/base:bookworm; with a registry,
@@ -22,7 +24,7 @@ cd "$(dirname "$0")/.."
 
 base=${BASE_IMAGE:-fencemark/base:bookworm}
 tag=${FENCEMARK_IMAGE:-fencemark:dev}
-usage() { sed -n '2,20s/^# \{0,1\}//p' "$0"; }
+usage() { sed -n '2,22s/^# \{0,1\}//p' "$0"; }
 while (($#)); do
   case $1 in
     --base-image) base=$2; shift 2 ;;
@@ -99,20 +101,34 @@ if ! docker image inspect "$base" >/dev/null 2>&1; then
   esac
 fi
 
+# The build stage is tagged too (TAG-build: fencemark:dev-build), the next build's
+# cache, so that it is not left behind as an untagged image.
+case $tag in
+  *:*) stage_tag="$tag-build" ;;
+  *) stage_tag="$tag:build" ;;
+esac
 previous=$(docker image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
+previous_stage=$(docker image inspect --format '{{.Id}}' "$stage_tag" 2>/dev/null || true)
 step "docker build $tag on $base"
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD 2>/dev/null || revision="$revision-dirty"
 # --network none: proof that the build needs nothing from outside its context.
+docker build --network none --file deploy/Dockerfile --target build --tag "$stage_tag" \
+  --build-arg "BASE_IMAGE=$base" "$context"
 docker build --network none --file deploy/Dockerfile --tag "$tag" \
   --build-arg "BASE_IMAGE=$base" \
   --label "org.opencontainers.image.revision=$revision" \
   --label "org.opencontainers.image.base.name=$base" \
   "$context"
 
-# The image this tag named before, now untagged: drop it unless something still uses it.
-# (Not `docker image prune`: it would take the layers of a build running beside this one.)
-if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect --format '{{.Id}}' "$tag")" ]; then
-  docker image rm "$previous" >/dev/null 2>&1 || true
-fi
+# What the two tags named before, now untagged: drop it unless something still uses
+# it, so that rebuilds leave no dangling image. (Not `docker image prune`: it would
+# take the layers of a build running beside this one.)
+drop_if_replaced() { # OLD_ID TAG
+  if [ -n "$1" ] && [ "$1" != "$(docker image inspect --format '{{.Id}}' "$2")" ]; then
+    docker image rm "$1" >/dev/null 2>&1 || true
+  fi
+}
+drop_if_replaced "$previous" "$tag"
+drop_if_replaced "$previous_stage" "$stage_tag"
 step "done: $tag ($(docker image inspect --format '{{.Size}}' "$tag" | awk '{ printf "%.0f MB", $1 / 1e6 }'))"

@@ -88,14 +88,25 @@ class Stack:
 
 
 def published_ports() -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
-    """Free host ports for each region's API and metrics, and the settings naming them."""
+    """Free host ports for each region's API and metrics, and the settings naming them
+    (and free ones for the dashboards: :func:`dashboard_ports` reads them)."""
     ports = {region: free_port() for region in REGIONS}
     metrics = {region: free_port() for region in REGIONS}
     settings = {
         **{f"FENCEMARK_{r.upper()}_PORT": str(p) for r, p in ports.items()},
         **{f"FENCEMARK_{r.upper()}_METRICS_PORT": str(p) for r, p in metrics.items()},
+        **{_dashboard_variable(r): str(free_port()) for r in REGIONS},
     }
     return ports, metrics, settings
+
+
+def _dashboard_variable(region: str) -> str:
+    return f"FENCEMARK_{region.upper()}_DASHBOARD_PORT"
+
+
+def dashboard_ports(settings: dict[str, str]) -> dict[str, int]:
+    """Each region's dashboard host port in ``settings`` (from :func:`published_ports`)."""
+    return {region: int(settings[_dashboard_variable(region)]) for region in REGIONS}
 
 
 def data_root(tmp_path: Path) -> tuple[Path, dict[str, str]]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -25,6 +26,10 @@ from fencemark.node.api.server import NodeConfig, NodeServer
 from fencemark.node.replication.tuning import Tuning
 from tests import components, dockerenv
 from tests.cluster import shared_loop
+from tests.compose import clean_env
+
+if TYPE_CHECKING:
+    from tests.docrun import OperatorSite
 
 settings.register_profile(
     "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -211,12 +216,34 @@ def image(docker_engine: None) -> str:
 
 @pytest.fixture(scope="session")
 def compose(docker_engine: None) -> list[str]:
-    """The compose command: Debian's docker-compose (v1.29), else ``docker compose`` (v2)."""
+    """The compose command: Debian's docker-compose (1.29), which docs/deploy.md runs."""
     components.require("docker-compose")
-    return ["docker-compose"] if shutil.which("docker-compose") else ["docker", "compose"]
+    return ["docker-compose"]
 
 
 @pytest.fixture(scope="session")
 def prometheus_image(docker_engine: None) -> str:
     """The stack's Prometheus image, built air-gapped unless it is up to date."""
     return dockerenv.ensure_prometheus_image()
+
+
+@pytest.fixture
+def operator_site(
+    image: str, prometheus_image: str, compose: list[str], tmp_path: Path
+) -> Iterator[OperatorSite]:
+    """docs/deploy.md's operator machine in a scratch directory (tests/docrun.py), as
+    root like the page, with tags of its own for the images (removed afterwards)."""
+    from tests import docrun  # it reads tests/test_docs.py, which imports this module
+
+    components.require("root")
+    run = uuid.uuid4().hex[:10]
+    images = {
+        "FENCEMARK_IMAGE": f"{image.rpartition(':')[0]}:doc-{run}",
+        "FENCEMARK_PROMETHEUS_IMAGE": f"{prometheus_image.rpartition(':')[0]}:doc-{run}",
+    }
+    dockerenv.run(["docker", "tag", image, images["FENCEMARK_IMAGE"]])
+    dockerenv.run(["docker", "tag", prometheus_image, images["FENCEMARK_PROMETHEUS_IMAGE"]])
+    try:
+        yield docrun.OperatorSite.make(tmp_path, images, clean_env())
+    finally:
+        dockerenv.run(["docker", "image", "rm", *images.values()], check=False)

@@ -3,7 +3,8 @@ own ``promtool`` and against what a real node exports.
 
 - ``promtool check rules`` and ``check config`` accept the rules and the compose
   stack's scrape configuration; ``promtool test rules`` runs alerts_test.yml, where
-  each alert fires on series that should fire it and not on the series beside them.
+  each alert fires on series that should fire it and not on the series beside them;
+  docs/operations.md's commands that do so run as written (tests/docrun.py).
 - Every metric a rule names is one a real node (mutual TLS, a peer, a few calls)
   exports on its /metrics, and every label a rule selects on is one that metric has.
 - docs/operations.md's table "Alerts worth setting" says what the file says.
@@ -15,6 +16,7 @@ these tests fail, they do not skip.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import urllib.request
@@ -27,6 +29,7 @@ import yaml
 from fencemark.client import AsyncClient, NotFound, Unavailable, tls_credentials
 from fencemark.node.security.tls import TlsFiles, init_dir
 from tests.conftest import StartNode
+from tests.docrun import Shell, Substitutions, run_steps, steps_of
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +77,19 @@ def test_promtool_unit_tests_of_every_alert_pass() -> None:
     done = promtool("test", "rules", RULE_TESTS.name)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS" in done.stdout
+
+
+@pytest.mark.requires("promtool")
+def test_operations_md_checks_of_the_rules_run_as_written(tmp_path: Path) -> None:
+    """docs/operations.md's ``promtool`` commands, typed at the repository's root."""
+    step = steps_of([OPERATIONS])["alerts/check"]
+    shell = Shell(ROOT, os.environ, tmp_path / "transcript")
+    try:
+        checked, tested = run_steps(shell, [step], Substitutions())[step.id]
+    finally:
+        shell.close()
+    assert f"SUCCESS: {len(rules())} rules found" in checked
+    assert "SUCCESS" in tested
 
 
 def test_every_alert_is_unit_tested_firing_and_quiet() -> None:

@@ -5,6 +5,12 @@ through the ``docker_engine`` and ``image`` fixtures (tests/dockerenv.py: skippe
 without an engine, failed under CI). Traffic goes only to ports published on
 127.0.0.1 and to containers these tests created; everything created is removed.
 
+The compose stack is brought up by docs/deploy.md's own steps, run as written in one
+shell (tests/docrun.py) with their outputs compared to the page; between the steps,
+the test checks what the page claims: a refused ``up`` leaves nothing behind, every
+region converges to the same records, Prometheus scrapes every node and evaluates the
+rules, and turning it on and off recreates no region.
+
 ``fencemark health``, the image's HEALTHCHECK, is tested against in-process
 nodes without Docker.
 """
@@ -12,6 +18,7 @@ nodes without Docker.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -26,16 +33,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fencemark.client import AsyncClient, tls_credentials
-from tests.compose import (
-    COMPOSE_FILE,
-    DATA_VARIABLE,
-    PROMETHEUS_FILE,
-    REGIONS,
-    Stack,
-    clean_env,
-    data_root,
-    published_ports,
-)
+from tests.compose import COMPOSE_FILE, DATA_VARIABLE, PROMETHEUS_FILE, REGIONS, clean_env
 from tests.conftest import StartNode
 from tests.dockerenv import (
     BASE_IMAGE,
@@ -46,7 +44,25 @@ from tests.dockerenv import (
     run,
     wait_until,
 )
+from tests.docrun import (
+    DEPLOY_DOCS,
+    Hook,
+    OperatorSite,
+    Shell,
+    Substitutions,
+    matches,
+    run_steps,
+    steps_of,
+    unmarked_shell_blocks,
+)
 from tests.ports import free_port
+from tests.test_deploy_prometheus import (
+    READY_LIMIT_S,
+    Prometheus,
+    check_rules,
+    check_targets,
+    check_what_the_nodes_report,
+)
 
 CLAIMS_SERVICE = "fencemark.v1.Claims"
 HEALTHY_LIMIT_S = 90.0
@@ -120,8 +136,8 @@ def test_every_compose_variable_is_documented_in_env_example() -> None:
 def test_compose_publishes_ports_on_loopback_only() -> None:
     text = COMPOSE_FILE.read_text() + PROMETHEUS_FILE.read_text()
     published = re.findall(r'^\s*- "([^"]*:\d+)"', text, flags=re.MULTILINE)
-    # The API and the metrics of each region, and Prometheus' UI and API.
-    assert len(published) == 2 * len(REGIONS) + 1
+    # The API, the metrics and the dashboard of each region, and Prometheus' UI and API.
+    assert len(published) == 3 * len(REGIONS) + 1
     assert all(mapping.startswith("127.0.0.1:") for mapping in published)
 
 
@@ -255,46 +271,95 @@ async def write_one_record_per_region(ports: dict[str, int], root: Path) -> None
             )  # fmt: skip
 
 
+# -- docs/deploy.md's compose steps, as written ---------------------------------------
+
+COMPOSE_STEPS = (
+    "settings", "refused", "no-directories", "directories", "start", "check", "inside",
+    "walkthrough", "list", "prometheus-on", "prometheus-api", "prometheus-reload",
+    "prometheus-off", "upgrade", "status-with-a-region-down", "down",
+)  # fmt: skip
+# The Prometheus UI pages docs/deploy.md names, on its documented port.
+PROMETHEUS_PAGE = re.compile(r"http://127\.0\.0\.1:9090/classic/\w+")
+
+
+def test_every_shell_block_of_deploy_md_runs_or_says_why() -> None:
+    """A command shown to an operator is run by a test, or the page says why not."""
+    assert not unmarked_shell_blocks(DEPLOY_DOCS[0])
+    steps = steps_of(DEPLOY_DOCS)
+    assert [s.name for s in steps.values() if s.scenario == "compose"] == [
+        *COMPOSE_STEPS[:COMPOSE_STEPS.index("prometheus-on")], "down",
+        *COMPOSE_STEPS[COMPOSE_STEPS.index("prometheus-on"):-1],
+    ]  # fmt: skip
+
+
+def test_the_doc_runner_holds_commands_to_what_the_page_shows(tmp_path: Path) -> None:
+    """Loose on columns, numbers and node ids; strict on words, lines and exit codes."""
+    assert matches("3 of 3 nodes   serving\n...\n", "2 of 3 nodes serving\nmore\n")
+    assert matches("node 5f0c2a9e41b7 lag 41.2 s\n", "node 9d630b9f04a4 lag 0.3 s\n")
+    assert not matches("peer eu reachable\n", "peer eu UNREACHABLE\n")
+    assert not matches("one\ntwo\n", "one\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "<!-- executed: demo/right -->\n```console\n$ printf 'a   b 12\\nc\\n'\na b 7\n"
+        "...\n$ false   # exits 1\n```\n\n<!-- executed: demo/wrong -->\n```sh\nfalse\n```\n"
+        "\n<!-- executed: demo/shown -->\n```console\n$ echo x\ny\n```\n"
+    )
+    steps = steps_of([doc])
+    shell = Shell(tmp_path, os.environ, tmp_path / "transcript")
+    try:
+        run_steps(shell, [steps["demo/right"]], Substitutions())
+        with pytest.raises(AssertionError, match="exited 1, not 0"):
+            run_steps(shell, [steps["demo/wrong"]], Substitutions())
+        with pytest.raises(AssertionError, match="does not show"):
+            run_steps(shell, [steps["demo/shown"]], Substitutions())
+        run_steps(shell, [steps["demo/shown"]], Substitutions({"x": "y"}))
+    finally:
+        shell.close()
+
+
+def region_containers(project: str) -> dict[str, str]:
+    """Each region's running container, by the compose project's labels."""
+    return {
+        region: run(["docker", "ps", "--quiet", "--no-trunc",
+                     "--filter", f"label=com.docker.compose.project={project}",
+                     "--filter", f"label=com.docker.compose.service={region}"]).stdout.strip()
+        for region in REGIONS
+    }  # fmt: skip
+
+
 @pytest.mark.docker
 @pytest.mark.timeout(2 * BUILD_LIMIT_S)
-def test_compose_stack_runs_the_walkthrough_and_converges(
-    image: str, compose: list[str], tmp_path: Path
+def test_deploy_md_compose_steps_run_as_written(
+    compose: list[str], operator_site: OperatorSite
 ) -> None:
-    root, user = data_root(tmp_path)
-    ports, metrics_ports, port_settings = published_ports()
-    stack = Stack(compose, tmp_path, {DATA_VARIABLE: str(root), **port_settings, **user})
-    try:
-        stack("up", "--detach")
-        for region, port in ports.items():
-            published = stack("port", region, "7400").stdout.strip()
-            assert published == f"127.0.0.1:{port}", f"{region} is published on {published}"
-        wait_until(
-            "every region healthy (serving)",
-            HEALTHY_LIMIT_S,
-            lambda: all(stack.health(r) == "healthy" for r in REGIONS),
-        )
-        # Healthy is not yet deciding: new disks, so each catches up with its peers first.
-        wait_until(
-            "every region deciding claims",
-            HEALTHY_LIMIT_S,
-            lambda: all(
-                fencemark("health", "--target", f"127.0.0.1:{port}", "--service",
-                          CLAIMS_SERVICE, *tls_flags(root)).returncode == 0
-                for port in ports.values()
-            ),
-        )  # fmt: skip
+    """docs/deploy.md's three regions on one host, step by step, and what they print;
+    between steps, what the page says holds."""
+    site = operator_site
+    project = f"fmdoc{uuid.uuid4().hex[:10]}"
+    site.env["COMPOSE_PROJECT_NAME"] = project  # the stack's name: deploy_ in the page
+    site.substitute.text["deploy_"] = f"{project}_"
+    site.substitute.text["fencemark:0.2.0"] = site.images["FENCEMARK_IMAGE"]  # the "new" image
+    ports = {r: site.ports[f"FENCEMARK_{r.upper()}_PORT"] for r in REGIONS}
+    metrics_ports = {r: site.ports[f"FENCEMARK_{r.upper()}_METRICS_PORT"] for r in REGIONS}
+    prometheus = Prometheus(f"http://127.0.0.1:{site.ports['FENCEMARK_PROMETHEUS_PORT']}")
+    label = f"label=com.docker.compose.project={project}"
+    steps = steps_of(DEPLOY_DOCS)
+    shell = Shell(site.root, site.env, site.root.parent / "transcript")
+    before: dict[str, Hook] = {}
+    after: dict[str, Hook] = {}
+    regions: dict[str, str] = {}
 
-        walkthrough = fencemark(
-            "walkthrough", "--target", f"127.0.0.1:{ports['us']}", *tls_flags(root)
-        )
-        assert walkthrough.returncode == 0, walkthrough.stdout + walkthrough.stderr
-        asyncio.run(write_one_record_per_region(ports, root))
+    def nothing_made() -> None:
+        assert not run(["docker", "ps", "--all", "--quiet", "--filter", label]).stdout.strip()
+        assert not run(["docker", "network", "ls", "--quiet", "--filter", label]).stdout.strip()
 
+    def converged_everywhere() -> None:
+        asyncio.run(write_one_record_per_region(ports, site.data))
         seen: dict[str, dict[str, bytes]] = {}
 
         def converged() -> bool:
             for region, port in ports.items():
-                seen[region] = asyncio.run(record_digests(f"127.0.0.1:{port}", root))
+                seen[region] = asyncio.run(record_digests(f"127.0.0.1:{port}", site.data))
             first = seen[REGIONS[0]]
             return len(first) == 1 + len(REGIONS) and all(s == first for s in seen.values())
 
@@ -309,25 +374,68 @@ def test_compose_stack_runs_the_walkthrough_and_converges(
             for peer in REGIONS:
                 if peer != region:
                     assert metrics[f'fencemark_replication_reachable{{peer="{peer}"}}'] == 1
-        for region, port in ports.items():
-            status = fencemark("status", "--targets", f"127.0.0.1:{port}", *tls_flags(root))
-            assert f" {region} " in status.stdout and "UNREACHABLE" not in status.stdout, (
-                status.stdout
-            )
+
+    def remember_regions() -> None:
+        regions.update(region_containers(project))
+        assert all(regions.values()), regions
+
+    def regions_unchanged() -> None:
+        assert region_containers(project) == regions, "a region's container was recreated"
+
+    def prometheus_works() -> None:
+        wait_until("Prometheus answering", READY_LIMIT_S, prometheus.answers)
+        check_targets(prometheus)
+        check_what_the_nodes_report(prometheus)
+        check_rules(prometheus)
+        doc = DEPLOY_DOCS[0].read_text()
+        for page in sorted(set(PROMETHEUS_PAGE.findall(doc))):
+            with urllib.request.urlopen(site.substitute(page), timeout=5) as response:
+                assert response.status == 200, page
+
+    def prometheus_gone() -> None:
+        regions_unchanged()
+        assert not run(["docker", "ps", "--all", "--quiet", "--filter", label, "--filter",
+                        "label=com.docker.compose.service=prometheus"]).stdout.strip()  # fmt: skip
+
+    def ap_stopped() -> None:
+        code, output = shell.run("docker-compose stop ap")  # what the sample shows
+        assert code == 0, output
+
+        async def unreachable_everywhere() -> bool:
+            for region in ("us", "eu"):
+                async with AsyncClient(f"127.0.0.1:{ports[region]}", timeout=5.0,
+                                       credentials=operator(site.data)) as client:  # fmt: skip
+                    peers = {p.region: p for p in (await client.info()).peers}
+                    if peers["ap"].reachable or not peers["ap"].last_error:
+                        return False
+            return True
+
+        wait_until("us and eu seeing ap unreachable", CONVERGE_LIMIT_S,
+                   lambda: asyncio.run(unreachable_everywhere()))  # fmt: skip
+
+    after.update({"refused": nothing_made, "no-directories": nothing_made,
+                  "walkthrough": converged_everywhere})  # fmt: skip
+    before.update({"prometheus-on": remember_regions, "prometheus-api": prometheus_works,
+                   "status-with-a-region-down": ap_stopped})  # fmt: skip
+    after.update({"prometheus-on": regions_unchanged, "prometheus-off": prometheus_gone,
+                  "upgrade": regions_unchanged})  # fmt: skip
+    try:
+        run_steps(shell, [steps[f"compose/{s}"] for s in COMPOSE_STEPS], site.substitute,
+                  before, after)  # fmt: skip
+        nothing_made()
     except BaseException:
-        print(stack("logs", "--no-color", "--tail", "40", check=False).stdout)
+        print(run(["docker", "ps", "--all", "--filter", label], check=False).stdout)
+        print(f"every command's output: {shell.transcript}")
         raise
     finally:
-        stack.down()
-
-
-@pytest.mark.docker
-def test_compose_refuses_to_start_without_the_data_path(compose: list[str], tmp_path: Path) -> None:
-    stack = Stack(compose, tmp_path, {})
-    done = stack("up", "--detach", check=False)
-    assert done.returncode != 0
-    assert DATA_VARIABLE in done.stderr + done.stdout
-    assert not stack.containers()
+        shell.close()
+        left = clean_env(COMPOSE_PROJECT_NAME=project)
+        files = [arg for f in (COMPOSE_FILE.name, PROMETHEUS_FILE.name)
+                 for arg in ("--file", str(site.root / "deploy" / f))]  # fmt: skip
+        run([*compose, *files, "down", "--volumes", "--remove-orphans", "--timeout", "20"],
+            env=left, check=False, limit_s=120)  # fmt: skip
+        assert not run(["docker", "ps", "--all", "--quiet", "--filter", label]).stdout.strip()
+        assert not run(["docker", "volume", "ls", "--quiet", "--filter", label]).stdout.strip()
 
 
 @pytest.mark.docker

@@ -1,14 +1,15 @@
-"""The compose file as a Docker Swarm stack, on a real single-node swarm.
+"""docs/deploy.md's Docker Swarm steps, as written, on a real single-node swarm.
 
-``docker stack deploy`` of deploy/docker-compose.yml with docker-stack.yml (and
-docker-compose.prometheus.yml), from the air-gapped images, onto this engine in swarm
-mode (``docker swarm init`` when it is not in one, ``swarm leave`` after), with the
-three region labels on its one node (docs/deploy.md, *Docker Swarm*). Through every
-region: create, claim and write under the claim; then a rolling update of one region's
-service, which stops its task and starts another on the same data; then nothing
-acknowledged is lost, the claim made before the update is still the live one (its
-token still writes, a rival is refused), every region holds the same records, and
-Prometheus scrapes all three. The stack and the labels are removed whatever happened.
+The steps (tests/docrun.py runs them) label the machines, see ``docker stack
+deploy`` refused without the settings, deploy deploy/docker-compose.yml with
+docker-stack.yml and docker-compose.prometheus.yml from the air-gapped images, roll
+one region with ``docker service update`` and remove the stack. This engine is the
+swarm (``docker swarm init`` when it is in none, ``swarm leave`` after) and its one
+node is every machine the page names. Between the steps, through every region: create,
+claim and write under the claim; after the roll, nothing acknowledged is lost, the
+claim made before it is still the live one (its token still writes, a rival is
+refused), every region holds the same records, and Prometheus scrapes all three. The
+stack, the labels and what a swarm made are removed whatever happened.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,22 +24,15 @@ from pathlib import Path
 import pytest
 
 from fencemark.client import AsyncClient, tls_credentials
-from tests.compose import (
-    COMPOSE_FILE,
-    DATA_VARIABLE,
-    PROMETHEUS_FILE,
-    REGIONS,
-    clean_env,
-    data_root,
-    published_ports,
-)
-from tests.dockerenv import BUILD_LIMIT_S, DEPLOY, IMAGE, run, wait_until
-from tests.ports import free_port
+from tests.compose import REGIONS
+from tests.dockerenv import BUILD_LIMIT_S, run, wait_until
+from tests.docrun import DEPLOY_DOCS, Hook, OperatorSite, Shell, run_steps, steps_of
 from tests.test_deploy_prometheus import NODE_TARGETS
 
-STACK_FILE = DEPLOY / "docker-stack.yml"
-
 LABELS = [f"fencemark.region.{region}" for region in REGIONS]
+SWARM_STEPS = ("settings", "directories", "label", "refused", "deploy", "roll", "remove")
+# The machines docs/deploy.md names, each region's with the port it publishes there.
+MACHINES = {"us": ("machine-us", 7400), "eu": ("machine-eu", 7401), "ap": ("machine-ap", 7402)}
 READY_LIMIT_S = 180.0
 REMOVAL_LIMIT_S = 180.0  # docker stack rm, until its containers and network are gone
 LEASE_S = 600.0  # outlives the update: the claim must still be live after it
@@ -52,25 +45,27 @@ def docker(*args: str, limit_s: float = 120.0, check: bool = True) -> str:
 
 @pytest.fixture
 def swarm_node(docker_engine: None) -> Iterator[str]:
-    """This engine's node in a swarm (made for the test when there is none), labelled
-    for every region; the swarm left and the labels removed afterwards."""
+    """This engine's node in a swarm (made for the test when there is none); afterwards
+    the swarm left and the ``docker_gwbridge`` network it made removed, or, in a swarm
+    that was here before, the region labels the test added taken off."""
     state = docker("info", "--format", "{{.Swarm.LocalNodeState}}").strip()
     made = state == "inactive"
+    bridge_before = bool(docker("network", "ls", "--quiet", "--filter", "name=^docker_gwbridge$"))
     if made:
         docker("swarm", "init", "--advertise-addr", "127.0.0.1")
     elif state != "active":
         pytest.fail(f"this engine's swarm state is {state!r}: neither in a swarm nor out of one")
     node = docker("info", "--format", "{{.Swarm.NodeID}}").strip()
-    added = [label for label in LABELS if label not in node_labels(node)]
+    labelled = set(node_labels(node))
     try:
-        for label in added:
-            docker("node", "update", "--label-add", f"{label}=true", node)
         yield node
     finally:
         if made:
             docker("swarm", "leave", "--force")
+            if not bridge_before:
+                docker("network", "rm", "docker_gwbridge", check=False)
         else:
-            for label in added:
+            for label in set(LABELS) & (set(node_labels(node)) - labelled):
                 docker("node", "update", "--label-rm", label, node)
 
 
@@ -81,19 +76,19 @@ def node_labels(node: str) -> dict[str, str]:
 
 
 class SwarmStack:
-    """One ``docker stack`` of the compose files, its settings in its environment."""
+    """One ``docker stack`` on this engine, by its name."""
 
-    def __init__(self, tmp_path: Path, settings: dict[str, str]) -> None:
-        self.name = f"fmtest{uuid.uuid4().hex[:8]}"
-        self.env = clean_env(FENCEMARK_IMAGE=IMAGE, **settings)
-
-    def deploy(self, *files: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
-        paths = [arg for file in files for arg in ("--compose-file", str(file))]
-        return run(["docker", "stack", "deploy", *paths, self.name],
-                   env=self.env, check=check, limit_s=120.0)  # fmt: skip
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def service(self, name: str) -> str:
         return f"{self.name}_{name}"
+
+    def created(self) -> bool:
+        """Whether anything of the stack exists: a service or a network."""
+        label = f"label=com.docker.stack.namespace={self.name}"
+        services = docker("service", "ls", "--quiet", "--filter", label)
+        return bool(services.strip() or docker("network", "ls", "--quiet", "--filter", label))
 
     def running_task(self, name: str) -> tuple[str, str] | None:
         """(task id, container health) of the service's one running task, if any."""
@@ -154,15 +149,6 @@ def client(port: int, root: Path) -> AsyncClient:
     return AsyncClient(f"127.0.0.1:{port}", timeout=5.0, credentials=credentials)
 
 
-async def deciding(port: int, root: Path) -> bool:
-    """Whether the node at ``port`` decides claims (its Claims service serves)."""
-    try:
-        async with client(port, root) as c:
-            return await c.health("fencemark.v1.Claims") == "SERVING"
-    except Exception:  # not published yet, not serving yet: not deciding
-        return False
-
-
 async def work_in_every_region(ports: dict[str, int], root: Path) -> dict[str, tuple[str, int]]:
     """In each region: an item homed there, claimed, written under the claim. Returns
     each region's (key, token)."""
@@ -203,64 +189,75 @@ async def digests(port: int, root: Path) -> dict[str, bytes]:
 
 @pytest.mark.docker
 @pytest.mark.timeout(3 * BUILD_LIMIT_S)
-def test_the_stack_deploys_on_a_swarm_and_rolls_a_region_without_losing_claims(
-    image: str, prometheus_image: str, swarm_node: str, tmp_path: Path
-) -> None:
-    root, user = data_root(tmp_path)
-    ports, _, port_settings = published_ports()
-    settings = {**port_settings, **user, "FENCEMARK_PROMETHEUS_IMAGE": prometheus_image,
-                "FENCEMARK_PROMETHEUS_PORT": str(free_port())}  # fmt: skip
+def test_deploy_md_swarm_steps_run_as_written(swarm_node: str, operator_site: OperatorSite) -> None:
+    site = operator_site
+    stack = SwarmStack(f"fmdoc{uuid.uuid4().hex[:8]}")
+    ports = {r: site.ports[f"FENCEMARK_{r.upper()}_PORT"] for r in REGIONS}
+    # Every machine the page names is this node; the stack's name is the test's own.
+    for region, (machine, port) in MACHINES.items():
+        site.substitute.text[f"{machine}:{port}"] = f"127.0.0.1:{ports[region]}"
+        site.substitute.text[machine] = swarm_node
+    for command in ("stack services", "stack rm", "docker-stack.yml", "prometheus.yml"):
+        site.substitute.text[f"{command} fencemark"] = f"{command} {stack.name}"
+    site.substitute.text["fencemark_us"] = stack.service("us")
+    steps = steps_of(DEPLOY_DOCS)
+    shell = Shell(site.root, site.env, site.root.parent / "transcript")
+    claimed: dict[str, tuple[str, int]] = {}
+    before_roll: list[str] = []
 
-    unset = SwarmStack(tmp_path, settings)
-    refused = unset.deploy(COMPOSE_FILE, STACK_FILE, check=False)
-    assert refused.returncode != 0 and DATA_VARIABLE in refused.stderr, refused.stderr
-    label = f"label=com.docker.stack.namespace={unset.name}"
-    assert not docker("service", "ls", "--quiet", "--filter", label).strip()
-    assert not docker("network", "ls", "--quiet", "--filter", label).strip()
+    def nothing_created() -> None:
+        assert not stack.created()
 
-    stack = SwarmStack(tmp_path, {DATA_VARIABLE: str(root), **settings})
-    try:
-        stack.deploy(COMPOSE_FILE, STACK_FILE, PROMETHEUS_FILE)
+    def work() -> None:
+        for region in REGIONS:  # each region's data is its own directory, on its machine
+            assert (site.data / region / "fencemark.sqlite3").exists(), region
         wait_until("every region's task running and healthy", READY_LIMIT_S,
                    lambda: all(stack.healthy(r) for r in REGIONS))  # fmt: skip
-        wait_until("every region deciding claims", READY_LIMIT_S,
-                   lambda: all(asyncio.run(deciding(p, root)) for p in ports.values()))  # fmt: skip
-        claimed = asyncio.run(work_in_every_region(ports, root))
-        for region in REGIONS:  # each region's data is its own directory, on its machine
-            assert (root / region / "fencemark.sqlite3").exists(), region
+        claimed.update(asyncio.run(work_in_every_region(ports, site.data)))
 
-        before = stack.running_task("us")
-        assert before is not None
-        docker("service", "update", "--detach=false", "--quiet", "--env-add",
-               "FENCEMARK_LOG_LEVEL=INFO", stack.service("us"), limit_s=READY_LIMIT_S)  # fmt: skip
+    def remember_task() -> None:
+        task = stack.running_task("us")
+        assert task is not None
+        before_roll.append(task[0])
+
+    def rolled_without_losing_claims() -> None:
         update = json.loads(docker("service", "inspect", "--format", "{{json .UpdateStatus}}",
                                    stack.service("us")))  # fmt: skip
         assert update["State"] == "completed", update
         wait_until("us healthy again", READY_LIMIT_S, lambda: stack.healthy("us"))
         after = stack.running_task("us")
-        assert after is not None and after[0] != before[0], "the update made no new task"
-        wait_until("us deciding claims again", READY_LIMIT_S,
-                   lambda: asyncio.run(deciding(ports["us"], root)))  # fmt: skip
-
-        asyncio.run(still_held(ports, root, claimed))
+        assert after is not None and after[0] not in before_roll, "the update made no new task"
+        asyncio.run(still_held(ports, site.data, claimed))
         seen: dict[str, dict[str, bytes]] = {}
 
         def converged() -> bool:
             for region, port in ports.items():
-                seen[region] = asyncio.run(digests(port, root))
+                seen[region] = asyncio.run(digests(port, site.data))
             first = seen[REGIONS[0]]
             return len(first) == len(REGIONS) and all(s == first for s in seen.values())
 
         wait_until("every region holding the same records", 60.0, converged)
-
         wait_until("Prometheus scraping every node", READY_LIMIT_S, stack.prometheus_sees_all)
+
+    before: dict[str, Hook] = {"roll": remember_task}
+    after: dict[str, Hook] = {
+        "refused": nothing_created,
+        "deploy": work,
+        "roll": rolled_without_losing_claims,
+        "remove": stack.remove,
+    }
+    try:
+        run_steps(shell, [steps[f"swarm/{s}"] for s in SWARM_STEPS], site.substitute,
+                  before, after)  # fmt: skip
     except BaseException:
         for region in REGIONS:
             logs = run(["docker", "service", "logs", "--tail", "30", stack.service(region)],
                        check=False, limit_s=30.0)  # fmt: skip
             print(f"== {region}\n{logs.stdout}{logs.stderr}")
         print(docker("stack", "ps", "--no-trunc", stack.name, check=False))
+        print(f"every command's output: {shell.transcript}")
         raise
     finally:
+        shell.close()
         stack.remove()
-        assert os.path.isdir(root / "us")  # the data outlives the stack, as it should
+        assert os.path.isdir(site.data / "us")  # the data outlives the stack, as it should
