@@ -243,7 +243,8 @@ async def main(spec: AgentsSpec) -> None:
                 hold.set()
                 if spec.holders:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(agents.all_holding.wait(), 120)
+                        async with asyncio.timeout(120):
+                            await agents.all_holding.wait()
                 say({"holding": agents.holding})
             elif line == "work":
                 agents.working.set()
