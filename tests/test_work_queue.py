@@ -1384,3 +1384,25 @@ async def test_a_waiter_is_told_of_an_item_elsewhere_when_its_lease_there_runs_o
         assert told.stored.record.key.endswith("/lapsing")
         assert not work._hinting, "no count left behind for a topic nobody waits in"
         await work.stop()
+
+
+async def test_a_look_behind_waiters_that_did_not_ask_is_not_told_of_an_item_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """A ``ClaimNext`` that does not wait takes one look behind the waiters in line;
+    it did not ask to hear of items elsewhere, so an eligible one homed in eu leaves
+    it ``empty`` (the waiter in line, which asked, is told of it)."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        waiting = asyncio.create_task(work.claim_next(
+            "claims", "backlog", "waits", wait_seconds=WAIT, caller=ANYONE, hint_elsewhere=True,
+            tags=("gpu",),  # suits no item here: it stays in line
+        ))  # fmt: skip
+        await eventually(functools.partial(_waiting_in, claims, 1), "in line")
+        await claims.replica.merge(_homed_elsewhere("abroad", "eu"))
+        looked = await work.claim_next("claims", "backlog", "looks", caller=ANYONE)
+        assert (looked.outcome.ok, looked.outcome.reason) == (False, Reason.EMPTY)
+        assert work.hints == 0 and not waiting.done()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await work.stop()
