@@ -1406,3 +1406,24 @@ async def test_a_look_behind_waiters_that_did_not_ask_is_not_told_of_an_item_els
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await work.stop()
+
+
+async def test_a_look_behind_one_waiter_takes_what_suits_the_newcomer_only(
+    tmp_path: Path,
+) -> None:
+    """Behind a single waiter (it wants ``gpu``), a ``ClaimNext`` that does not wait
+    takes its one look in line: the item there, which the waiter ahead does not want,
+    is the newcomer's."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        waiting = asyncio.create_task(work.claim_next(
+            "claims", "backlog", "gpu-only", wait_seconds=WAIT, caller=ANYONE, tags=("gpu",),
+        ))  # fmt: skip
+        await eventually(functools.partial(_waiting_in, claims, 1), "in line")
+        key = await made(claims, "plain")
+        looked = await work.claim_next("claims", "backlog", "newcomer", caller=ANYONE)
+        assert looked.outcome.ok and looked.stored is not None
+        assert looked.stored.record.key == key and not waiting.done()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await work.stop()
