@@ -146,3 +146,31 @@ async def test_a_stopped_line_looks_no_more_and_stop_ends_a_look_under_way() -> 
     for task in (*waiting, *idle_waiting):
         task.cancel()
     await asyncio.gather(*waiting, *idle_waiting, return_exceptions=True)
+
+
+async def test_a_waiter_whose_wait_ran_out_is_not_tried_by_the_look_under_way() -> None:
+    """A waiter's wait runs out while the look that will reach it is held up at the
+    head: that look passes over it — what it would find would go to nobody."""
+    line = lines()
+    tries = {"head": 0, "behind": 0}
+    release = asyncio.Event()
+
+    async def head_try() -> str | None:
+        tries["head"] += 1
+        if tries["head"] > 1:  # the second look waits here
+            await release.wait()
+        return None
+
+    async def behind_try() -> str | None:
+        tries["behind"] += 1
+        return "item"
+
+    head = standing(line, picker("x", head_try))
+    await settle()
+    behind = asyncio.create_task(line.wait(KEY, picker("y", behind_try), 0.2))
+    assert await asyncio.wait_for(behind, 5) is None  # ran out behind the held look
+    release.set()
+    await settle()
+    assert tries == {"head": 2, "behind": 0}
+    head[0].cancel()
+    await asyncio.gather(*head, return_exceptions=True)
