@@ -174,3 +174,20 @@ async def test_a_waiter_whose_wait_ran_out_is_not_tried_by_the_look_under_way() 
     assert tries == {"head": 2, "behind": 0}
     head[0].cancel()
     await asyncio.gather(*head, return_exceptions=True)
+
+
+async def test_what_a_look_handed_to_a_waiter_leaving_that_moment_is_given_back() -> None:
+    """The waiter leaves just as its look hands it something (the hand-over and the
+    cancellation in one turn of the loop): it never hears of it, and it is given back."""
+    line = lines()
+    given_back: list[str] = []
+    me: list[asyncio.Task[str | None]] = []
+
+    async def found_as_it_leaves() -> str | None:
+        me[0].cancel()  # it leaves now; the look hands it the item all the same
+        return "item"
+
+    me.extend(standing(line, picker("x", found_as_it_leaves, given_back=given_back)))
+    results = await asyncio.gather(*me, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert given_back == ["item"]
