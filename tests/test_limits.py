@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -393,3 +394,32 @@ def test_the_connection_limit_fits_the_open_file_limit(monkeypatch: pytest.Monke
     )
     assert connections.connection_limit(10_000) == 4096 - connections.KEPT_FILES
     assert limits["soft"] == 4096
+
+
+@pytest.mark.slow
+async def test_a_burst_of_one_call_per_connection_is_served_or_refused_never_cancelled(
+    start_node: StartNode,
+) -> None:
+    """1,500 agents on connections of their own write at the same moment, more than
+    gRPC's default queue of pending calls (1,000), which cancelled the oldest before the
+    node saw them: every call is served, or refused by the node's own budget
+    (``RESOURCE_EXHAUSTED``, retryable) — none ``CANCELLED``."""
+    node = await start_node()
+    agents = [AsyncClient(node.address, own_connection=True, retries=0, timeout=60)
+              for _ in range(1_500)]  # fmt: skip
+    try:
+        for agent in agents:
+            await agent.info()
+
+        async def write(index: int, agent: AsyncClient) -> str:
+            try:
+                await agent.remember("burst", "backlog", f"item-{index:04d}")
+            except FencemarkError as refused:
+                return refused.code.name
+            return "OK"
+
+        codes = Counter(await asyncio.gather(*(write(i, a) for i, a in enumerate(agents))))
+        assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+        assert codes["OK"] > 0
+    finally:
+        await asyncio.gather(*(a.close() for a in agents))

@@ -7,6 +7,13 @@ soft open-file limit as far as the hard one allows, fits ``--max-connections`` u
 it (less ``KEPT_FILES`` for its store, logs, listeners and peers), and hands the
 result to gRPC (``grpc.max_allowed_incoming_connections``): a connection beyond it
 is closed as it comes, and the client sees ``UNAVAILABLE``, which it retries.
+
+Calls that arrive faster than the node's one event loop takes them wait in gRPC's
+queue of pending requests, whose default (1,000) cancels the oldest beyond it: a
+fleet whose agents all call at once (1,500 holders claiming together) saw
+``CANCELLED`` for calls the node never got to refuse. The queue is sized to the
+connections instead — one call of each waits its turn — so the node's own bounds
+(``fencemark.node.api.budgets``) answer them, each refusal a clear, retryable one.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import resource
 
 MAX_CONNECTIONS = 10_000
 KEPT_FILES = 256  # descriptors kept for everything but incoming connections
+PENDING_PER_CONNECTION = 1  # calls gRPC queues for the loop, per connection allowed
+GRPC_PENDING = 1_000  # gRPC's own default, never lowered
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +50,15 @@ def connection_limit(wanted: int) -> int:
         wanted, fits, soft, hard,
     )  # fmt: skip
     return fits
+
+
+def connection_options(wanted: int) -> list[tuple[str, int]]:
+    """The gRPC server options that bound connections to ``wanted`` (as far as the
+    open-file limit lets) and size the queue of pending calls to them."""
+    allowed = connection_limit(wanted)
+    pending = max(GRPC_PENDING, allowed * PENDING_PER_CONNECTION)
+    return [
+        ("grpc.max_allowed_incoming_connections", allowed),
+        ("grpc.server.max_pending_requests", pending),
+        ("grpc.server.max_pending_requests_hard_limit", 3 * pending),  # gRPC's ratio
+    ]

@@ -30,7 +30,7 @@ from fencemark.node.api.claims_service import ClaimsService
 from fencemark.node.api.config import NodeConfig as NodeConfig  # re-exported: what start() takes
 from fencemark.node.api.config import default_data_dir as default_data_dir
 from fencemark.node.api.config import live_tls, transport
-from fencemark.node.api.connections import connection_limit
+from fencemark.node.api.connections import connection_options
 from fencemark.node.api.dashboard import Dashboard
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
 from fencemark.node.api.interceptor import Chain, Interceptor, Registrar
@@ -325,8 +325,9 @@ def _grpc_server(
             # accept those pings instead of answering GOAWAY "too_many_pings".
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            # One more connection is closed as it comes (fencemark.node.api.connections).
-            ("grpc.max_allowed_incoming_connections", connection_limit(config.max_connections)),
+            # One more connection is closed as it comes, and a burst of one call per
+            # connection waits for the loop (fencemark.node.api.connections).
+            *connection_options(config.max_connections),
         ],
     )
     return server, Chain(interceptors)
