@@ -65,6 +65,7 @@ PROBES = 5  # new items, one at a time, with the fleet waiting
 PROBE_WAIT_S = 3.0  # how long a probe's wake-ups are counted
 LIMIT = 20_000  # the node's waiter, stream and connection limits, above any N here
 AGENTS_PER_PROCESS = 2_500
+WORK_WINDOW_S = 20.0  # the working agents' window: about 100 items at WORK_RATE
 READY_S = 900.0  # a load generator's agents connected within this
 
 
@@ -193,6 +194,10 @@ def plan(
     return specs
 
 
+def work_window(settings: Settings) -> float:
+    return settings.duration * 2 if settings.quick else WORK_WINDOW_S
+
+
 def node_usage(pid: int) -> tuple[float, float, int]:
     """(CPU seconds, RSS MiB, open file descriptors) of the node process."""
     import psutil
@@ -279,7 +284,7 @@ async def alone_p99(node: Node, n: int, settings: Settings, work: Path,
     specs = plan(alone, target=node.address, only_workers=True, quick=settings.quick)
     async with Generators.running(specs, work, progress, f"{alone} working agents") as fleet:
         await fleet.ask("work")
-        await asyncio.sleep(settings.duration * 2)
+        await asyncio.sleep(work_window(settings))
         await fleet.ask("rest")
         await fleet.ask("report")
     return percentile([c * 1000 for c in fleet.seen.work_claims], 99)
@@ -313,7 +318,7 @@ async def measure_one_node(
         progress.status(f"{n:,} agents: the working ones work")
         fleet.seen.work_claims.clear()
         await fleet.ask("work")
-        await asyncio.sleep(settings.duration * 2)
+        await asyncio.sleep(work_window(settings))
         await fleet.ask("rest")
         await fleet.ask("report")
         seen = fleet.seen

@@ -184,6 +184,8 @@ class Agents:
 
     async def worker(self, client: AsyncClient, owner: str) -> None:
         spec = self.spec
+        await self.working.wait()
+        await asyncio.sleep(random.uniform(0, spec.pace_s))  # a steady pace, not a burst
         while True:
             await self.working.wait()
             began = time.perf_counter()
