@@ -413,9 +413,15 @@ async def run_fleet(
     data = {"base": {"cpu_pct": base_cpu, "rss_mib": base_rss, "fds": base_fds},
             "fleets": rows, "regions": across}  # fmt: skip
     notes = [
-        f"Each agent has a connection of its own; up to {AGENTS_PER_PROCESS:,} agents per"
-        f" load-generator process. A waiter asks again every {WAIT_S:.0f} s, the node's"
-        " longest wait: N/300 ClaimNext calls a second, not in the quiet windows.",
+        f"Each agent on a connection of its own, up to {AGENTS_PER_PROCESS:,} per"
+        " load-generator process. Waiting: ClaimNext for the node's longest wait"
+        f" ({WAIT_S:.0f} s; N/{WAIT_S:.0f} calls a second, not in the quiet windows), one"
+        f" in {MCP_SHARE} through an MCP session's repocontext_wait_for_work; holding: a"
+        f" {LEASE_S:.0f} s lease renewed every third; working: {WORK_RATE:g} items/s in"
+        f" all, for {WORK_WINDOW_S:.0f} s, against the same agents alone. CPU waiting: over"
+        f" {QUIET_S:.0f} s before the holders claim; + renewals: over a third of a lease."
+        f" With no agent: {fmt(base_cpu, 1)} % of a core, {fmt(base_rss)} MiB,"
+        f" {base_fds} fds.",
     ]
     return ScenarioResult("fleet", "A fleet of agents on one node, most of them idle", data,
                           _tables(data), _targets(rows, across), _plots(out, data),
@@ -463,9 +469,6 @@ def _tables(data: dict[str, Any]) -> list[Table]:
         ["agents", "CPU, waiting", "CPU, + renewals", "RSS", "fds", "woken / calls per new"
          " item", "creation → grant", "renewal p99", "lapsed", "working ClaimNext p99"],
     )  # fmt: skip
-    base = data["base"]
-    one.rows.append(["0", f"{fmt(base['cpu_pct'], 1)} %", "-", f"{fmt(base['rss_mib'])} MiB",
-                     str(base["fds"]), "-", "-", "-", "-", "-"])  # fmt: skip
     for row in data["fleets"]:
         one.rows.append([
             f"{row['agents']:,}", f"{fmt(row['cpu_pct_waiting'], 1)} %",
