@@ -214,7 +214,9 @@ class Shell:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=cwd,
-            env=dict(env),
+            # A terminal 200 columns wide, whatever runs the test: docker-compose fits
+            # its tables to the terminal, and a page's samples come from a wide one.
+            env={**env, "COLUMNS": "200"},
             start_new_session=True,  # its process group is ours to end
         )
         self.lines: queue.Queue[str] = queue.Queue()
