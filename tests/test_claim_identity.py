@@ -93,6 +93,11 @@ async def state_of(node: NodeServer, key: str) -> tuple[Record, bytes]:
     return stored.record, stored.digest
 
 
+async def sighted_by(node: NodeServer, key: str, regions: set[str]) -> bool:
+    stored = await node.storage.get(key)
+    return stored is not None and regions <= set(stored.record.seen)
+
+
 async def holds_fence(node: NodeServer, key: str, token: int) -> bool:
     stored = await node.storage.get(key)
     return stored is not None and stored.record.fence.fence == token
@@ -277,6 +282,9 @@ async def test_a_grant_merged_at_another_region_keeps_its_identity(
         grant = record.fence.grants[token]
         assert (grant.identity, grant.owner) == ("client/alice", OWNER)
         assert grant.signature  # the home's, over the identity too (codec.grant_message)
+    # Their sightings of the claimed record come back to us: the state the forgery
+    # must leave unchanged includes them.
+    await eventually(functools.partial(sighted_by, us, key, {"eu", "ap"}), "sightings at us")
 
     held, digest = await state_of(us, key)
     rebound = held.fence.grants[token]._replace(identity="client/bob")

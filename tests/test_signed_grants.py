@@ -74,6 +74,11 @@ async def holds_fence(node: NodeServer, key: str, token: int) -> bool:
     return stored is not None and stored.record.fence.fence == token
 
 
+async def sighted(node: NodeServer, key: str, region: str) -> bool:
+    stored = await node.storage.get(key)
+    return stored is not None and region in stored.record.seen
+
+
 async def start_us_and_eu(cluster: Cluster, certs: Path) -> tuple[NodeServer, NodeServer]:
     """us and eu of the three regions, deciding; ap as a node yet to join. A new
     cluster decides once every node has caught up with every peer it has
@@ -168,6 +173,9 @@ async def test_a_peer_cannot_raise_a_fence_with_a_grant_its_home_did_not_sign(
         await eventually(lambda: holds_fence(eu, key, token), "eu holding the signed grant")
         us_signer = Signer.from_files(files(certs, "us"))
         assert us_signer.key_id in eu.replica.keyring  # type: ignore[operator]
+        # eu's sighting of the claimed record comes back to us: the state the
+        # forgeries must leave unchanged includes it.
+        await eventually(lambda: sighted(us, key, "eu"), "us holding eu's sighting")
 
         held = await state_of(us, key)
         real = held.fence.grants[token]
