@@ -110,7 +110,7 @@ async def in_sync_round_bytes(
                 return False
             return True
 
-        await _until("us reaches eu", connected, 30, 0.2)
+        await until("us reaches eu", connected, 30, 0.2)
         wire, messages, in_sync = [], [], []
         for _ in range(rounds):
             before_wire = _wire_bytes(to_eu)
@@ -196,7 +196,7 @@ async def _same_roots(stubs: Sequence[replication_pb2_grpc.ReplicationAsyncStub]
     return len(set(roots)) == 1
 
 
-async def _until(what: str, check: Any, limit_s: float, poll: float = 0.05) -> float:
+async def until(what: str, check: Any, limit_s: float, poll: float = 0.05) -> float:
     """Seconds until ``await check()`` is true, polling every ``poll`` s (at most ``limit_s``)."""
     began = time.monotonic()
     while not await check():
@@ -231,11 +231,11 @@ async def repair_after_partition(
             async def all_deciding() -> bool:
                 return all([(await c.info()).claims_serving for c in clients.values()])
 
-            await _until("every node deciding", all_deciding, 60, 0.1)
+            await until("every node deciding", all_deciding, 60, 0.1)
             mesh.isolate("ap")
             progress.status(f"K={k:,}: ap cut off, writing {k:,} updates at us")
             await _write_divergence(cluster.addresses["us"], keys, f"k{k}")
-            await _until("us and eu in sync", lambda: _same_roots([stubs["us"], stubs["eu"]]), 120)
+            await until("us and eu in sync", lambda: _same_roots([stubs["us"], stubs["eu"]]), 120)
             canonical = await _fetch_sizes(stubs["us"], keys)
             links = _mesh_links(mesh)
             before = {name: _wire_bytes(link) for name, link in links.items()}
@@ -252,7 +252,7 @@ async def repair_after_partition(
                 timeline.append((time.monotonic() - healed, differing))
                 return differing == 0 and await _same_roots(list(stubs.values()))
 
-            seconds = await _until("byte-identical replicas", identical, CONVERGE_TIMEOUT_S, 0.1)
+            seconds = await until("byte-identical replicas", identical, CONVERGE_TIMEOUT_S, 0.1)
             moved = {name: _wire_bytes(link) - before[name] for name, link in links.items()}
         return Repair(k, canonical, sum(moved.values()), seconds, timeline, moved)
     finally:

@@ -39,14 +39,14 @@ import math
 import sys
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from fencemark.bench import plots
-from fencemark.bench.fleet_agents import AgentsSpec
+from fencemark.bench.anti_entropy import until
+from fencemark.bench.fleet_agents import AgentsSpec, Seen
 from fencemark.bench.progress import Progress
 from fencemark.bench.records import REPO
 from fencemark.bench.results import ScenarioResult, Settings, Table, Target, at_most, fmt
@@ -67,28 +67,6 @@ LIMIT = 20_000  # the node's waiter, stream and connection limits, above any N h
 AGENTS_PER_PROCESS = 2_500
 WORK_WINDOW_S = 20.0  # the working agents' window: about 100 items at WORK_RATE
 READY_S = 900.0  # a load generator's agents connected within this
-
-
-@dataclass
-class Seen:
-    """What every load generator's agents saw, merged."""
-
-    woken: list[float] = field(default_factory=list)
-    timeouts: int = 0
-    granted: list[tuple[float, str]] = field(default_factory=list)
-    renewals: list[float] = field(default_factory=list)
-    lapsed: list[str] = field(default_factory=list)
-    work_claims: list[float] = field(default_factory=list)
-    errors: Counter[str] = field(default_factory=Counter)
-
-    def add(self, report: dict[str, Any]) -> None:
-        self.woken += report["woken"]
-        self.timeouts += report["timeouts"]
-        self.granted += [(t, k) for t, k in report["granted"]]
-        self.renewals += report["renewals"]
-        self.lapsed += report["lapsed"]
-        self.work_claims += report["work_claims"]
-        self.errors.update(report["errors"])
 
 
 class Generators:
@@ -230,13 +208,14 @@ class Node:
         return self.process.proc.pid
 
     @classmethod
-    async def start(cls, data: Path, *, region: str = "local", peers: str = "",
+    async def start(cls, data: Path, *, region: str = "local", peers: Sequence[str] = (),
                     listen: str = "127.0.0.1:0") -> Node:  # fmt: skip
+        """A node process; ``peers``: ``REGION=HOST:PORT`` each."""
         port = free_port()
         limits = ("--max-waiters", str(LIMIT), "--max-waiters-per-client", str(LIMIT),
                   "--max-streams-per-client", str(LIMIT), "--max-connections", str(LIMIT),
                   "--metrics-listen", f"127.0.0.1:{port}")  # fmt: skip
-        extra = (*limits, *(f"--peer={peer}" for peer in peers.split(",") if peer))
+        extra = (*limits, *(f"--peer={peer}" for peer in peers))
         return cls(await NodeProcess.start(data, region=region, listen=listen,
                                            extra_args=extra), port)  # fmt: skip
 
@@ -255,15 +234,16 @@ class Node:
 
 
 async def probe(
-    home: Node, nodes: Sequence[Node], fleet: Generators, index: int
+    home: Node, nodes: Sequence[Node], fleet: Generators, index: int, *, region: str = ""
 ) -> dict[str, float]:
-    """One new item in the waiters' topic, made at ``home``: waiters woken for it,
-    ClaimNext calls each node served meanwhile, creation → grant (s)."""
+    """One new item in the waiters' topic, made at ``home`` (homed in ``region`` when
+    given): waiters woken for it, ClaimNext calls each node served meanwhile, creation
+    → grant (s)."""
     await fleet.ask("report")  # what came before is not this item's
     woken_before = len(fleet.seen.woken)
     calls_before = [await n.calls() for n in nodes]
     async with AsyncClient(home.address) as pm:
-        tags = [] if home is nodes[0] else ["homeRegion:" + (await pm.info()).region]
+        tags = [f"homeRegion:{region}"] if region else []
         began = time.monotonic()
         made = await pm.remember(REPO, IDLE, f"probe-{index:06d}", tags=tags)
     await asyncio.sleep(max(0.0, began + PROBE_WAIT_S - time.monotonic()))
@@ -359,7 +339,7 @@ async def measure_regions(
         for index in range(PROBES if not settings.quick else 2):
             progress.status(f"{label}: a new item in eu ({index + 1})")
             probes.append(await probe(nodes["eu"], [nodes["us"], nodes["eu"]], fleet,
-                                      n * 100 + 50 + index))  # fmt: skip
+                                      n * 100 + 50 + index, region="eu"))  # fmt: skip
         seen = fleet.seen
     return {
         "agents": n,
@@ -437,17 +417,19 @@ async def run_regions(
     rows = []
     try:
         for region in names:
-            peers = ",".join(f"{p}=127.0.0.1:{ports[p]}" for p in names if p != region)
+            peers = [f"{p}=127.0.0.1:{ports[p]}" for p in names if p != region]
             listen = f"127.0.0.1:{ports[region]}"
             nodes[region] = await Node.start(work / f"regions-{region}", region=region,
                                              peers=peers, listen=listen)  # fmt: skip
         progress.status("three regions: every one deciding claims")
-        for node in nodes.values():
-            async with AsyncClient(node.address) as client:
-                for _ in range(600):
-                    if (await client.info()).claims_serving:
-                        break
-                    await asyncio.sleep(0.1)
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(AsyncClient(node.address))
+                       for node in nodes.values()]  # fmt: skip
+
+            async def all_deciding() -> bool:
+                return all([(await c.info()).claims_serving for c in clients])
+
+            await until("every region deciding claims", all_deciding, 60, 0.1)
         for n in sizes:
             row = await measure_regions(nodes, n, settings, work / f"regions-{n}", progress)
             rows.append(row)

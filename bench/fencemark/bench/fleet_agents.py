@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import sys
@@ -55,7 +56,8 @@ class AgentsSpec:
 
 @dataclass
 class Seen:
-    """What the agents saw since the last report."""
+    """What the agents saw: a process's since its last report, or every process's
+    reports merged (in ``fencemark.bench.fleet``)."""
 
     woken: list[float] = field(default_factory=list)  # a waiter answered before its wait ran out
     timeouts: int = 0  # waits that ran out
@@ -64,6 +66,16 @@ class Seen:
     lapsed: list[str] = field(default_factory=list)  # renewals refused: lease ran out
     work_claims: list[float] = field(default_factory=list)  # seconds each
     errors: Counter[str] = field(default_factory=Counter)
+
+    def add(self, report: dict[str, Any]) -> None:
+        """Another report of :meth:`take` (of another process), merged into this one."""
+        self.woken += report["woken"]
+        self.timeouts += report["timeouts"]
+        self.granted += [(t, k) for t, k in report["granted"]]
+        self.renewals += report["renewals"]
+        self.lapsed += report["lapsed"]
+        self.work_claims += report["work_claims"]
+        self.errors.update(report["errors"])
 
     def take(self) -> dict[str, Any]:
         taken = asdict(self)
@@ -98,6 +110,7 @@ class Agents:
         self.spec = spec
         self.seen = Seen()
         self.working = asyncio.Event()
+        self.hold = asyncio.Event()  # the holders claim once it is set
         self.holding = 0
         self.all_holding = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
@@ -116,8 +129,7 @@ class Agents:
                 await loop()
                 return
             except FencemarkError as error:
-                code = getattr(error.code, "name", str(error.code))
-                self.seen.errors[f"{kind}: {code}: {str(error)[:60]}"] += 1
+                self.seen.errors[f"{kind}: {error.code.name}: {str(error)[:60]}"] += 1
                 await asyncio.sleep(1.0)
 
     def _wait(self, first: bool) -> float:
@@ -132,8 +144,8 @@ class Agents:
         else:
             self.seen.timeouts += 1
 
-    async def waiter(self, client: AsyncClient, owner: str) -> None:
-        spec, first = self.spec, True
+    async def waiter(self, client: AsyncClient, index: int) -> None:
+        spec, first, owner = self.spec, True, f"waiter-{index}"
         while True:
             wait, first, began = self._wait(first), False, time.monotonic()
             result = await client.claim_next(spec.repo, spec.idle_topic, owner,
@@ -143,12 +155,12 @@ class Agents:
                 self.seen.granted.append((time.monotonic(), result.record.key))
                 await client.release_claim(result.record.key, result.fencing_token, outcome="done")
 
-    async def mcp_waiter(self, client: AsyncClient, owner: str) -> None:
+    async def mcp_waiter(self, client: AsyncClient, index: int) -> None:
         from mcp import Client
 
         from fencemark.mcp import create_server
 
-        spec, first = self.spec, True
+        spec, first, owner = self.spec, True, f"mcp-{index}"
         server = create_server(client, writes_enabled=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the in-memory transport's legacy mode
@@ -170,9 +182,9 @@ class Agents:
                         token = int(out["fencingToken"])
                         await client.release_claim(key, token, outcome="done")
 
-    async def holder(self, client: AsyncClient, index: int, start: asyncio.Event) -> None:
+    async def holder(self, client: AsyncClient, index: int) -> None:
         spec = self.spec
-        await start.wait()
+        await self.hold.wait()
         made = await client.remember(spec.repo, spec.held_topic, f"held-{index:06d}")
         claim = await client.claim(made.record.key, f"holder-{index}", lease_seconds=spec.lease_s)
         async with holding(Timed(client, self.seen), made.record.key, claim.fencing_token,
@@ -182,8 +194,8 @@ class Agents:
                 self.all_holding.set()
             await asyncio.Event().wait()  # holds until cancelled
 
-    async def worker(self, client: AsyncClient, owner: str) -> None:
-        spec = self.spec
+    async def worker(self, client: AsyncClient, index: int) -> None:
+        spec, owner = self.spec, f"worker-{index}"
         await self.working.wait()
         await asyncio.sleep(random.uniform(0, spec.pace_s))  # a steady pace, not a burst
         while True:
@@ -197,23 +209,20 @@ class Agents:
                 await client.release_claim(key, token, outcome="done", fields={"result": "ok"})
             await asyncio.sleep(spec.pace_s)
 
-    async def connect(self, hold: asyncio.Event) -> None:
+    async def connect(self) -> None:
         spec = self.spec
         index = spec.first
-        plan = [("waiter", spec.waiters), ("mcp", spec.mcp_waiters),
-                ("holder", spec.holders), ("worker", spec.workers)]  # fmt: skip
-        for kind, count in plan:
+        plan = [
+            ("waiter", spec.waiters, self.waiter),
+            ("mcp", spec.mcp_waiters, self.mcp_waiter),
+            ("holder", spec.holders, self.holder),
+            ("worker", spec.workers, self.worker),
+        ]
+        for kind, count, agent in plan:
             for _ in range(count):
                 client = self.client()
-                if kind == "waiter":
-                    loop = lambda c=client, i=index: self.waiter(c, f"waiter-{i}")  # noqa: E731
-                elif kind == "mcp":
-                    loop = lambda c=client, i=index: self.mcp_waiter(c, f"mcp-{i}")  # noqa: E731
-                elif kind == "holder":
-                    loop = lambda c=client, i=index: self.holder(c, i, hold)  # noqa: E731
-                else:
-                    loop = lambda c=client, i=index: self.worker(c, f"worker-{i}")  # noqa: E731
                 await client.info()  # its connection is open before the next one
+                loop = functools.partial(agent, client, index)
                 self.tasks.append(asyncio.create_task(self._guarded(kind, loop)))
                 index += 1
                 if len(self.clients) % 500 == 0:
@@ -233,16 +242,15 @@ def say(message: dict[str, Any]) -> None:
 
 async def main(spec: AgentsSpec) -> None:
     agents = Agents(spec)
-    hold = asyncio.Event()
     loop = asyncio.get_running_loop()
     commands = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(commands), sys.stdin)
     try:
-        await agents.connect(hold)
+        await agents.connect()
         say({"ready": len(agents.clients)})
         while line := (await commands.readline()).decode().strip():
             if line == "hold":
-                hold.set()
+                agents.hold.set()
                 if spec.holders:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(120):
