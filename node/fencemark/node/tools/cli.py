@@ -31,10 +31,10 @@ from fencemark.node.rules.errors import InvalidInput
 from fencemark.node.tools.cli_certs import add_certs_command, add_restore_command
 from fencemark.node.tools.cli_node import DEFAULT_TARGET, add_node_command, load_config
 from fencemark.node.tools.cli_rpc import (
-    EXIT_USAGE,
     add_rpc_commands,
     client_credentials,
     failure_line,
+    usage_error,
 )
 from fencemark.node.tools.proxy_command import add_proxy_command
 
@@ -202,12 +202,9 @@ def _regions(spec: str) -> list[str]:
         for region in regions:
             validation.region(region, "--regions")
     except InvalidInput as exc:
-        print(f"fencemark: {exc}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from exc
+        usage_error(f"fencemark: {exc}")
     if len(set(regions)) != len(regions) or len(regions) < 2:
-        print("fencemark: --regions takes two or more distinct names, e.g. us,eu,ap",
-              file=sys.stderr)  # fmt: skip
-        raise SystemExit(EXIT_USAGE)
+        usage_error("fencemark: --regions takes two or more distinct names, e.g. us,eu,ap")
     return regions
 
 

@@ -22,6 +22,7 @@ from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
 from fencemark.node.rules.queue import MAX_ATTEMPTS_LIMIT
 from fencemark.node.security.tls import TlsFiles
+from fencemark.node.tools.cli_rpc import usage_error
 
 DEFAULT_TARGET = "127.0.0.1:7400"
 # The cyclic garbage collector's thresholds in a node process: young collections as
@@ -146,8 +147,7 @@ def load_config(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        print(f"fencemark: cannot read config {path}: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+        usage_error(f"fencemark: cannot read config {path}: {exc}")
 
 
 def _setting(config: Mapping[str, Any], name: str, default: Any) -> Any:

@@ -18,7 +18,7 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
@@ -34,6 +34,13 @@ EXIT_UNREACHABLE = 4  # the node could not be reached in time (UNAVAILABLE, DEAD
 # The fields by which a result says no as a value (granted: false, reason empty...).
 _ANSWERS = ("granted", "renewed", "released", "reopened")
 TLS_ADVICE = "pass --tls-dir/--tls-name or set FENCEMARK_TLS_DIR/FENCEMARK_TLS_NAME"
+
+
+def usage_error(message: str) -> NoReturn:
+    """Bad usage the parser could not see (a flag's value, a file it names): said on
+    stderr, exit 2 like argparse's own."""
+    print(message, file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
 
 
 def _json_default(value: object) -> object:
@@ -62,17 +69,14 @@ def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | No
     if not args.tls_dir:
         return None
     if not args.tls_name:
-        print(
+        usage_error(
             "fencemark: --tls-dir needs --tls-name NAME (env FENCEMARK_TLS_NAME): the"
-            " certificate NAME.pem and key NAME-key.pem in the directory",
-            file=sys.stderr,
+            " certificate NAME.pem and key NAME-key.pem in the directory"
         )
-        raise SystemExit(EXIT_USAGE)
     try:
         return tls_credentials(args.tls_dir, args.tls_name)
     except OSError as exc:
-        print(f"fencemark: {exc}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from exc
+        usage_error(f"fencemark: {exc}")
 
 
 def answered_no(result: object) -> bool:
@@ -174,8 +178,7 @@ def _fields(pairs: Sequence[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep:
-            print(f"fencemark: --field takes NAME=VALUE, got {pair!r}", file=sys.stderr)
-            raise SystemExit(EXIT_USAGE)
+            usage_error(f"fencemark: --field takes NAME=VALUE, got {pair!r}")
         out[name] = value
     return out
 
