@@ -14,6 +14,11 @@ fleet whose agents all call at once (1,500 holders claiming together) saw
 ``CANCELLED`` for calls the node never got to refuse. The queue is sized to the
 connections instead — one call of each waits its turn — so the node's own bounds
 (``fencemark.node.api.budgets``) answer them, each refusal a clear, retryable one.
+
+Peers' connections count against the same bound (gRPC has one quota per server): a
+node whose clients hold every connection keeps its peers from dialling in. Its own
+connections to them carry on — it pushes its writes and pulls theirs — but their
+rounds with it wait for a connection to close (docs/security.md).
 """
 
 from __future__ import annotations
@@ -23,8 +28,7 @@ import resource
 
 MAX_CONNECTIONS = 10_000
 KEPT_FILES = 256  # descriptors kept for everything but incoming connections
-PENDING_PER_CONNECTION = 1  # calls gRPC queues for the loop, per connection allowed
-GRPC_PENDING = 1_000  # gRPC's own default, never lowered
+GRPC_PENDING = 1_000  # gRPC's own queue of pending calls, never lowered
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ def connection_options(wanted: int) -> list[tuple[str, int]]:
     """The gRPC server options that bound connections to ``wanted`` (as far as the
     open-file limit lets) and size the queue of pending calls to them."""
     allowed = connection_limit(wanted)
-    pending = max(GRPC_PENDING, allowed * PENDING_PER_CONNECTION)
+    pending = max(GRPC_PENDING, allowed)  # one call of each connection waits its turn
     return [
         ("grpc.max_allowed_incoming_connections", allowed),
         ("grpc.server.max_pending_requests", pending),
