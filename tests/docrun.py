@@ -44,9 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.ports import free_port
-from tests.test_docs import ROOT, Block, parse_blocks
+from tests.test_docs import ROOT, SHELL, Block, parse_blocks
 
-SHELL_LANGS = frozenset({"console", "sh", "shell", "bash"})
 EXECUTED = re.compile(r"<!--\s*executed:(?P<steps>[^>]*?)-->")
 EXITS = re.compile(r"#\s*exits (?P<code>\d+)")
 COMMAND_LIMIT_S = 240.0
@@ -72,9 +71,9 @@ class Step:
         return f"{self.scenario}/{self.name}"
 
 
-def executed_marker(path: Path, block: Block) -> list[str]:
-    """The ``scenario/step`` names of the executed marker right before ``block``."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+def executed_marker(lines: list[str], block: Block) -> list[str]:
+    """The ``scenario/step`` names of the executed marker right before ``block``
+    (``lines``: its document's)."""
     k = block.line - 3  # the line before the fence (block.line is the first code line)
     while k >= 0 and not lines[k].strip():
         k -= 1
@@ -135,11 +134,12 @@ def steps_of(paths: Iterable[Path]) -> dict[str, Step]:
     """Every executed step of ``paths``, by ``scenario/step``."""
     steps: dict[str, Step] = {}
     for path in paths:
+        lines = path.read_text(encoding="utf-8").splitlines()
         for block in parse_blocks(path):
-            for name in executed_marker(path, block):
+            for name in executed_marker(lines, block):
                 scenario, _, step = name.partition("/")
                 assert step, f"{where(block)}: name the step as SCENARIO/STEP, not {name!r}"
-                assert block.lang in SHELL_LANGS, f"{where(block)}: {name} is no shell block"
+                assert block.lang in SHELL, f"{where(block)}: {name} is no shell block"
                 assert name not in steps, f"{where(block)}: {name} is marked twice"
                 steps[name] = Step(scenario, step, block, tuple(commands_of(block)))
     return steps
@@ -147,12 +147,11 @@ def steps_of(paths: Iterable[Path]) -> dict[str, Step]:
 
 def unmarked_shell_blocks(path: Path) -> list[str]:
     """The shell blocks of ``path`` neither executed nor marked not-executed."""
+    lines = path.read_text(encoding="utf-8").splitlines()
     return [
         where(block)
         for block in parse_blocks(path)
-        if block.lang in SHELL_LANGS
-        and block.not_executed is None
-        and not executed_marker(path, block)
+        if block.lang in SHELL and block.not_executed is None and not executed_marker(lines, block)
     ]
 
 
