@@ -79,12 +79,19 @@ async def serving(node: NodeServer, certs: Path) -> None:
 
 
 async def alice_holds(cluster: Cluster, certs: Path, name: str) -> tuple[str, int]:
-    """A record homed at us, claimed there by alice as ``worker-alice``: (key, token)."""
-    async with client(cluster["us"], certs, "alice") as alice:
+    """A record homed at us, claimed there by alice as ``worker-alice``: (key, token).
+
+    Returned once eu's and ap's sightings of the claimed record are back at us
+    (``Record.seen``): the state a refused call must leave unchanged includes them,
+    and one arriving between a test's two looks would be a change no call made."""
+    us = cluster["us"]
+    async with client(us, certs, "alice") as alice:
         made = await alice.remember("lattice", "backlog", name, tags=["homeRegion:us"])
         granted = await alice.claim(made.record.key, OWNER, lease_seconds=60)
     assert granted.granted, granted
-    return made.record.key, granted.fencing_token
+    key = made.record.key
+    await eventually(functools.partial(sighted_by, us, key, {"eu", "ap"}), "sightings at us")
+    return key, granted.fencing_token
 
 
 async def state_of(node: NodeServer, key: str) -> tuple[Record, bytes]:
@@ -282,9 +289,6 @@ async def test_a_grant_merged_at_another_region_keeps_its_identity(
         grant = record.fence.grants[token]
         assert (grant.identity, grant.owner) == ("client/alice", OWNER)
         assert grant.signature  # the home's, over the identity too (codec.grant_message)
-    # Their sightings of the claimed record come back to us: the state the forgery
-    # must leave unchanged includes them.
-    await eventually(functools.partial(sighted_by, us, key, {"eu", "ap"}), "sightings at us")
 
     held, digest = await state_of(us, key)
     rebound = held.fence.grants[token]._replace(identity="client/bob")
