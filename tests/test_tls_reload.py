@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient, PermissionDenied, Unavailable, tls_credentials
 from fencemark.node.api.server import NodeServer
@@ -26,6 +27,7 @@ from fencemark.node.tools.process import NodeProcess
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.conftest import StartNode
 from tests.metrics import refusals
+from tests.ports import free_ports
 from tests.test_tls import a_state, error_info, push
 
 FAST = 0.1  # --tls-reload-interval in these tests
@@ -64,6 +66,22 @@ async def connects(address: str, certs: Path, name: str) -> bool:
     return True
 
 
+async def handshakes(address: str, certs: Path, name: str) -> bool:
+    """Whether a new connection with ``name``'s certificate gets a health answer (the
+    one call the peer listener answers a client too)."""
+    credentials = tls_credentials(certs, name)
+    async with grpc.aio.secure_channel(address, credentials) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        except grpc.aio.AioRpcError as refused:
+            if refused.code() == grpc.StatusCode.UNAVAILABLE:
+                return False
+            raise
+    return True
+
+
 def metric(node: NodeServer, name: str) -> float:
     (value,) = [
         s.value for m in node.metrics.registry.collect() for s in m.samples if s.name == name
@@ -80,9 +98,14 @@ async def test_a_renewed_certificate_and_ca_are_used_without_a_restart(tmp_path:
     init_dir(old, regions=["us", "eu"], clients=["alice"])
     init_dir(new, regions=["us", "eu"], clients=["alice"])
     dirs = installed(old, tmp_path, ["us", "eu"])
+    (peer_port,) = free_ports(1)  # us has a peer listener: both its ports renew
     async with Cluster(tmp_path / "cluster", ["us", "eu"], tls_reload_interval=FAST) as cluster:
-        us = await cluster.start("us", tls=TlsFiles.in_dir(dirs["us"], "us"))
-        eu = await cluster.start("eu", tls=TlsFiles.in_dir(dirs["eu"], "eu"))
+        us = await cluster.start(
+            "us", tls=TlsFiles.in_dir(dirs["us"], "us"), peer_listen=f"127.0.0.1:{peer_port}"
+        )
+        eu = await cluster.start(
+            "eu", tls=TlsFiles.in_dir(dirs["eu"], "eu"), peers={"us": us.peer_address}
+        )
         async with client(us.address, old, "alice") as alice:
             await alice.remember("lattice", "backlog", "renew-1", title="before")
         await wait_converged([us, eu])
@@ -98,12 +121,16 @@ async def test_a_renewed_certificate_and_ca_are_used_without_a_restart(tmp_path:
         await eventually(new_ca_gets_in, "us serving its renewed certificate")
         assert us.tls is not None and us.tls.reloads >= 1
         assert not await connects(us.address, old, "alice")  # the old CA is out
+        assert await handshakes(us.peer_address, new, "alice")  # on the peer listener too
+        assert not await handshakes(us.peer_address, old, "alice")
 
         # eu moves to the new CA too, with a restart (its old connections end). us's
         # calls to eu now get through only if us presents its *new* certificate.
         await cluster.stop("eu")
         install(new, dirs["eu"], "eu")
-        eu = await cluster.start("eu", tls=TlsFiles.in_dir(dirs["eu"], "eu"))
+        eu = await cluster.start(
+            "eu", tls=TlsFiles.in_dir(dirs["eu"], "eu"), peers={"us": us.peer_address}
+        )
 
         async def us_reaches_eu() -> bool:
             # us's channel may have tried the old eu with its new certificate and be

@@ -11,7 +11,7 @@ from pathlib import Path
 # grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
 from fencemark.node.api.authz import AccessMap
 from fencemark.node.api.budgets import Limits
-from fencemark.node.api.connections import MAX_CONNECTIONS
+from fencemark.node.api.connections import MAX_CONNECTIONS, MAX_PEER_CONNECTIONS
 from fencemark.node.core.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replication.intake import MAX_LIST_RECORDS
@@ -44,6 +44,9 @@ class NodeConfig:
     cache_size: int = 10_000
     grace_seconds: float = 5.0
     peers: Mapping[str, str] = field(default_factory=dict)  # region -> HOST:PORT
+    # HOST:PORT where peers dial in: replication and health only, with a connection
+    # bound of its own (fencemark.node.api.connections); "" serves peers on `listen`.
+    peer_listen: str = ""
     anti_entropy_interval: float = 1.0
     # A restarted node compares its states with every peer before it decides claims,
     # for at most this many seconds (fencemark.node.core.grant_gate: a data file that
@@ -64,6 +67,7 @@ class NodeConfig:
     # Client and peer connections open at once; one more is closed as it comes
     # (the client sees UNAVAILABLE and retries), never left to stall.
     max_connections: int = MAX_CONNECTIONS
+    max_peer_connections: int = MAX_PEER_CONNECTIONS  # on peer_listen, if it is set
     # Attempts after which a failed or lapsed claim parks an item (SPEC §8), for
     # items without a maxAttempts:N tag.
     max_attempts: int = DEFAULT_MAX_ATTEMPTS

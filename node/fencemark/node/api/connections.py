@@ -15,10 +15,13 @@ fleet whose agents all call at once (1,500 holders claiming together) saw
 connections instead — one call of each waits its turn — so the node's own bounds
 (``fencemark.node.api.budgets``) answer them, each refusal a clear, retryable one.
 
-Peers' connections count against the same bound (gRPC has one quota per server): a
-node whose clients hold every connection keeps its peers from dialling in. Its own
-connections to them carry on — it pushes its writes and pulls theirs — but their
-rounds with it wait for a connection to close (docs/security.md).
+Peers dial in on the peer listener when the node has one (``--peer-listen``): a
+second gRPC server, serving replication and health only, with a bound of its own
+(``--max-peer-connections``), so clients holding every client connection cannot
+keep a peer out (docs/operations.md, *A listener for peers*). Without one, peers
+count against the same bound as clients (gRPC has one quota per server): clients
+holding every connection keep a peer from dialling in, and the peer's rounds with
+this node wait for a connection to close (docs/security.md).
 """
 
 from __future__ import annotations
@@ -27,19 +30,22 @@ import logging
 import resource
 
 MAX_CONNECTIONS = 10_000
+MAX_PEER_CONNECTIONS = 256  # on the peer listener: a few per peer, and room to spare
 KEPT_FILES = 256  # descriptors kept for everything but incoming connections
 GRPC_PENDING = 1_000  # gRPC's own queue of pending calls, never lowered
 
 log = logging.getLogger(__name__)
 
 
-def connection_limit(wanted: int) -> int:
+def connection_limit(wanted: int, reserved: int = 0) -> int:
     """``wanted`` connections, or as many as the open-file limit leaves room for
-    (said once, at WARNING), after raising the soft limit up to the hard one."""
+    (said once, at WARNING), after raising the soft limit up to the hard one.
+    ``reserved`` descriptors (the peer listener's bound) come first."""
     if wanted < 1:
         raise ValueError(f"max_connections: at least 1, got {wanted}")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = wanted + KEPT_FILES
+    kept = KEPT_FILES + reserved
+    needed = wanted + kept
     if soft != resource.RLIM_INFINITY and soft < needed:
         raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
         if raised > soft:
@@ -47,7 +53,7 @@ def connection_limit(wanted: int) -> int:
             soft = raised
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return wanted
-    fits = max(1, soft - KEPT_FILES)
+    fits = max(1, soft - kept)
     log.warning(
         "max_connections lowered from %d to %d: the open-file limit is %d (hard %d);"
         " raise it (ulimit -n, LimitNOFILE=, docker --ulimit nofile=) for more",
@@ -56,13 +62,22 @@ def connection_limit(wanted: int) -> int:
     return fits
 
 
-def connection_options(wanted: int) -> list[tuple[str, int]]:
+def connection_options(wanted: int, reserved: int = 0) -> list[tuple[str, int]]:
     """The gRPC server options that bound connections to ``wanted`` (as far as the
-    open-file limit lets) and size the queue of pending calls to them."""
-    allowed = connection_limit(wanted)
+    open-file limit lets, ``reserved`` descriptors kept aside) and size the queue of
+    pending calls to them."""
+    allowed = connection_limit(wanted, reserved)
     pending = max(GRPC_PENDING, allowed)  # one call of each connection waits its turn
     return [
         ("grpc.max_allowed_incoming_connections", allowed),
         ("grpc.server.max_pending_requests", pending),
         ("grpc.server.max_pending_requests_hard_limit", 3 * pending),  # gRPC's ratio
     ]
+
+
+def peer_connection_options(wanted: int) -> list[tuple[str, int]]:
+    """The peer listener's bound: ``wanted`` connections, never lowered (its
+    descriptors are reserved before the clients' bound is fitted)."""
+    if wanted < 1:
+        raise ValueError(f"max_peer_connections: at least 1, got {wanted}")
+    return [("grpc.max_allowed_incoming_connections", wanted)]

@@ -30,7 +30,7 @@ from fencemark.node.api.claims_service import ClaimsService
 from fencemark.node.api.config import NodeConfig as NodeConfig  # re-exported: what start() takes
 from fencemark.node.api.config import default_data_dir as default_data_dir
 from fencemark.node.api.config import live_tls, transport
-from fencemark.node.api.connections import connection_options
+from fencemark.node.api.connections import connection_options, peer_connection_options
 from fencemark.node.api.dashboard import Dashboard
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
 from fencemark.node.api.interceptor import Chain, Interceptor, Registrar
@@ -105,6 +105,8 @@ class NodeServer:
         self.tls = tls
         self._tls_watch: asyncio.Task[None] | None = None
         self.dashboard_port = 0  # where the dashboard is served, if it is
+        self.peer_server: grpc.aio.Server | None = None  # the peer listener, if any
+        self.peer_port = 0
         self._stop_dashboard: Callable[[], Awaitable[None]] | None = None
         self._dashboard: Dashboard | None = None
         if tls is not None and config.tls_reload_interval > 0:
@@ -115,6 +117,14 @@ class NodeServer:
         host = self.config.listen.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
 
+    @property
+    def peer_address(self) -> str:
+        """Where peers dial in: the peer listener, else the client port."""
+        if self.peer_server is None:
+            return self.address
+        host = self.config.peer_listen.rsplit(":", 1)[0]
+        return f"{host}:{self.peer_port}"
+
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeServer:
         """Open the data file, then: signing (with TLS), the catch-up gate, replication,
@@ -124,6 +134,12 @@ class NodeServer:
         order they depend on each other; the steps with logic are functions of
         their own (``_open_replica``, ``_grpc_server``, ``_add_services``)."""
         tls = live_tls(config)
+        # Bounds checked (ValueError) before anything opens.
+        reserved = config.max_peer_connections if config.peer_listen else 0
+        client_connections = connection_options(config.max_connections, reserved)
+        peer_connections = (
+            peer_connection_options(config.max_peer_connections) if config.peer_listen else []
+        )
         storage, replica = await _open_replica(config, tls)
         lapses = LapseWatcher(replica)  # the home records lapses (SPEC §4)
         claims = Claims(
@@ -165,19 +181,29 @@ class NodeServer:
         metrics.watch(replica, claims, peers, lives)
         if tls is not None:
             metrics.watch_tls(tls)
-        server, chain = _grpc_server(config, tls, metrics)
+        chain = _interceptors(config, tls, metrics)
+        server = _grpc_server(client_connections)
         servicers = _servicers(
             config, tls, storage, replica, claims, work, replicator, peers, lives
         )
         names = _add_services(
             Registrar(server, chain), servicers, health_servicer, config.enable_writes
         )
+        peer_server = None
+        if config.peer_listen:
+            peer_server = _grpc_server(peer_connections)
+            _add_peer_services(
+                Registrar(peer_server, chain), servicers, health_servicer, config.enable_writes
+            )
         try:
-            port = _listen(server, config, tls)
+            port = _listen(server, config.listen, tls)
+            peer_port = _listen(peer_server, config.peer_listen, tls) if peer_server else 0
         except OSError:
             await storage.close()
             raise
         await server.start()
+        if peer_server is not None:
+            await peer_server.start()
         await _serve_health(health_servicer, names, catching_up=catching_up)
         follower = _GateFollower(replica, replicator, health_servicer, config.start_wait_s)
         replicator.start()
@@ -185,6 +211,7 @@ class NodeServer:
         stop_metrics = metrics.serve(config.metrics_listen) if config.metrics_listen else None
         node = cls(config, storage, replica, claims, work, server, health_servicer, port,
                    replicator, metrics, stop_metrics, lapses, follower, tls)  # fmt: skip
+        node.peer_server, node.peer_port = peer_server, peer_port
         if replica.gate.starting:
             follower.wait_for_peers()
         if config.dashboard_listen:
@@ -197,10 +224,11 @@ class NodeServer:
                 tls.revocations if tls is not None else None,
             )
         log.info(
-            "region %s node %s listening on %s (%s, writes %s, data %s)",
+            "region %s node %s listening on %s%s (%s, writes %s, data %s)",
             config.region,
             storage.node_id,
             node.address,
+            f", peers on {node.peer_address}" if peer_server is not None else "",
             transport(config),
             "enabled" if config.enable_writes else "disabled",
             config.db_path,
@@ -217,7 +245,11 @@ class NodeServer:
         self._gate.stop()
         await self.health.enter_graceful_shutdown()
         self.replica.end_feed()  # watch streams end now: they resume from their cursor
-        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        grace = self.config.grace_seconds if grace is None else grace
+        stopping = [self.server.stop(grace)]
+        if self.peer_server is not None:
+            stopping.append(self.peer_server.stop(grace))
+        await asyncio.gather(*stopping)
         await self.work.stop()
         await self.replicator.stop()
         await self.lapses.stop()
@@ -302,19 +334,24 @@ def _peers(config: NodeConfig, tls: LiveTls | None, replica: Replica) -> dict[st
     return peers
 
 
-def _grpc_server(
-    config: NodeConfig, tls: LiveTls | None, metrics: NodeMetrics
-) -> tuple[grpc.aio.Server, Chain]:
-    """The gRPC server, and the interceptors its services are registered with, in
-    order: telemetry first (it times and counts what Authorize and the budgets refuse,
-    too), Authorize before the budgets (a call refused anyway takes no slot)."""
+def _interceptors(config: NodeConfig, tls: LiveTls | None, metrics: NodeMetrics) -> Chain:
+    """The interceptors every service is registered with, on the client port and the
+    peer listener alike, in order: telemetry first (it times and counts what
+    Authorize and the budgets refuse, too), Authorize before the budgets (a call
+    refused anyway takes no slot). One set of budgets for the node, whichever port a
+    call came in on."""
     interceptors: list[Interceptor] = [Telemetry(metrics)]
     if tls is not None:
         interceptors.append(Authorize(config.access or DEFAULT_ACCESS, tls.revocations))
     # Per class, not gRPC's maximum_concurrent_rpcs: one pool let waiting claims
     # starve health checks and the peers' replication (fencemark.node.api.budgets).
     interceptors.append(CallBudgets(config.call_limits, call_classes(), metrics))
-    server = grpc.aio.server(
+    return Chain(interceptors)
+
+
+def _grpc_server(connections: list[tuple[str, int]]) -> grpc.aio.Server:
+    """A gRPC server whose connections are bounded by ``connections``' options."""
+    return grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
@@ -327,10 +364,9 @@ def _grpc_server(
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             # One more connection is closed as it comes, and a burst of one call per
             # connection waits for the loop (fencemark.node.api.connections).
-            *connection_options(config.max_connections),
+            *connections,
         ],
     )
-    return server, Chain(interceptors)
 
 
 def _servicers(
@@ -380,6 +416,18 @@ def _add_services(
     names = [s.full_name for s in SERVICES]
     enable_reflection(server, [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     return names
+
+
+def _add_peer_services(
+    server: Registrar, servicers: Mapping[str, object], health: Any, writes_enabled: bool
+) -> None:
+    """The peer listener's services: replication and health, nothing a client calls
+    (gated as on the client port)."""
+    (replication,) = (s for s in SERVICES if s.name == "Replication")
+    server.add_generic_rpc_handlers(
+        (gated_handler(servicers["Replication"], replication, writes_enabled=writes_enabled),)
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health, cast(Any, server))
 
 
 class _GateFollower:
@@ -458,14 +506,14 @@ async def _serve_health(health: Any, names: list[str], *, catching_up: bool) -> 
         await health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def _listen(server: grpc.aio.Server, config: NodeConfig, tls: LiveTls | None) -> int:
-    """Bind the node's port (plaintext, or mutual TLS); OSError if it cannot."""
+def _listen(server: grpc.aio.Server, address: str, tls: LiveTls | None) -> int:
+    """Bind one of the node's ports (plaintext, or mutual TLS); OSError if it cannot."""
     try:
         if tls is None:
-            return server.add_insecure_port(config.listen)
-        return server.add_secure_port(config.listen, tls.server_credentials)
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.server_credentials())
     except RuntimeError as exc:
-        raise OSError(f"cannot listen on {config.listen}: {exc}") from exc
+        raise OSError(f"cannot listen on {address}: {exc}") from exc
 
 
 def _renew_signer(replica: Replica, keyring: Keyring, ca: bytes, cert: bytes, key: bytes) -> None:
@@ -499,12 +547,14 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
     node = await NodeServer.start(config)
     # SIGHUP: take renewed certificates and crl.pem into use now (docs/operations.md).
     loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
+    peers_on = f", peers on {node.peer_address}" if node.peer_server is not None else ""
     say(
         "fencemark node",
-        f"region {config.region} listening on {node.address} ({transport(config)},"
+        f"region {config.region} listening on {node.address}{peers_on} ({transport(config)},"
         f" writes {'enabled' if config.enable_writes else 'disabled'}, data {config.db_path})",
         region=config.region,
         address=node.address,
+        peer_address=node.peer_address,
     )
     if ready is not None:
         ready.set()

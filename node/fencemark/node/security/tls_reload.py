@@ -5,11 +5,13 @@ take effect without a restart. ``LiveTls.reload`` looks at the files
 (``ca.pem``, the node's pair, ``crl.pem``); when one changed it reads and checks
 them all, and only a complete, consistent set replaces what is in use:
 
-- the port: gRPC's ``dynamic_ssl_server_credentials`` asks ``_fetch`` for a new
-  certificate configuration before every TLS handshake (on gRPC core's own
-  threads, so ``_fetch`` only hands over what ``reload`` prepared). Connections
-  already open keep the certificates they were made with; the next handshake
-  uses the new ones;
+- the ports (the client port, and the peer listener if there is one): each has
+  credentials of its own (``server_credentials``), whose
+  ``dynamic_ssl_server_credentials`` asks ``_fetch`` for a new certificate
+  configuration before every TLS handshake (on gRPC core's own threads, so
+  ``_fetch`` only hands over what ``reload`` prepared, one configuration per port:
+  gRPC takes each it is given). Connections already open keep the certificates
+  they were made with; the next handshake uses the new ones;
 - outgoing peer channels: each peer's ``PeerStats.credentials`` is replaced, and
   the replicator opens a new channel with them (closing the old one once its
   calls finish);
@@ -25,6 +27,7 @@ and ignored: the node keeps serving with what it had.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -45,7 +48,6 @@ Stamp = tuple[tuple[int, int, int] | None, ...]
 
 @dataclass(frozen=True)
 class _Material:
-    server: grpc.ServerCertificateConfiguration
     channel: grpc.ChannelCredentials
     revoked: Revoked
     pems: tuple[bytes, bytes, bytes]  # the CA bundle, the certificate and its key
@@ -63,7 +65,7 @@ class LiveTls:
         self.identity = Identity("region", region)
         self.crl_path = files.ca.parent / CRL_FILE
         self._lock = threading.Lock()
-        self._pending: grpc.ServerCertificateConfiguration | None = None
+        self._renewed: list[bool] = []  # per port: new material not yet handed over
         self._listeners: list[Callable[[grpc.ChannelCredentials], None]] = []
         self._renewal_listeners: list[Callable[[bytes, bytes, bytes], None]] = []
         self._stamp = self._stamp_now()
@@ -73,11 +75,6 @@ class LiveTls:
         # (fencemark.node.replication.peer_check) handshakes with them.
         self.pems = material.pems
         self.revocations = Revocations(material.revoked)
-        self.server_credentials = grpc.dynamic_ssl_server_credentials(
-            material.server,
-            self._fetch,  # type: ignore[arg-type]  # grpc-stubs: None ("no change") is allowed
-            require_client_authentication=True,
-        )
         self.reloads = 0  # times new material was taken into use
         self.failures = 0  # times changed files were not usable
 
@@ -90,11 +87,27 @@ class LiveTls:
         grants follows the node's key (docs/security.md, signed grants)."""
         self._renewal_listeners.append(listener)
 
-    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Credentials for one port, following reloads (``_fetch``): one per port,
+        as gRPC takes the configurations it is handed."""
+        with self._lock:
+            port = len(self._renewed)
+            self._renewed.append(False)
+            pems = self.pems
+        return grpc.dynamic_ssl_server_credentials(
+            _configuration(pems),
+            functools.partial(self._fetch, port),  # type: ignore[arg-type]  # None: no change
+            require_client_authentication=True,
+        )
+
+    def _fetch(self, port: int) -> grpc.ServerCertificateConfiguration | None:
         # gRPC core calls this before every handshake, on its own threads.
         with self._lock:
-            config, self._pending = self._pending, None
-        return config
+            if not self._renewed[port]:
+                return None
+            self._renewed[port] = False
+            pems = self.pems
+        return _configuration(pems)
 
     def _stamp_now(self) -> Stamp:
         def one(path: os.PathLike[str]) -> tuple[int, int, int] | None:
@@ -128,7 +141,6 @@ class LiveTls:
             raise ValueError(f"{self.files.key} is not the key of {self.files.cert}")
         revoked = read_revoked(ca, self.crl_path)
         return _Material(
-            grpc.ssl_server_certificate_configuration([(key_pem, cert_pem)], root_certificates=ca),
             grpc.ssl_channel_credentials(
                 root_certificates=ca, private_key=key_pem, certificate_chain=cert_pem
             ),
@@ -149,9 +161,9 @@ class LiveTls:
             self.failures += 1
             return False
         with self._lock:
-            self._pending = material.server
+            self.pems = material.pems
+            self._renewed = [True] * len(self._renewed)
         self.channel_credentials = material.channel
-        self.pems = material.pems
         self.revocations.revoked = material.revoked
         for listener in self._listeners:
             listener(material.channel)
@@ -165,3 +177,8 @@ class LiveTls:
             len(material.revoked),
         )
         return True
+
+
+def _configuration(pems: tuple[bytes, bytes, bytes]) -> grpc.ServerCertificateConfiguration:
+    ca, cert, key = pems
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)

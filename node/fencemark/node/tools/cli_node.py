@@ -82,6 +82,9 @@ def _bad_bounds(args: argparse.Namespace) -> str:
         return f"--start-wait takes 0 to 3600 seconds, got {args.start_wait}"
     if not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
         return f"--max-attempts takes 1 to {MAX_ATTEMPTS_LIMIT}, got {args.max_attempts}"
+    for flag in ("max_connections", "max_peer_connections"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} takes 1 or more, got {getattr(args, flag)}"
     return ""
 
 
@@ -124,6 +127,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_waiters_per_client=args.max_waiters_per_client,
         max_streams_per_client=args.max_streams_per_client,
         max_connections=args.max_connections,
+        max_peer_connections=args.max_peer_connections,
+        peer_listen=args.peer_listen,
         max_attempts=args.max_attempts,
         max_token_jump=args.max_token_jump,
         feed_window=args.feed_window,
@@ -195,7 +200,15 @@ def add_node_command(
         action="append",
         metavar="REGION=HOST:PORT",
         help="a peer region's node (repeat; env FENCEMARK_PEERS=eu=h:p,ap=h:p;"
-        " config table [peers])",
+        " config table [peers]): its --peer-listen address if it has one",
+    )
+    node.add_argument(
+        "--peer-listen",
+        default=_setting(config, "peer_listen", ""),
+        metavar="HOST:PORT",
+        help="serve the peers' replication (and health) on a port of their own, with a"
+        " connection bound of its own, on a network only peers reach (default: none,"
+        " peers dial --listen)",
     )
     node.add_argument(
         "--max-clock-offset-ms",
@@ -321,8 +334,16 @@ def _add_bound_flags(
         "--max-connections",
         type=int,
         default=_setting(config, "max_connections", defaults.max_connections),
-        help="client and peer connections open at once; one more is closed as it comes"
-        " (UNAVAILABLE: retry). Lowered to fit the process's open-file limit",
+        help="connections open at once on --listen (clients, and peers without"
+        " --peer-listen); one more is closed as it comes (UNAVAILABLE: retry). Lowered to"
+        " fit the process's open-file limit",
+    )
+    node.add_argument(
+        "--max-peer-connections",
+        type=int,
+        default=_setting(config, "max_peer_connections", defaults.max_peer_connections),
+        help="connections open at once on --peer-listen; its descriptors are kept aside"
+        " before --max-connections is fitted",
     )
     node.add_argument(
         "--max-attempts",
