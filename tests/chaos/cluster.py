@@ -73,7 +73,8 @@ from tests.ports import free_port
 # Read when the first container starts, not at import.
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 
-NODE_PORT = 7400
+NODE_PORT = 7400  # clients: the test, published on 127.0.0.1
+PEER_PORT = 7500  # peers: the image's peer listener (FENCEMARK_PEER_LISTEN), as deployed
 PROXY_PORTS = (7501, 7502)
 DATA_IN_CONTAINER = "/var/lib/fencemark"
 CONTROL_IN_CONTAINER = "/control"
@@ -156,8 +157,8 @@ class ChaosCluster:
             PROXY_ALIAS,
             command=[
                 "proxy",
-                "--link", f"{a}-{b}=0.0.0.0:{PROXY_PORTS[0]}={b}:{NODE_PORT}",
-                "--link", f"{b}-{a}=0.0.0.0:{PROXY_PORTS[1]}={a}:{NODE_PORT}",
+                "--link", f"{a}-{b}=0.0.0.0:{PROXY_PORTS[0]}={b}:{PEER_PORT}",
+                "--link", f"{b}-{a}=0.0.0.0:{PROXY_PORTS[1]}={a}:{PEER_PORT}",
                 "--control", f"{CONTROL_IN_CONTAINER}/faults.json",
             ],
             volumes=[(str(self.control), CONTROL_IN_CONTAINER, "ro")],
@@ -257,7 +258,7 @@ class ChaosCluster:
             return f"{PROXY_ALIAS}:{PROXY_PORTS[0]}"
         if (dst, src) == self.proxied:
             return f"{PROXY_ALIAS}:{PROXY_PORTS[1]}"
-        return f"{dst}:{NODE_PORT}"
+        return f"{dst}:{PEER_PORT}"
 
     # -- certificates ----------------------------------------------------------------
 
