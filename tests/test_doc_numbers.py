@@ -16,7 +16,7 @@ import pytest
 from fencemark.client import retry
 from fencemark.client._routing import HOME_CACHE_SIZE
 from fencemark.node.api.budgets import Limits
-from fencemark.node.api.connections import MAX_CONNECTIONS
+from fencemark.node.api.connections import MAX_CONNECTIONS, MAX_PEER_CONNECTIONS
 from fencemark.node.core import claims
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.replication import intake, signers, tuning
@@ -38,6 +38,8 @@ QUOTED: list[tuple[str, str, float, float]] = [
     ("security.md", r"`--max-streams-per-client` \((\S+)\)", Limits.streams_per_client, 1),
     ("security.md", r"`--max-connections` \((\S+)\)", MAX_CONNECTIONS, 1),
     ("operations.md", r"`--max-connections` \((\S+)", MAX_CONNECTIONS, 1),
+    ("operations.md", r"`--max-peer-connections` \((\S+),", MAX_PEER_CONNECTIONS, 1),
+    ("security.md", r"`--max-peer-connections`, (\S+)\)", MAX_PEER_CONNECTIONS, 1),
     ("architecture.md", r"`MAX_BACKOFF_S` = (\S+) s", tuning.MAX_BACKOFF_S, 1),
     ("architecture.md", r"`HISTORY` \((\S+)\)", HISTORY, 1),
     ("architecture.md", r"descend \(≤ (\S+ ?\d*) per level", tuning.MAX_FRONTIER, 1),
