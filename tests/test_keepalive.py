@@ -118,8 +118,8 @@ from fencemark.client import AsyncClient, ClaimConflict
 
 async def main(address: str, key: str) -> None:
     async with AsyncClient(address, timeout=2) as client:
-        claim = await client.claim(key, "stalled-holder", lease_seconds=1)
-        async with client.hold(claim, key=key, lease_seconds=1) as hold:
+        claim = await client.claim(key, "stalled-holder", lease_seconds=2)
+        async with client.hold(claim, key=key, lease_seconds=2) as hold:
             print("held", claim.fencing_token, flush=True)
             print("lost", await hold.wait_lost(), flush=True)
         try:
@@ -150,7 +150,9 @@ async def test_a_holder_stalled_past_its_lease_hears_at_once_that_a_rival_took_o
             async with asyncio.timeout(20):
                 held = (await holder.stdout.readline()).decode().split()
                 assert held[0] == "held", held
-                await asyncio.sleep(1.5)  # longer than its lease: the hold renews it
+                # Longer than its lease: the hold renews it (every third of the lease,
+                # so a renewal may come a lease's two thirds late on a busy machine).
+                await asyncio.sleep(2.5)
                 assert (await client.claim_status(key)).claim is not None
                 os.kill(holder.pid, signal.SIGSTOP)
                 try:
