@@ -3,8 +3,8 @@
 
 The attack it closes: clients that hold every connection the client port takes
 (``--max-connections``) keep a peer from dialling in, and a new or restarted peer,
-which decides claims only after a round with every peer, decides none until a
-client lets go. On a peer listener peers have a bound of their own, and nothing a
+which decides claims only after a round with every peer, decides none until
+clients let go. On a peer listener peers have a bound of their own, and nothing a
 client calls is served there; every call passes the same interceptors (telemetry,
 authorization with revocation, the node's budgets) as on the client port.
 
