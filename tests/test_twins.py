@@ -212,6 +212,9 @@ async def test_a_restart_decides_once_its_peers_had_time_to_hear_a_twin(tmp_path
         pushback = [v for k, v in trailing if k == "grpc-retry-pushback-ms"]
         assert len(pushback) == 1 and isinstance(pushback[0], str)
         assert 0 < int(pushback[0]) <= us.replicator.settle_s * 1000 + 50
+        # The client reads the refusal's reason and its RetryInfo (the same wait).
+        assert refused.value.reason == "NOT_SERVING"
+        assert refused.value.retry_after == int(pushback[0]) / 1000
         # ... which a retrying client waits for: the caller sees the grant.
         async with AsyncClient(us.address) as client:
             claim = await client.claim(item.key, "worker-a", lease_seconds=60)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import grpc
 import pytest
 
-from fencemark.client import AsyncClient, ClaimConflict
-from fencemark.client.walkthrough import run_walkthrough
+from fencemark.client import AsyncClient, ClaimConflict, Unavailable
+from fencemark.client.walkthrough import _Walkthrough, run_walkthrough
 from fencemark.node.api.server import NodeServer
+from tests.cluster import Cluster, all_deciding
 
 KEY = "repo/lattice/mem/backlog/issue-2101"
 TAGS = [
@@ -144,3 +146,34 @@ async def test_the_bundled_walkthrough_can_run_twice_against_one_node(
     async with AsyncClient(node.address) as client:
         keys = [r.key async for r in client.iter_records("lattice", include_deleted=True)]
     assert keys == [KEY]
+
+
+async def test_a_fenced_write_at_a_settling_home_is_refused_not_serving_and_the_walkthrough_waits(
+    tmp_path: Path,
+) -> None:
+    """us restarted with eu down waits ``start_wait_s`` for it and answers a fenced
+    write ``UNAVAILABLE`` with reason ``NOT_SERVING`` (nothing done);
+    the walkthrough sends it again once the home decides (a CI host starved a
+    container's node for a second, and the walkthrough stopped at that refusal)."""
+    async with Cluster(tmp_path, ["us", "eu"]) as cluster:
+        us, eu = await cluster.start_all()
+        await all_deciding(us, eu)
+        async with AsyncClient(us.address) as client:
+            key = (await client.remember("lattice", "backlog", "settling")).record.key
+            token = (await client.claim(key, "w", lease_seconds=60)).fencing_token
+        await cluster.stop("eu")
+        await cluster.stop("us")
+        us = await cluster.start("us", start_wait_s=2)
+        async with AsyncClient(us.address, retries=0) as client:
+            with pytest.raises(Unavailable) as refused:
+                await client.update(key, fields={"body": "x"}, fencing_token=token)
+            assert refused.value.reason == "NOT_SERVING"
+            assert refused.value.retry_after == 0  # when it ends is not known: polled
+            assert (await client.get(key)).body == ""  # nothing done
+            lines: list[str] = []
+            walkthrough = _Walkthrough(client, lines.append)
+            record = await walkthrough.write(
+                lambda: client.update(key, fields={"body": "x"}, fencing_token=token)
+            )
+            assert record.body == "x" and us.replica.deciding
+            assert any("settles before it decides" in line for line in lines), lines

@@ -9,6 +9,7 @@ The node attaches a ``google.rpc.Status`` to the trailing metadata key
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -140,7 +141,17 @@ class WatcherTooSlow(FencemarkError):
 
 
 class Unavailable(FencemarkError):
-    """The node could not be reached in time (UNAVAILABLE or DEADLINE_EXCEEDED)."""
+    """The node could not be reached in time (UNAVAILABLE or DEADLINE_EXCEEDED), or
+    answered that it decides nothing yet: ``reason`` ``NOT_SERVING`` (it catches up or
+    settles; nothing was done), with ``retry_after`` seconds when the node knows when
+    to ask again (``RetryInfo``; 0 otherwise)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, *, reason: str = "", retry_after: float = 0.0
+    ) -> None:
+        super().__init__(code, message)
+        self.reason = reason
+        self.retry_after = retry_after
 
 
 class Unimplemented(FencemarkError):
@@ -173,6 +184,10 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
             return CursorExpired(code, message, cursor=str(metadata.get("cursor", "")))
         if error_info.reason == "WATCHER_TOO_SLOW":
             return WatcherTooSlow(code, message, cursor=str(metadata.get("cursor", "")))
+        if error_info.reason == "NOT_SERVING":
+            return Unavailable(
+                code, message, reason="NOT_SERVING", retry_after=_retry_after(metadata_pairs)
+            )
         if error_info.reason == "PERMISSION_DENIED":
             return PermissionDenied(
                 code,
@@ -222,6 +237,20 @@ def _rich_details(trailing_metadata: Iterable[tuple[str, str | bytes]]) -> tuple
                 bad_request = error_details_pb2.BadRequest()
                 detail.Unpack(bad_request)
     return error_info, bad_request
+
+
+def _retry_after(trailing_metadata: Iterable[tuple[str, str | bytes]]) -> float:
+    """Seconds of the status details' ``RetryInfo``; 0.0 without one."""
+    for key, value in trailing_metadata:
+        if key != _STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        with contextlib.suppress(DecodeError):
+            for detail in status_pb2.Status.FromString(value).details:
+                if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    info = error_details_pb2.RetryInfo()
+                    detail.Unpack(info)
+                    return float(info.retry_delay.ToMilliseconds()) / 1000
+    return 0.0
 
 
 def _to_int(text: str) -> int:

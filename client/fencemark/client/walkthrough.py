@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import grpc
 
 from fencemark.client._aio import AsyncClient
-from fencemark.client.errors import ClaimConflict, FencemarkError, NotFound
+from fencemark.client.errors import ClaimConflict, FencemarkError, NotFound, Unavailable
 from fencemark.client.types import Record
 
 __all__ = ["KEY", "run_walkthrough"]
@@ -28,6 +29,10 @@ REPO, TOPIC, ID = "lattice", "backlog", "issue-2101"
 KEY = f"repo/{REPO}/mem/{TOPIC}/{ID}"
 # Slept past a lease expiry so the node's clock is surely beyond it.
 LAPSE_MARGIN_SECONDS = 0.2
+# A write the home refused NOT_SERVING (settling after a restart or a pause) is sent
+# again for this long, every RetryInfo delay (or SETTLE_POLL_SECONDS without one).
+SETTLE_WAIT_SECONDS = 15.0
+SETTLE_POLL_SECONDS = 0.5
 
 
 class _Abort(Exception):
@@ -78,11 +83,25 @@ class _Walkthrough:
         if remaining >= 0:
             await asyncio.sleep(remaining + LAPSE_MARGIN_SECONDS)
 
-    @staticmethod
-    async def refusal(write: Awaitable[Record]) -> ClaimConflict | None:
+    async def write(self, send: Callable[[], Awaitable[Record]]) -> Record:
+        """``send()``'s record; asked again while the home answers ``NOT_SERVING`` —
+        it settles (after a restart, or a pause: a starved host) and did nothing —
+        within ``SETTLE_WAIT_SECONDS``, as an agent with a fenced write should."""
+        deadline = time.monotonic() + SETTLE_WAIT_SECONDS
+        while True:
+            try:
+                return await send()
+            except Unavailable as refused:
+                wait = refused.retry_after or SETTLE_POLL_SECONDS
+                if refused.reason != "NOT_SERVING" or time.monotonic() + wait > deadline:
+                    raise
+                self.note(f"the node settles before it decides ({refused.message}); again")
+                await asyncio.sleep(wait)
+
+    async def refusal(self, send: Callable[[], Awaitable[Record]]) -> ClaimConflict | None:
         """The claim conflict a write is refused with, or None if it was admitted."""
         try:
-            await write
+            await self.write(send)
         except ClaimConflict as conflict:
             return conflict
         return None
@@ -189,12 +208,14 @@ class _Walkthrough:
 
     async def write_under_claim(self, token_a: int) -> None:
         self.label = "step 3"
-        conflict = await self.refusal(self.client.update(KEY, fields={"body": "started"}))
+        conflict = await self.refusal(lambda: self.client.update(KEY, fields={"body": "started"}))
         self.check(
             conflict is not None and conflict.reason == "claimed",
             f"unfenced update refused: {_refusal_text(conflict)}",
         )
-        record = await self.client.update(KEY, fields={"body": "started"}, fencing_token=token_a)
+        record = await self.write(
+            lambda: self.client.update(KEY, fields={"body": "started"}, fencing_token=token_a)
+        )
         self.check(
             record.body == "started",
             f"the same update with token {token_a} admitted: body {record.body!r}",
@@ -217,7 +238,9 @@ class _Walkthrough:
     async def lose_to_worker_b(self, token_a: int) -> None:
         self.label = "step 5"
         conflict = await self.refusal(
-            self.client.update(KEY, fields={"body": "worker-a was here"}, fencing_token=token_a)
+            lambda: self.client.update(
+                KEY, fields={"body": "worker-a was here"}, fencing_token=token_a
+            )
         )
         self.check(
             conflict is not None and conflict.reason == "superseded",
@@ -261,10 +284,12 @@ class _Walkthrough:
                 + (f" {result.reason}" if result.reason else "")
                 + f", fence {result.fence}",
             )
-        record = await self.client.update(KEY, fields={"body": "done"})
+        record = await self.write(lambda: self.client.update(KEY, fields={"body": "done"}))
         self.check(record.body == "done", f"unfenced update admitted again: body {record.body!r}")
         conflict = await self.refusal(
-            self.client.update(KEY, fields={"body": "worker-a was here"}, fencing_token=token_a)
+            lambda: self.client.update(
+                KEY, fields={"body": "worker-a was here"}, fencing_token=token_a
+            )
         )
         self.check(
             conflict is not None and conflict.reason == "superseded",
