@@ -9,7 +9,6 @@ The node attaches a ``google.rpc.Status`` to the trailing metadata key
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -165,7 +164,7 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
     # At runtime metadata is (key, value) pairs (grpc.aio.Metadata, or the
     # sync namedtuples); grpc-stubs types it as an opaque _Metadatum.
     metadata_pairs = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
-    error_info, bad_request = _rich_details(metadata_pairs)
+    error_info, bad_request, retry_info = _rich_details(metadata_pairs)
     if error_info is not None and error_info.domain == ERROR_DOMAIN:
         metadata = error_info.metadata
         conflict = str(metadata.get("conflict", ""))
@@ -185,9 +184,8 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
         if error_info.reason == "WATCHER_TOO_SLOW":
             return WatcherTooSlow(code, message, cursor=str(metadata.get("cursor", "")))
         if error_info.reason == "NOT_SERVING":
-            return Unavailable(
-                code, message, reason="NOT_SERVING", retry_after=_retry_after(metadata_pairs)
-            )
+            wait = retry_info.retry_delay.ToMilliseconds() / 1000 if retry_info else 0.0
+            return Unavailable(code, message, reason="NOT_SERVING", retry_after=wait)
         if error_info.reason == "PERMISSION_DENIED":
             return PermissionDenied(
                 code,
@@ -212,45 +210,33 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
     return FencemarkError(code, message)
 
 
-def _rich_details(trailing_metadata: Iterable[tuple[str, str | bytes]]) -> tuple[Any, Any]:
-    """The first ErrorInfo and BadRequest in the status details, or None each.
+def _rich_details(trailing_metadata: Iterable[tuple[str, str | bytes]]) -> tuple[Any, Any, Any]:
+    """The first ErrorInfo, BadRequest and RetryInfo in the status details, or None each.
 
     Read from the metadata directly rather than through
     ``grpc_status.rpc_status.from_call``: that works on grpc.aio errors too, but
     raises when the status message and the details' message differ, and a
     malformed detail must never hide the status code itself.
     """
-    error_info: Any = None
-    bad_request: Any = None
+    found: dict[Any, Any] = {
+        error_details_pb2.ErrorInfo: None,
+        error_details_pb2.BadRequest: None,
+        error_details_pb2.RetryInfo: None,
+    }
     for key, value in trailing_metadata:
         if key != _STATUS_DETAILS_KEY or not isinstance(value, bytes):
             continue
         try:
             status = status_pb2.Status.FromString(value)
         except DecodeError:  # a garbled detail still leaves a usable status code
-            return None, None
+            return None, None, None
         for detail in status.details:
-            if error_info is None and detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                error_info = error_details_pb2.ErrorInfo()
-                detail.Unpack(error_info)
-            elif bad_request is None and detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                bad_request = error_details_pb2.BadRequest()
-                detail.Unpack(bad_request)
-    return error_info, bad_request
-
-
-def _retry_after(trailing_metadata: Iterable[tuple[str, str | bytes]]) -> float:
-    """Seconds of the status details' ``RetryInfo``; 0.0 without one."""
-    for key, value in trailing_metadata:
-        if key != _STATUS_DETAILS_KEY or not isinstance(value, bytes):
-            continue
-        with contextlib.suppress(DecodeError):
-            for detail in status_pb2.Status.FromString(value).details:
-                if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                    info = error_details_pb2.RetryInfo()
-                    detail.Unpack(info)
-                    return float(info.retry_delay.ToMilliseconds()) / 1000
-    return 0.0
+            for kind, seen in found.items():
+                if seen is None and detail.Is(kind.DESCRIPTOR):
+                    found[kind] = kind()
+                    detail.Unpack(found[kind])
+    error_info, bad_request, retry_info = found.values()
+    return error_info, bad_request, retry_info
 
 
 def _to_int(text: str) -> int:
