@@ -64,8 +64,8 @@ class NodeConfig:
     max_waiters: int = MAX_WAITERS
     max_waiters_per_client: int = MAX_WAITERS_PER_CLIENT
     max_streams_per_client: int = Limits.streams_per_client
-    # Client and peer connections open at once; one more is closed as it comes
-    # (the client sees UNAVAILABLE and retries), never left to stall.
+    # Connections open at once on `listen` (clients, and peers without peer_listen);
+    # one more is closed as it comes (UNAVAILABLE, retried), never left to stall.
     max_connections: int = MAX_CONNECTIONS
     max_peer_connections: int = MAX_PEER_CONNECTIONS  # on peer_listen, if it is set
     # Attempts after which a failed or lapsed claim parks an item (SPEC §8), for

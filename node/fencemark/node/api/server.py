@@ -114,16 +114,14 @@ class NodeServer:
 
     @property
     def address(self) -> str:
-        host = self.config.listen.rsplit(":", 1)[0]
-        return f"{host}:{self.port}"
+        return _bound(self.config.listen, self.port)
 
     @property
     def peer_address(self) -> str:
         """Where peers dial in: the peer listener, else the client port."""
         if self.peer_server is None:
             return self.address
-        host = self.config.peer_listen.rsplit(":", 1)[0]
-        return f"{host}:{self.peer_port}"
+        return _bound(self.config.peer_listen, self.peer_port)
 
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeServer:
@@ -135,11 +133,11 @@ class NodeServer:
         their own (``_open_replica``, ``_grpc_server``, ``_add_services``)."""
         tls = live_tls(config)
         # Bounds checked (ValueError) before anything opens.
-        reserved = config.max_peer_connections if config.peer_listen else 0
-        client_connections = connection_options(config.max_connections, reserved)
         peer_connections = (
-            peer_connection_options(config.max_peer_connections) if config.peer_listen else []
+            peer_connection_options(config.max_peer_connections) if config.peer_listen else None
         )
+        reserved = config.max_peer_connections if peer_connections else 0
+        client_connections = connection_options(config.max_connections, reserved)
         storage, replica = await _open_replica(config, tls)
         lapses = LapseWatcher(replica)  # the home records lapses (SPEC §4)
         claims = Claims(
@@ -190,7 +188,7 @@ class NodeServer:
             Registrar(server, chain), servicers, health_servicer, config.enable_writes
         )
         peer_server = None
-        if config.peer_listen:
+        if peer_connections:
             peer_server = _grpc_server(peer_connections)
             _add_peer_services(
                 Registrar(peer_server, chain), servicers, health_servicer, config.enable_writes
@@ -504,6 +502,11 @@ async def _serve_health(health: Any, names: list[str], *, catching_up: bool) -> 
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     if catching_up:
         await health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def _bound(listen: str, port: int) -> str:
+    """``listen``'s host with the port it was bound to (``:0`` picks one)."""
+    return f"{listen.rsplit(':', 1)[0]}:{port}"
 
 
 def _listen(server: grpc.aio.Server, address: str, tls: LiveTls | None) -> int:
