@@ -72,6 +72,13 @@ async def all_deciding(*nodes: NodeServer, within: float = 15.0) -> None:
     await eventually(deciding, "every node deciding claims", within=within)
 
 
+async def synced_since(node: NodeServer, peer: str, since: float) -> bool:
+    """``node`` completed an anti-entropy round with ``peer`` after ``since``
+    (wall-clock seconds, as ``PeerStats.last_sync``)."""
+    stats = node.replicator.peer_stats(peer)
+    return stats.last_sync is not None and stats.last_sync > since and stats.reachable
+
+
 def backup(node: NodeServer, target: Path) -> None:
     """``sqlite3 fencemark.sqlite3 ".backup TARGET"`` on the running node's file: a
     consistent copy of a live data file, node id and all."""

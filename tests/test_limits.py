@@ -32,7 +32,7 @@ from fencemark.v1 import (
     replication_pb2,
     replication_pb2_grpc,
 )
-from tests.cluster import Cluster, eventually
+from tests.cluster import Cluster, eventually, synced_since
 from tests.conftest import StartNode
 from tests.metrics import counters, gauges, refusals
 
@@ -328,7 +328,7 @@ async def test_waiting_claims_of_several_identities_leave_health_reads_and_repli
                     assert tree.hashes
                 # eu completes a round with us while they wait: us stays reachable.
                 since = time.time()
-                await eventually(lambda: _synced_since(eu, "us", since), "a round of eu's with us")
+                await eventually(lambda: synced_since(eu, "us", since), "a round of eu's with us")
             finally:
                 for task in waiters:
                     task.cancel()
@@ -336,12 +336,6 @@ async def test_waiting_claims_of_several_identities_leave_health_reads_and_repli
                 for c in clients:
                     await c.close()
         assert not any(counters(us, "fencemark_rpc_budget_refusals", "class").values())
-
-
-async def _synced_since(node: NodeServer, peer: str, since: float) -> bool:
-    """``node`` completed an anti-entropy round with ``peer`` after ``since``."""
-    stats = node.replicator.peer_stats(peer)
-    return stats.last_sync is not None and stats.last_sync > since and stats.reachable
 
 
 async def test_a_connection_beyond_the_limit_is_closed_at_once_and_the_others_serve(

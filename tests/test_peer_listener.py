@@ -36,11 +36,11 @@ from fencemark.node.api.authz import load_access
 from fencemark.node.api.server import NodeConfig, NodeServer
 from fencemark.node.security.tls import TlsFiles, init_dir
 from fencemark.node.tools.cli import main
-from fencemark.v1 import records_pb2, records_pb2_grpc, replication_pb2, replication_pb2_grpc
-from tests.cluster import LOOPBACK, Cluster, all_deciding, eventually
+from fencemark.v1 import records_pb2, records_pb2_grpc
+from tests.cluster import LOOPBACK, Cluster, all_deciding, eventually, synced_since
 from tests.conftest import StartNode
 from tests.ports import free_ports
-from tests.test_tls import a_state, error_info
+from tests.test_tls import a_state, error_info, push
 from tests.test_tls_reload import metric
 
 FLOOD = 2  # the client port's --max-connections in these tests
@@ -145,19 +145,6 @@ async def us_and_eu(tmp_path: Path, certs: Path) -> AsyncIterator[tuple[NodeServ
         yield us, eu
 
 
-async def push_to(
-    address: str, credentials: grpc.ChannelCredentials, states: list[bytes]
-) -> replication_pb2.PushResponse:
-    """Replication.Push as eu would send it, to ``address``."""
-    async with grpc.aio.secure_channel(address, credentials) as channel:
-        stub = replication_pb2_grpc.ReplicationStub(channel)
-        request = replication_pb2.PushRequest(
-            origin=replication_pb2.Origin(region="eu", node_id="probe", hlc=0), states=states
-        )
-        response: replication_pb2.PushResponse = await stub.Push(request, timeout=10)
-        return response
-
-
 async def refusal(call: Awaitable[object]) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await call
@@ -199,14 +186,20 @@ async def test_the_peer_listener_refuses_whom_the_client_port_refuses(
     key, state = await a_state(start_node, "pushed-to-the-peer-port")
     for name in ("alice", "nobody"):
         credentials = tls_credentials(certs, name)
-        on_peer_port = await refusal(push_to(us.peer_address, credentials, [state]))
-        on_client_port = await refusal(push_to(us.address, credentials, [state]))
+        on_peer_port = await refusal(push(us, credentials, "eu", [state], address=us.peer_address))
+        on_client_port = await refusal(push(us, credentials, "eu", [state]))
         assert on_peer_port.code() == grpc.StatusCode.PERMISSION_DENIED, name
         assert error_info(on_peer_port).metadata == error_info(on_client_port).metadata
     assert main(["certs", "revoke", "--dir", str(certs), "--region", "eu"]) == 0
     assert us.reload_tls()
     revoked = await refusal(
-        push_to(us.peer_address, TlsFiles.in_dir(certs, "eu").channel_credentials(), [state])
+        push(
+            us,
+            TlsFiles.in_dir(certs, "eu").channel_credentials(),
+            "eu",
+            [state],
+            address=us.peer_address,
+        )
     )
     assert revoked.code() == grpc.StatusCode.PERMISSION_DENIED
     assert error_info(revoked).metadata["denial"] == "revoked_certificate"
@@ -253,13 +246,11 @@ async def test_a_thousand_idle_connections_to_the_peer_listener_take_its_bound_a
         finally:
             for sock in idle:
                 sock.close()
-        since = time.time()  # PeerStats.last_sync is wall-clock
-
-        async def rounds_again() -> bool:
-            stats = eu.replicator.peer_stats("us")
-            return stats.reachable and stats.last_sync is not None and stats.last_sync > since
-
-        await eventually(rounds_again, "eu's rounds with us once the idle sockets are gone")
+        since = time.time()
+        await eventually(
+            lambda: synced_since(eu, "us", since),
+            "eu's rounds with us once the idle sockets are gone",
+        )
 
 
 # -- the command ------------------------------------------------------------------------------

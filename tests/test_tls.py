@@ -67,10 +67,16 @@ def error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
 
 
 async def push(
-    node: NodeServer, credentials: grpc.ChannelCredentials, origin: str, states: list[bytes]
+    node: NodeServer,
+    credentials: grpc.ChannelCredentials,
+    origin: str,
+    states: list[bytes],
+    *,
+    address: str = "",
 ) -> replication_pb2.PushResponse:
-    """Replication.Push as a peer would send it, over ``credentials``."""
-    async with grpc.aio.secure_channel(node.address, credentials) as channel:
+    """Replication.Push as a peer would send it, over ``credentials``, to ``node``'s
+    client port or ``address`` (its peer listener)."""
+    async with grpc.aio.secure_channel(address or node.address, credentials) as channel:
         stub = replication_pb2_grpc.ReplicationStub(channel)
         request = replication_pb2.PushRequest(
             origin=replication_pb2.Origin(region=origin, node_id="probe", hlc=0), states=states
