@@ -41,7 +41,8 @@ from fencemark.client import AsyncClient
 from fencemark.node.api.server import NodeConfig, NodeServer
 from fencemark.node.replication.tuning import Tuning
 from fencemark.node.store.digest_tree import CHECK_BYTES
-from fencemark.node.tools.cluster import LocalCluster, free_port
+from fencemark.node.tools.cluster import LocalCluster
+from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.proxy import FaultProxy, ProxyMesh
 from fencemark.v1 import replication_pb2, replication_pb2_grpc
 
@@ -81,7 +82,8 @@ async def in_sync_round_bytes(
 ) -> dict[str, Any]:
     source = await seeds.get(count, progress)
     dirs = {r: await copy_replica(source, work / f"insync-{count}" / r) for r in ("us", "eu")}
-    ports = {r: free_port() for r in dirs}
+    held = Ports()  # the nodes' ports, held until they listen (fencemark.node.tools.ports)
+    ports = {r: held.take() for r in dirs}
     to_eu = await FaultProxy.start(f"127.0.0.1:{ports['eu']}", name="us->eu")
     to_us = await FaultProxy.start(f"127.0.0.1:{ports['us']}", name="eu->us")
     nodes: list[NodeServer] = []
@@ -131,6 +133,7 @@ async def in_sync_round_bytes(
             await node.stop(0.5)
         await to_eu.close()
         await to_us.close()
+        held.close()
 
 
 # -- repair after a partition -----------------------------------------------------------

@@ -52,7 +52,7 @@ from fencemark.bench.records import REPO
 from fencemark.bench.results import ScenarioResult, Settings, Table, Target, at_most, fmt
 from fencemark.bench.stats import percentile, ratio
 from fencemark.client import AsyncClient
-from fencemark.node.tools.cluster import free_port
+from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.process import NodeProcess
 
 IDLE, HELD, WORK = "fleet-idle", "fleet-held", "fleet-work"
@@ -211,13 +211,17 @@ class Node:
     async def start(cls, data: Path, *, region: str = "local", peers: Sequence[str] = (),
                     listen: str = "127.0.0.1:0") -> Node:  # fmt: skip
         """A node process; ``peers``: ``REGION=HOST:PORT`` each."""
-        port = free_port()
+        held = Ports()  # the metrics port, held until the node listens on it
+        port = held.take()
         limits = ("--max-waiters", str(LIMIT), "--max-waiters-per-client", str(LIMIT),
                   "--max-streams-per-client", str(LIMIT), "--max-connections", str(LIMIT),
                   "--metrics-listen", f"127.0.0.1:{port}")  # fmt: skip
         extra = (*limits, *(f"--peer={peer}" for peer in peers))
-        return cls(await NodeProcess.start(data, region=region, listen=listen,
-                                           extra_args=extra), port)  # fmt: skip
+        try:
+            return cls(await NodeProcess.start(data, region=region, listen=listen,
+                                               extra_args=extra), port)  # fmt: skip
+        finally:
+            held.close()  # the node listens on it now, or never will
 
     def claim_next_calls(self) -> float:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -412,7 +416,8 @@ async def run_regions(
     settings: Settings, progress: Progress, work: Path, sizes: Sequence[int]
 ) -> list[dict[str, Any]]:
     names = ("us", "eu", "ap")
-    ports = {r: free_port() for r in names}
+    held = Ports()  # the nodes' ports, held until they listen (fencemark.node.tools.ports)
+    ports = {r: held.take() for r in names}
     nodes: dict[str, Node] = {}
     rows = []
     try:
@@ -441,6 +446,7 @@ async def run_regions(
             )
     finally:
         await asyncio.gather(*(node.process.stop() for node in nodes.values()))
+        held.close()
     return rows
 
 

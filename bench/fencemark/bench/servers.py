@@ -1,8 +1,9 @@
 """The baselines' servers, started for one run: etcd and a durable Redis, from Debian packages.
 
-Each listens on loopback on a free port, keeps its data in a temporary
-directory and is stopped (SIGTERM, then SIGKILL) when the run ends. A missing
-binary is a ``MissingServer`` naming the package to install.
+Each listens on loopback on a port held for it from the moment it is picked
+(``fencemark.node.tools.ports``), keeps its data in a temporary directory and is
+stopped (SIGTERM, then SIGKILL) when the run ends. A missing binary is a
+``MissingServer`` naming the package to install.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from fencemark.node.tools.cluster import free_port
+from fencemark.node.tools.ports import Ports
 
 STARTUP_TIMEOUT_S = 30.0
 ETCD_PACKAGE, REDIS_PACKAGE = "etcd-server", "redis-server"
@@ -41,24 +42,41 @@ def missing_servers() -> list[str]:
 class ServerProcess:
     """A child server process whose output goes to a log file in its data directory."""
 
-    def __init__(self, name: str, proc: asyncio.subprocess.Process, port: int, log: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        proc: asyncio.subprocess.Process,
+        port: int,
+        log: Path,
+        ports: Ports | None = None,
+    ) -> None:
         self.name = name
         self.proc = proc
         self.port = port
         self.log = log
+        self._ports = ports  # its ports, held until it stops
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     @classmethod
-    async def spawn(cls, name: str, args: list[str], port: int, data_dir: Path) -> ServerProcess:
+    async def spawn(
+        cls, name: str, args: list[str], port: int, data_dir: Path, ports: Ports | None = None
+    ) -> ServerProcess:
+        """Start ``args``, serving on ``port``; ``ports`` (closed when it stops) hold its
+        ports until then."""
         log = data_dir / f"{name}.log"
-        with log.open("wb") as out:
-            proc = await asyncio.create_subprocess_exec(
-                *args, stdout=out, stderr=asyncio.subprocess.STDOUT, cwd=data_dir
-            )
-        server = cls(name, proc, port, log)
+        try:
+            with log.open("wb") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    *args, stdout=out, stderr=asyncio.subprocess.STDOUT, cwd=data_dir
+                )
+        except BaseException:
+            if ports is not None:
+                ports.close()
+            raise
+        server = cls(name, proc, port, log, ports)
         try:
             await server._wait_listening()
         except BaseException:
@@ -91,12 +109,15 @@ class ServerProcess:
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
+        if self._ports is not None:
+            self._ports.close()
 
 
 async def start_etcd(data_dir: Path) -> ServerProcess:
     """A single-member etcd, fsyncing its WAL as shipped (no unsafe flags)."""
     binary = find("etcd", ETCD_PACKAGE)
-    client_port, peer_port = free_port(), free_port()
+    ports = Ports()
+    client_port, peer_port = ports.take(), ports.take()
     client_url = f"http://127.0.0.1:{client_port}"
     peer_url = f"http://127.0.0.1:{peer_port}"
     await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
@@ -112,13 +133,14 @@ async def start_etcd(data_dir: Path) -> ServerProcess:
         "--initial-cluster-state=new",
         "--log-level=error",
     ]
-    return await ServerProcess.spawn("etcd", args, client_port, data_dir)
+    return await ServerProcess.spawn("etcd", args, client_port, data_dir, ports)
 
 
 async def start_redis(data_dir: Path) -> ServerProcess:
     """Redis made durable: append-only file, fsync before every reply."""
     binary = find("redis-server", REDIS_PACKAGE)
-    port = free_port()
+    ports = Ports()
+    port = ports.take()
     await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
     args = [
         binary,
@@ -132,4 +154,4 @@ async def start_redis(data_dir: Path) -> ServerProcess:
         "--protected-mode", "yes",
         "--loglevel", "warning",
     ]  # fmt: skip
-    return await ServerProcess.spawn("redis", args, port, data_dir)
+    return await ServerProcess.spawn("redis", args, port, data_dir, ports)

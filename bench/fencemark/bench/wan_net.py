@@ -34,7 +34,8 @@ from fencemark.bench.servers import (
     find,
     start_redis,
 )
-from fencemark.node.tools.cluster import LocalCluster, free_port
+from fencemark.node.tools.cluster import LocalCluster
+from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.proxy import FaultProxy
 
 ETCD_HEARTBEAT_MS = 150  # etcd's tuning guide: about the round trip between members
@@ -114,6 +115,7 @@ class EtcdCluster:
     members: dict[str, ServerProcess]
     proxies: dict[str, SourceProxy]
     client_ports: dict[str, int] = field(default_factory=dict)
+    ports: Ports | None = None  # held until the cluster stops
 
     def set_rtt(self, seconds: float) -> None:
         for proxy in self.proxies.values():
@@ -133,14 +135,17 @@ class EtcdCluster:
     async def stop(self) -> None:
         await asyncio.gather(*(m.stop() for m in self.members.values()), return_exceptions=True)
         await asyncio.gather(*(p.close() for p in self.proxies.values()), return_exceptions=True)
+        if self.ports is not None:
+            self.ports.close()
 
 
 async def start_etcd_cluster(regions: Sequence[str], data_dir: Path) -> EtcdCluster:
     """A three-member etcd cluster (WAL fsynced as shipped), tuned for a wide-area
     round trip as etcd's documentation advises (heartbeat, election timeout)."""
     binary = find("etcd", ETCD_PACKAGE)
-    peer_ports = {r: free_port() for r in regions}
-    client_ports = {r: free_port() for r in regions}
+    held = Ports()  # etcd's ports, held until the cluster stops (fencemark.node.tools.ports)
+    peer_ports = {r: held.take() for r in regions}
+    client_ports = {r: held.take() for r in regions}
     proxies = {
         r: await SourceProxy.start(f"127.0.0.1:{peer_ports[r]}", name=f"etcd-peer-{r}")
         for r in regions
@@ -173,7 +178,7 @@ async def start_etcd_cluster(regions: Sequence[str], data_dir: Path) -> EtcdClus
     for region, result in zip(regions, started, strict=True):
         if isinstance(result, ServerProcess):
             members[region] = result
-    etcd = EtcdCluster(members, proxies, client_ports)
+    etcd = EtcdCluster(members, proxies, client_ports, held)
     failures = [r for r in started if isinstance(r, BaseException)]
     if failures:
         await etcd.stop()

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 
+from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.process import NodeProcess
 from fencemark.node.tools.proxy import ProxyMesh
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the node refuses to start if it is taken since)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 class LocalCluster:
@@ -30,10 +23,12 @@ class LocalCluster:
         nodes: dict[str, NodeProcess],
         mesh: ProxyMesh | None,
         peers: dict[str, dict[str, str]],
+        ports: Ports | None = None,
     ) -> None:
         self.nodes = nodes
         self.mesh = mesh
         self.peers = peers  # region -> the peer addresses its node was given
+        self._ports = ports  # the nodes' ports, held while the cluster may restart them
 
     @property
     def addresses(self) -> dict[str, str]:
@@ -57,12 +52,22 @@ class LocalCluster:
         enable_writes: bool = True,
         node_args: Sequence[str] = (),
     ) -> LocalCluster:
+        # Every node is told its peers' addresses before any listens: without a
+        # --base-port, the ports are held from the moment they are picked until the
+        # cluster stops (fencemark.node.tools.ports), so nothing else takes one in
+        # between, nor while a node restarts.
+        held = Ports() if not base_port else None
         ports = {
-            region: base_port + index if base_port else free_port()
+            region: base_port + index if held is None else held.take()
             for index, region in enumerate(regions)
         }
         direct = {region: f"127.0.0.1:{port}" for region, port in ports.items()}
-        mesh = await ProxyMesh.start(direct) if faults else None
+        try:
+            mesh = await ProxyMesh.start(direct) if faults else None
+        except BaseException:
+            if held is not None:
+                held.close()
+            raise
         peers = {
             region: mesh.peers(region)
             if mesh is not None
@@ -96,8 +101,10 @@ class LocalCluster:
             await asyncio.gather(*(node.stop() for node in nodes.values()))
             if mesh is not None:
                 await mesh.close()
+            if held is not None:
+                held.close()
             raise failures[0]
-        return cls(nodes, mesh, peers)
+        return cls(nodes, mesh, peers, held)
 
     async def restart(self, region: str) -> NodeProcess:
         """Start ``region``'s node again on its data directory, address and peers."""
@@ -116,3 +123,5 @@ class LocalCluster:
         if self.mesh is not None:
             with contextlib.suppress(Exception):
                 await self.mesh.close()
+        if self._ports is not None:
+            self._ports.close()

@@ -7,12 +7,24 @@ first line of output, so no port is ever guessed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
 import signal
 import sys
 from pathlib import Path
 
 LISTENING = re.compile(r"listening on (\S+)")
+TAIL_LINES = 20  # of a node's output, in the error when it does not come up
+
+
+class NodeStartError(RuntimeError):
+    """A node exited, or did not say where it listens, before serving; ``output`` is
+    the last lines it printed (its reason is among them)."""
+
+    def __init__(self, what: str, output: list[str]) -> None:
+        shown = "".join(f"\n  | {line}" for line in output) or "\n  (it printed nothing)"
+        super().__init__(f"{what}; its last lines:{shown}")
+        self.output = output
 
 
 class NodeProcess:
@@ -60,15 +72,25 @@ class NodeProcess:
             *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
         )
         assert proc.stdout is not None
+        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         try:
             async with asyncio.timeout(startup_timeout):
                 while True:
                     line = (await proc.stdout.readline()).decode(errors="replace")
                     if not line:
-                        raise RuntimeError(f"node exited with {await proc.wait()} before serving")
+                        code = await proc.wait()
+                        raise NodeStartError(f"node exited with {code} before serving", [*tail])
+                    tail.append(line.rstrip("\n"))
                     match = LISTENING.search(line)
                     if match:
                         break
+        except TimeoutError as exc:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            raise NodeStartError(
+                f"node did not say where it listens within {startup_timeout:.0f} s", [*tail]
+            ) from exc
         except BaseException:
             if proc.returncode is None:
                 proc.kill()
