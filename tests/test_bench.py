@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from fencemark.bench.runner import DOCS_BEGIN, DOCS_END, SCENARIOS
+from fencemark.bench.runner import DOCS_BEGIN, DOCS_END
+from fencemark.bench.scenarios import SCENARIOS
 from tests import components
 from tests.test_cli import fencemark
 

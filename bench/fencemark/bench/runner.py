@@ -22,18 +22,8 @@ from typing import Any
 from fencemark.bench import headline
 from fencemark.bench.progress import Progress
 from fencemark.bench.results import ScenarioResult, Settings, Target
+from fencemark.bench.scenarios import SCENARIOS
 
-SCENARIOS = (
-    "wan",
-    "claims",
-    "writes",
-    "lag",
-    "anti-entropy",
-    "footprint",
-    "drain",
-    "feed",
-    "fleet",
-)
 DOCS_BEGIN = "<!-- bench:results:begin (written by `fencemark bench`; edits are lost) -->"
 DOCS_END = "<!-- bench:results:end -->"
 DOCS_PLOTS = "performance"  # docs/<this>/: the plots the headline shows
@@ -213,7 +203,7 @@ def write_docs(done: list[ScenarioResult], settings: Settings, results: Path, do
     head, rest = text.split(DOCS_BEGIN, 1)
     old, tail = rest.split(DOCS_END, 1)
     fresh = [headline.Section(r.name, run, target_rows(r), section(r, DOCS_PLOTS)) for r in done]
-    body = headline.render(headline.merge(headline.parse(old), fresh, SCENARIOS))
+    body = headline.render(headline.merge(headline.parse(old), fresh, tuple(SCENARIOS)))
     docs.write_text(f"{head}{DOCS_BEGIN}\n\n{body}\n\n{DOCS_END}{tail}")
 
 

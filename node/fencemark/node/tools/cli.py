@@ -19,6 +19,7 @@ import functools
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -179,14 +180,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    try:
-        from fencemark.bench.runner import main as bench
-    except ImportError as exc:
+    from fencemark.bench.scenarios import INSTALL_EXTRA, missing_modules
+
+    missing = missing_modules()
+    if missing:
         print(
-            f"fencemark bench: {exc}; install the benchmark extra: pip install 'fencemark[bench]'",
+            f"fencemark bench: {', '.join(missing)} not installed (the benchmark extra):"
+            f" {INSTALL_EXTRA}",
             file=sys.stderr,
         )
         return 2
+    from fencemark.bench.runner import main as bench
+
     docs = args.docs
     if docs is None and not args.quick and not args.scenarios and not args.no_docs:
         default = Path("docs") / "performance.md"  # a full run in the repository
@@ -441,17 +446,25 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fencemark.bench.scenarios import INSTALL_EXTRA, SCENARIOS
+
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: claim cycle vs etcd and Redis, writes, lag, anti-entropy, footprint,"
-        " drain, feed",
-        description="Run the benchmark scenarios (all by default: claims, writes, lag,"
-        " anti-entropy, footprint, drain, feed) with their baselines, and write JSON, Markdown"
-        " and PNG"
-        " plots under --results. A full run of every scenario in the repository also"
-        " rewrites the headline of docs/performance.md.",
+        help=f"benchmarks against etcd and Redis: {', '.join(SCENARIOS)}",
+        description=textwrap.fill(
+            "Run the benchmark scenarios (all by default) with their baselines, and write"
+            " JSON, Markdown and PNG plots under --results. A full run of every scenario in"
+            " the repository also rewrites the headline of docs/performance.md. Needs the"
+            f" benchmark extra: {INSTALL_EXTRA}.",
+            width=88,
+        ),
+        epilog="scenarios:\n"
+        + "\n".join(f"  {name:<14}{what}" for name, what in SCENARIOS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="scenarios to run")
+    bench.add_argument(
+        "scenarios", nargs="*", metavar="SCENARIO", help="scenarios to run (below); all if none"
+    )
     bench.add_argument(
         "--quick", action="store_true", help="short runs (under two minutes): a smoke test"
     )
