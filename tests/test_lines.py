@@ -191,3 +191,38 @@ async def test_what_a_look_handed_to_a_waiter_leaving_that_moment_is_given_back(
     results = await asyncio.gather(*me, return_exceptions=True)
     assert isinstance(results[0], asyncio.CancelledError)
     assert given_back == ["item"]
+
+
+async def test_a_one_look_caller_gets_one_try_even_when_a_wake_comes_during_the_look() -> None:
+    """A wait-0 caller (``once``) whose try found nothing is answered ``None`` at once,
+    not tried again when a wake during the same look starts the pass over — with the
+    second try it got an item it had not waited for, and only after the slow try of
+    the waiter behind it (a survivor of lines' mutation run: ``picker.once and not
+    picker.gone()`` → ``picker.once and picker.gone()``)."""
+    line = lines()
+    tries = 0
+    item: list[str] = []
+
+    async def looks_once() -> str | None:
+        nonlocal tries
+        tries += 1
+        return item.pop() if item else None
+
+    trying, release = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> str | None:
+        trying.set()
+        await release.wait()
+        return None
+
+    waiting = standing(line, picker("x", looks_once, once=True), picker("y", slow))
+    await asyncio.wait_for(trying.wait(), 5)  # the waiter behind is trying
+    assert waiting[0].done() and waiting[0].result() is None  # answered before it
+    item.append("item")
+    line.wake(KEY)  # something came meanwhile: the pass starts over
+    release.set()
+    await settle()
+    assert tries == 1
+    assert item == ["item"]  # left for whoever asks next
+    waiting[1].cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
