@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -23,7 +24,15 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 from fencemark.client import AsyncClient
-from fencemark.node.tools.adopt import LAYOUT, load_bindings, render, template_dir
+from fencemark.node.tools.adopt import (
+    CONTRACT,
+    LAYOUT,
+    AdoptError,
+    load_bindings,
+    render,
+    template_dir,
+    template_file,
+)
 from fencemark.node.tools.process import NodeProcess
 from tests.cluster import eventually
 from tests.test_cli import Ran, clean_env
@@ -80,11 +89,13 @@ async def test_init_writes_the_template_once_and_never_overwrites_a_changed_file
     assert dict(bindings.regions) == {"us": "127.0.0.1:7400", "eu": "127.0.0.1:7401"}
     mcp = json.loads((repo / ".mcp.json").read_text())["mcpServers"]["fencemark"]
     assert mcp["command"] == "fencemark" and "--bindings" in mcp["args"]
-    # Everything but the bindings is the template, byte for byte.
+    # Everything but the bindings is the template, byte for byte, and beside the
+    # protocol the contract it cites: this version's docs/spec.md.
     template = template_dir()
     for source, target in LAYOUT.items():
         if source != "bindings.toml":
-            assert (repo / target).read_text() == (template / source).read_text(), target
+            assert (repo / target).read_text() == template_file(template, source).read_text()
+    assert (repo / CONTRACT).read_text() == (ROOT / "docs" / "spec.md").read_text()
 
     written = files_under(repo)
     again = await run_cli("init", "--region", "us", "--regions",
@@ -127,6 +138,19 @@ def test_this_repository_consumes_its_own_template() -> None:
     bindings = load_bindings(ROOT / ".fencemark/bindings.toml")
     for relative, text in render(template_dir(), bindings).items():
         assert (ROOT / relative).read_text() == text, f"{relative} drifted from template/"
+
+
+def test_init_takes_the_contract_an_installed_template_carries(tmp_path: Path) -> None:
+    """Outside a source checkout the contract is the spec.md a wheel installs in the
+    template directory; a template without one, and no checkout around it, is refused
+    with a reason, before anything is written."""
+    installed = tmp_path / "share" / "fencemark" / "template"
+    shutil.copytree(ROOT / "template", installed)
+    bindings = load_bindings(ROOT / ".fencemark/bindings.toml")
+    with pytest.raises(AdoptError, match="specification is not installed"):
+        render(installed, bindings)
+    (installed / "spec.md").write_text("# The installed contract\n")
+    assert render(installed, bindings)[str(CONTRACT)] == "# The installed contract\n"
 
 
 # -- mirror ---------------------------------------------------------------------------------
@@ -341,7 +365,8 @@ async def test_the_adoption_guide_runs_as_shown(tmp_path: Path, node: NodeProces
 
 def test_an_installed_package_carries_every_template_file() -> None:
     """A wheel installs template/ under <prefix>/share/fencemark/template (pyproject's
-    data-files), where `fencemark init` finds it outside a source checkout."""
+    data-files), where `fencemark init` finds it outside a source checkout, and
+    docs/spec.md there too, as spec.md: the contract init writes beside the protocol."""
     data_files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "data-files"
     ]
@@ -352,5 +377,6 @@ def test_an_installed_package_carries_every_template_file() -> None:
     }
     template = ROOT / "template"
     shipped = {str(p.relative_to(template)) for p in template.rglob("*") if p.is_file()}
-    assert set(installed) == shipped
+    assert set(installed) == shipped | {"spec.md"}
+    assert installed.pop("spec.md") == "docs/spec.md"
     assert all(f == f"template/{name}" for name, f in installed.items())

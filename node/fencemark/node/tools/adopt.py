@@ -4,8 +4,9 @@ A repository consumes ``template/`` (the agent protocol, the agent definitions, 
 MCP client configuration) unmodified, through one small file of *bindings*: its
 repo id, its agents' own region and the map of every region's node
 (``.fencemark/bindings.toml``). ``fencemark init`` writes the template into a
-repository with the bindings filled in, never overwriting a file that differs
-without ``--force``; a second run changes nothing. ``fencemark mcp --bindings`` and
+repository with the bindings filled in, and beside it the contract the protocol
+cites (docs/spec.md, as ``.fencemark/spec.md``), never overwriting a file that
+differs without ``--force``; a second run changes nothing. ``fencemark mcp --bindings`` and
 ``fencemark mirror`` read the bindings back (docs/adopting.md).
 """
 
@@ -24,12 +25,18 @@ from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
 
 BINDINGS = Path(".fencemark/bindings.toml")
-# template file -> where `init` writes it, relative to the repository's root.
+# The contract the protocol cites (SPEC §n): `init` writes the installed version's
+# docs/spec.md beside the protocol, so that its links resolve in the repository.
+CONTRACT = Path(".fencemark/spec.md")
+SPEC = "spec.md"  # its name in an installed template directory
+# template file -> where `init` writes it, relative to the repository's root
+# (SPEC: the contract, found by spec_file()).
 LAYOUT = {
     "mcp/stdio.json": ".mcp.json",
     "bindings.toml": str(BINDINGS),
     "README.md": ".fencemark/README.md",
     "protocol.md": ".fencemark/protocol.md",
+    SPEC: str(CONTRACT),
     "agents/worker.md": ".fencemark/agents/worker.md",
     "agents/backlog-pm.md": ".fencemark/agents/backlog-pm.md",
     "mcp/http.json": ".fencemark/mcp-http.json",
@@ -78,6 +85,24 @@ def template_dir() -> Path:
         "the template is not installed: set FENCEMARK_TEMPLATE to a copy of the"
         " repository's template/ directory"
     )
+
+
+def spec_file(template: Path) -> Path:
+    """The contract (docs/spec.md) that goes with ``template``: the copy a wheel
+    installs in the template directory, or the one of the source checkout the
+    template belongs to."""
+    for candidate in (template / SPEC, template.parent / "docs" / SPEC):
+        if candidate.is_file():
+            return candidate
+    raise AdoptError(
+        f"the specification is not installed beside the template ({template / SPEC}):"
+        " copy the repository's docs/spec.md there"
+    )
+
+
+def template_file(template: Path, source: str) -> Path:
+    """Where the file ``LAYOUT`` names ``source`` is read from."""
+    return spec_file(template) if source == SPEC else template / source
 
 
 def parse_regions(text: str, flag: str = "--regions") -> dict[str, str]:
@@ -159,7 +184,8 @@ def git_repo_name(directory: Path) -> str | None:
 
 def render(template: Path, bindings: Bindings) -> dict[str, str]:
     """Every file ``init`` writes, by path relative to the repository: the template's
-    files as they are, the bindings file with its placeholders filled."""
+    files and the contract as they are, the bindings file with its placeholders
+    filled."""
     values = {
         "repo": bindings.repo,
         "region": bindings.region,
@@ -167,7 +193,7 @@ def render(template: Path, bindings: Bindings) -> dict[str, str]:
     }
     out = {}
     for source, target in LAYOUT.items():
-        text = (template / source).read_text()
+        text = template_file(template, source).read_text()
         if source == "bindings.toml":
             text = PLACEHOLDER.sub(lambda m: values[m[1]], text)
         out[target] = text
