@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,9 +28,11 @@ from fencemark.client import AsyncClient
 from fencemark.node.tools.adopt import (
     CONTRACT,
     LAYOUT,
+    SPEC,
     AdoptError,
     load_bindings,
     render,
+    standalone_spec,
     template_dir,
     template_file,
 )
@@ -89,13 +92,20 @@ async def test_init_writes_the_template_once_and_never_overwrites_a_changed_file
     assert dict(bindings.regions) == {"us": "127.0.0.1:7400", "eu": "127.0.0.1:7401"}
     mcp = json.loads((repo / ".mcp.json").read_text())["mcpServers"]["fencemark"]
     assert mcp["command"] == "fencemark" and "--bindings" in mcp["args"]
-    # Everything but the bindings is the template, byte for byte, and beside the
-    # protocol the contract it cites: this version's docs/spec.md.
+    # Everything but the bindings and the contract is the template, byte for byte.
     template = template_dir()
     for source, target in LAYOUT.items():
-        if source != "bindings.toml":
+        if source not in {"bindings.toml", SPEC}:
             assert (repo / target).read_text() == template_file(template, source).read_text()
-    assert (repo / CONTRACT).read_text() == (ROOT / "docs" / "spec.md").read_text()
+    # Beside the protocol, the contract it cites: this version's docs/spec.md, word for
+    # word, its links to the project's other pages (absent here) written as their paths.
+    spec = (ROOT / "docs" / "spec.md").read_text()
+    contract = (repo / CONTRACT).read_text()
+    assert contract == standalone_spec(spec)
+    headings = [line for line in spec.splitlines() if line.startswith("#")]
+    assert headings == [line for line in contract.splitlines() if line.startswith("#")]
+    assert "what to do on each: `docs/api.md#claims`." in contract
+    assert not re.findall(r"\]\((?!#)[^)]*\)", contract)  # no link leaves the file
 
     written = files_under(repo)
     again = await run_cli("init", "--region", "us", "--regions",
@@ -149,8 +159,10 @@ def test_init_takes_the_contract_an_installed_template_carries(tmp_path: Path) -
     bindings = load_bindings(ROOT / ".fencemark/bindings.toml")
     with pytest.raises(AdoptError, match="specification is not installed"):
         render(installed, bindings)
-    (installed / "spec.md").write_text("# The installed contract\n")
-    assert render(installed, bindings)[str(CONTRACT)] == "# The installed contract\n"
+    (installed / "spec.md").write_text("# The installed contract\n\nSee [api.md](api.md).\n")
+    written = render(installed, bindings)[str(CONTRACT)]
+    assert written.startswith("# The installed contract\n\n> Written by `fencemark init`")
+    assert written.endswith("\n\nSee `docs/api.md`.\n")
 
 
 # -- mirror ---------------------------------------------------------------------------------

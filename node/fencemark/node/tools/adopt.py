@@ -13,6 +13,7 @@ differs without ``--force``; a second run changes nothing. ``fencemark mcp --bin
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import subprocess
 import sys
@@ -26,7 +27,8 @@ from fencemark.node.rules.errors import InvalidInput
 
 BINDINGS = Path(".fencemark/bindings.toml")
 # The contract the protocol cites (SPEC §n): `init` writes the installed version's
-# docs/spec.md beside the protocol, so that its links resolve in the repository.
+# docs/spec.md beside the protocol, so that the protocol's links resolve in the
+# repository, with its own links to other pages of the project made plain paths.
 CONTRACT = Path(".fencemark/spec.md")
 SPEC = "spec.md"  # its name in an installed template directory
 # template file -> where `init` writes it, relative to the repository's root
@@ -42,6 +44,13 @@ LAYOUT = {
     "mcp/http.json": ".fencemark/mcp-http.json",
 }
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+# A link of docs/spec.md to another page of the project (not to a section of its own,
+# not a URL): the pages do not come with the copy `init` writes.
+PAGE_LINK = re.compile(r"\[([^\]]+)\]\((?!#|[A-Za-z][A-Za-z0-9+.-]*:)([^)\s]+)\)")
+STANDALONE_NOTE = (
+    "> Written by `fencemark init` from Fencemark's `docs/spec.md`. The paths it\n"
+    "> names (`docs/...`, `proto/...`) are pages of Fencemark's repository.\n"
+)
 DEFAULT_PORT = 7400
 DEFAULT_TOPIC = "backlog"
 
@@ -98,6 +107,25 @@ def spec_file(template: Path) -> Path:
         f"the specification is not installed beside the template ({template / SPEC}):"
         " copy the repository's docs/spec.md there"
     )
+
+
+def standalone_spec(text: str) -> str:
+    """docs/spec.md as ``init`` writes it into a repository: each link to another page
+    of the project becomes that page's path in Fencemark's repository (the page is not
+    there to link to), and a note under the title says so. Links to the
+    specification's own sections stay links."""
+
+    def named(link: re.Match[str]) -> str:
+        label, target = link[1], link[2]
+        path, _, anchor = target.partition("#")
+        page = posixpath.normpath(posixpath.join("docs", path)) + (
+            "/" if path.endswith("/") else ""
+        )
+        where = f"`{page}{'#' + anchor if anchor else ''}`"
+        return where if label.strip("`") in (path, page) else f"{label} ({where})"
+
+    title, _, rest = PAGE_LINK.sub(named, text).partition("\n\n")
+    return f"{title}\n\n{STANDALONE_NOTE}\n{rest}"
 
 
 def template_file(template: Path, source: str) -> Path:
@@ -184,8 +212,8 @@ def git_repo_name(directory: Path) -> str | None:
 
 def render(template: Path, bindings: Bindings) -> dict[str, str]:
     """Every file ``init`` writes, by path relative to the repository: the template's
-    files and the contract as they are, the bindings file with its placeholders
-    filled."""
+    files as they are, the bindings file with its placeholders filled, and the
+    contract standing alone (``standalone_spec``)."""
     values = {
         "repo": bindings.repo,
         "region": bindings.region,
@@ -196,6 +224,8 @@ def render(template: Path, bindings: Bindings) -> dict[str, str]:
         text = template_file(template, source).read_text()
         if source == "bindings.toml":
             text = PLACEHOLDER.sub(lambda m: values[m[1]], text)
+        elif source == SPEC:
+            text = standalone_spec(text)
         out[target] = text
     return out
 
