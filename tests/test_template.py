@@ -11,13 +11,10 @@ memory; listing its tools calls no node.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
-import os
 import re
 import shlex
-import subprocess
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,21 +43,7 @@ BINDINGS = TEMPLATE / "bindings.toml"
 AGENTS = {"worker": TEMPLATE / "agents" / "worker.md", "pm": TEMPLATE / "agents" / "backlog-pm.md"}
 
 
-def spec_path() -> Path:
-    """The contract, ``shared/SPEC.md`` beside the repository — or beside the one this
-    clone was made from (``.ci/run`` tests a fresh clone elsewhere)."""
-    candidates = [ROOT.parent / "shared" / "SPEC.md"]
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        origin = subprocess.run(
-            ["git", "-C", str(ROOT), "remote", "get-url", "origin"],
-            capture_output=True, text=True, check=True, timeout=10,
-        ).stdout.strip()  # fmt: skip
-        if origin and Path(origin).is_dir():
-            candidates.append(Path(origin).resolve().parent / "shared" / "SPEC.md")
-    return next((p for p in candidates if p.is_file()), candidates[0])
-
-
-SPEC = spec_path()  # the contract lives beside the repository
+SPEC = ROOT / "docs" / "spec.md"  # the contract; `fencemark init` writes it beside the protocol
 
 SERVER = "fencemark"  # the server's name in the MCP configuration
 PREFIX = f"mcp__{SERVER}__"  # how Claude Code names an MCP server's tools
@@ -296,17 +279,22 @@ def test_every_rule_of_the_protocol_cites_the_spec() -> None:
 
 
 def test_every_cited_spec_section_exists() -> None:
-    if not SPEC.is_file():
-        message = f"{SPEC} is not beside the repository: the sections cannot be checked"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # under CI nothing is skipped
-        pytest.skip(message)
-    sections = set(re.findall(r"^## (\d+)\.", SPEC.read_text(), re.MULTILINE))
+    sections = set(re.findall(r"^## (\d+)\. ", SPEC.read_text(), re.MULTILINE))
     cited: set[str] = set()
     for path in TEMPLATE.rglob("*.md"):
-        for group in re.findall(r"SPEC (§\d+(?:, §\d+)*)", path.read_text()):
+        plain = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", path.read_text())  # links as their text
+        for group in re.findall(r"SPEC (§\d+(?:, §\d+)*)", plain):
             cited |= set(re.findall(r"§(\d+)", group))
     assert cited and cited <= sections, sorted(cited - sections)
+
+
+def test_the_protocol_links_each_cited_section_to_the_spec_beside_it() -> None:
+    """Init writes the contract as .fencemark/spec.md, beside the protocol: a citation
+    links there (tests/test_links.py follows every link after a real init)."""
+    text = PROTOCOL.read_text()
+    linked = re.findall(r"\[(?:SPEC )?§(\d+)\]\(spec\.md#(\d+)-[a-z0-9-]+\)", text)
+    assert len(linked) >= len(re.findall(r"§\d+", text)) > 10
+    assert all(cited == anchored for cited, anchored in linked)
 
 
 # -- bindings and MCP configuration --------------------------------------------------
