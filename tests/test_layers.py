@@ -91,3 +91,17 @@ def test_no_shipped_loop_waits_with_wait_for() -> None:
                 if isinstance(node, ast.Attribute) and node.attr == "wait_for":
                     offenders.append(f"{path.relative_to(root.parent)}:{node.lineno}")
     assert not offenders, f"use asyncio.timeout instead of asyncio.wait_for: {offenders}"
+
+
+def test_the_architecture_quotes_the_assembly_of_the_layers_as_start_makes_it() -> None:
+    """docs/architecture.md shows ``NodeServer.start``'s one call per layer: each
+    line it quotes is a line of ``start``, in the same order."""
+    doc = (NODE.parents[2] / "docs" / "architecture.md").read_text()
+    quoted = doc.split("reads as the [layers](#layers)", 1)[1].split("```python\n", 1)[1]
+    quoted_lines = [line.split("#")[0].strip() for line in quoted.split("```", 1)[0].splitlines()]
+    source = (NODE / "api" / "server.py").read_text()
+    start = source.split("    async def start(cls", 1)[1].split("\n    def ", 1)[0]
+    code = [line.split("#")[0].strip() for line in start.splitlines()]
+    positions = [code.index(line) for line in quoted_lines if line]
+    assert len(positions) == len([line for line in quoted_lines if line])
+    assert positions == sorted(positions)

@@ -855,7 +855,7 @@ async def test_a_node_with_a_fast_clock_is_refused_by_its_peers(
     the rounds us refused, a round us starts refuses ap's states, and us still
     replicates its own writes to ap.
     """
-    from fencemark.node.api import server
+    from fencemark.node.api import assembly
     from fencemark.node.crdt import HybridClock
 
     def fast_clock(**kwargs: Any) -> HybridClock:
@@ -864,7 +864,7 @@ async def test_a_node_with_a_fast_clock_is_refused_by_its_peers(
     async with Cluster(tmp_path, ["us", "ap"], anti_entropy_interval=0.1) as cluster:
         us = await cluster.start("us")
         with monkeypatch.context() as patch:
-            patch.setattr(server, "HybridClock", fast_clock)
+            patch.setattr(assembly, "HybridClock", fast_clock)
             ap = await cluster.start("ap")
         async with AsyncClient(ap.address) as at_ap, AsyncClient(us.address) as at_us:
             from_ap = (await at_ap.remember(REPO, "skew", "from-ap", body="ahead")).record
