@@ -327,12 +327,29 @@ async def write_through_faults(
     return at_fault
 
 
+async def claims_at_rest(client: AsyncClient) -> bool:
+    """Every claim on the topic's records ended: released, or its lapse recorded.
+    (Regression: a lapse recorded between the mark and the listing made a record's
+    last event before the mark differ from its state.)"""
+    async for record in client.iter_records(REPO, topic=TOPIC, include_deleted=True):
+        if not record.fence:
+            continue
+        events = (await client.history(record.key)).events
+        ended = [e for e in events if e.fencing_token == record.fence]
+        if not any(e.kind not in ("granted", "renewed") for e in ended):
+            return False
+    return True
+
+
 async def read_to_the_mark(
     address: str, start: str, following: asyncio.Task[None], watcher: ProcessWatcher
 ) -> tuple[dict[str, bytes], list[Seen]]:
     """Once the writers are done: the mark, both watchers up to it, every record of the
     topic as the node holds it, and a fresh ``Watch`` from ``start`` to the mark."""
     async with AsyncClient(address, timeout=5.0, retries=4) as client:
+        # A claim whose answer was lost lapses LEASE_S after its grant, and its lapse
+        # changes the record: only once every claim ended is the mark the last change.
+        await until(functools.partial(claims_at_rest, client), "every claim ended")
         await client.remember(REPO, TOPIC, MARK)
         async with asyncio.timeout(WITHIN_S):
             await following
