@@ -11,8 +11,11 @@ A reader without a position (its first read, or a client with no session) gets
 every change kept. A topic nobody follows is not watched: its resource reads
 ``following: false`` and no changes.
 
-The last subscriber gone (an unsubscribe, a listen stream ended, a session
-closed) ends the topic's stream at the node. Notifications are best effort: a
+The same stream tells the server's keepalives (``fencemark.mcp.holds``) of every
+change of a topic in which a session keeps a claim alive: they ``observe`` it, and
+follow it as subscribers do. The last subscriber or observer gone (an
+unsubscribe, a listen stream ended, a kept claim ended, a session closed) ends the
+topic's stream at the node. Notifications are best effort: a
 session's are sent one at a time, and changes that come while one is on its way
 make one more notification, not one each.
 """
@@ -42,7 +45,13 @@ from mcp_types import (
     UnsubscribeRequestParams,
 )
 
-from fencemark.client import AsyncClient, CursorExpired, InvalidArgument, PermissionDenied
+from fencemark.client import (
+    AsyncClient,
+    CursorExpired,
+    InvalidArgument,
+    PermissionDenied,
+    WatchEvent,
+)
 from fencemark.mcp.models import ChangeOut, ChangesOut
 from fencemark.mcp.outcomes import argument_name
 from fencemark.mcp.sessions import Session, session_of
@@ -52,12 +61,14 @@ __all__ = [
     "URI_TEMPLATE",
     "FeedHub",
     "FeedRefused",
+    "Observer",
     "SessionFeeds",
     "listening",
     "on_subscribe",
     "on_unsubscribe",
     "parse_uri",
     "read_changes",
+    "uri_of_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,7 +77,12 @@ KEPT = 100  # changes kept per followed topic, for reading
 ListenHandler_ = Callable[
     [ServerRequestContext[Any, Any], SubscriptionsListenRequestParams], Awaitable[HandlerResult]
 ]
+# Called with a followed uri and each change of it as the node's feed told it, or
+# None where changes were missed (the feed moved on past the stream's cursor). It
+# runs in the follower's task: it must not block, and nothing it raises stops others.
+Observer = Callable[[str, WatchEvent | None], None]
 _URI = re.compile(r"fencemark://(?P<repo>[^/?#]+)/(?P<topic>[^/?#]+)/changes")
+_KEY = re.compile(r"repo/(?P<repo>[^/]+)/mem/(?P<topic>[^/]+)/[^/]+")
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a repo's or a topic's name (SPEC §2)
 
 
@@ -103,15 +119,23 @@ def parse_uri(uri: str) -> tuple[str, str]:
     return found["repo"], found["topic"]
 
 
+def uri_of_key(key: str) -> str | None:
+    """The changes resource of ``key``'s topic (``repo/lattice/mem/backlog/x`` ->
+    ``fencemark://lattice/backlog/changes``); ``None`` for a key of no such shape."""
+    found = _KEY.fullmatch(key)
+    return None if found is None else URI_TEMPLATE.format(**found.groupdict())
+
+
 @dataclass(eq=False)
 class _Follower:
-    """One ``Records.Watch`` of a topic, shared by its subscribers."""
+    """One ``Records.Watch`` of a topic, shared by its subscribers and observers."""
 
     client: AsyncClient
     bus: SubscriptionBus
     uri: str
     readers: set[SessionFeeds] = field(default_factory=set)
     listening: int = 0  # subscriptions/listen streams naming the uri
+    observers: set[Observer] = field(default_factory=set)
     kept: deque[tuple[int, ChangeOut]] = field(default_factory=lambda: deque(maxlen=KEPT))
     seq: int = 0  # changes seen; a gap in the feed counts as one more
     opened: asyncio.Future[str] | None = None
@@ -120,6 +144,11 @@ class _Follower:
     @property
     def live(self) -> bool:
         return self.task is not None and not self.task.done()
+
+    @property
+    def idle(self) -> bool:
+        """Nobody follows the uri any more: no reader, listen stream or observer."""
+        return not self.readers and not self.listening and not self.observers
 
     def start(self) -> None:
         self.opened = asyncio.get_running_loop().create_future()
@@ -167,11 +196,20 @@ class _Follower:
                 async for event in self.client.watch(repo, topic=topic, on_start=started):
                     self.seq += 1
                     self.kept.append((self.seq, ChangeOut.of(event)))
+                    self._observe(event)
                     await self._tell()
             except CursorExpired:  # fell out of the node's window: some changes are gone
                 log.warning("following %s: changes were missed; following from now", self.uri)
                 self.seq += 1
+                self._observe(None)
                 await self._tell()
+
+    def _observe(self, event: WatchEvent | None) -> None:
+        for observer in list(self.observers):
+            try:
+                observer(self.uri, event)
+            except Exception:  # one observer's bug must not stop the feed for the others
+                log.exception("an observer of %s failed", self.uri)
 
     async def _tell(self) -> None:
         for reader in list(self.readers):
@@ -211,7 +249,7 @@ class FeedHub:
         try:
             await follower.ready()
         except FeedRefused:
-            if not follower.readers and not follower.listening:
+            if follower.idle:
                 self.followers.pop(uri, None)
             raise
         return follower
@@ -228,6 +266,30 @@ class FeedHub:
         follower.listening += 1
         return follower.seq
 
+    async def observe(self, uri: str, observer: Observer) -> None:
+        """Call ``observer`` with every change of ``uri`` from now (once the node's
+        stream is open, when this returns) until ``unobserve``; raise ``FeedRefused``
+        if the stream will not open. Observing again is observing once."""
+        parse_uri(uri)
+        follower = self.followers.get(uri)
+        if follower is None:
+            follower = self.followers[uri] = _Follower(self.client, self.bus, uri)
+        # Counted before waiting: a last subscriber leaving meanwhile keeps it running.
+        follower.observers.add(observer)
+        try:
+            await self._running(uri)
+        except FeedRefused:
+            follower.observers.discard(observer)
+            if follower.idle and self.followers.get(uri) is follower:
+                del self.followers[uri]
+            raise
+
+    async def unobserve(self, uri: str, observer: Observer) -> None:
+        follower = self.followers.get(uri)
+        if follower is not None:
+            follower.observers.discard(observer)
+            await self._left(uri, follower)
+
     async def unsubscribe(self, uri: str, reader: SessionFeeds | None = None) -> None:
         """``reader`` (``None``: a listen stream) no longer follows ``uri``."""
         follower = self.followers.get(uri)
@@ -237,7 +299,10 @@ class FeedHub:
             follower.listening = max(0, follower.listening - 1)
         else:
             follower.readers.discard(reader)
-        if not follower.readers and not follower.listening:
+        await self._left(uri, follower)
+
+    async def _left(self, uri: str, follower: _Follower) -> None:
+        if follower.idle:
             del self.followers[uri]
             await follower.stop()
 
