@@ -7,6 +7,30 @@ no renewal races it) or the session ends (``close``): the renewals stop, nothing
 is released, and the claim lapses at its home when its lease runs out, as any
 claim whose holder went away.
 
+A claim ends without its own renewal saying so when the change feed the server
+follows (``fencemark.mcp.feed``: one ``Records.Watch`` per topic, shared with the
+resource's subscribers) shows it ended: released by anyone (another session of the
+same identity too), lapsed, taken back, superseded by a newer grant, the record
+deleted. The hold then ends at once, with the reason its renewal would have
+answered; its renewals stop. Which claim a change is about is told by tokens, never
+by the order changes arrive in (a feed may lag behind the home):
+
+- a change whose record's fence is below the kept token is older than the grant
+  (however late it comes): it says nothing of it;
+- a fence above the token is final, as the fence never goes down: ``superseded``
+  (``missing`` when the change deleted the record), without asking the home;
+- a fence equal to the token with an ending word (``released``, ``lapsed``,
+  ``done``, ``failed``, ``deferred``, ``parked``, ``deleted``) is asked of the home
+  at once with a renewal, whose refusal is the reason: the word says the most of
+  what one commit did, which may be the end of the claim before it (a grant that
+  records its predecessor's lapse is ``lapsed``), so it alone proves nothing.
+
+Changes the feed missed (its cursor fell out of the node's window) are asked of the
+home the same way. The feed is an earlier signal, not the only one: where the
+server cannot follow the topic, or for a change made before its stream of the
+topic opened (the first claim kept in a topic opens it just after the grant), the
+next renewal still finds the end.
+
 A loss (superseded, expired, released, missing, unreachable, a refusal) is kept
 and told: in a log message on the session's own channel where its era has one
 (best effort, ``notifications/message``, logger ``fencemark.keepalive``), and in
@@ -19,13 +43,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mcp.server.mcpserver.context import Context
 from mcp_types import CallToolResult, LoggingMessageNotification, LoggingMessageNotificationParams
 
-from fencemark.client import AsyncClient, ClaimNextResult, ClaimResult, Hold
+from fencemark.client import (
+    AsyncClient,
+    ClaimNextResult,
+    ClaimResult,
+    FencemarkError,
+    Hold,
+    Unavailable,
+    WatchEvent,
+)
+from fencemark.mcp.feed import FeedHub, FeedRefused, uri_of_key
 from fencemark.mcp.models import ClaimNextOut, KeepAliveOut
 from fencemark.mcp.outcomes import error_result, with_keep_alive
 from fencemark.mcp.sessions import Session, session_of
@@ -35,6 +68,9 @@ __all__ = ["LOGGER", "MAX_KEPT", "KeepAlives", "SessionHolds"]
 log = logging.getLogger(__name__)
 LOGGER = "fencemark.keepalive"  # the logger name of the log messages a loss sends
 MAX_KEPT = 256  # claims one session may keep alive at once
+SUPERSEDED, MISSING = "superseded", "missing"  # the reasons a renewal would answer
+# The feed's words for a change that may have ended the claim of the record's fence.
+ENDING_KINDS = frozenset({"released", "lapsed", "done", "failed", "deferred", "parked", "deleted"})
 
 
 @dataclass
@@ -46,6 +82,9 @@ class _Kept:
     reason: str = ""
     hold: Hold | None = None
     task: asyncio.Task[None] | None = None
+    # Set when the feed showed the claim may have ended (or ended it: state "lost").
+    doubt: asyncio.Event = field(default_factory=asyncio.Event)
+    following: str = ""  # the changes uri observed for it, until it ends
 
     def out(self) -> KeepAliveOut:
         return KeepAliveOut(
@@ -66,10 +105,12 @@ class _Kept:
 class SessionHolds:
     """The claims one session keeps alive, by key (a session part)."""
 
-    def __init__(self, client: AsyncClient, session: Session) -> None:
+    def __init__(self, client: AsyncClient, session: Session, hub: FeedHub | None = None) -> None:
         self.client = client
         self.session = session
+        self.hub = hub
         self._kept: dict[str, _Kept] = {}
+        self._following: dict[str, int] = {}  # changes uri -> kept claims observing it
 
     def has_room(self, key: str) -> bool:
         """Whether the session may keep one more claim (of ``key``) alive."""
@@ -79,17 +120,25 @@ class SessionHolds:
     async def start(
         self, key: str, claim: ClaimResult | ClaimNextResult, lease_seconds: float
     ) -> KeepAliveOut:
-        """Keep the granted ``claim`` of ``key`` alive (the same one again: as it is)."""
+        """Keep the granted ``claim`` of ``key`` alive (the same one again: as it is).
+
+        Returns once the feed of the key's topic is followed (or cannot be): a change
+        after the answer reaches the hold."""
         found = self._kept.get(key)
         if found is not None and found.token == claim.fencing_token and found.state == "holding":
             return found.out()
-        if found is not None:
-            await found.cancel()
         if len(self._kept) >= MAX_KEPT:  # forget the oldest ended ones first
             for ended in [k for k, kept in self._kept.items() if kept.state != "holding"]:
                 del self._kept[ended]
         kept = _Kept(key, claim.fencing_token, lease_seconds)
         self._kept[key] = kept
+        await self._follow(kept)  # before the older hold lets go: the stream stays open
+        if found is not None:
+            await found.cancel()
+            await self._unfollow(found)
+        if self._kept.get(key) is not kept:  # the session closed, or a later start replaced it
+            await self._unfollow(kept)
+            return kept.out()
         kept.task = asyncio.create_task(self._keep(kept, claim), name=f"keepAlive {key}")
         return kept.out()
 
@@ -99,6 +148,7 @@ class SessionHolds:
         if kept is None or kept.token != token:
             return None
         await kept.cancel()
+        await self._unfollow(kept)
         del self._kept[key]
         if kept.state == "holding":
             kept.state = "stopped"
@@ -113,13 +163,93 @@ class SessionHolds:
         kept, self._kept = list(self._kept.values()), {}
         for one in kept:
             await one.cancel()
+            await self._unfollow(one)
 
     async def _keep(self, kept: _Kept, claim: ClaimResult | ClaimNextResult) -> None:
         async with self.client.hold(claim, key=kept.key, lease_seconds=kept.lease_seconds) as hold:
             kept.hold = hold
-            reason = await hold.wait_lost()
-        kept.state, kept.reason = "lost", reason
+            reason = await self._until_lost(kept, hold)
+        self._lose(kept, reason)
         await self._tell(kept)
+        await self._unfollow(kept)
+
+    async def _until_lost(self, kept: _Kept, hold: Hold) -> str:
+        """Why the claim is over: a renewal's answer, or what the feed showed."""
+        renewals = asyncio.ensure_future(hold.wait_lost())
+        try:
+            while True:
+                doubt = asyncio.ensure_future(kept.doubt.wait())
+                await asyncio.wait({renewals, doubt}, return_when=asyncio.FIRST_COMPLETED)
+                doubt.cancel()
+                if renewals.done():
+                    return renewals.result()
+                if kept.state != "holding":
+                    return kept.reason  # the feed showed it over for certain
+                kept.doubt.clear()
+                reason = await self._ask_home(kept)
+                if reason:
+                    return reason
+        finally:
+            renewals.cancel()
+
+    async def _ask_home(self, kept: _Kept) -> str:
+        """Renew now: why the home refuses, or ``""`` (renewed, or no answer: the
+        hold's own renewals go on)."""
+        try:
+            renewed = await self.client.renew_claim(
+                kept.key, kept.token, lease_seconds=kept.lease_seconds
+            )
+        except Unavailable:
+            return ""
+        except FencemarkError as refused:  # e.g. not_holder, as the hold's renewal says it
+            return str(getattr(refused, "reason", "")) or refused.code.name.lower()
+        return "" if renewed.renewed else renewed.reason
+
+    def _lose(self, kept: _Kept, reason: str) -> None:
+        if kept.state == "holding":
+            kept.state, kept.reason = "lost", reason
+        kept.doubt.set()
+
+    def _seen(self, uri: str, event: WatchEvent | None) -> None:
+        """A change of a followed topic (``None``: changes were missed), in the
+        follower's task: decided by tokens alone (the module docstring)."""
+        if event is None:
+            for each in self._kept.values():
+                if each.following == uri and each.state == "holding":
+                    each.doubt.set()
+            return
+        kept = self._kept.get(event.key)
+        if kept is None or kept.state != "holding":
+            return
+        record = event.record
+        if record.fence < kept.token:
+            return  # a change from before the grant, however late it arrives
+        if record.fence > kept.token:
+            self._lose(kept, MISSING if record.deleted else SUPERSEDED)
+        elif event.kind in ENDING_KINDS or record.deleted:
+            kept.doubt.set()
+
+    async def _follow(self, kept: _Kept) -> None:
+        uri = uri_of_key(kept.key)
+        if self.hub is None or uri is None:
+            return
+        try:
+            await self.hub.observe(uri, self._seen)
+        except FeedRefused as refused:  # the renewals alone will find its end
+            log.info("keepAlive of %s: the topic's feed cannot be followed: %s", kept.key, refused)
+            return
+        kept.following = uri
+        self._following[uri] = self._following.get(uri, 0) + 1
+
+    async def _unfollow(self, kept: _Kept) -> None:
+        uri, kept.following = kept.following, ""
+        if not uri or self.hub is None:
+            return
+        left = self._following.pop(uri) - 1
+        if left:
+            self._following[uri] = left
+        else:
+            await self.hub.unobserve(uri, self._seen)
 
     async def _tell(self, kept: _Kept) -> None:
         notifier = self.session.notifier
@@ -145,11 +275,12 @@ class SessionHolds:
 class KeepAlives:
     """Where the tools find a session's holds, and what they say without one."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, hub: FeedHub | None = None) -> None:
         self.client = client
+        self.hub = hub  # the feeds whose changes end holds early; None: renewals alone
 
     def _make(self, session: Session) -> SessionHolds:
-        return SessionHolds(self.client, session)
+        return SessionHolds(self.client, session, self.hub)
 
     def found(self, ctx: Context[Any, Any]) -> SessionHolds | None:
         """The holds of the request's session, if it has kept any claim alive."""

@@ -117,7 +117,8 @@ class RepoContextServer(MCPServer[Any]):
             title="A topic's changes",
             description="What changed in a topic (created, claimed, released, done, ...) since "
             "you last read it, with feed cursors. Subscribe to it to be notified of each change "
-            "(notifications/resources/updated); it is followed only while someone subscribes.",
+            "(notifications/resources/updated); it is followed only while someone subscribes "
+            "or keeps a claim of the topic alive.",
             mime_type="application/json",
         )(changes)
         lowlevel = self._lowlevel_server
@@ -147,9 +148,10 @@ def create_server(
     input schema lists (``fencemark.mcp.arguments``). ``http``: the server is
     served over streamable HTTP, whose 2026-07-28 requests share no session.
     """
-    tools = WorkTools(client, KeepAlives(client))
-    specs = (*MUTATING_TOOLS, *WORK_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
     bus = InMemorySubscriptionBus()
+    hub = FeedHub(client, bus)  # the feeds followed: for subscribers and for keepalives
+    tools = WorkTools(client, KeepAlives(client, hub))
+    specs = (*MUTATING_TOOLS, *WORK_TOOLS, *READ_TOOLS) if writes_enabled else READ_TOOLS
     server = RepoContextServer(
         SERVER_NAME,
         instructions=INSTRUCTIONS,
@@ -159,7 +161,7 @@ def create_server(
         lifespan=session_lifespan(streams_are_sessions=not http),
         subscriptions=bus,
     )
-    server.serve_feeds(FeedHub(client, bus))
+    server.serve_feeds(hub)
     return server
 
 
