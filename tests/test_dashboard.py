@@ -242,20 +242,46 @@ def status_as(url: str, certs: Path, name: str) -> int:
         return refused.code
 
 
+async def test_silent_connections_never_reach_the_dashboard(start_node: StartNode) -> None:
+    """Issue 43: a connection that sends nothing is kept by the kernel until it speaks
+    (``TCP_DEFER_ACCEPT``, fencemark.node.api.handshakes): 200 of them are never met,
+    while a page asked for meanwhile is served."""
+    node = await start_node(dashboard_listen="127.0.0.1:0")
+    address = ("127.0.0.1", node.dashboard_port)
+    idle = await asyncio.to_thread(lambda: [socket.create_connection(address) for _ in range(200)])
+    try:
+        site = node._dashboard.site if node._dashboard is not None else None
+        assert site is not None
+        page = await asyncio.to_thread(_get, node.dashboard_port, "/")
+        assert page.startswith(b"HTTP/1.1 200 OK")
+        assert site.connections == 1  # the page's, and none of the silent ones
+    finally:
+        for sock in idle:
+            sock.close()
+
+
 async def test_idle_connections_cost_no_thread_and_are_closed(
     start_node: StartNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 33, finding 2: 500 idle connections to the dashboard took the node from
     14 to 514 threads, held until the client closed them. Now a connection is a task
     on the node's loop: no thread, at most MAX_CONNECTIONS at once (more are closed at
-    once), and one that sends no request is closed after REQUEST_TIMEOUT_S."""
+    once), and one that sends no whole request is closed after REQUEST_TIMEOUT_S
+    (each of these sends one byte: a silent one never reaches the node at all)."""
     monkeypatch.setattr(dashboard, "REQUEST_TIMEOUT_S", 1.0)
     node = await start_node(dashboard_listen="127.0.0.1:0")
     await asyncio.to_thread(lambda: None)  # the loop's worker thread, before counting
     threads = threading.active_count()
     address = ("127.0.0.1", node.dashboard_port)
+
+    def started(count: int) -> list[socket.socket]:
+        socks = [socket.create_connection(address) for _ in range(count)]
+        for sock in socks:
+            sock.sendall(b"G")  # a request begun, never finished
+        return socks
+
     # Connected from another thread: the node's loop accepts them meanwhile.
-    idle = await asyncio.to_thread(lambda: [socket.create_connection(address) for _ in range(200)])
+    idle = await asyncio.to_thread(started, 200)
     try:
         site = node._dashboard.site if node._dashboard is not None else None
         assert site is not None
@@ -276,6 +302,16 @@ async def test_idle_connections_cost_no_thread_and_are_closed(
     finally:
         for sock in idle:
             sock.close()
+
+
+def _get(port: int, path: str) -> bytes:
+    """One plain HTTP GET of the dashboard: its whole answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def test_a_burst_of_viewers_shares_one_snapshot_within_a_rate(

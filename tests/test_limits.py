@@ -35,6 +35,7 @@ from fencemark.v1 import (
 from tests.cluster import Cluster, eventually, synced_since
 from tests.conftest import StartNode
 from tests.metrics import counters, gauges, refusals
+from tests.ports import free_port
 
 HOLD_S = 30.0
 
@@ -136,14 +137,29 @@ async def watching(channel: grpc.aio.Channel, count: int) -> AsyncIterator[None]
 
 
 @pytest.mark.slow
-async def test_each_class_of_call_has_a_budget_of_its_own(start_node: StartNode) -> None:
-    """Regression: gRPC's one pool of calls let any class of call starve the others."""
-    node = await start_node(max_concurrent_reads=2, max_concurrent_writes=2)
-    async with AsyncClient(node.address, retries=0) as client:
+async def test_each_class_of_call_has_a_budget_of_its_own(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """Regression: gRPC's one pool of calls let any class of call starve the others.
+    Two identities' streams fill the read budget (one client alone may not: below)."""
+    certs = tmp_path / "certs"
+    init_dir(certs, regions=["us", "eu"], clients=["alice", "bob"])
+    node = await start_node(
+        "us",
+        tls=TlsFiles.in_dir(certs, "us"),
+        peers={"eu": f"127.0.0.1:{free_port()}"},  # a peer that may call replication
+        max_concurrent_reads=2,
+        max_concurrent_writes=2,
+        max_streams_per_client=1,
+    )
+    alice_credentials = tls_credentials(certs, "alice")
+    async with AsyncClient(node.address, credentials=alice_credentials, retries=0) as client:
         key = (await client.remember("limits", "t", "budget", title="x")).record.key
         async with (
-            grpc.aio.insecure_channel(node.address) as channel,
-            watching(channel, 2),  # the read budget is full ...
+            grpc.aio.secure_channel(node.address, alice_credentials) as channel,
+            grpc.aio.secure_channel(node.address, tls_credentials(certs, "bob")) as bobs,
+            watching(channel, 1),
+            watching(bobs, 1),  # the read budget is full ...
         ):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await records_pb2_grpc.RecordsStub(channel).Get(
@@ -153,15 +169,17 @@ async def test_each_class_of_call_has_a_budget_of_its_own(start_node: StartNode)
             info = _error_info(refused.value)
             assert info.metadata["resource"] == "concurrent read calls"
             assert info.metadata["limit"] == "2"
-            one_more = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            one_more = health_pb2_grpc.HealthStub(bobs).Watch(health_pb2.HealthCheckRequest())
             with pytest.raises(grpc.aio.AioRpcError) as streams_refused:
                 await one_more.read()  # streams count too
             assert streams_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             # ... and writes, health checks and replication have budgets of their own.
             assert (await client.update(key, fields={"body": "b"})).fields["body"] == "b"
             assert await client.health() == "SERVING"
-            tree = replication_pb2.TreeRequest(origin=replication_pb2.Origin(region="eu"))
-            await replication_pb2_grpc.ReplicationStub(channel).Tree(tree, timeout=5)
+            eu = TlsFiles.in_dir(certs, "eu").channel_credentials()
+            async with grpc.aio.secure_channel(node.address, eu) as peer:
+                tree = replication_pb2.TreeRequest(origin=replication_pb2.Origin(region="eu"))
+                await replication_pb2_grpc.ReplicationStub(peer).Tree(tree, timeout=5)
 
         # The slots come back once the node hears of each stream's cancellation (its
         # own message, after the client's cancel() returned: wait for it, bounded).
@@ -175,10 +193,25 @@ async def test_each_class_of_call_has_a_budget_of_its_own(start_node: StartNode)
     assert refusals(node)[("Get", "resource_exhausted")] == 1
 
 
+async def test_one_clients_streams_may_not_reach_the_read_budget(
+    start_node: StartNode, tmp_path: Path
+) -> None:
+    """Issue 43: ``--max-streams-per-client`` at or above the read budget let one
+    identity hold every read slot with its streams (10 Watch streams filled a budget
+    of 10). Such a pair of limits is refused at start, naming both flags."""
+    with pytest.raises(ValueError, match=r"--max-streams-per-client \(10\) must be below"):
+        await start_node(max_concurrent_reads=10, max_streams_per_client=10)
+    node = await start_node(max_concurrent_reads=10, max_streams_per_client=9)
+    assert node.config.call_limits.problem() == ""
+
+
 @pytest.mark.slow
 async def test_claims_waiting_in_line_hold_no_call_slot(start_node: StartNode) -> None:
     node = await start_node(
-        max_concurrent_reads=2, max_concurrent_writes=2, max_waiters_per_client=10
+        max_concurrent_reads=2,
+        max_concurrent_writes=2,
+        max_streams_per_client=1,
+        max_waiters_per_client=10,
     )
     async with AsyncClient(node.address, retries=0) as client:
         key = await held_record(node, client)
@@ -283,7 +316,12 @@ async def test_waiting_claims_of_several_identities_leave_health_reads_and_repli
     init_dir(certs, regions=["us", "eu"], clients=["alice", *agents])
     scaled = {f"max_concurrent_{kind}": 10 for kind in ("reads", "writes", "replication", "health")}
     async with Cluster(
-        tmp_path / "nodes", ["us", "eu"], max_waiters=100, max_waiters_per_client=4, **scaled
+        tmp_path / "nodes",
+        ["us", "eu"],
+        max_waiters=100,
+        max_waiters_per_client=4,
+        max_streams_per_client=4,
+        **scaled,
     ) as cluster:
         us = await cluster.start("us", tls=TlsFiles.in_dir(certs, "us"))
         eu = await cluster.start("eu", tls=TlsFiles.in_dir(certs, "eu"))

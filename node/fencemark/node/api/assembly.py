@@ -28,6 +28,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fencemark.node.api import dashboard, metrics_http
 from fencemark.node.api.authz import DEFAULT_ACCESS, Authorize, caller_of
 from fencemark.node.api.budgets import CallBudgets, give_back
 from fencemark.node.api.claims_service import ClaimsService
@@ -35,6 +36,7 @@ from fencemark.node.api.config import NodeConfig
 from fencemark.node.api.connections import connection_options, peer_connection_options
 from fencemark.node.api.gate_follower import CLAIMS_SERVICE, GateFollower
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
+from fencemark.node.api.handshakes import defer_listeners
 from fencemark.node.api.interceptor import Chain, Interceptor, Registrar
 from fencemark.node.api.reflection import enable as enable_reflection
 from fencemark.node.api.replication import ReplicationService
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 # batches and merged states may be larger.
 MAX_RECEIVE_BYTES = 16 << 20
 MAX_SEND_BYTES = 64 << 20
+MAX_HANDSHAKE_TIMEOUT_S = 120.0  # gRPC's own default: a longer deadline is no bound
 # storage meta: "2" once every fence grant, birth and write under a claim made here
 # is signed ("1": grants and births, before writes were signed)
 OWN_SIGNED = "own_states_signed"
@@ -71,7 +74,8 @@ OWN_SIGNED_ALL = "2"
 
 @dataclass(frozen=True)
 class Connections:
-    """gRPC's options that bound each port's connections (``api.connections``)."""
+    """gRPC's options that bound each port's connections (``api.connections``) and
+    the time one has to complete its handshake (``api.handshakes``)."""
 
     client: list[tuple[str, int]]
     peer: list[tuple[str, int]] | None  # None: no peer listener
@@ -79,9 +83,25 @@ class Connections:
     @classmethod
     def of(cls, config: NodeConfig) -> Connections:
         """ValueError when a bound cannot be met: checked before anything opens."""
+        if problem := config.call_limits.problem():
+            raise ValueError(problem)
+        if not 0 < config.handshake_timeout_s <= MAX_HANDSHAKE_TIMEOUT_S:
+            raise ValueError(
+                f"handshake_timeout: more than 0 and at most {MAX_HANDSHAKE_TIMEOUT_S:.0f}"
+                f" seconds, got {config.handshake_timeout_s}"
+            )
+        handshake = [("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000))]
         peer = peer_connection_options(config.max_peer_connections) if config.peer_listen else None
-        reserved = config.max_peer_connections if peer else 0
-        return cls(connection_options(config.max_connections, reserved), peer)
+        # Descriptors set aside before the client port's bound is fitted to the
+        # open-file limit: the peer listener's, the dashboard's and the metrics'
+        # bounds, so a flood of clients cannot starve them, nor they the clients.
+        reserved = (
+            (config.max_peer_connections if peer else 0)
+            + (dashboard.MAX_CONNECTIONS if config.dashboard_listen else 0)
+            + (metrics_http.MAX_CONNECTIONS if config.metrics_listen else 0)
+        )
+        client = connection_options(config.max_connections, reserved)
+        return cls([*client, *handshake], None if peer is None else [*peer, *handshake])
 
 
 # -- store and core -----------------------------------------------------------------
@@ -313,9 +333,13 @@ def _grpc_server(connections: list[tuple[str, int]]) -> grpc.aio.Server:
             # same port would start and share its connections. Refuse instead.
             ("grpc.so_reuseport", 0),
             # Peers ping idle replication connections (replicator.KEEPALIVE_MS):
-            # accept those pings instead of answering GOAWAY "too_many_pings".
+            # accept those pings instead of answering GOAWAY "too_many_pings" — even
+            # several at once, as a node that stood still (a flood, a stall) reads
+            # the ones that waited in its socket: a ping only ever reaches a node
+            # over a connection that completed its handshake (authenticated, with TLS).
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
             # One more connection is closed as it comes, and a burst of one call per
             # connection waits for the loop (fencemark.node.api.connections).
             *connections,
@@ -390,10 +414,16 @@ async def serve_health(health: Any, names: list[str], *, catching_up: bool) -> N
 
 
 def listen(server: grpc.aio.Server, address: str, tls: LiveTls | None) -> int:
-    """Bind one of the node's ports (plaintext, or mutual TLS); OSError if it cannot."""
+    """Bind one of the node's ports (plaintext, or mutual TLS), its connections handed
+    over by the kernel only once they speak (``handshakes.defer_listeners``); OSError
+    if it cannot."""
     try:
         if tls is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, tls.server_credentials())
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.server_credentials())
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {address}: {exc}") from exc
+    if not defer_listeners(port):
+        log.warning("no listening socket of port %d found: it takes idle connections", port)
+    return port

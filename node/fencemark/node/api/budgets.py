@@ -66,6 +66,18 @@ class Limits:
     def of(self, kind: str) -> int:
         return int(getattr(self, kind))
 
+    def problem(self) -> str:
+        """What makes these limits unsafe together; "" if nothing. A client's long-lived
+        streams are reads: as many as the read budget let one client take every read
+        slot (issue 43), so they must stay below it."""
+        if self.streams_per_client >= self.read:
+            return (
+                f"--max-streams-per-client ({self.streams_per_client}) must be below"
+                f" --max-concurrent-reads ({self.read}): one client's streams would hold"
+                " every read slot"
+            )
+        return ""
+
 
 class _Slot:
     def __init__(self, budgets: CallBudgets, kind: str, client: str | None = None) -> None:

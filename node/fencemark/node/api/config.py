@@ -12,6 +12,7 @@ from pathlib import Path
 from fencemark.node.api.authz import AccessMap
 from fencemark.node.api.budgets import Limits
 from fencemark.node.api.connections import MAX_CONNECTIONS, MAX_PEER_CONNECTIONS
+from fencemark.node.api.handshakes import HANDSHAKE_TIMEOUT_S
 from fencemark.node.core.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replication.intake import MAX_LIST_RECORDS
@@ -68,6 +69,10 @@ class NodeConfig:
     # one more is closed as it comes (UNAVAILABLE, retried), never left to stall.
     max_connections: int = MAX_CONNECTIONS
     max_peer_connections: int = MAX_PEER_CONNECTIONS  # on peer_listen, if it is set
+    # Seconds a connection that sent its first bytes has to complete its handshake,
+    # on every port (fencemark.node.api.handshakes); one that sent nothing is kept
+    # out of the process by the kernel.
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
     # Attempts after which a failed or lapsed claim parks an item (SPEC §8), for
     # items without a maxAttempts:N tag.
     max_attempts: int = DEFAULT_MAX_ATTEMPTS

@@ -38,6 +38,7 @@ from importlib import resources
 from typing import Any
 
 from fencemark.node.api.authz import DEFAULT_ACCESS, AccessMap, Right
+from fencemark.node.api.handshakes import BACKLOG, HANDSHAKE_TIMEOUT_S, PendingGate, defer_accept
 from fencemark.node.api.telemetry import RecentRefusals
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.replica import Replica
@@ -56,8 +57,8 @@ IDLE_S = 2.0  # a snapshot at least this often on the stream, changes or not
 SAMPLES = 300  # the chart's window: five minutes of one-second samples
 MAX_SCANNED = 20_000  # records read for the backlog per snapshot; beyond, "partial"
 SLICE = 200  # records read between two hand-backs of the event loop
-MAX_CONNECTIONS = 64  # open at once; more are closed at once
-REQUEST_TIMEOUT_S = 10.0  # for a TLS handshake, and for a request to arrive
+MAX_CONNECTIONS = 64  # open at once, those in their TLS handshake included; more are closed
+REQUEST_TIMEOUT_S = 10.0  # for a request to arrive, once the handshake is done
 MAX_REQUEST_BYTES = 8192  # a request line and its headers
 SEND_TIMEOUT_S = 10.0  # a stream whose viewer takes nothing for this long is closed
 RATE, BURST = 5.0, 10.0  # snapshots (a page's stream counts one) per second per identity
@@ -260,9 +261,21 @@ class _Rate:
 class _Site:
     """The listener's connections, each a task on the node's loop."""
 
-    def __init__(self, dashboard: Dashboard, gate: _Gate | None) -> None:
+    def __init__(
+        self,
+        dashboard: Dashboard,
+        gate: _Gate | None,
+        tls: ssl.SSLContext | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
         self.dashboard = dashboard
         self.gate = gate
+        self.tls = tls
+        self.handshake_timeout_s = handshake_timeout_s
+        # Connections in their TLS handshake, per source address and in all
+        # (fencemark.node.api.handshakes): below MAX_CONNECTIONS, so a flood of them
+        # leaves room for viewers who completed theirs.
+        self.pending = PendingGate()
         self.open: set[asyncio.Task[Any]] = set()
         self.rate = _Rate()
         self.connections = 0  # accepted, ever
@@ -277,9 +290,19 @@ class _Site:
             self.refused_connections += 1
             writer.close()
             return
+        source = _address(writer)
+        if self.tls is not None and not self.pending.admit(source):
+            self.refused_connections += 1
+            writer.close()
+            return
         self.open.add(task)
         self.most_open = max(self.most_open, len(self.open))
         try:
+            if self.tls is not None:
+                try:
+                    await writer.start_tls(self.tls, ssl_handshake_timeout=self.handshake_timeout_s)
+                finally:
+                    self.pending.done(source)
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
                 head = await reader.readuntil(b"\r\n\r\n")
             await self._answer(head.decode("latin-1").split("\r\n", 1)[0].split(), writer)
@@ -383,11 +406,13 @@ async def serve(
     tls: TlsFiles | None = None,
     access: AccessMap | None = None,
     revocations: Revocations | None = None,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> tuple[int, Callable[[], Awaitable[None]]]:
     """Serve the dashboard on ``listen`` (HOST:PORT; port 0 picks one) on the running
     loop; returns the bound port and a stopper. HTTPS with client certificates when
     ``tls`` is given, their identities' rights from ``access``, refused when
-    ``revocations`` lists them."""
+    ``revocations`` lists them; a connection has ``handshake_timeout_s`` for its TLS
+    handshake once it spoke, and none reaches the node before (``api.handshakes``)."""
     host, _, port = listen.rpartition(":")
     context: ssl.SSLContext | None = None
     gate: _Gate | None = None
@@ -396,11 +421,13 @@ async def serve(
         context.load_cert_chain(str(tls.cert), str(tls.key))
         context.verify_mode = ssl.CERT_REQUIRED
         gate = _Gate(access or DEFAULT_ACCESS, revocations or Revocations())
-    site = _Site(dashboard, gate)
+    site = _Site(dashboard, gate, context, handshake_timeout_s)
+    # TLS is started per connection (_Site.connection), once it passed the bounds.
     server = await asyncio.start_server(
-        site.connection, host.strip("[]"), int(port), ssl=context, limit=MAX_REQUEST_BYTES,
-        ssl_handshake_timeout=REQUEST_TIMEOUT_S if context is not None else None,
-    )  # fmt: skip
+        site.connection, host.strip("[]"), int(port), limit=MAX_REQUEST_BYTES, backlog=BACKLOG
+    )
+    for sock in server.sockets:
+        defer_accept(sock)
     dashboard.site = site
     dashboard.start()
 

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 # grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
-from fencemark.node.api import assembly, dashboard
+from fencemark.node.api import assembly, dashboard, metrics_http
 from fencemark.node.api.assembly import MAX_RECEIVE_BYTES as MAX_RECEIVE_BYTES
 from fencemark.node.api.assembly import MAX_SEND_BYTES as MAX_SEND_BYTES
 from fencemark.node.api.config import NodeConfig as NodeConfig  # re-exported: what start() takes
@@ -65,7 +65,7 @@ class NodeServer:
         self.port = 0
         self.peer_port = 0
         self.dashboard_port = 0  # where the dashboard is served, if it is
-        self._stop_metrics: Callable[[], None] | None = None
+        self._stop_metrics: Callable[[], Awaitable[None]] | None = None
         self._stop_dashboard: Callable[[], Awaitable[None]] | None = None
         self._dashboard: Dashboard | None = None
         self._tls_watch: asyncio.Task[None] | None = None
@@ -128,7 +128,9 @@ class NodeServer:
         self.replicator.start()
         self.lapses.start()
         if config.metrics_listen:
-            self._stop_metrics = self.metrics.serve(config.metrics_listen)
+            self.metrics.port, _, self._stop_metrics = await metrics_http.serve(
+                self.metrics.registry, config.metrics_listen, config.handshake_timeout_s
+            )
         if self.replica.gate.starting:
             self._gate.wait_for_peers()
         if config.dashboard_listen:
@@ -141,6 +143,7 @@ class NodeServer:
                 config.tls,
                 config.access,
                 self.tls.revocations if self.tls is not None else None,
+                config.handshake_timeout_s,
             )
         if self.tls is not None and config.tls_reload_interval > 0:
             self._tls_watch = asyncio.create_task(self._watch_tls(config.tls_reload_interval))
@@ -168,7 +171,7 @@ class NodeServer:
             await self._dashboard.stop()
         await self.storage.close()
         if self._stop_metrics is not None:
-            await asyncio.to_thread(self._stop_metrics)
+            await self._stop_metrics()
         log.info("region %s node stopped", self.config.region)
 
     def reload_tls(self) -> bool:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -91,7 +91,7 @@ class NodeMetrics:
 
     def __init__(self, region: str) -> None:
         self.region = region
-        self.port = 0  # where /metrics is served, once serve() has bound it
+        self.port = 0  # where /metrics is served, once bound (fencemark.node.api.metrics_http)
         self.recent_refusals = RecentRefusals()
         self.registry = CollectorRegistry()
         r = self.registry
@@ -153,19 +153,6 @@ class NodeMetrics:
     def watch_tls(self, tls: LiveTls) -> None:
         """Report the TLS reloads and the revocation list (fencemark.node.security.tls_reload)."""
         self.registry.register(_TlsCollector(tls))
-
-    def serve(self, listen: str) -> Callable[[], None]:
-        """Serve ``/metrics`` over HTTP on ``listen`` (HOST:PORT); returns a stopper."""
-        host, _, port = listen.rpartition(":")
-        server, thread = start_http_server(int(port), host.strip("[]"), registry=self.registry)
-        self.port = int(server.server_port)
-
-        def stop() -> None:
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
-
-        return stop
 
 
 class _TlsCollector(Collector):

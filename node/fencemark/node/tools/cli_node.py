@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fencemark.node.api.assembly import MAX_HANDSHAKE_TIMEOUT_S
 from fencemark.node.api.authz import AccessMap, load_access
+from fencemark.node.api.budgets import Limits
 from fencemark.node.api.server import NodeConfig, serve
 from fencemark.node.api.telemetry import say
 from fencemark.node.replication.peers import parse_peers
@@ -85,6 +87,16 @@ def _bad_bounds(args: argparse.Namespace) -> str:
     for flag in ("max_connections", "max_peer_connections"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} takes 1 or more, got {getattr(args, flag)}"
+    if problem := Limits(
+        read=args.max_concurrent_rpcs or args.max_concurrent_reads,
+        streams_per_client=args.max_streams_per_client,
+    ).problem():
+        return problem
+    if not 0 < args.handshake_timeout <= MAX_HANDSHAKE_TIMEOUT_S:
+        return (
+            f"--handshake-timeout takes more than 0 and at most"
+            f" {MAX_HANDSHAKE_TIMEOUT_S:.0f} seconds, got {args.handshake_timeout}"
+        )
     return ""
 
 
@@ -128,6 +140,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_streams_per_client=args.max_streams_per_client,
         max_connections=args.max_connections,
         max_peer_connections=args.max_peer_connections,
+        handshake_timeout_s=args.handshake_timeout,
         peer_listen=args.peer_listen,
         max_attempts=args.max_attempts,
         max_token_jump=args.max_token_jump,
@@ -344,6 +357,14 @@ def _add_bound_flags(
         default=_setting(config, "max_peer_connections", defaults.max_peer_connections),
         help="connections open at once on --peer-listen; its descriptors are kept aside"
         " before --max-connections is fitted",
+    )
+    node.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=_setting(config, "handshake_timeout", defaults.handshake_timeout_s),
+        help="seconds a connection to any of the node's ports has, once it sent its first"
+        " bytes, to complete its (TLS) handshake; one that sends nothing never reaches the"
+        " node (env FENCEMARK_HANDSHAKE_TIMEOUT)",
     )
     node.add_argument(
         "--max-attempts",

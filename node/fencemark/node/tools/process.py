@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import re
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -53,10 +55,13 @@ class NodeProcess:
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 30.0,
         tls_dir: Path | None = None,
+        open_files: int | None = None,
     ) -> NodeProcess:
         """Start a node; plaintext (``--insecure``) unless ``tls_dir`` holds its certificates.
 
         ``extra_args`` that choose the transport themselves (``--tls-dir``) win.
+        ``open_files`` sets the child's open-file limit (soft and hard), as a
+        container's ``--ulimit nofile=`` would.
         """
         security = ["--tls-dir", str(tls_dir)] if tls_dir is not None else ["--insecure"]
         if any(a.startswith("--tls-dir") or a == "--insecure" for a in extra_args):
@@ -69,7 +74,10 @@ class NodeProcess:
         if enable_writes:
             args.append("--enable-writes")
         proc = await asyncio.create_subprocess_exec(
-            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            preexec_fn=None if open_files is None else functools.partial(_limit_files, open_files),
         )
         assert proc.stdout is not None
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -123,3 +131,8 @@ class NodeProcess:
         await self._drain
         assert self.proc.returncode is not None
         return self.proc.returncode
+
+
+def _limit_files(limit: int) -> None:
+    """In the child, before it runs: at most ``limit`` open files."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
