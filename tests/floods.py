@@ -48,8 +48,9 @@ class Flood:
         host, _, port = target.rpartition(":")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
-        sock.bind((SOURCES[self._source % len(SOURCES)], 0))
-        self._source += 1
+        if host.startswith("127."):  # many sources on loopback; elsewhere, the host's own
+            sock.bind((SOURCES[self._source % len(SOURCES)], 0))
+            self._source += 1
         code = sock.connect_ex((host, int(port)))
         if code not in (0, errno.EINPROGRESS):
             self.tallies[target].failed += 1

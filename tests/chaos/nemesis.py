@@ -18,7 +18,9 @@ and its original, both at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,12 +32,14 @@ from docker.errors import DockerException
 from fencemark.client import AsyncClient, FencemarkError, NodeInfo
 from fencemark.node.replication.tuning import TWIN_FORGET_S
 from fencemark.node.tools.proxy import ProxyMesh
-from tests.chaos.cluster import ChaosCluster, Region
+from tests.chaos.cluster import PEER_PORT, ChaosCluster, Region
 from tests.chaos.forger import Forger, Pushed
 from tests.chaos.workload import TESTER, StallingAgent
 
-PARTITIONS = ("isolate", "halves", "bridge")
+FLOOD = "flood"  # a bridge while a flood of silent connections holds the victim's peer port
+PARTITIONS = ("isolate", "halves", "bridge", FLOOD)
 DISK_LOSSES = ("wipe", "wipe-restart")
+ROOT = Path(__file__).resolve().parents[2]
 ROLLBACK = "rollback"
 TWIN = "twin"
 # Faults after which a node's data file may lack writes it acknowledged: all of them
@@ -57,6 +61,10 @@ CUT_PEER_PROBABILITY = 0.75
 HOLDING_LIMIT_S = 10.0  # a restarted node holds some of its peers' records within this
 UP_BEFORE_STOP_S = 1.0  # then it serves (reads, and refuses the rest) this long
 CUT_WATCH_S = 2.0  # after its last restart, how long it is up, cut off, before the heal
+# flood: silent connections kept open to the victim's peer listener from the host, and
+# how long the flood outlasts the heal (the peers it was cut from reach it through it).
+FLOOD_SOCKETS = 500
+FLOOD_AFTER_HEAL_S = 3.0
 LOSS_PROBABILITY = 0.3
 SLOW_LATENCY_MS = 250.0
 SLOW_BANDWIDTH = 64 * 1024.0  # bytes/s each way
@@ -203,7 +211,7 @@ def _draw(
     if kind == "halves":
         shuffled = rng.sample(regions, len(regions))
         return Fault(kind, tuple(shuffled), span, gap)  # first half | second half
-    if kind == "bridge":
+    if kind in ("bridge", FLOOD):
         a, b = rng.sample(regions, 2)
         return Fault(kind, (a, b), span, gap)  # a and b apart; both still reach the rest
     if kind in ("kill", "wipe"):
@@ -234,7 +242,7 @@ def cut_pairs(fault: Fault) -> list[tuple[str, str]]:
     """The region pairs a partition separates (wipe-restart: the node and its cut peer)."""
     if fault.kind == "wipe-restart":
         return [(fault.targets[0], fault.targets[1])] if len(fault.targets) > 1 else []
-    if fault.kind == "bridge":
+    if fault.kind in ("bridge", FLOOD):
         return [(fault.targets[0], fault.targets[1])]
     half = 1 if fault.kind == "isolate" else len(fault.targets) // 2
     return [(a, b) for a in fault.targets[:half] for b in fault.targets[half:]]
@@ -325,6 +333,7 @@ class Nemesis:
     async def _inject(self, fault: Fault) -> str:
         region = fault.targets[0]
         if fault.kind in PARTITIONS:
+            flood = await self._flood(region) if fault.kind == FLOOD else None
             pairs = cut_pairs(fault)
             await asyncio.to_thread(self.cluster.cut, pairs)
             for a, b in pairs:  # agents in a region are cut off from the other side too
@@ -339,7 +348,10 @@ class Nemesis:
                 self.mesh.heal()
                 await asyncio.to_thread(self.cluster.heal_network)
                 healed.set()
-            return ""
+                if flood is not None:  # the peers come back through the flooded port
+                    await asyncio.sleep(FLOOD_AFTER_HEAL_S)
+                    note = await _end_flood(flood)
+            return note if flood is not None else ""
         if fault.kind in ("kill", "wipe"):
             await asyncio.to_thread(self.cluster.kill, region)
             if fault.kind == "wipe":
@@ -382,6 +394,24 @@ class Nemesis:
             await asyncio.to_thread(self.cluster.set_link_faults, {})
             return "-".join(self.cluster.proxied)
         raise ValueError(f"unknown fault kind {fault.kind!r}")
+
+    async def _flood(self, region: str) -> asyncio.subprocess.Process:
+        """``python -m tests.floods`` against ``region``'s peer listener, from the host:
+        FLOOD_SOCKETS silent connections, re-opened as they are closed, until stopped."""
+        target = f"{await asyncio.to_thread(self.cluster.ip, region)}:{PEER_PORT}"
+        flood = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.floods", f"--target={target}",
+            f"--sockets={FLOOD_SOCKETS}", "--seconds=600",
+            stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+        )  # fmt: skip
+        assert flood.stdout is not None
+        async with asyncio.timeout(30):
+            said = await flood.stdout.readline()
+        if said.strip() != b"flooding":
+            flood.kill()
+            await flood.wait()
+            raise RuntimeError(f"the flood of {target} did not start: {said!r}")
+        return flood
 
     async def _agent_pause(self, fault: Fault) -> str:
         """The agent stalls after its next grant until its lease has lapsed and someone
@@ -741,6 +771,20 @@ class TwinWatch:
             f"the twin {refused(self.twin)}"
             + (f", and found its file behind its own writes {behind} times" if behind else ""),
         ]
+
+
+async def _end_flood(flood: asyncio.subprocess.Process) -> str:
+    """Stop a flood; what it did, in words."""
+    assert flood.stdout is not None
+    if flood.returncode is None:
+        flood.terminate()
+    out, _ = await flood.communicate()
+    tallies = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+    return "; ".join(
+        f"{t['target']} flooded: {t['opened']} silent connections, {t['closed']} closed by"
+        f" the node, {t['failed']} refused"
+        for t in tallies
+    )
 
 
 def watcher_done(task: asyncio.Task[None] | None) -> None:

@@ -36,6 +36,7 @@ COLOURS = {
     "isolate": "tab:red",
     "halves": "tab:red",
     "bridge": "salmon",
+    "flood": "gold",
     "kill": "black",
     "wipe": "tab:purple",
     "wipe-restart": "indigo",
