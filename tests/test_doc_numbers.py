@@ -15,8 +15,10 @@ import pytest
 
 from fencemark.client import retry
 from fencemark.client._routing import HOME_CACHE_SIZE
+from fencemark.node.api import dashboard, handshakes, metrics_http
+from fencemark.node.api.assembly import MAX_HANDSHAKE_TIMEOUT_S
 from fencemark.node.api.budgets import Limits
-from fencemark.node.api.connections import MAX_CONNECTIONS, MAX_PEER_CONNECTIONS
+from fencemark.node.api.connections import KEPT_FILES, MAX_CONNECTIONS, MAX_PEER_CONNECTIONS
 from fencemark.node.core import claims
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.replication import intake, signers, tuning
@@ -40,6 +42,43 @@ QUOTED: list[tuple[str, str, float, float]] = [
     ("operations.md", r"`--max-connections` \((\S+)", MAX_CONNECTIONS, 1),
     ("operations.md", r"`--max-peer-connections` \((\S+),", MAX_PEER_CONNECTIONS, 1),
     ("security.md", r"`--max-peer-connections`, (\S+)\)", MAX_PEER_CONNECTIONS, 1),
+    (
+        "security.md",
+        r"`--handshake-timeout` \((\S+) s\) to complete",
+        handshakes.HANDSHAKE_TIMEOUT_S,
+        1,
+    ),
+    ("security.md", r"seconds \((\S+) by default, at most", handshakes.HANDSHAKE_TIMEOUT_S, 1),
+    ("security.md", r"by default, at most (\S+)\) to complete", MAX_HANDSHAKE_TIMEOUT_S, 1),
+    ("security.md", r"for about (\S+) s; the kernel", handshakes.DEFER_ACCEPT_S, 1),
+    ("security.md", r"admits at most (\S+) from one source", handshakes.PENDING_PER_SOURCE, 1),
+    ("security.md", r"source address and (\S+) in all to their TLS", handshakes.PENDING_TOTAL, 1),
+    ("security.md", r"handshake, below its (\S+) connections", dashboard.MAX_CONNECTIONS, 1),
+    (
+        "security.md",
+        r"`/metrics` at most \S+ from one address and (\S+) in",
+        metrics_http.MAX_CONNECTIONS,
+        1,
+    ),
+    ("security.md", r"`/metrics` at most (\S+) from one address", handshakes.PENDING_PER_SOURCE, 1),
+    (
+        "operations.md",
+        r"`FENCEMARK_HANDSHAKE_TIMEOUT`, (\S+) by default",
+        handshakes.HANDSHAKE_TIMEOUT_S,
+        1,
+    ),
+    ("operations.md", r"the dashboard admits (\S+) connections", handshakes.PENDING_PER_SOURCE, 1),
+    (
+        "operations.md",
+        r"one address and (\S+) in all to their handshake",
+        handshakes.PENDING_TOTAL,
+        1,
+    ),
+    ("operations.md", r"handshake, `/metrics` serves (\S+)\.", metrics_http.MAX_CONNECTIONS, 1),
+    ("operations.md", r"longer than (\S+) s \(refused\)", MAX_HANDSHAKE_TIMEOUT_S, 1),
+    ("operations.md", r"the dashboard's \((\S+)\) and the metrics'", dashboard.MAX_CONNECTIONS, 1),
+    ("operations.md", r"and the metrics' \((\S+)\) descriptors", metrics_http.MAX_CONNECTIONS, 1),
+    ("operations.md", r"less (\S+) for the\s+data file", KEPT_FILES, 1),
     ("architecture.md", r"`MAX_BACKOFF_S` = (\S+) s", tuning.MAX_BACKOFF_S, 1),
     ("architecture.md", r"`HISTORY` \((\S+)\)", HISTORY, 1),
     ("architecture.md", r"descend \(≤ (\S+ ?\d*) per level", tuning.MAX_FRONTIER, 1),
