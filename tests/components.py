@@ -85,7 +85,7 @@ COMPONENTS: dict[str, Component] = {
         ),
         Component(
             "etcd",
-            "etcd, a benchmark baseline",
+            "etcd: a region's decider election (tests/test_decider.py), a benchmark baseline",
             "apt-get install -y etcd-server",
             _on_path("etcd"),
         ),

@@ -21,9 +21,19 @@ BELOW: dict[str, set[str]] = {
     "rules": {"crdt"},
     "security": {"crdt", "rules"},
     "core": {"crdt", "store", "rules", "security"},
-    "replication": {"crdt", "store", "rules", "security", "core"},
-    "api": {"crdt", "store", "rules", "security", "core", "replication"},
-    "tools": {"crdt", "store", "rules", "security", "core", "replication", "api"},
+    "coordination": {"crdt", "store", "rules", "security", "core"},
+    "replication": {"crdt", "store", "rules", "security", "core", "coordination"},
+    "api": {"crdt", "store", "rules", "security", "core", "coordination", "replication"},
+    "tools": {
+        "crdt",
+        "store",
+        "rules",
+        "security",
+        "core",
+        "coordination",
+        "replication",
+        "api",
+    },
 }
 
 

@@ -296,25 +296,66 @@ def issue(
     nodes; a client's only for calling.
     """
     check_name(identity.name)
-    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
-    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError("the CA key is not an EC key made by fencemark certs")
-    key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
-    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if identity.kind == "region":
-        usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
+    serving = identity.kind == "region"
+    if serving:
         hosts = (*DEFAULT_HOSTS, identity.name, *hosts)
+    # The common name is never read by a node (identities are URI SANs), but etcd
+    # takes it as the user a member is: kind-qualified, so that no client's
+    # certificate can be the user of a region (fencemark.node.coordination.access).
+    return _sign(ca_cert_pem, ca_key_pem, str(identity), names + _host_names(hosts),
+                 serving=serving, days=days)  # fmt: skip
+
+
+def issue_named(
+    ca_cert_pem: bytes,
+    ca_key_pem: bytes,
+    common_name: str,
+    *,
+    server_hosts: Iterable[str] = (),
+    days: int = LEAF_DAYS,
+) -> tuple[bytes, bytes]:
+    """A certificate of the CA that names no Fencemark identity (no ``fencemark://``
+    URI: a node refuses it, ``no_identity``), for etcd: a client certificate whose
+    common name is the etcd user it is (``root``), or with ``server_hosts`` an etcd
+    server's, good for those names. (certificate PEM, key PEM)."""
+    names = _host_names(server_hosts)
+    return _sign(ca_cert_pem, ca_key_pem, common_name, names, serving=bool(names), days=days)
+
+
+def _host_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
     for host in dict.fromkeys(hosts):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             names.append(x509.DNSName(host))
+    return names
+
+
+def _sign(
+    ca_cert_pem: bytes,
+    ca_key_pem: bytes,
+    common_name: str,
+    names: list[x509.GeneralName],
+    *,
+    serving: bool,
+    days: int,
+) -> tuple[bytes, bytes]:
+    """A leaf certificate of the CA for ``common_name`` and ``names`` (SANs), for
+    calling and, when ``serving``, for serving too."""
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError("the CA key is not an EC key made by fencemark certs")
+    key = ec.generate_private_key(ec.SECP256R1())
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    if serving:
+        usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
     now = _now()
-    cert = (
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.name)]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -323,13 +364,14 @@ def issue(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,
         )
-        .sign(ca_key, hashes.SHA256())
     )
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
 

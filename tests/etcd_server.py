@@ -1,0 +1,95 @@
+"""A real etcd for the tests of a region's members (Debian's ``etcd-server``).
+
+``EtcdServer.start(folder, certs)`` runs one etcd process on held loopback ports
+(``fencemark.node.tools.ports``) with its data under ``folder``: with ``certs`` (a
+``fencemark certs`` directory), it serves mutual TLS with a certificate of that CA
+and takes the client certificate's common name as the etcd user
+(``--client-cert-auth``); ``restrict`` then turns etcd's authentication on with one
+role per region, as an operator does (``fencemark.node.coordination.access``). The
+test needs the component ``etcd`` (tests/components.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Self
+
+from fencemark.node.security.tls import CA_CERT, CA_KEY, issue_named
+from fencemark.node.tools.ports import Ports
+
+STARTUP_S = 30.0
+
+
+class EtcdServer:
+    def __init__(self, folder: Path, certs: Path | None) -> None:
+        self.folder = folder
+        self.certs = certs
+        self.ports = Ports()
+        self.client_port = self.ports.take()
+        self.peer_port = self.ports.take()
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @classmethod
+    async def start(cls, folder: Path, certs: Path | None = None) -> Self:
+        server = cls(folder, certs)
+        await server.run()
+        return server
+
+    async def run(self) -> None:
+        """Start (or start again, on the same data and ports) and wait until it answers."""
+        binary = shutil.which("etcd")
+        assert binary is not None, "the test should have required the etcd component"
+        await asyncio.to_thread(self.folder.mkdir, parents=True, exist_ok=True)
+        scheme = "https" if self.certs is not None else "http"
+        client_url = f"{scheme}://{self.endpoint}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            binary, "--name=test", f"--data-dir={self.folder / 'data'}",
+            f"--listen-client-urls={client_url}", f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=test={peer_url}", "--log-level=error",
+        ]  # fmt: skip
+        if self.certs is not None:
+            cert, key = issue_named(
+                (self.certs / CA_CERT).read_bytes(),
+                (self.certs / CA_KEY).read_bytes(),
+                "etcd",
+                server_hosts=["127.0.0.1", "localhost"],
+            )
+            (self.folder / "server.pem").write_bytes(cert)
+            (self.folder / "server-key.pem").write_bytes(key)
+            args += [
+                f"--cert-file={self.folder / 'server.pem'}",
+                f"--key-file={self.folder / 'server-key.pem'}",
+                f"--trusted-ca-file={self.certs / CA_CERT}",
+                "--client-cert-auth",
+            ]
+        log = (self.folder / "etcd.log").open("ab")
+        self.proc = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log)
+        log.close()
+        async with asyncio.timeout(STARTUP_S):
+            while True:
+                if self.proc.returncode is not None:
+                    raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", self.client_port)
+                except OSError:
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                return
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+    async def stop(self) -> None:
+        await self.kill()
+        self.ports.close()

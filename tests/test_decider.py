@@ -1,0 +1,209 @@
+"""One decider per region, elected through a real etcd (fencemark.node.coordination).
+
+Campaigns of a region's members against an etcd process started by the test, over
+mutual TLS with authentication on as an operator sets it (``access.restrict``): one
+member decides, the others name it; a decider that lets go is followed at once; a
+decider that cannot renew stops within two thirds of the TTL of its last renewal's
+send time, nobody decides while etcd is away, and a decider is back within a TTL of
+etcd's return; and only a region's own certificates may take its decider key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from fencemark.node.coordination import access
+from fencemark.node.coordination.decider import (
+    DECIDE_SHARE,
+    Campaign,
+    LeaseClock,
+    decider_key,
+)
+from fencemark.node.coordination.etcd import Etcd, EtcdError, parse_endpoints
+from fencemark.node.security.tls import CA_CERT, CA_KEY, TlsFiles, init_dir, issue_named
+from tests import components
+from tests.cluster import eventually
+from tests.etcd_server import EtcdServer
+
+TTL_S = 2
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[tuple[EtcdServer, Path]]:
+    """An etcd over mutual TLS with authentication on: regions us and eu."""
+    components.require("etcd")
+    certs = tmp_path / "certs"
+    init_dir(certs, regions=["us", "eu"], clients=["alice"])
+    cert, key = issue_named(
+        (certs / CA_CERT).read_bytes(), (certs / CA_KEY).read_bytes(), access.ROOT
+    )
+    (certs / "root.pem").write_bytes(cert)
+    (certs / "root-key.pem").write_bytes(key)
+    server = await EtcdServer.start(tmp_path / "etcd", certs)
+    try:
+        root = Etcd([server.endpoint], TlsFiles.in_dir(certs, "root"))
+        try:
+            await access.restrict(root, ["us", "eu"])
+        finally:
+            await root.close()
+        yield server, certs
+    finally:
+        await server.stop()
+
+
+def member(server: EtcdServer, certs: Path, name: str, region: str = "us") -> Campaign:
+    etcd = Etcd([server.endpoint], TlsFiles.in_dir(certs, region), timeout_s=1.0)
+    return Campaign(etcd, region, name, f"{name}.example:7400", ttl_s=TTL_S)
+
+
+async def stop_all(*campaigns: Campaign) -> None:
+    for campaign in campaigns:
+        await campaign.stop()
+        await campaign.etcd.close()
+
+
+async def serving(server: EtcdServer, certs: Path) -> None:
+    """Until etcd answers a read (a leader elected), as its root."""
+    root = Etcd([server.endpoint], TlsFiles.in_dir(certs, access.ROOT), timeout_s=1.0)
+
+    async def answers() -> bool:
+        try:
+            await root.get(b"/probe")
+        except EtcdError:
+            return False
+        return True
+
+    try:
+        await eventually(answers, "etcd answering", within=30, every=0.1)
+    finally:
+        await root.close()
+
+
+async def one_decides(*campaigns: Campaign, within: float = 10.0) -> Campaign:
+    async def exactly_one() -> bool:
+        return sum(c.deciding() for c in campaigns) == 1
+
+    await eventually(exactly_one, "exactly one member deciding", within=within)
+    return next(c for c in campaigns if c.deciding())
+
+
+async def test_one_member_decides_and_the_others_name_it(
+    etcd: tuple[EtcdServer, Path],
+) -> None:
+    server, certs = etcd
+    campaigns = [member(server, certs, name) for name in ("us-a", "us-b", "us-c")]
+    for campaign in campaigns:
+        campaign.start()
+    try:
+        decider = await one_decides(*campaigns)
+        assert decider.term > 0
+        others = [c for c in campaigns if c is not decider]
+
+        async def named() -> bool:
+            return all(
+                c.decider is not None and c.decider.address == decider.address for c in others
+            )
+
+        await eventually(named, "every other member naming the decider")
+        assert all(c.decider is not None and c.decider.term == decider.term for c in others)
+        await asyncio.sleep(TTL_S)  # renewals keep it, and nobody else decides meanwhile
+        assert decider.deciding() and not any(c.deciding() for c in others)
+    finally:
+        await stop_all(*campaigns)
+
+
+async def test_a_decider_that_lets_go_is_followed_at_once_on_a_higher_term(
+    etcd: tuple[EtcdServer, Path],
+) -> None:
+    server, certs = etcd
+    campaigns = [member(server, certs, name) for name in ("us-a", "us-b")]
+    for campaign in campaigns:
+        campaign.start()
+    try:
+        first = await one_decides(*campaigns)
+        old_term = first.term
+        await first.stop()
+        (second,) = [c for c in campaigns if c is not first]
+        await one_decides(second, within=TTL_S)  # its key went with its lease, at once
+        assert second.term > old_term
+    finally:
+        await stop_all(*campaigns)
+
+
+async def test_a_decider_cut_from_etcd_stops_before_its_lease_lapses_and_one_is_back_in_a_ttl(
+    etcd: tuple[EtcdServer, Path],
+) -> None:
+    """etcd away: the decider stops by its own clock, DECIDE_SHARE of the TTL after
+    it sent its last renewal, and nobody decides; etcd back: a decider within one
+    TTL (the lease the old decider held expires then, if nobody let it go)."""
+    server, certs = etcd
+    campaigns = [member(server, certs, name) for name in ("us-a", "us-b")]
+    for campaign in campaigns:
+        campaign.start()
+    try:
+        decider = await one_decides(*campaigns)
+        until = decider.lease_clock.until
+        await server.kill()
+        killed = time.monotonic()
+
+        async def stopped() -> bool:
+            return not any(c.deciding() for c in campaigns)
+
+        await eventually(stopped, "no member deciding", within=TTL_S)
+        assert until <= killed + TTL_S * DECIDE_SHARE  # its last renewal's bound
+        await asyncio.sleep(TTL_S)
+        assert not any(c.deciding() for c in campaigns), "nobody decides without etcd"
+        await server.run()
+        await serving(server, certs)  # etcd has a leader again: the old lease runs anew
+        await one_decides(*campaigns, within=TTL_S + 1.0)
+    finally:
+        await stop_all(*campaigns)
+
+
+async def test_only_a_regions_certificates_may_take_its_decider_key(
+    etcd: tuple[EtcdServer, Path],
+) -> None:
+    """A member of eu, a client's certificate, and one of the CA that etcd has no user
+    for are refused on us's key (etcd: PERMISSION_DENIED); us's own may."""
+    server, certs = etcd
+    for name in ("eu", "alice"):
+        intruder = Etcd([server.endpoint], TlsFiles.in_dir(certs, name))
+        try:
+            with pytest.raises(EtcdError) as refused:
+                await intruder.put(decider_key("us"), b"{}")
+            assert refused.value.code is not None
+            assert refused.value.code.name == "PERMISSION_DENIED", name
+            with pytest.raises(EtcdError):
+                await intruder.get(decider_key("us"))
+        finally:
+            await intruder.close()
+    us = member(server, certs, "us-a")
+    us.start()
+    try:
+        await one_decides(us)
+    finally:
+        await stop_all(us)
+
+
+def test_a_lease_clock_decides_for_a_share_of_the_ttl_from_the_renewal_sent() -> None:
+    clock = LeaseClock(ttl_s=3.0)
+    assert not clock.deciding(0.0)
+    clock.renewed(sent_at=10.0, ttl_s=3.0)
+    assert clock.deciding(10.0 + 3.0 * DECIDE_SHARE - 0.001)
+    assert not clock.deciding(10.0 + 3.0 * DECIDE_SHARE)
+    clock.renewed(sent_at=9.0, ttl_s=3.0)  # a late answer to an older renewal
+    assert clock.deciding(10.0 + 3.0 * DECIDE_SHARE - 0.001)  # never moves back
+    clock.stop()
+    assert not clock.deciding(10.5)
+
+
+def test_etcd_endpoints_are_read_with_the_bad_one_named() -> None:
+    assert parse_endpoints("https://e1:2379, e2:2379") == ["e1:2379", "e2:2379"]
+    for bad, said in (("http://e1:2379", "over TLS"), ("e1", "HOST:PORT"), ("", "no endpoint")):
+        with pytest.raises(ValueError, match=said):
+            parse_endpoints(bad)
