@@ -20,7 +20,7 @@ SCENARIOS: dict[str, str] = {
     "fleet": "a fleet of agents on one node, most of them idle",
 }
 # What the scenarios import, from the `bench` extra (pyproject.toml).
-EXTRA_MODULES = ("aetcd", "redis", "matplotlib", "psutil", "pyinstrument")
+EXTRA_MODULES = ("redis", "matplotlib", "psutil", "pyinstrument")
 INSTALL_EXTRA = "pip install 'fencemark[bench]'"
 
 
