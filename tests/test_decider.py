@@ -61,6 +61,14 @@ def member(server: EtcdServer, certs: Path, name: str, region: str = "us") -> Ca
     return Campaign(etcd, region, name, f"{name}.example:7400", ttl_s=TTL_S)
 
 
+def campaigning(server: EtcdServer, certs: Path, *names: str) -> list[Campaign]:
+    """Members of us named ``names``, each campaigning."""
+    campaigns = [member(server, certs, name) for name in names]
+    for campaign in campaigns:
+        campaign.start()
+    return campaigns
+
+
 async def stop_all(*campaigns: Campaign) -> None:
     for campaign in campaigns:
         await campaign.stop()
@@ -96,9 +104,7 @@ async def test_one_member_decides_and_the_others_name_it(
     etcd: tuple[EtcdServer, Path],
 ) -> None:
     server, certs = etcd
-    campaigns = [member(server, certs, name) for name in ("us-a", "us-b", "us-c")]
-    for campaign in campaigns:
-        campaign.start()
+    campaigns = campaigning(server, certs, "us-a", "us-b", "us-c")
     try:
         decider = await one_decides(*campaigns)
         assert decider.term > 0
@@ -121,9 +127,7 @@ async def test_a_decider_that_lets_go_is_followed_at_once_on_a_higher_term(
     etcd: tuple[EtcdServer, Path],
 ) -> None:
     server, certs = etcd
-    campaigns = [member(server, certs, name) for name in ("us-a", "us-b")]
-    for campaign in campaigns:
-        campaign.start()
+    campaigns = campaigning(server, certs, "us-a", "us-b")
     try:
         first = await one_decides(*campaigns)
         old_term = first.term
@@ -142,9 +146,7 @@ async def test_a_decider_cut_from_etcd_stops_before_its_lease_lapses_and_one_is_
     it sent its last renewal, and nobody decides; etcd back: a decider within one
     TTL (the lease the old decider held expires then, if nobody let it go)."""
     server, certs = etcd
-    campaigns = [member(server, certs, name) for name in ("us-a", "us-b")]
-    for campaign in campaigns:
-        campaign.start()
+    campaigns = campaigning(server, certs, "us-a", "us-b")
     try:
         decider = await one_decides(*campaigns)
         until = decider.lease_clock.until
@@ -182,8 +184,7 @@ async def test_only_a_regions_certificates_may_take_its_decider_key(
                 await intruder.get(decider_key("us"))
         finally:
             await intruder.close()
-    us = member(server, certs, "us-a")
-    us.start()
+    (us,) = campaigning(server, certs, "us-a")
     try:
         await one_decides(us)
     finally:
