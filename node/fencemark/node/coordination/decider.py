@@ -112,6 +112,9 @@ class Campaign:
         self.terms_won = 0
         self._task: asyncio.Task[None] | None = None
         self._lease = 0
+        # Leases this member let go of while etcd could not be told: revoked as soon as
+        # it can be, so that a successor need not wait for them to expire.
+        self._unrevoked: list[int] = []
 
     def deciding(self) -> bool:
         """Whether this member may decide now (checked at each decision)."""
@@ -142,6 +145,7 @@ class Campaign:
                 await asyncio.sleep(self.ttl_s * RENEW_SHARE)
 
     async def _campaign_once(self) -> None:
+        await self._revoke_left()
         sent_at = self.clock()
         self._lease, ttl = await self.etcd.grant(self.ttl_s)
         said = json.dumps({"member": self.member, "address": self.address}).encode()
@@ -183,8 +187,18 @@ class Campaign:
         finally:
             self._end_term()
             lease, self._lease = self._lease, 0
-            with contextlib.suppress(EtcdError):
+            self._unrevoked.append(lease)
+            await self._revoke_left()
+
+    async def _revoke_left(self) -> None:
+        """Revoke the leases let go of before; those etcd cannot be told of yet stay."""
+        for lease in list(self._unrevoked):
+            try:
                 await self.etcd.revoke(lease)
+            except EtcdError as exc:
+                if exc.code is None or exc.code.name != "NOT_FOUND":
+                    return  # etcd away: later
+            self._unrevoked.remove(lease)
 
     async def _follow(self, entry: Entry | None) -> None:
         """Until the decider key is gone (or etcd is in doubt): know who decides."""
