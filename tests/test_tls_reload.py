@@ -26,7 +26,7 @@ from fencemark.node.tools.cli import main
 from fencemark.node.tools.process import NodeProcess
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.conftest import StartNode
-from tests.metrics import refusals
+from tests.metrics import refused_once
 from tests.ports import free_ports
 from tests.test_tls import a_state, error_info, push
 
@@ -227,7 +227,7 @@ async def test_a_revoked_client_is_refused_on_every_call(
     assert (await bob.get(record.key)).fields["title"] == "t"  # others are unaffected
     stored = await node.storage.get(record.key)
     assert stored is not None and "body" not in stored.record.field_values()
-    assert refusals(node)[("Update", "revoked_certificate")] == 1
+    await refused_once(node, "Update", "revoked_certificate")
     assert metric(node, "fencemark_tls_revoked_certificates") == 1
     assert metric(node, "fencemark_tls_reloads_total") == 1
     # Revocation names the certificate: alice's new one works.
@@ -259,7 +259,7 @@ async def test_a_revoked_peers_pushes_are_refused_and_nothing_merges(
         assert info.metadata["identity"] == "region/eu"
         assert await us.storage.get(key) is None
         assert us.storage.record_count == 0
-        assert refusals(us)[("Push", "revoked_certificate")] == 1
+        await refused_once(us, "Push", "revoked_certificate")
 
 
 @pytest.mark.slow
