@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Self
 
-from fencemark.node.security.tls import CA_CERT, CA_KEY, issue_named
+from fencemark.node.tools.cli import main
 from fencemark.node.tools.ports import Ports
 
 STARTUP_S = 30.0
@@ -56,20 +56,18 @@ class EtcdServer:
             f"--initial-cluster=test={peer_url}", "--log-level=error",
         ]  # fmt: skip
         if self.certs is not None:
-            cert, key = issue_named(
-                (self.certs / CA_CERT).read_bytes(),
-                (self.certs / CA_KEY).read_bytes(),
-                "etcd",
-                server_hosts=["127.0.0.1", "localhost"],
-            )
-            (self.folder / "server.pem").write_bytes(cert)
-            (self.folder / "server-key.pem").write_bytes(key)
+            if not (self.certs / "etcd-0.pem").exists():  # as an operator makes it
+                made = main(["certs", "etcd", "--dir", str(self.certs), "--server", "etcd-0",
+                             "--hosts", "127.0.0.1"])  # fmt: skip
+                assert made == 0
             args += [
-                f"--cert-file={self.folder / 'server.pem'}",
-                f"--key-file={self.folder / 'server-key.pem'}",
-                f"--trusted-ca-file={self.certs / CA_CERT}",
+                f"--cert-file={self.certs / 'etcd-0.pem'}",
+                f"--key-file={self.certs / 'etcd-0-key.pem'}",
+                f"--trusted-ca-file={self.certs / 'ca.pem'}",
                 "--client-cert-auth",
             ]
+            if (self.certs / "crl.pem").exists():  # fencemark certs revoke writes it
+                args.append(f"--client-crl-file={self.certs / 'crl.pem'}")
         log = (self.folder / "etcd.log").open("ab")
         self.proc = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log)
         log.close()

@@ -25,7 +25,8 @@ from fencemark.node.coordination.decider import (
     decider_key,
 )
 from fencemark.node.coordination.etcd import Etcd, EtcdError, parse_endpoints
-from fencemark.node.security.tls import CA_CERT, CA_KEY, TlsFiles, init_dir, issue_named
+from fencemark.node.security.tls import TlsFiles, init_dir
+from fencemark.node.tools.cli import main
 from tests import components
 from tests.cluster import eventually
 from tests.etcd_server import EtcdServer
@@ -39,18 +40,12 @@ async def etcd(tmp_path: Path) -> AsyncIterator[tuple[EtcdServer, Path]]:
     components.require("etcd")
     certs = tmp_path / "certs"
     init_dir(certs, regions=["us", "eu"], clients=["alice"])
-    cert, key = issue_named(
-        (certs / CA_CERT).read_bytes(), (certs / CA_KEY).read_bytes(), access.ROOT
-    )
-    (certs / "root.pem").write_bytes(cert)
-    (certs / "root-key.pem").write_bytes(key)
+    assert main(["certs", "etcd", "--dir", str(certs), "--root"]) == 0
     server = await EtcdServer.start(tmp_path / "etcd", certs)
     try:
-        root = Etcd([server.endpoint], TlsFiles.in_dir(certs, "root"))
-        try:
-            await access.restrict(root, ["us", "eu"])
-        finally:
-            await root.close()
+        restrict = ["etcd", "restrict", "--etcd", f"https://{server.endpoint}",
+                    "--tls-dir", str(certs), "--regions", "us,eu"]  # fmt: skip
+        assert await asyncio.to_thread(main, restrict) == 0
         yield server, certs
     finally:
         await server.stop()
@@ -209,3 +204,30 @@ def test_etcd_endpoints_are_read_with_the_bad_one_named() -> None:
     for bad, said in (("http://e1:2379", "over TLS"), ("e1", "HOST:PORT"), ("", "no endpoint")):
         with pytest.raises(ValueError, match=said):
             parse_endpoints(bad)
+
+
+async def test_a_revoked_member_cannot_take_the_decider_key(
+    etcd: tuple[EtcdServer, Path],
+) -> None:
+    """A member of us whose certificate was revoked (``fencemark certs revoke``, the CRL
+    given to etcd as ``--client-crl-file``) no longer completes etcd's handshake."""
+    server, certs = etcd
+    assert main(["certs", "issue", "--dir", str(certs), "--region", "us"]) != 0  # exists
+    (certs / "us.pem").rename(certs / "old-us.pem")
+    (certs / "us-key.pem").rename(certs / "old-us-key.pem")
+    assert main(["certs", "issue", "--dir", str(certs), "--region", "us"]) == 0
+    assert main(["certs", "revoke", "--dir", str(certs), "--cert", str(certs / "old-us.pem")]) == 0
+    await server.kill()
+    await server.run()  # now with the CRL
+    await serving(server, certs)
+    revoked = Etcd([server.endpoint], TlsFiles.in_dir(certs, "old-us"), timeout_s=1.0)
+    try:
+        with pytest.raises(EtcdError):
+            await revoked.put(decider_key("us"), b"{}")
+    finally:
+        await revoked.close()
+    (member_now,) = campaigning(server, certs, "us-a")  # the re-issued one may
+    try:
+        await one_decides(member_now)
+    finally:
+        await stop_all(member_now)

@@ -30,6 +30,7 @@ from fencemark.node.api.telemetry import LOG_FORMATS, configure_logging
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
 from fencemark.node.tools.cli_certs import add_certs_command, add_restore_command
+from fencemark.node.tools.cli_etcd import add_etcd_command
 from fencemark.node.tools.cli_node import DEFAULT_TARGET, add_node_command, load_config
 from fencemark.node.tools.cli_rpc import (
     add_rpc_commands,
@@ -298,6 +299,7 @@ def build_parser(config: Mapping[str, Any] | None = None) -> argparse.ArgumentPa
     _add_status_command(sub)
     _add_health_command(client_parser)
     add_certs_command(sub)
+    add_etcd_command(sub)
     add_restore_command(sub)
     add_proxy_command(sub)
     add_rpc_commands(client_parser)

@@ -92,6 +92,36 @@ def p12_password(source: str, what: str) -> bytes:
     return password.encode()
 
 
+def cmd_certs_etcd(args: argparse.Namespace) -> int:
+    """etcd's certificates from the CA in --dir: a server's, or its ``root`` client's."""
+    from fencemark.node.coordination.access import ROOT
+    from fencemark.node.security.tls import CA_CERT, CA_KEY, issue_named
+
+    directory = Path(args.dir)
+    try:
+        if args.root:
+            name, hosts = ROOT, []
+        else:
+            name = validation.region(args.server, "--server")
+            hosts = [name, *_names(args.hosts)]
+        cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
+        if cert_path.exists() or key_path.exists():
+            raise FileExistsError(f"{cert_path} exists: remove it first to make a new one")
+        cert, key = issue_named(
+            (directory / CA_CERT).read_bytes(), (directory / CA_KEY).read_bytes(), name,
+            server_hosts=hosts,
+        )  # fmt: skip
+        cert_path.write_bytes(cert)
+        key_path.touch(mode=0o600)
+        key_path.write_bytes(key)
+    except (InvalidInput, ValueError, OSError) as exc:
+        print(f"fencemark certs: {exc}", file=sys.stderr)
+        return 2
+    what = "etcd's root user" if args.root else f"the etcd server {name} ({', '.join(hosts)})"
+    print(f"fencemark certs: {what}: {cert_path}, {key_path}")
+    return 0
+
+
 def cmd_certs_p12(args: argparse.Namespace) -> int:
     from fencemark.node.security.tls import write_p12
 
@@ -220,6 +250,21 @@ def add_certs_command(sub: Any) -> None:
     )
     issue.add_argument("--password-file", default="", metavar="FILE", help=PASSWORD_HELP)
     issue.set_defaults(func=cmd_certs_issue)
+    etcd = what.add_parser(
+        "etcd",
+        help="a certificate for an etcd server, or for etcd's root user",
+        description="Certificates of the CA in --dir that name no Fencemark identity: an etcd"
+        " server's (--server NAME: DIR/NAME.pem, good for NAME and --hosts), or the client"
+        " certificate of etcd's root user (--root: DIR/root.pem, common name root), with"
+        " which `fencemark etcd restrict` turns etcd's authentication on. A node's own"
+        " certificate (common name region/R) is its etcd user (docs/security.md).",
+    )
+    etcd.add_argument("--dir", required=True, help="the CA's directory (ca.pem, ca-key.pem)")
+    whom = etcd.add_mutually_exclusive_group(required=True)
+    whom.add_argument("--server", help="an etcd server's certificate, named so")
+    whom.add_argument("--root", action="store_true", help="etcd's root user's certificate")
+    etcd.add_argument("--hosts", default="", help="the server's other DNS names/IPs (comma-sep.)")
+    etcd.set_defaults(func=cmd_certs_etcd)
     p12 = what.add_parser(
         "p12",
         help="a client's certificate, key and the CA as DIR/CLIENT.p12, for a browser",
