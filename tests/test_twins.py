@@ -327,7 +327,9 @@ async def test_an_original_paused_while_its_copy_settled_grants_nothing_when_it_
             try:
                 # Refused as napping, or, had eu's refusal come first, as a twin.
                 with pytest.raises(Unavailable, match=r"stood still|catching up"):
-                    await late
+                    answered = await late
+                    # (Failed once in 28 make test runs; what it said, and why:)
+                    print("the late claim was answered", answered, *original.output, sep="\n")
                 # Settling again, it calls eu, which has heard the copy: both are
                 # refused, and the original does not decide when its settle is over.
                 await asyncio.sleep(SETTLE_S + 1)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 LISTENING = re.compile(r"listening on (\S+)")
 TAIL_LINES = 20  # of a node's output, in the error when it does not come up
+KEPT_LINES = 200  # of a running node's output, kept for a post-mortem (``output``)
 
 
 class NodeStartError(RuntimeError):
@@ -41,6 +42,8 @@ class NodeProcess:
         self.address = address
         self.data_dir = data_dir
         self.extra_args = extra_args
+        # Its latest lines: what a test shows when the node did not do as it should.
+        self.output: collections.deque[str] = collections.deque(maxlen=KEPT_LINES)
         # Keep reading so a chatty child never blocks on a full pipe.
         self._drain = asyncio.create_task(self._drain_output())
 
@@ -108,8 +111,8 @@ class NodeProcess:
 
     async def _drain_output(self) -> None:
         assert self.proc.stdout is not None
-        while await self.proc.stdout.readline():
-            pass
+        while line := await self.proc.stdout.readline():
+            self.output.append(line.decode(errors="replace").rstrip("\n"))
 
     async def stop(self, grace: float = 15.0) -> int:
         """SIGTERM (graceful shutdown), SIGKILL if it does not end within ``grace`` s."""
