@@ -29,6 +29,7 @@ from fencemark.bench.progress import Progress
 from fencemark.bench.records import REPO, typical_tags
 from fencemark.bench.results import ScenarioResult, Settings
 from fencemark.client import AsyncClient, FencemarkError
+from fencemark.node.api.budgets import Limits
 from fencemark.node.tools.cluster import LocalCluster
 
 REGIONS = ("us", "eu", "ap")
@@ -43,11 +44,12 @@ WARM_UP_TRY_S = 1.0  # for one warm-up write to reach every watcher
 
 async def run_feed(settings: Settings, progress: Progress, work: Path, out: Path) -> ScenarioResult:
     # Every watcher of the cost runs comes from this one machine: one client to the
-    # node, whose cap on open streams per client (64) they would pass.
+    # node, whose cap on open streams per client (64) they would pass; the read budget
+    # goes up with it, as the node asks (streams per client below reads).
     streams = max(settings.feed_watchers, default=0) + 16
-    cluster = await LocalCluster.start(
-        REGIONS, work / "feed", node_args=(f"--max-streams-per-client={streams}",)
-    )
+    reads = max(Limits.read, streams + Limits.read)
+    node_args = (f"--max-streams-per-client={streams}", f"--max-concurrent-reads={reads}")
+    cluster = await LocalCluster.start(REGIONS, work / "feed", node_args=node_args)
     try:
         async with drivers.region_clients(cluster.addresses) as clients:
             delivered = await measure_delivery(clients, settings, progress)

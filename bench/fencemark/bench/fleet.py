@@ -215,6 +215,8 @@ class Node:
         port = held.take()
         limits = ("--max-waiters", str(LIMIT), "--max-waiters-per-client", str(LIMIT),
                   "--max-streams-per-client", str(LIMIT), "--max-connections", str(LIMIT),
+                  # streams per client stay below the read budget (the node insists)
+                  "--max-concurrent-reads", str(2 * LIMIT),
                   "--metrics-listen", f"127.0.0.1:{port}")  # fmt: skip
         extra = (*limits, *(f"--peer={peer}" for peer in peers))
         try:
