@@ -383,12 +383,32 @@ def issue_into(
     ca_cert = (directory / CA_CERT).read_bytes()
     ca_key = (directory / CA_KEY).read_bytes()
     cert, key = issue(ca_cert, ca_key, identity, hosts=hosts, days=days)
-    for path in (files.cert, files.key):
+    _write_new(files.cert, files.key, cert, key)
+    return files
+
+
+def issue_named_into(
+    directory: Path, common_name: str, *, server_hosts: Iterable[str] = ()
+) -> tuple[Path, Path]:
+    """``issue_named`` with ``directory``'s CA, written there as ``NAME.pem`` and
+    ``NAME-key.pem`` (refused if either exists): (certificate, key)."""
+    cert_path, key_path = directory / f"{common_name}.pem", directory / f"{common_name}-key.pem"
+    cert, key = issue_named(
+        (directory / CA_CERT).read_bytes(), (directory / CA_KEY).read_bytes(), common_name,
+        server_hosts=server_hosts,
+    )  # fmt: skip
+    _write_new(cert_path, key_path, cert, key)
+    return cert_path, key_path
+
+
+def _write_new(cert_path: Path, key_path: Path, cert: bytes, key: bytes) -> None:
+    """A new certificate and its key (readable by the owner only); FileExistsError if
+    either file is there already."""
+    for path in (cert_path, key_path):
         if path.exists():
             raise FileExistsError(f"{path} exists: remove it first to issue a new one")
-    _write(files.key, key, secret=True)
-    _write(files.cert, cert)
-    return files
+    _write(key_path, key, secret=True)
+    _write(cert_path, cert)
 
 
 def init_dir(

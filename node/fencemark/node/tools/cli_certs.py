@@ -95,25 +95,15 @@ def p12_password(source: str, what: str) -> bytes:
 def cmd_certs_etcd(args: argparse.Namespace) -> int:
     """etcd's certificates from the CA in --dir: a server's, or its ``root`` client's."""
     from fencemark.node.coordination.access import ROOT
-    from fencemark.node.security.tls import CA_CERT, CA_KEY, issue_named
+    from fencemark.node.security.tls import issue_named_into
 
-    directory = Path(args.dir)
     try:
         if args.root:
             name, hosts = ROOT, []
         else:
             name = validation.region(args.server, "--server")
             hosts = [name, *_names(args.hosts)]
-        cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
-        if cert_path.exists() or key_path.exists():
-            raise FileExistsError(f"{cert_path} exists: remove it first to make a new one")
-        cert, key = issue_named(
-            (directory / CA_CERT).read_bytes(), (directory / CA_KEY).read_bytes(), name,
-            server_hosts=hosts,
-        )  # fmt: skip
-        cert_path.write_bytes(cert)
-        key_path.touch(mode=0o600)
-        key_path.write_bytes(key)
+        cert_path, key_path = issue_named_into(Path(args.dir), name, server_hosts=hosts)
     except (InvalidInput, ValueError, OSError) as exc:
         print(f"fencemark certs: {exc}", file=sys.stderr)
         return 2
