@@ -5,24 +5,18 @@ thread, held for as long as the client kept it open), under the rules every port
 follows (``fencemark.node.api.handshakes``): nothing reaches the node before the
 client speaks, a request has ``--handshake-timeout`` seconds to arrive whole, at most
 ``PENDING_PER_SOURCE`` connections from one address and ``MAX_CONNECTIONS`` in all
-are open at once, and one more is closed as it comes.
+are open at once (a ``PendingGate``), and one more is closed as it comes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from fencemark.node.api.handshakes import (
-    BACKLOG,
-    HANDSHAKE_TIMEOUT_S,
-    PENDING_PER_SOURCE,
-    defer_accept,
-)
+from fencemark.node.api.handshakes import BACKLOG, HANDSHAKE_TIMEOUT_S, PendingGate, defer_accept
 
 MAX_CONNECTIONS = 16  # a scraper or two, and room to spare
 MAX_REQUEST_BYTES = 8192
@@ -30,24 +24,20 @@ SEND_TIMEOUT_S = 10.0
 
 
 class MetricsSite:
-    """The endpoint's connections; counts what it refused."""
+    """The endpoint's connections: plaintext, so every open one is still owed its
+    request, and all of them are bounded as connections in handshake are."""
 
     def __init__(self, registry: CollectorRegistry, request_timeout_s: float) -> None:
         self.registry = registry
         self.request_timeout_s = request_timeout_s
-        self.open = 0
-        self.refused = 0
-        self._by_source: collections.Counter[str] = collections.Counter()
+        self.open = PendingGate(total=MAX_CONNECTIONS)  # counts what it refused, too
 
     async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else "?"
-        if self.open >= MAX_CONNECTIONS or self._by_source[source] >= PENDING_PER_SOURCE:
-            self.refused += 1
+        if not self.open.admit(source):
             writer.close()
             return
-        self.open += 1
-        self._by_source[source] += 1
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -57,10 +47,7 @@ class MetricsSite:
                 ConnectionError):  # fmt: skip
             pass  # a silent, slow or oversized request: closed
         finally:
-            self.open -= 1
-            self._by_source[source] -= 1
-            if self._by_source[source] <= 0:
-                del self._by_source[source]
+            self.open.done(source)
             writer.close()
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(1.0):
