@@ -82,13 +82,14 @@ class Connections:
 
     @classmethod
     def of(cls, config: NodeConfig) -> Connections:
-        """ValueError when a bound cannot be met: checked before anything opens."""
+        """ValueError naming the flag when a bound cannot be met: checked before
+        anything opens (``fencemark node`` exits 2 with it)."""
         if problem := config.call_limits.problem():
             raise ValueError(problem)
         if not 0 < config.handshake_timeout_s <= MAX_HANDSHAKE_TIMEOUT_S:
             raise ValueError(
-                f"handshake_timeout: more than 0 and at most {MAX_HANDSHAKE_TIMEOUT_S:.0f}"
-                f" seconds, got {config.handshake_timeout_s}"
+                f"--handshake-timeout takes more than 0 and at most"
+                f" {MAX_HANDSHAKE_TIMEOUT_S:.0f} seconds, got {config.handshake_timeout_s}"
             )
         handshake = [("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000))]
         peer = peer_connection_options(config.max_peer_connections) if config.peer_listen else None

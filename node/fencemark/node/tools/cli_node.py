@@ -14,9 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fencemark.node.api.assembly import MAX_HANDSHAKE_TIMEOUT_S
 from fencemark.node.api.authz import AccessMap, load_access
-from fencemark.node.api.budgets import Limits
 from fencemark.node.api.server import NodeConfig, serve
 from fencemark.node.api.telemetry import say
 from fencemark.node.replication.peers import parse_peers
@@ -87,16 +85,6 @@ def _bad_bounds(args: argparse.Namespace) -> str:
     for flag in ("max_connections", "max_peer_connections"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} takes 1 or more, got {getattr(args, flag)}"
-    if problem := Limits(
-        read=args.max_concurrent_rpcs or args.max_concurrent_reads,
-        streams_per_client=args.max_streams_per_client,
-    ).problem():
-        return problem
-    if not 0 < args.handshake_timeout <= MAX_HANDSHAKE_TIMEOUT_S:
-        return (
-            f"--handshake-timeout takes more than 0 and at most"
-            f" {MAX_HANDSHAKE_TIMEOUT_S:.0f} seconds, got {args.handshake_timeout}"
-        )
     return ""
 
 
