@@ -109,7 +109,6 @@ class Campaign:
         self.lease_clock = LeaseClock(ttl_s)
         self.term = 0  # this member's term while it holds the key, else 0
         self.decider: Decider | None = None  # who decides, as last seen
-        self.terms_won = 0
         self._task: asyncio.Task[None] | None = None
         self._lease = 0
         # Leases this member let go of while etcd could not be told: revoked as soon as
@@ -130,10 +129,8 @@ class Campaign:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._end_term()
-        if self._lease:
-            with contextlib.suppress(EtcdError):
-                await self.etcd.revoke(self._lease)
-            self._lease = 0
+        self._let_go()
+        await self._revoke_left()
 
     async def _run(self) -> None:
         while True:
@@ -142,6 +139,7 @@ class Campaign:
             except EtcdError as exc:
                 log.warning("region %s: etcd: %s", self.region, exc)
                 self._end_term()
+                self._let_go()  # a create whose answer was lost may hold the key
                 await asyncio.sleep(self.ttl_s * RENEW_SHARE)
 
     async def _campaign_once(self) -> None:
@@ -156,15 +154,13 @@ class Campaign:
             self.lease_clock.renewed(sent_at, ttl)
             await self._hold(created.entry.create_revision)
         else:
-            lease, self._lease = self._lease, 0
-            with contextlib.suppress(EtcdError):
-                await self.etcd.revoke(lease)
+            self._let_go()
+            await self._revoke_left()
             await self._follow(created.entry)
 
     async def _hold(self, term: int) -> None:
         """Decide while the lease lasts and the key is ours; return at the first doubt."""
         self.term = term
-        self.terms_won += 1
         log.info("region %s: member %s decides, term %d", self.region, self.member, term)
         self.on_term(term)
         try:
@@ -186,9 +182,14 @@ class Campaign:
                 self.lease_clock.renewed(sent_at, ttl)
         finally:
             self._end_term()
-            lease, self._lease = self._lease, 0
-            self._unrevoked.append(lease)
+            self._let_go()
             await self._revoke_left()
+
+    def _let_go(self) -> None:
+        """The lease in hand is to be revoked (``_revoke_left``), and no longer held."""
+        if self._lease:
+            self._unrevoked.append(self._lease)
+            self._lease = 0
 
     async def _revoke_left(self) -> None:
         """Revoke the leases let go of before; those etcd cannot be told of yet stay."""
