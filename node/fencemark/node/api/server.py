@@ -56,6 +56,7 @@ class NodeServer:
         # replication
         self.replicator = peering.replicator
         self._gate = peering.gate
+        self._peering = peering
         # the surfaces
         self.server = surfaces.server
         self.peer_server = surfaces.peer_server  # the peer listener, if any
@@ -99,7 +100,7 @@ class NodeServer:
         except OSError:
             await core.storage.close()
             raise
-        await node._start(peering)
+        await node._start()
         log.info(
             "region %s node %s listening on %s%s (%s, writes %s, data %s)",
             config.region,
@@ -118,9 +119,9 @@ class NodeServer:
         if self.peer_server is not None:
             self.peer_port = assembly.listen(self.peer_server, self.config.peer_listen, self.tls)
 
-    async def _start(self, peering: assembly.Replication) -> None:
+    async def _start(self) -> None:
         """Serve, then replicate, record lapses, and serve metrics and the dashboard."""
-        config = self.config
+        config, peering = self.config, self._peering
         await self.server.start()
         if self.peer_server is not None:
             await self.peer_server.start()
