@@ -145,6 +145,28 @@ def test_a_write_acknowledged_while_a_lost_feed_was_followed_must_be_in_it() -> 
     assert judged.numbers["writes shown"] == 0
 
 
+def test_a_write_lost_with_its_nodes_rolled_back_disk_may_have_no_event() -> None:
+    """The chaos run's case (seed 1403819500): a creation acknowledged by us after the
+    copy its disk was put back to was taken, and killed before it was fed or pushed
+    on. The feed goes on under the same node id, without it; invariant 3 counts it
+    lost with the disk, and so does this one."""
+    created = write("create", 12.0, detail="us", key=queue_key("q-us-00007"))
+    watched = log(Segment("f1.0", feed("f1")))
+    rollback = Played("rollback", ("us",), 12.5, 20.0, down_at=12.6, copied_at=11.0)
+    judged = verdict(watched, played=[rollback], h=history(created))
+    assert judged.ok, judged.detail
+    assert judged.numbers["writes lost with a disk"] == 1
+    assert judged.numbers["writes shown"] == 0
+    # Acknowledged before the copy was taken: the file put back holds it; it must show.
+    early = replace(rollback, copied_at=12.3)
+    judged = verdict(watched, played=[early], h=history(created))
+    assert not judged.ok
+    assert "gap: us-queue-0's create of" in judged.detail
+    # Nor is a write the node had DISK_LOSS_GRACE_S healthy seconds to pass on excused.
+    late = replace(rollback, started=30.0, down_at=30.1)
+    assert not verdict(watched, played=[late], h=history(created)).ok
+
+
 def test_a_final_state_the_watcher_never_received_fails() -> None:
     watched = log(Segment("f1.0", feed("f1")))
     watched.ends[ITEM] = b"a state no event carried"
