@@ -14,7 +14,9 @@ import pytest
 
 from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.crdt import FenceState, Grant, HybridClock, Record, Stamp
-from fencemark.node.rules.errors import NotServing
+from fencemark.node.crdt.hlc import pack, physical_ms
+from fencemark.node.rules.admission import next_token, token_ceiling
+from fencemark.node.rules.errors import NotDecider, NotServing
 from fencemark.node.store.storage import DB_FILE, Storage
 
 
@@ -242,4 +244,87 @@ async def test_a_twin_refusal_owes_a_catch_up_and_the_gap_durably_each_time(
     await gate.twinned()
     assert (gate.deciding, gate.owed, gate.twins) == (False, True, 1)
     assert heard == ["owed", "owed again"]
+    await storage.close()
+
+
+# -- a member of a region of several (SPEC §10) ---------------------------------------
+
+
+class Elected:
+    """A member's part in its region's election as the gate sees it (``Role``): the
+    etcd-backed one is ``coordination.member.Member``, run against a real etcd in
+    tests/test_members.py; here the gate's own rules, with the term set by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0  # the term this member decides in; 0: it does not
+
+    def term(self) -> int:
+        return self.now
+
+    def check(self) -> None:
+        if not self.now:
+            raise NotDecider("us", "us-b", "127.0.0.1:7401", 7)
+
+
+async def test_a_member_decides_only_in_its_term_and_acknowledges_only_in_the_same_one(
+    tmp_path: Path,
+) -> None:
+    """A member that is not the decider refuses with a redirect, whatever else the gate
+    says; a decision made in one term is not acknowledged once the member no longer
+    decides in it, however briefly it stopped (SPEC §10: a decision under way when
+    the decider stops is not acknowledged)."""
+    storage = await Storage.open(tmp_path / DB_FILE)
+    gate = GrantGate(storage, HybridClock(), region="us")
+    await gate.caught_up()
+    role = Elected()
+    gate.role = role
+    assert not gate.deciding
+    with pytest.raises(NotDecider) as refused:
+        gate.check()
+    assert (refused.value.decider, refused.value.address, refused.value.term) == (
+        "us-b", "127.0.0.1:7401", 7,
+    )  # fmt: skip
+    role.now = 8
+    gate.new_term(8, max_clock_offset_ms=500)
+    assert gate.deciding
+    gate.check()
+    mark = gate.mark()
+    gate.awake(mark)  # still deciding in term 8
+    role.now = 0
+    with pytest.raises(NotServing, match="stopped deciding"):
+        gate.awake(mark)
+    role.now = 9  # back, in a later term: still not the term the decision was made in
+    with pytest.raises(NotServing, match="stopped deciding"):
+        gate.awake(mark)
+    await storage.close()
+
+
+async def test_each_term_starts_an_era_of_tokens_above_every_earlier_terms(
+    tmp_path: Path,
+) -> None:
+    """The first grant of a term on a record jumps to the ceiling of the term's floor:
+    above every token a decider of an earlier term can have granted, seen here or
+    not — it stopped before this term began, with a clock and an HLC at most
+    ``max_clock_offset_ms`` ahead each (``term_floor``)."""
+    storage = await Storage.open(tmp_path / DB_FILE)
+    clock = HybridClock()
+    gate = GrantGate(storage, clock, region="us")
+    await gate.caught_up()
+    offset = 500
+    before = physical_ms(clock.now())
+    gate.new_term(3, max_clock_offset_ms=offset)
+    assert physical_ms(gate.term_hlc) >= before + 2 * offset
+    assert gate.era_hlc == gate.term_hlc  # a brand-new file: no life floor of its own
+    # The worst earlier decider: its HLC 2 offsets ahead of this member's clock, one
+    # millisecond before this term began, and 1,000 grants of the record since its own
+    # era began (fewer than 2**10 a millisecond).
+    earlier = token_ceiling(pack(before + 2 * offset - 1)) + 1_000
+    held = FenceState().grant(earlier, Grant(1, "worker-a", "us"), 10**13)
+    token = next_token(held, life_hlc=gate.era_hlc, region="us")
+    assert token > earlier
+    assert token >= token_ceiling(gate.term_hlc)
+    # A later term's floor is above this one's; an earlier term's never lowers it.
+    floor = gate.term_hlc
+    gate.new_term(4, max_clock_offset_ms=offset)
+    assert gate.term_hlc >= floor
     await storage.close()

@@ -95,7 +95,7 @@ async def test_a_restored_cluster_never_reissues_a_token_the_backup_forgot(
                 # stale worker's writes getting through): a new life of the file starts
                 # a new era of tokens (docs/replication.md, *A disk that goes back in
                 # time*).
-                assert fresh.fencing_token >= token_ceiling(us.replica.life_hlc)
+                assert fresh.fencing_token >= token_ceiling(us.replica.gate.life_hlc)
             assert fresh.fencing_token > stale.fencing_token
             # ... so the stale worker is told it lost the item.
             with pytest.raises(ClaimConflict) as refused:
@@ -120,7 +120,7 @@ async def test_a_restored_cluster_never_reissues_a_token_the_backup_forgot(
         async with AsyncClient(us.address, retries=0) as c:
             assert (await c.release_claim(KEY, fresh.fencing_token)).released
             after = await c.claim(KEY, "worker-d", lease_seconds=60)
-            floor = max(fresh.fencing_token + 1, token_ceiling(us.replica.life_hlc))
+            floor = max(fresh.fencing_token + 1, token_ceiling(us.replica.gate.life_hlc))
             assert after.fencing_token == floor
             assert (await c.release_claim(KEY, after.fencing_token)).released
             then = await c.claim(KEY, "worker-e", lease_seconds=60)

@@ -123,7 +123,7 @@ async def test_a_reverted_home_learns_what_it_forgot_before_it_hands_out_work(
             assert next_item.reason == "empty"
         assert us.replica.gate.rollbacks >= 1
         assert counters(us, "fencemark_data_rollbacks") == {(): us.replica.gate.rollbacks}
-        assert us.replica.recovered_hlc > us.replica.life_hlc, "caught up again, with the gap"
+        assert us.replica.recovered_hlc > us.replica.gate.life_hlc, "caught up again, with the gap"
 
 
 async def test_a_restart_with_a_peer_down_decides_after_its_bounded_wait(tmp_path: Path) -> None:

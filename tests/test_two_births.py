@@ -91,7 +91,7 @@ async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_hold
             assert not renewal.renewed and renewal.reason == "wrong_region"
             again = await at_us.claim(key, "worker-next", lease_seconds=60)
             # The heal restarted us: its grant starts this life's era of tokens.
-            assert again.granted and again.fencing_token == token_ceiling(us.replica.life_hlc)
+            assert again.granted and again.fencing_token == token_ceiling(us.replica.gate.life_hlc)
 
         # Nothing refused, so nothing to fetch again and again.
         await rounds_pass(us, 5)

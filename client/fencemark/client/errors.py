@@ -23,6 +23,7 @@ __all__ = [
     "ClaimConflict",
     "FencemarkError",
     "InvalidArgument",
+    "NotDecider",
     "NotFound",
     "PermissionDenied",
     "Unavailable",
@@ -153,6 +154,23 @@ class Unavailable(FencemarkError):
         self.retry_after = retry_after
 
 
+class NotDecider(FencemarkError):
+    """A deciding call (claim, renewal, release, fenced write, ``ClaimNext``, reopen,
+    force-release) reached a member of a region of several that is not its decider
+    (FAILED_PRECONDITION, reason ``NOT_DECIDER``): nothing was done. Member
+    ``decider`` decides for ``region`` in ``term``, at ``address``."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, *, region: str, decider: str, address: str,
+        term: int,
+    ) -> None:  # fmt: skip
+        super().__init__(code, message)
+        self.region = region
+        self.decider = decider
+        self.address = address
+        self.term = term
+
+
 class Unimplemented(FencemarkError):
     """The node does not serve the method, e.g. a write on a node without writes enabled."""
 
@@ -186,6 +204,15 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
         if error_info.reason == "NOT_SERVING":
             wait = retry_info.retry_delay.ToMilliseconds() / 1000 if retry_info else 0.0
             return Unavailable(code, message, reason="NOT_SERVING", retry_after=wait)
+        if error_info.reason == "NOT_DECIDER":
+            return NotDecider(
+                code,
+                message,
+                region=str(metadata.get("region", "")),
+                decider=str(metadata.get("decider", "")),
+                address=str(metadata.get("address", "")),
+                term=_to_int(metadata.get("term", "")),
+            )
         if error_info.reason == "PERMISSION_DENIED":
             return PermissionDenied(
                 code,

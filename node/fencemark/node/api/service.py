@@ -38,6 +38,7 @@ from fencemark.node.rules.errors import (
     Exhausted,
     FencemarkError,
     InvalidInput,
+    NotDecider,
     NotFound,
     NotServing,
     PermissionDenied,
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
     from fencemark.node.replication.replicator import Replicator
 
 DOMAIN = "fencemark"
+# The ErrorInfo reason of a deciding call made to a member that is not its region's
+# decider (SPEC §10): ``address`` names where the decider serves.
+NOT_DECIDER = "NOT_DECIDER"
 CURSOR_HEADER = "fencemark-cursor"  # a Watch stream's initial metadata: where it starts
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -138,6 +142,14 @@ def to_status(error: FencemarkError) -> grpc.Status:
     if isinstance(error, TwinNode):
         metadata = {"node_id": error.node_id, "region": error.region}
         return _status(code_pb2.FAILED_PRECONDITION, str(error), TWIN_NODE, metadata)
+    if isinstance(error, NotDecider):
+        metadata = {
+            "region": error.region,
+            "decider": error.decider,
+            "address": error.address,
+            "term": str(error.term),
+        }
+        return _status(code_pb2.FAILED_PRECONDITION, str(error), NOT_DECIDER, metadata)
     if isinstance(error, NotServing):
         return _not_serving(error)
     if isinstance(error, Exhausted):
@@ -168,6 +180,7 @@ def refusal_reason(error: FencemarkError) -> str:
         (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),
         (Exhausted, "resource_exhausted"), (CursorExpired, "cursor_expired"),
         (TooSlow, "watcher_too_slow"), (TwinNode, "twin_node"),
+        (NotDecider, "not_decider"),
     )  # fmt: skip
     return next((reason for kind, reason in kinds if isinstance(error, kind)), "internal")
 

@@ -221,7 +221,7 @@ class Claims:
                 region=replica.region,
                 queued_ahead=queued_ahead,
                 recovered_hlc=replica.recovered_hlc,
-                life_hlc=replica.life_hlc,
+                life_hlc=replica.era_hlc,
             )
             granted = fence.fence != current.fence.fence
             if not granted:

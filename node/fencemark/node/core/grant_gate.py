@@ -63,6 +63,15 @@ peers again as after a restart (``starting``) before it decides. The check runs
 before every decision, not only at the next tick — a claim waiting in the socket
 when the process wakes may be served first — and once more after a grant is
 durable (``awake``): one decided before the nap is not handed out after it.
+
+A region served by several members decides at one of them, its *decider*, elected
+through etcd (SPEC §10, ``fencemark.node.coordination``): the member's ``role``.
+Every check asks it too: a member that is not the decider refuses with a redirect
+(``NotDecider``), one whose lease is in doubt ``NotServing``; and a decision made
+while the member decided is acknowledged only if the member still decides in the
+same term once it is durable (``awake``). Each term starts an era of tokens of its
+own (``new_term``): its first grant on each record jumps above every token an
+earlier term can have granted (``term_floor``).
 """
 
 from __future__ import annotations
@@ -70,8 +79,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from fencemark.node.crdt import HybridClock, Record
+from fencemark.node.crdt.hlc import pack, physical_ms
 from fencemark.node.rules.errors import NotServing
 from fencemark.node.store.storage import Storage
 
@@ -80,6 +91,32 @@ GAP_OWED = "gap_owed"  # meta: "1" once a peer held records while catch-up was o
 RECOVERED_HLC = "recovered_hlc"  # meta: grants below this HLC are of an earlier life
 
 log = logging.getLogger(__name__)
+
+
+class Role(Protocol):
+    """A member's part in its region's election (``coordination.member``)."""
+
+    def term(self) -> int:
+        """The term this member decides in now; 0 when it does not decide."""
+        ...
+
+    def check(self) -> None:
+        """Raise ``NotDecider`` (another member decides) or ``NotServing`` (nobody
+        does, or this member's lease is in doubt) unless this member decides now."""
+        ...
+
+
+def term_floor(now_hlc: int, max_clock_offset_ms: int) -> int:
+    """The HLC whose token ceiling a new term's first grant on each record reaches
+    (``admission.next_token``'s era floor): above every token an earlier term can
+    have granted. An earlier decider stopped deciding before its lease could have
+    expired at etcd, so before this term began; the tokens it granted are below the
+    ceiling of its HLC then (the era assumption: fewer than 2**10 grants of one
+    record in a millisecond). Its HLC was at most ``max_clock_offset_ms`` ahead of
+    its wall clock (a peer's state further ahead is refused, ``intake.check_clock``),
+    and its wall clock at most that far ahead of this member's: twice the offset
+    above this member's clock covers it."""
+    return pack(physical_ms(now_hlc) + 2 * max_clock_offset_ms)
 
 
 class GrantGate:
@@ -119,12 +156,30 @@ class GrantGate:
         self._ticked = 0.0  # monotonic time of the latest tick; 0 until ticking
         self._listeners: list[Callable[[], None]] = []
         self._nap_listeners: list[Callable[[], None]] = []
+        # A member of a region of several: its part in the election (None: the
+        # region's only node, which decides whenever the rest of the gate says so).
+        self.role: Role | None = None
+        self.term = 0  # the latest term this member decided in
+        self.term_hlc = 0  # ... and its era floor (``term_floor``)
+
+    @property
+    def era_hlc(self) -> int:
+        """The era floor of the next grant (``admission.next_token``'s ``life_hlc``):
+        this life's, or the current term's, whichever is later."""
+        return max(self.life_hlc, self.term_hlc)
+
+    def new_term(self, term: int, max_clock_offset_ms: int) -> None:
+        """This member became its region's decider in ``term``: its tokens start an
+        era above every token of an earlier term (``term_floor``)."""
+        self.term = term
+        self.term_hlc = max(self.term_hlc, term_floor(self._clock.now(), max_clock_offset_ms))
+        log.info("deciding for region %s in term %d", self._region, term)
 
     @property
     def deciding(self) -> bool:
         """Whether this node decides claims and admits writes now (as of the latest
         ``tick``: it is read from other threads too, by the metrics endpoint)."""
-        return not (self.owed or self.starting)
+        return not (self.owed or self.starting) and (self.role is None or self.role.term() > 0)
 
     def tick(self) -> None:
         """The event loop runs: called every ``nap_s``/5 by the replicator, and before
@@ -172,21 +227,35 @@ class GrantGate:
         for listener in self._nap_listeners:
             listener()
 
-    def awake(self, naps: int) -> None:
-        """Raise :class:`NotServing` if this process napped since ``naps`` was read
-        (``self.naps``): a grant decided before a nap is not handed out after it —
-        a copy may have granted the same claim meanwhile. The grant stays in the
-        file and its lease lapses."""
+    def mark(self) -> tuple[int, int]:
+        """What ``awake`` compares after a decision: the naps so far, and the term."""
+        return self.naps, self.role.term() if self.role is not None else 0
+
+    def awake(self, mark: tuple[int, int]) -> None:
+        """Raise :class:`NotServing` if this process napped since ``mark`` was read
+        (``mark()``), or this member no longer decides in the term it decided in: a
+        grant decided before a nap is not handed out after it — a copy may have
+        granted the same claim meanwhile —, nor one whose decider stopped deciding
+        while it was made durable (SPEC §10). The grant stays in the file and its
+        lease lapses."""
         self.tick()
+        naps, term = mark
         if self.naps != naps:
             raise NotServing(
                 "this process stood still while it decided (paused or starved of CPU);"
                 " it compares states with its peers again before it decides claims"
             )
+        if self.role is not None and self.role.term() != term:
+            raise NotServing(
+                "this member stopped deciding for its region while it decided (its"
+                " decider lease in doubt); ask again: the region's decider answers"
+            )
 
     def check(self) -> None:
         """Raise :class:`NotServing` while catch-up is owed, or while a restarted (or
-        napping: ``tick``) node waits for its first round with each peer."""
+        napping: ``tick``) node waits for its first round with each peer; and, at a
+        member of a region of several, unless it is the region's decider now
+        (``Role.check``)."""
         self.tick()
         if self.owed:
             raise NotServing(
@@ -206,6 +275,8 @@ class GrantGate:
                 f"{why} before it decides claims and fenced writes (a few seconds at most)",
                 retry_after_ms=int(left * 1000) + 50 if left > 0 else 0,
             )
+        if self.role is not None:
+            self.role.check()
 
     def on_owed(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` when a deciding node comes to owe a catch-up again

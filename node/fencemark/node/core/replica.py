@@ -272,8 +272,9 @@ class Replica:
         return self.gate.recovered_hlc
 
     @property
-    def life_hlc(self) -> int:
-        return self.gate.life_hlc
+    def era_hlc(self) -> int:
+        """The era floor of the next grant: this life's, or the term's (``GrantGate``)."""
+        return self.gate.era_hlc
 
     def on_lease(self, listener: Callable[[str, int], None]) -> None:
         """Call ``listener(key, expiry_ms)`` after each commit that leaves a record
@@ -325,7 +326,7 @@ class Replica:
         (:class:`NotServing`) if this process napped before it was committed
         (``grant_gate.awake``): a copy of the node may have decided meanwhile.
         """
-        naps = self.gate.naps
+        mark = self.gate.mark()
         async with self._locks.hold(key):
             stored = await self.storage.get(key)
             current = stored.record if stored is not None else Record(key)
@@ -333,7 +334,7 @@ class Replica:
             changed = self._sealed(changed)
             if changed == current:
                 if decides:
-                    self.gate.awake(naps)
+                    self.gate.awake(mark)
                 return stored, result
             state = _within_limits(changed, known, local=local)
             events = (
@@ -361,7 +362,7 @@ class Replica:
         if cancelled:
             raise asyncio.CancelledError
         if decides:
-            self.gate.awake(naps)
+            self.gate.awake(mark)
         return stored, result
 
     def _committed(self, key: str, changed: Record, local: bool) -> None:

@@ -187,7 +187,7 @@ class WorkQueue:
                 fence, outcome = decide_claim(
                     current, owner, caller=caller, lease_ms=lease_ms, now_ms=now_ms,
                     hlc=replica.now_hlc(), region=replica.region, queued_ahead=False,
-                    recovered_hlc=replica.recovered_hlc, life_hlc=replica.life_hlc,
+                    recovered_hlc=replica.recovered_hlc, life_hlc=replica.era_hlc,
                 )  # fmt: skip
                 if not outcome.ok:  # another identity's claim under the same owner name
                     return current, None
@@ -227,7 +227,7 @@ class WorkQueue:
                 region=replica.region,
                 queued_ahead=claims.queue_depth(key) > 0,
                 recovered_hlc=replica.recovered_hlc,
-                life_hlc=replica.life_hlc,
+                life_hlc=replica.era_hlc,
             )
             if not outcome.ok:
                 return current, None

@@ -112,6 +112,22 @@ class TwinNode(FencemarkError):
         )
 
 
+class NotDecider(FencemarkError):
+    """A member of a region that is not its decider was asked to decide (SPEC §10):
+    the call belongs at ``address``, where member ``decider`` decides in ``term``.
+    A client follows it (docs/api.md, *NOT_DECIDER*)."""
+
+    def __init__(self, region: str, decider: str, address: str, term: int) -> None:
+        self.region = region
+        self.decider = decider
+        self.address = address
+        self.term = term
+        super().__init__(
+            f"this member does not decide for region {region!r}: member {decider!r}"
+            f" does (term {term}), at {address}; send deciding calls there"
+        )
+
+
 class NotServing(FencemarkError):
     """This node cannot decide claims right now (e.g. catching up after disk loss).
     ``retry_after_ms``, when known (a restart settling), is when to ask again: sent as
