@@ -12,12 +12,19 @@ test needs the component ``etcd`` (tests/components.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Self
 
+from fencemark.node.coordination import access
+from fencemark.node.coordination.etcd import Etcd, EtcdError
+from fencemark.node.security.tls import TlsFiles, init_dir
 from fencemark.node.tools.cli import main
 from fencemark.node.tools.ports import Ports
+from tests import components
+from tests.cluster import eventually
 
 STARTUP_S = 30.0
 
@@ -91,3 +98,41 @@ class EtcdServer:
     async def stop(self) -> None:
         await self.kill()
         self.ports.close()
+
+
+@contextlib.asynccontextmanager
+async def restricted(
+    folder: Path, regions: Sequence[str] = ("us", "eu"), clients: Sequence[str] = ("alice",)
+) -> AsyncIterator[tuple[EtcdServer, Path]]:
+    """An etcd over mutual TLS with authentication on as an operator sets it, one role
+    per region of ``regions``, and the ``fencemark certs`` directory of its CA (with
+    node certificates of ``regions`` and client ones of ``clients``)."""
+    components.require("etcd")
+    certs = folder / "certs"
+    init_dir(certs, regions=list(regions), clients=list(clients))
+    assert main(["certs", "etcd", "--dir", str(certs), "--root"]) == 0
+    server = await EtcdServer.start(folder / "etcd", certs)
+    try:
+        restrict = ["etcd", "restrict", "--etcd", f"https://{server.endpoint}",
+                    "--tls-dir", str(certs), "--regions", ",".join(regions)]  # fmt: skip
+        assert await asyncio.to_thread(main, restrict) == 0
+        yield server, certs
+    finally:
+        await server.stop()
+
+
+async def serving(server: EtcdServer, certs: Path) -> None:
+    """Until etcd answers a read (a leader elected), as its root."""
+    root = Etcd([server.endpoint], TlsFiles.in_dir(certs, access.ROOT), timeout_s=1.0)
+
+    async def answers() -> bool:
+        try:
+            await root.get(b"/probe")
+        except EtcdError:
+            return False
+        return True
+
+    try:
+        await eventually(answers, "etcd answering", within=30, every=0.1)
+    finally:
+        await root.close()

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.node.coordination import access
 from fencemark.node.coordination.decider import (
     DECIDE_SHARE,
     Campaign,
@@ -25,11 +24,10 @@ from fencemark.node.coordination.decider import (
     decider_key,
 )
 from fencemark.node.coordination.etcd import Etcd, EtcdError, parse_endpoints
-from fencemark.node.security.tls import TlsFiles, init_dir
+from fencemark.node.security.tls import TlsFiles
 from fencemark.node.tools.cli import main
-from tests import components
 from tests.cluster import eventually
-from tests.etcd_server import EtcdServer
+from tests.etcd_server import EtcdServer, restricted, serving
 
 TTL_S = 2
 
@@ -37,18 +35,8 @@ TTL_S = 2
 @pytest.fixture
 async def etcd(tmp_path: Path) -> AsyncIterator[tuple[EtcdServer, Path]]:
     """An etcd over mutual TLS with authentication on: regions us and eu."""
-    components.require("etcd")
-    certs = tmp_path / "certs"
-    init_dir(certs, regions=["us", "eu"], clients=["alice"])
-    assert main(["certs", "etcd", "--dir", str(certs), "--root"]) == 0
-    server = await EtcdServer.start(tmp_path / "etcd", certs)
-    try:
-        restrict = ["etcd", "restrict", "--etcd", f"https://{server.endpoint}",
-                    "--tls-dir", str(certs), "--regions", "us,eu"]  # fmt: skip
-        assert await asyncio.to_thread(main, restrict) == 0
-        yield server, certs
-    finally:
-        await server.stop()
+    async with restricted(tmp_path) as running:
+        yield running
 
 
 def member(server: EtcdServer, certs: Path, name: str, region: str = "us") -> Campaign:
@@ -68,23 +56,6 @@ async def stop_all(*campaigns: Campaign) -> None:
     for campaign in campaigns:
         await campaign.stop()
         await campaign.etcd.close()
-
-
-async def serving(server: EtcdServer, certs: Path) -> None:
-    """Until etcd answers a read (a leader elected), as its root."""
-    root = Etcd([server.endpoint], TlsFiles.in_dir(certs, access.ROOT), timeout_s=1.0)
-
-    async def answers() -> bool:
-        try:
-            await root.get(b"/probe")
-        except EtcdError:
-            return False
-        return True
-
-    try:
-        await eventually(answers, "etcd answering", within=30, every=0.1)
-    finally:
-        await root.close()
 
 
 async def one_decides(*campaigns: Campaign, within: float = 10.0) -> Campaign:
@@ -156,6 +127,8 @@ async def test_a_decider_cut_from_etcd_stops_before_its_lease_lapses_and_one_is_
         assert until <= killed + TTL_S * DECIDE_SHARE  # its last renewal's bound
         await asyncio.sleep(TTL_S)
         assert not any(c.deciding() for c in campaigns), "nobody decides without etcd"
+        # Nor is anyone named: a redirect to a member that cannot decide helps no one.
+        assert all(c.decider is None for c in campaigns)
         await server.run()
         await serving(server, certs)  # etcd has a leader again: the old lease runs anew
         await one_decides(*campaigns, within=TTL_S)

@@ -34,7 +34,7 @@ from fencemark.node.api.budgets import CallBudgets, give_back
 from fencemark.node.api.claims_service import ClaimsService
 from fencemark.node.api.config import NodeConfig
 from fencemark.node.api.connections import connection_options, peer_connection_options
-from fencemark.node.api.gate_follower import CLAIMS_SERVICE, GateFollower
+from fencemark.node.api.gate_follower import CLAIMS_SERVICE, GateFollower, serve_claims
 from fencemark.node.api.handlers import SERVICES, call_classes, gated_handler
 from fencemark.node.api.handshakes import defer_listeners
 from fencemark.node.api.interceptor import Chain, Interceptor, Registrar
@@ -42,6 +42,7 @@ from fencemark.node.api.reflection import enable as enable_reflection
 from fencemark.node.api.replication import ReplicationService
 from fencemark.node.api.service import NodeService, RecordsService, anyone
 from fencemark.node.api.telemetry import NodeMetrics, Telemetry
+from fencemark.node.coordination.member import Member
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.lapses import LapseWatcher
 from fencemark.node.core.replica import Replica
@@ -193,6 +194,7 @@ class Replication:
     lives: Lives  # who calls with which node id, to tell a restart from a twin
     gate: GateFollower
     catching_up: bool  # the node starts without deciding claims
+    member: Member | None  # its part in its region's election, if the region has several
 
 
 async def replication(
@@ -212,9 +214,9 @@ async def replication(
 
     async def caught_up() -> None:
         await replica.gate.caught_up()
-        await health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await serve_claims(health, replica)
 
-    catching_up = not replica.gate.deciding
+    catching_up = replica.gate.owed or replica.gate.starting
     replicator = Replicator(
         replica,
         core.storage,
@@ -228,7 +230,12 @@ async def replication(
     )
     lives = Lives(config.max_clock_offset_ms, config.replication.twin_forget_s)
     gate = GateFollower(replica, replicator, health, config.start_wait_s)
-    return Replication(peers, replicator, lives, gate, catching_up)
+    member = None
+    if config.member is not None:
+        member = Member(config.member, config.region, replica.gate,
+                        max_clock_offset_ms=config.max_clock_offset_ms,
+                        on_change=gate.decider_changed)  # fmt: skip
+    return Replication(peers, replicator, lives, gate, catching_up, member)
 
 
 def _peers(config: NodeConfig, tls: LiveTls | None, replica: Replica) -> dict[str, PeerStats]:

@@ -13,6 +13,7 @@ from fencemark.node.api.authz import AccessMap
 from fencemark.node.api.budgets import Limits
 from fencemark.node.api.connections import MAX_CONNECTIONS, MAX_PEER_CONNECTIONS
 from fencemark.node.api.handshakes import HANDSHAKE_TIMEOUT_S
+from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.core.claims import MAX_WAITERS, MAX_WAITERS_PER_CLIENT
 from fencemark.node.crdt.hlc import DEFAULT_MAX_CLOCK_OFFSET_MS
 from fencemark.node.replication.intake import MAX_LIST_RECORDS
@@ -95,6 +96,12 @@ class NodeConfig:
     # and the records one listing a peer asks this node for may hold.
     replication: Tuning = field(default_factory=Tuning)
     max_list_records: int = MAX_LIST_RECORDS
+    # A member of a region of several (SPEC §10): its name, etcd, the decider lease's
+    # TTL (fencemark.node.coordination.member). None: the region's only node.
+    member: MemberConfig | None = None
+    # HOST:PORT this node's clients are sent to (the decider's redirect names it);
+    # "": the bound client address.
+    advertise: str = ""
 
     @property
     def db_path(self) -> Path:

@@ -51,6 +51,12 @@ class GateFollower:
         self._not_serving()
         self.wait_for_peers()
 
+    def decider_changed(self) -> None:
+        """This member became its region's decider, or stopped deciding (SPEC §10)."""
+        task = asyncio.create_task(serve_claims(self.health, self.replica))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
     def _not_serving(self) -> None:
         task = asyncio.create_task(
             self.health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -78,8 +84,16 @@ class GateFollower:
                 self.start_wait_s,
                 ", ".join(self.replicator.unsynced()) or "none",
             )
-            await self.health.set(CLAIMS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            await serve_claims(self.health, self.replica)
 
     def stop(self) -> None:
         if self._wait is not None:
             self._wait.cancel()
+
+
+async def serve_claims(health: Any, replica: Replica) -> None:
+    """Health serves claims where claims are decided: SERVING while the grant gate
+    lets this node decide (at a member of a region of several, only at its decider)."""
+    status = health_pb2.HealthCheckResponse
+    serving = replica.gate.deciding
+    await health.set(CLAIMS_SERVICE, status.SERVING if serving else status.NOT_SERVING)

@@ -26,6 +26,7 @@ from fencemark.node.api.config import live_tls, transport
 from fencemark.node.api.dashboard import Dashboard
 from fencemark.node.api.gate_follower import CLAIMS_SERVICE as CLAIMS_SERVICE
 from fencemark.node.api.telemetry import say
+from fencemark.node.coordination.member import Member
 from fencemark.node.security.tls_reload import LiveTls
 from fencemark.node.store.storage import (
     DB_FILE as DB_FILE,  # re-exported: where a node keeps its file
@@ -77,6 +78,11 @@ class NodeServer:
         return _bound(self.config.listen, self.port)
 
     @property
+    def member(self) -> Member | None:
+        """Its part in its region's election, at a member of a region of several."""
+        return self._peering.member
+
+    @property
     def peer_address(self) -> str:
         """Where peers dial in: the peer listener, else the client port."""
         if self.peer_server is None:
@@ -125,7 +131,12 @@ class NodeServer:
         await self.server.start()
         if self.peer_server is not None:
             await self.peer_server.start()
-        await assembly.serve_health(self.health, self._services, catching_up=peering.catching_up)
+        # A member serves claims once elected (``GateFollower.decider_changed``).
+        await assembly.serve_health(
+            self.health,
+            self._services,
+            catching_up=peering.catching_up or peering.member is not None,
+        )
         self.replicator.start()
         self.lapses.start()
         if config.metrics_listen:
@@ -134,6 +145,8 @@ class NodeServer:
             )
         if self.replica.gate.starting:
             self._gate.wait_for_peers()
+        if peering.member is not None:
+            peering.member.start(config.advertise or self.address)
         if config.dashboard_listen:
             self._dashboard = Dashboard(
                 self.replica, self.claims, peering.peers, self.metrics.recent_refusals
@@ -157,6 +170,8 @@ class NodeServer:
         if self._tls_watch is not None:
             self._tls_watch.cancel()
         self._gate.stop()
+        if self._peering.member is not None:
+            await self._peering.member.stop()  # the key let go at once: a fast successor
         await self.health.enter_graceful_shutdown()
         self.replica.end_feed()  # watch streams end now: they resume from their cursor
         grace = self.config.grace_seconds if grace is None else grace

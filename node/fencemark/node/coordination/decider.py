@@ -138,6 +138,7 @@ class Campaign:
                 await self._campaign_once()
             except EtcdError as exc:
                 log.warning("region %s: etcd: %s", self.region, exc)
+                self.decider = None  # unknown until etcd answers again: named to nobody
                 self._end_term()
                 self._let_go()  # a create whose answer was lost may hold the key
                 await asyncio.sleep(self.ttl_s * RENEW_SHARE)

@@ -1,0 +1,121 @@
+"""A node as one member of a region of several (SPEC §10): its campaign for the
+region's decider key, and what the grant gate asks of it before every decision.
+
+The member is the gate's ``role`` (``fencemark.node.core.grant_gate.Role``). While its
+campaign holds the key and its lease clock runs (``decider.Campaign.deciding``), it
+decides in the key's term, and each new term starts an era of tokens above every
+earlier term's (``GrantGate.new_term``). Otherwise a deciding call is refused: with a
+redirect naming the decider's address when another member holds the key
+(``NotDecider``), else ``NotServing`` with a retry hint of one lease time — an election
+under way, etcd unreachable, or this member's own lease in doubt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fencemark.node.coordination.decider import DEFAULT_TTL_S, Campaign
+from fencemark.node.coordination.etcd import Etcd
+from fencemark.node.core.grant_gate import GrantGate
+from fencemark.node.rules.errors import NotDecider, NotServing
+from fencemark.node.security.tls import TlsFiles
+
+log = logging.getLogger(__name__)
+
+MAX_TTL_S = 60  # a longer lease only lengthens the failover
+
+
+@dataclass(frozen=True)
+class MemberConfig:
+    """How a node takes part in its region's election: its name among the region's
+    members, the etcd endpoints and the TLS material it reaches them with, and the
+    decider lease's TTL."""
+
+    name: str
+    etcd: Sequence[str]
+    etcd_tls: TlsFiles | None
+    ttl_s: int = DEFAULT_TTL_S
+
+    def problem(self) -> str:
+        """What is wrong with this configuration, naming the flag; "" if nothing."""
+        if not self.etcd:
+            return "--member needs --etcd: the members of a region elect their decider there"
+        if not 1 <= self.ttl_s <= MAX_TTL_S:
+            return f"--decider-ttl takes 1 to {MAX_TTL_S} seconds, got {self.ttl_s}"
+        return ""
+
+
+class Member:
+    """This node's part in its region's election, as the grant gate's ``role``."""
+
+    def __init__(
+        self,
+        config: MemberConfig,
+        region: str,
+        gate: GrantGate,
+        *,
+        max_clock_offset_ms: int,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.region = region
+        self.name = config.name
+        self.etcd = Etcd(config.etcd, config.etcd_tls)
+        self._gate = gate
+        self._offset_ms = max_clock_offset_ms
+        self._on_change = on_change
+        self.campaign: Campaign | None = None
+        gate.role = self  # from now on, and before the node listens: no decision until elected
+
+    def start(self, address: str) -> None:
+        """Campaign, naming ``address`` as where clients reach this member."""
+        self.campaign = Campaign(
+            self.etcd,
+            self.region,
+            self.name,
+            address,
+            ttl_s=self.config.ttl_s,
+            on_term=self._new_term,
+            on_stop=self._on_change,
+        )
+        self.campaign.start()
+
+    async def stop(self) -> None:
+        """Stop deciding, let the key go for a fast successor, close etcd's channels."""
+        if self.campaign is not None:
+            await self.campaign.stop()
+        await self.etcd.close()
+
+    def _new_term(self, term: int) -> None:
+        self._gate.new_term(term, self._offset_ms)
+        self._on_change()
+
+    def term(self) -> int:
+        """The term this member decides in now; 0 when it does not decide."""
+        campaign = self.campaign
+        return campaign.term if campaign is not None and campaign.deciding() else 0
+
+    def check(self) -> None:
+        """Raise unless this member decides now: ``NotDecider`` naming the member that
+        does, or ``NotServing`` when none is known to."""
+        campaign = self.campaign
+        if campaign is not None and campaign.deciding():
+            return
+        retry_ms = self.config.ttl_s * 1000
+        if campaign is not None and campaign.term:
+            raise NotServing(
+                f"this member's decider lease for region {self.region!r} is in doubt (etcd"
+                " has not answered its renewals): it decides nothing until it holds the"
+                " lease anew",
+                retry_after_ms=retry_ms,
+            )
+        decider = campaign.decider if campaign is not None else None
+        if decider is not None and decider.member != self.name:
+            raise NotDecider(self.region, decider.member, decider.address, decider.term)
+        raise NotServing(
+            f"no member decides for region {self.region!r} now (an election under way, or"
+            " etcd unreachable); reads, the feed and unfenced writes go on",
+            retry_after_ms=retry_ms,
+        )

@@ -1,0 +1,194 @@
+"""A region of several members (SPEC §10): node servers on loopback, each a member of
+region ``us``, electing their decider through a real etcd (mutual TLS, authentication
+on, as an operator sets it: tests/etcd_server.py).
+
+Pinned here: one member decides and every other answers a deciding call with a
+redirect naming it (reads go on everywhere); the decider's health serves claims and
+the others' does not; when the decider stops, another member decides within a lease
+time, in a later term, and its first grant on a record jumps above every token the
+earlier term can have granted; while etcd is away nobody decides (``NOT_SERVING``
+with a retry hint) and reads go on, and once it is back a member decides again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fencemark.client import AsyncClient
+from fencemark.client.errors import NotDecider, Unavailable
+from fencemark.node.api.config import NodeConfig
+from fencemark.node.api.gate_follower import CLAIMS_SERVICE
+from fencemark.node.api.server import NodeServer
+from fencemark.node.coordination.decider import DECIDE_SHARE
+from fencemark.node.coordination.member import MemberConfig
+from fencemark.node.crdt.hlc import pack, wall_clock_ms
+from fencemark.node.rules.admission import token_ceiling
+from fencemark.node.security.tls import TlsFiles
+from tests.cluster import eventually
+from tests.etcd_server import EtcdServer, restricted, serving
+
+pytestmark = pytest.mark.slow  # elections and lease times: seconds each
+
+TTL_S = 2
+OFFSET_MS = 500  # the nodes' --max-clock-offset
+REPO, TOPIC = "lattice", "backlog"
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[tuple[EtcdServer, Path]]:
+    async with restricted(tmp_path) as running:
+        yield running
+
+
+async def member(
+    tmp_path: Path, server: EtcdServer, certs: Path, name: str, region: str = "us"
+) -> NodeServer:
+    """A member of ``region`` named ``name``, on its own data file; etcd reached with
+    its region's certificate."""
+    config = NodeConfig(
+        region=region,
+        listen="127.0.0.1:0",
+        data_dir=tmp_path / name,
+        enable_writes=True,
+        grace_seconds=0.2,
+        max_clock_offset_ms=OFFSET_MS,
+        member=MemberConfig(name, [server.endpoint], TlsFiles.in_dir(certs, region), TTL_S),
+    )
+    return await NodeServer.start(config)
+
+
+async def one_decides(nodes: Sequence[NodeServer], within: float = 10.0) -> NodeServer:
+    async def exactly_one() -> bool:
+        return sum(n.replica.gate.deciding for n in nodes) == 1
+
+    await eventually(exactly_one, "exactly one member deciding", within=within)
+    return next(n for n in nodes if n.replica.gate.deciding)
+
+
+async def claims_health(node: NodeServer) -> int:
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        answer = await stub.Check(health_pb2.HealthCheckRequest(service=CLAIMS_SERVICE))
+        return int(answer.status)
+
+
+async def stop_all(*nodes: NodeServer) -> None:
+    for node in nodes:
+        await node.stop(0)
+
+
+async def test_one_member_decides_and_the_others_redirect_deciding_calls_to_it(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+) -> None:
+    server, certs = etcd
+    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
+    try:
+        decider = await one_decides(nodes)
+        (other,) = [n for n in nodes if n is not decider]
+        serving_status = int(health_pb2.HealthCheckResponse.SERVING)
+
+        async def health_follows() -> bool:
+            here, there = await claims_health(decider), await claims_health(other)
+            return here == serving_status and there != serving_status
+
+        await eventually(health_follows, "claims health SERVING at the decider alone")
+
+        async def named() -> bool:
+            campaign = other.member.campaign if other.member is not None else None
+            return campaign is not None and campaign.decider is not None
+
+        await eventually(named, "the other member naming the decider")
+        async with AsyncClient(other.address, retries=0) as client:
+            # Created at a member that does not decide: a birth is not a decision.
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+            with pytest.raises(NotDecider) as redirected:
+                await client.claim(item.key, "worker-a", lease_seconds=30)
+            said = redirected.value
+            assert said.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert (said.region, said.address) == ("us", decider.address)
+            assert said.term == decider.replica.gate.term > 0
+            assert said.decider in ("us-a", "us-b")
+            with pytest.raises(NotDecider):
+                await client.claim_next(REPO, TOPIC, "worker-a", lease_seconds=30)
+            # Reads go on at every member.
+            assert (await client.get(item.key)).key == item.key
+        async with AsyncClient(decider.address, retries=0) as client:
+            mine = (await client.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])).record
+            granted = await client.claim(mine.key, "worker-a", lease_seconds=30)
+            assert granted.granted
+    finally:
+        await stop_all(*nodes)
+
+
+async def test_the_next_decider_grants_above_every_token_an_earlier_term_can_have_granted(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+) -> None:
+    """The first decider grants a token its successor never hears of (the members do
+    not share the record here): the successor's first grant on the record, in a later
+    term, is above it all the same, and above the ceiling of the moment the first
+    decider stopped plus twice the clock offset."""
+    server, certs = etcd
+    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
+    try:
+        first = await one_decides(nodes)
+        (second,) = [n for n in nodes if n is not first]
+        key = ""
+        for node in (first, second):  # the same item, born at each
+            async with AsyncClient(node.address, retries=0) as client:
+                made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+                key = made.record.key
+        async with AsyncClient(first.address, retries=0) as client:
+            unseen = await client.claim(key, "worker-a", lease_seconds=30)
+        assert unseen.granted
+        old_term = first.replica.gate.term
+        stopped_ms = wall_clock_ms()
+        await first.stop(0)  # lets its key go: the successor is elected at once
+        await one_decides([second], within=TTL_S)
+        assert second.replica.gate.term > old_term
+        async with AsyncClient(second.address, retries=0) as client:
+            again = await client.claim(key, "worker-b", lease_seconds=30)
+        assert again.granted
+        assert again.fencing_token > unseen.fencing_token
+        assert again.fencing_token >= token_ceiling(pack(stopped_ms + 2 * OFFSET_MS))
+    finally:
+        await stop_all(*nodes)
+
+
+async def test_while_etcd_is_away_nobody_decides_reads_go_on_and_a_decider_is_back_after(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+) -> None:
+    server, certs = etcd
+    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
+    try:
+        for node in nodes:  # held by both (the members do not share records here)
+            async with AsyncClient(node.address, retries=0) as client:
+                item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+        await one_decides(nodes)
+        await server.kill()
+        killed = time.monotonic()
+
+        async def nobody() -> bool:
+            return not any(n.replica.gate.deciding for n in nodes)
+
+        await eventually(nobody, "no member deciding", within=TTL_S)
+        assert time.monotonic() - killed <= TTL_S * DECIDE_SHARE + 0.5
+        for node in nodes:
+            async with AsyncClient(node.address, retries=0) as client:
+                with pytest.raises(Unavailable) as refused:
+                    await client.claim(item.key, "worker-a", lease_seconds=30)
+                assert refused.value.reason == "NOT_SERVING"
+                assert refused.value.retry_after == TTL_S
+                assert (await client.get(item.key)).key == item.key
+        await server.run()
+        await serving(server, certs)
+        back = await one_decides(nodes, within=3 * TTL_S)
+        async with AsyncClient(back.address, retries=0) as client:
+            assert (await client.claim(item.key, "worker-a", lease_seconds=30)).granted
+    finally:
+        await stop_all(*nodes)
