@@ -13,7 +13,7 @@ with a retry hint) and reads go on, and once it is back a member decides again.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient
-from fencemark.client.errors import NotDecider, Unavailable
+from fencemark.client.errors import NotDecider, Unavailable, from_rpc_error
 from fencemark.node.api.config import NodeConfig
 from fencemark.node.api.gate_follower import CLAIMS_SERVICE
 from fencemark.node.api.server import NodeServer
@@ -30,6 +30,7 @@ from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
 from fencemark.node.rules.admission import token_ceiling
 from fencemark.node.security.tls import TlsFiles
+from fencemark.v1 import claims_pb2, claims_pb2_grpc
 from tests.cluster import eventually
 from tests.etcd_server import EtcdServer, restricted, serving
 
@@ -107,17 +108,22 @@ async def test_one_member_decides_and_the_others_redirect_deciding_calls_to_it(
         async with AsyncClient(other.address, retries=0) as client:
             # Created at a member that does not decide: a birth is not a decision.
             item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
-            with pytest.raises(NotDecider) as redirected:
-                await client.claim(item.key, "worker-a", lease_seconds=30)
-            said = redirected.value
-            assert said.code == grpc.StatusCode.FAILED_PRECONDITION
-            assert (said.region, said.address) == ("us", decider.address)
-            assert said.term == decider.replica.gate.term > 0
-            assert said.decider in ("us-a", "us-b")
-            with pytest.raises(NotDecider):
-                await client.claim_next(REPO, TOPIC, "worker-a", lease_seconds=30)
-            # Reads go on at every member.
-            assert (await client.get(item.key)).key == item.key
+            assert (await client.get(item.key)).key == item.key  # reads go on at every member
+        async with grpc.aio.insecure_channel(other.address) as channel:
+            stub = claims_pb2_grpc.ClaimsStub(channel)
+            deciding: list[Awaitable[object]] = [
+                stub.Claim(claims_pb2.ClaimRequest(key=item.key, owner="w", lease_seconds=30)),
+                stub.ClaimNext(claims_pb2.ClaimNextRequest(repo=REPO, topic=TOPIC, owner="w")),
+            ]
+            for call in deciding:
+                with pytest.raises(grpc.RpcError) as refused:
+                    await call
+                said = from_rpc_error(refused.value)
+                assert isinstance(said, NotDecider), said
+                assert said.code == grpc.StatusCode.FAILED_PRECONDITION
+                assert (said.region, said.address) == ("us", decider.address)
+                assert said.term == decider.replica.gate.term > 0
+                assert said.decider in ("us-a", "us-b")
         async with AsyncClient(decider.address, retries=0) as client:
             mine = (await client.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])).record
             granted = await client.claim(mine.key, "worker-a", lease_seconds=30)
@@ -190,5 +196,46 @@ async def test_while_etcd_is_away_nobody_decides_reads_go_on_and_a_decider_is_ba
         back = await one_decides(nodes, within=3 * TTL_S)
         async with AsyncClient(back.address, retries=0) as client:
             assert (await client.claim(item.key, "worker-a", lease_seconds=30)).granted
+    finally:
+        await stop_all(*nodes)
+
+
+async def test_clients_follow_the_redirect_unnoticed_and_ask_again_after_a_failover(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+) -> None:
+    """A client of a member that does not decide: its deciding calls reach the
+    decider without the caller seeing the redirect, and go there directly from then
+    on; once that decider is gone, the member is asked again and names the next."""
+    server, certs = etcd
+    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
+    try:
+        decider = await one_decides(nodes)
+        (other,) = [n for n in nodes if n is not decider]
+        keys = []
+        for node in nodes:  # one item, held by both (the members do not share records here)
+            async with AsyncClient(node.address, retries=0) as client:
+                made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+                keys.append(made.record.key)
+        key = keys[0]
+
+        async def named() -> bool:
+            campaign = other.member.campaign if other.member is not None else None
+            return campaign is not None and campaign.decider is not None
+
+        await eventually(named, "the other member naming the decider")
+        async with AsyncClient(other.address, timeout=10) as client:
+            granted = await client.claim(key, "worker-a", lease_seconds=30)
+            assert granted.granted
+            assert client.deciders == {other.address: decider.address}
+            renewed = await client.renew_claim(key, granted.fencing_token, lease_seconds=30)
+            assert renewed.renewed
+            await client.update(key, fields={"body": "fenced"}, fencing_token=granted.fencing_token)
+            released = await client.release_claim(key, granted.fencing_token)
+            assert released.released
+            await decider.stop(0)  # lets the key go: the other member decides at once
+            await one_decides([other], within=TTL_S)
+            again = await client.claim(key, "worker-b", lease_seconds=30)
+            assert again.granted and again.fencing_token > granted.fencing_token
+            assert client.deciders == {}  # the target decides itself now
     finally:
         await stop_all(*nodes)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Literal, Protocol, Self, TypeVar, overload
 
@@ -28,7 +28,13 @@ from grpc_health.v1 import health_pb2
 
 from fencemark.client import _convert as convert
 from fencemark.client._routing import Router, Stubs, home_named, home_tag
-from fencemark.client.errors import ClaimConflict, Unavailable, WatcherTooSlow, from_rpc_error
+from fencemark.client.errors import (
+    ClaimConflict,
+    NotDecider,
+    Unavailable,
+    WatcherTooSlow,
+    from_rpc_error,
+)
 from fencemark.client.keepalive import Hold, holding
 from fencemark.client.types import (
     ClaimNextResult,
@@ -55,6 +61,9 @@ _Response = TypeVar("_Response")
 _Result = TypeVar("_Result")
 
 MAX_WAIT_SECONDS = 300.0  # SPEC §2: a claim waits at most 300 s
+# Sends of one deciding call at most: the decider remembered, a redirect, and one more
+# after a failover (a remembered decider unreachable, the member asked again).
+MAX_HOPS = 4
 EMPTY = "empty"  # ClaimNext found no eligible item
 ELSEWHERE = "elsewhere"  # ... here, but one homed elsewhere (to a hint_elsewhere waiter)
 # The initial metadata of a Watch stream: the cursor it starts from.
@@ -118,6 +127,12 @@ class AsyncClient:
     def regions(self) -> dict[str, str]:
         """A copy of the region name -> address map home-only calls are routed by."""
         return dict(self._router.regions)
+
+    @property
+    def deciders(self) -> dict[str, str]:
+        """A copy of the ``NOT_DECIDER`` redirects followed: the address a deciding
+        call was meant for -> the decider of its region that it named."""
+        return self._router.deciders
 
     @property
     def home_regions(self) -> dict[str, str]:
@@ -189,14 +204,20 @@ class AsyncClient:
 
         Not ``home_only``: to ``target``. Home-only: to the home (``home``, a
         ``homeRegion:`` tag, wins over the cache), following one
-        ``wrong_region`` redirect; both attempts share one deadline.
+        ``wrong_region`` redirect, and at a region of several members its
+        ``NOT_DECIDER`` redirects to the decider (``_decided``); every attempt
+        shares one deadline.
         """
         deadline = time.monotonic() + self.timeout + extra_seconds
         if not home_only:
             return await self._send(key, self.target, method_of, request, result_of, deadline)
         address = self._router.address_for(key, home)
+
+        async def send(to: str) -> _Result:
+            return await self._send(key, to, method_of, request, result_of, deadline)
+
         try:
-            result = await self._send(key, address, method_of, request, result_of, deadline)
+            result = await self._decided(address, send)
         except ClaimConflict as error:
             named, wrong = home_named(error)
             redirect = self._router.redirect(named, address) if wrong else None
@@ -207,7 +228,29 @@ class AsyncClient:
             redirect = self._router.redirect(named, address) if wrong else None
             if redirect is None:
                 return result
-        return await self._send(key, redirect, method_of, request, result_of, deadline)
+        return await self._decided(redirect, send)
+
+    async def _decided(self, address: str, send: Callable[[str], Awaitable[_Result]]) -> _Result:
+        """``send`` a deciding call meant for ``address`` to its region's decider:
+        the one ``address`` named last (``Router.via``), following each
+        ``NOT_DECIDER`` to the decider it names, and asking ``address`` again when a
+        remembered decider is unreachable or decides nothing (a failover). At most ``MAX_HOPS``
+        sends; a refusal of ``NOT_DECIDER`` changed nothing, so re-sending is safe
+        for every call, fenced writes included."""
+        for hop in range(MAX_HOPS):
+            to = self._router.via(address)
+            try:
+                return await send(to)
+            except NotDecider as moved:
+                if hop == MAX_HOPS - 1 or moved.address in ("", to):
+                    raise
+                self._router.moved(address, moved.address)
+            except Unavailable:
+                if to == address or hop == MAX_HOPS - 1:
+                    raise
+                # A remembered decider down, or no longer deciding: ask ``address``.
+                self._router.forget(address)
+        raise AssertionError("unreachable: the last hop returns or raises")
 
     # --- records ----------------------------------------------------------
 
@@ -650,11 +693,14 @@ class AsyncClient:
     async def _next_at(
         self, address: str, request: claims_pb2.ClaimNextRequest, *, extra_seconds: float = 0.0
     ) -> ClaimNextResult:
-        response = await self._call(
-            self._router.stubs(address).claims.ClaimNext,
-            request,
-            seconds=self.timeout + extra_seconds,
-        )
+        async def send(to: str) -> claims_pb2.ClaimNextResponse:
+            return await self._call(
+                self._router.stubs(to).claims.ClaimNext,
+                request,
+                seconds=self.timeout + extra_seconds,
+            )
+
+        response = await self._decided(address, send)
         result = convert.claim_next_result_from_proto(response)
         if result.record is not None:
             self._router.learn(result.record.key, result.record.home_region)

@@ -18,10 +18,19 @@ the home. So the client routes:
   Re-sending is safe even for ``update``: a ``wrong_region`` refusal changed
   nothing.
 
+A region of several members decides at one of them, its decider (SPEC §10); every
+other member answers a deciding call ``NOT_DECIDER`` naming the decider's address
+(``NotDecider``), having done nothing. The client re-sends the call there within the
+same deadline, and from then on sends the deciding calls meant for the member that
+redirected it to that decider (``via``), until another redirect names another; a
+remembered decider that cannot be reached is forgotten and the member asked again
+(``forget``), which names the new one after a failover.
+
 The router keeps the state this needs: one channel per address, opened on
-first use, and a cache of each key's home, filled from every answer that
-names it. A record's home never changes after creation (SPEC §2), so a cached
-home is never stale; the cache is bounded only to keep memory flat.
+first use, a cache of each key's home, filled from every answer that
+names it, and the decider each redirecting address named. A record's home never
+changes after creation (SPEC §2), so a cached home is never stale; the cache is
+bounded only to keep memory flat.
 """
 
 from __future__ import annotations
@@ -125,6 +134,8 @@ class Router:
             self._options.append(("grpc.use_local_subchannel_pool", 1))
         self._stubs: dict[str, Stubs] = {}
         self._homes: OrderedDict[str, str] = OrderedDict()
+        # An address that answered NOT_DECIDER -> the decider's address it named.
+        self._deciders: dict[str, str] = {}
         self._closed = False
         self.default = self.stubs(target)
 
@@ -173,6 +184,28 @@ class Router:
         """
         address = self.regions.get(home)
         return None if address is None or address == tried else address
+
+    def via(self, address: str) -> str:
+        """Where a deciding call meant for ``address`` goes: the decider it named in
+        its latest ``NOT_DECIDER``, or ``address`` itself."""
+        return self._deciders.get(address, address)
+
+    def moved(self, asked: str, decider: str) -> None:
+        """``asked`` (an address a call was meant for) named ``decider`` as its
+        region's decider: deciding calls for ``asked`` go there from now on."""
+        if decider and decider != asked:
+            self._deciders[asked] = decider
+        else:
+            self._deciders.pop(asked, None)
+
+    def forget(self, asked: str) -> None:
+        """The decider ``asked`` named could not be reached: ask ``asked`` again."""
+        self._deciders.pop(asked, None)
+
+    @property
+    def deciders(self) -> dict[str, str]:
+        """A copy of the redirects followed: address -> its region's decider."""
+        return dict(self._deciders)
 
     async def close(self) -> None:
         """Close every channel; calls still in flight are cancelled."""
