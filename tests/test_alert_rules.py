@@ -6,7 +6,9 @@ own ``promtool`` and against what a real node exports.
   each alert fires on series that should fire it and not on the series beside them;
   docs/operations.md's commands that do so run as written (tests/docrun.py).
 - Every metric a rule names is one a real node (mutual TLS, a peer, a few calls)
-  exports on its /metrics, and every label a rule selects on is one that metric has.
+  exports on its /metrics, and every label a rule selects on is one that metric has;
+  the metrics only a member of a region of several exports, a real member elected
+  through a real etcd does.
 - docs/operations.md's table "Alerts worth setting" says what the file says.
 
 promtool comes with Debian's ``prometheus`` package (.ci/run installs it); without it
@@ -20,6 +22,7 @@ import os
 import re
 import subprocess
 import urllib.request
+from collections.abc import Set
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,14 @@ import pytest
 import yaml
 
 from fencemark.client import AsyncClient, NotFound, Unavailable, tls_credentials
+from fencemark.node.api.config import NodeConfig
+from fencemark.node.api.server import NodeServer
+from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.security.tls import TlsFiles, init_dir
+from tests.cluster import eventually
 from tests.conftest import StartNode
 from tests.docrun import Shell, Substitutions, run_steps, steps_of
+from tests.etcd_server import restricted
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +48,8 @@ CONFIG = PROMETHEUS / "prometheus.yml"
 OPERATIONS = ROOT / "docs" / "operations.md"
 # Series Prometheus makes itself, not a node.
 PROMETHEUS_OWN = {"up"}
+# Exported by a member of a region of several only (SPEC §10).
+MEMBER_ONLY = {"fencemark_region_decider", "fencemark_region_decider_term"}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -198,18 +208,58 @@ async def test_every_metric_and_label_the_rules_use_is_exported(
     start_node: StartNode, tmp_path: Path
 ) -> None:
     text = await scrape_a_real_node(start_node, tmp_path)
+    judge(text, exempt=MEMBER_ONLY)
+
+
+def judge(text: str, *, exempt: Set[str] = frozenset(), only: Set[str] | None = None) -> None:
+    """The exposition ``text`` against the docs' table and the rules: every metric
+    documented (but ``exempt``; ``only`` these, if given) is exported, with the
+    documented labels, and every metric a rule selects is, with the labels it uses."""
     names, seen, documented = exported(text), sample_labels(text), documented_metrics()
+    wanted = {n for n in documented if n not in exempt and (only is None or n in only)}
     # The docs list what the node exports, no more.
-    assert set(documented) <= set(names.values()), set(documented) - set(names.values())
+    assert wanted <= set(names.values()), wanted - set(names.values())
     for name, labels in seen.items():
-        if name in names and names[name] in documented and not name.endswith("_bucket"):
+        if name in names and names[name] in wanted and not name.endswith("_bucket"):
             assert labels == documented[names[name]], name
     for rule in rules():
         for name, labels in selectors(rule["expr"]):
-            if name in PROMETHEUS_OWN:
+            if name in PROMETHEUS_OWN or name in exempt or (only is not None and name not in only):
                 continue
             assert name in names, f"{rule['alert']}: {name} is not exported by a node"
             assert labels <= documented[names[name]], f"{rule['alert']}: {name} {labels}"
+
+
+@pytest.mark.slow
+async def test_a_members_metrics_and_the_rules_that_use_them(tmp_path: Path) -> None:
+    """A member of a region of several, elected through a real etcd: what it exports
+    of its region's decider is documented, and the rules select it as exported."""
+    async with restricted(tmp_path) as (server, certs):
+        config = NodeConfig(
+            region="us",
+            listen="127.0.0.1:0",
+            data_dir=tmp_path / "us-a",
+            metrics_listen="127.0.0.1:0",
+            grace_seconds=0.2,
+            member=MemberConfig("us-a", [server.endpoint], TlsFiles.in_dir(certs, "us"), 2),
+        )
+        node = await NodeServer.start(config)
+        try:
+            url = f"http://127.0.0.1:{node.metrics.port}/metrics"
+
+            def get() -> str:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    return str(response.read().decode())
+
+            async def decides() -> bool:
+                return 'fencemark_region_decider{decider="us-a",region="us"} 1.0' in (
+                    await asyncio.to_thread(get)
+                )
+
+            await eventually(decides, "the member exporting itself as its region's decider")
+            judge(await asyncio.to_thread(get), only=MEMBER_ONLY)
+        finally:
+            await node.stop(0)
 
 
 # -- the docs' table ----------------------------------------------------------------------

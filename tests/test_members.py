@@ -12,6 +12,8 @@ with a retry hint) and reads go on, and once it is back a member decides again.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from pathlib import Path
@@ -30,6 +32,7 @@ from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
 from fencemark.node.rules.admission import token_ceiling
 from fencemark.node.security.tls import TlsFiles
+from fencemark.node.tools.cli import main
 from fencemark.v1 import claims_pb2, claims_pb2_grpc
 from tests.cluster import eventually
 from tests.etcd_server import EtcdServer, restricted, serving
@@ -237,5 +240,37 @@ async def test_clients_follow_the_redirect_unnoticed_and_ask_again_after_a_failo
             again = await client.claim(key, "worker-b", lease_seconds=30)
             assert again.granted and again.fencing_token > granted.fencing_token
             assert client.deciders == {}  # the target decides itself now
+    finally:
+        await stop_all(*nodes)
+
+
+async def test_status_names_each_members_decider_in_text_and_json(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    server, certs = etcd
+    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
+    try:
+        decider = await one_decides(nodes)
+        (other,) = [n for n in nodes if n is not decider]
+        name = decider.member.name if decider.member is not None else ""
+        term = decider.replica.gate.term
+
+        async def named() -> bool:
+            known = other.member.decider() if other.member is not None else None
+            return known is not None and known.term == term
+
+        await eventually(named, "the other member naming the decider")
+        targets = ["--targets", decider.address, other.address, "--timeout", "5"]
+        assert await asyncio.to_thread(main, ["status", *targets]) == 0
+        text = capsys.readouterr().out
+        assert f"member {name}: decides for region us (term {term})" in text
+        other_name = other.member.name if other.member is not None else ""
+        assert f"member {other_name}: decider {name} (term {term}) at {decider.address}" in text
+        assert await asyncio.to_thread(main, ["status", *targets, "--json"]) == 0
+        said = json.loads(capsys.readouterr().out)["nodes"]
+        wanted = {"member": name, "address": decider.address, "term": term}
+        assert [n["decider"] for n in said] == [wanted, wanted]
+        assert [n["member"] for n in said] == [name, other_name]
+        assert [n["claims_serving"] for n in said] == [True, False]
     finally:
         await stop_all(*nodes)

@@ -17,6 +17,7 @@ from fencemark.client.types import (
     ClaimNextResult,
     ClaimResult,
     ClaimStatus,
+    DeciderInfo,
     ForceReleaseResult,
     History,
     LiveClaim,
@@ -278,4 +279,10 @@ def node_info_from_proto(message: node_pb2.InfoResponse) -> NodeInfo:
         max_clock_offset_ms=message.max_clock_offset_ms,
         version=message.version,
         now=to_datetime(message.now, message.HasField("now")),
+        member=message.member,
+        decider=(
+            DeciderInfo(message.decider.member, message.decider.address, message.decider.term)
+            if message.HasField("decider")
+            else None
+        ),
     )

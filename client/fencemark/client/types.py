@@ -226,6 +226,15 @@ class PeerInfo:
 
 
 @dataclass(frozen=True)
+class DeciderInfo:
+    """The member that decides for a region of several, in which term, reached where."""
+
+    member: str
+    address: str
+    term: int
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     """What a node says about itself."""
 
@@ -238,3 +247,6 @@ class NodeInfo:
     max_clock_offset_ms: int
     version: str
     now: datetime | None
+    # At a member of a region of several: its name, and the decider it knows of.
+    member: str = ""
+    decider: DeciderInfo | None = None

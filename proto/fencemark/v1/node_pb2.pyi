@@ -131,6 +131,8 @@ class InfoResponse(_message.Message):
     MAX_CLOCK_OFFSET_MS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     NOW_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
+    DECIDER_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The node's region name."""
     node_id: _builtins.str
@@ -148,6 +150,10 @@ class InfoResponse(_message.Message):
     """Remote stamps further ahead of this node's clock are refused."""
     version: _builtins.str
     """The software version."""
+    member: _builtins.str
+    """At a member of a region of several (SPEC §10): its name among the region's
+    members; "" at a region's only node.
+    """
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerInfo]:
         """The configured peers."""
@@ -155,6 +161,12 @@ class InfoResponse(_message.Message):
     @_builtins.property
     def now(self) -> _timestamp_pb2.Timestamp:
         """The node's wall clock when it answered."""
+
+    @_builtins.property
+    def decider(self) -> Global___DeciderInfo:
+        """... and the region's decider as this member knows it (unset: none known, an
+        election under way or etcd unreachable).
+        """
 
     def __init__(
         self,
@@ -168,11 +180,43 @@ class InfoResponse(_message.Message):
         max_clock_offset_ms: _builtins.int = ...,
         version: _builtins.str = ...,
         now: _timestamp_pb2.Timestamp | None = ...,
+        member: _builtins.str = ...,
+        decider: Global___DeciderInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["now", b"now"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decider", b"decider", "now", b"now"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims_serving", b"claims_serving", "max_clock_offset_ms", b"max_clock_offset_ms", "node_id", b"node_id", "now", b"now", "peers", b"peers", "record_count", b"record_count", "region", b"region", "version", b"version", "writes_enabled", b"writes_enabled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims_serving", b"claims_serving", "decider", b"decider", "max_clock_offset_ms", b"max_clock_offset_ms", "member", b"member", "node_id", b"node_id", "now", b"now", "peers", b"peers", "record_count", b"record_count", "region", b"region", "version", b"version", "writes_enabled", b"writes_enabled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InfoResponse: _TypeAlias = InfoResponse  # noqa: Y015
+
+@_typing.final
+class DeciderInfo(_message.Message):
+    """DeciderInfo names the member that decides for a region of several, in which term."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
+    member: _builtins.str
+    """The member's name."""
+    address: _builtins.str
+    """Where its clients reach it (the address of a NOT_DECIDER redirect)."""
+    term: _builtins.int
+    """Its term: the create revision of the region's decider key in etcd."""
+    def __init__(
+        self,
+        *,
+        member: _builtins.str = ...,
+        address: _builtins.str = ...,
+        term: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "member", b"member", "term", b"term"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeciderInfo: _TypeAlias = DeciderInfo  # noqa: Y015

@@ -303,6 +303,8 @@ def surfaces(
     metrics = NodeMetrics(config.region)
     core.storage.on_commit = metrics.observe_commit
     metrics.watch(core.replica, core.claims, peering.peers, peering.lives)
+    if peering.member is not None:
+        metrics.watch_member(peering.member)
     if tls is not None:
         metrics.watch_tls(tls)
     chain = _interceptors(config, tls, metrics)
@@ -368,7 +370,12 @@ def _servicers(
         ),
         "Claims": ClaimsService(core.claims, core.work, caller_of=callers, on_wait=give_back),
         "Node": NodeService(
-            core.replica, core.claims, replicator, peers, writes_enabled=config.enable_writes
+            core.replica,
+            core.claims,
+            replicator,
+            peers,
+            writes_enabled=config.enable_writes,
+            member=peering.member,
         ),
         "Replication": ReplicationService(
             core.replica,

@@ -50,6 +50,7 @@ from fencemark.node.store.storage import Stored
 from fencemark.v1 import node_pb2, record_pb2, records_pb2
 
 if TYPE_CHECKING:
+    from fencemark.node.coordination.member import Member
     from fencemark.node.replication.replicator import Replicator
 
 DOMAIN = "fencemark"
@@ -399,12 +400,14 @@ class NodeService:
         peers: Mapping[str, PeerStats],
         *,
         writes_enabled: bool,
+        member: Member | None = None,
     ) -> None:
         self.replica = replica
         self.claims = claims
         self.replicator = replicator
         self.peers = peers
         self.writes_enabled = writes_enabled
+        self.member = member  # at a member of a region of several
 
     def _peer(self, stats: PeerStats) -> node_pb2.PeerInfo:
         return node_pb2.PeerInfo(
@@ -439,4 +442,12 @@ class NodeService:
             max_clock_offset_ms=self.replica.max_clock_offset_ms,
             version=__version__,
             now=timestamp(self.replica.wall_ms()),
+            member=self.member.name if self.member is not None else "",
+            decider=self._decider(),
         )
+
+    def _decider(self) -> node_pb2.DeciderInfo | None:
+        known = self.member.decider() if self.member is not None else None
+        if known is None:
+            return None
+        return node_pb2.DeciderInfo(member=known.member, address=known.address, term=known.term)

@@ -45,6 +45,7 @@ from fencemark.node.replication.lives import Lives
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
+    from fencemark.node.coordination.member import Member
     from fencemark.node.core.claims import Claims
     from fencemark.node.core.replica import Replica
     from fencemark.node.replication.peers import PeerStats
@@ -150,6 +151,10 @@ class NodeMetrics:
         self.build.labels(self.region, __version__).set(1)
         self.registry.register(_StateCollector(replica, claims, peers, lives or Lives(0)))
 
+    def watch_member(self, member: Member) -> None:
+        """Report the region's decider as this member knows it (SPEC §10)."""
+        self.registry.register(_MemberCollector(member))
+
     def watch_tls(self, tls: LiveTls) -> None:
         """Report the TLS reloads and the revocation list (fencemark.node.security.tls_reload)."""
         self.registry.register(_TlsCollector(tls))
@@ -173,6 +178,31 @@ class _TlsCollector(Collector):
             "fencemark_tls_revoked_certificates", "Certificates on the revocation list in use",
             value=len(self.tls.revocations.revoked),
         )  # fmt: skip
+
+
+class _MemberCollector(Collector):
+    """A member of a region of several: the decider it knows, and its term."""
+
+    def __init__(self, member: Member) -> None:
+        self.member = member
+
+    def collect(self) -> Iterable[Metric]:
+        decider = self.member.decider()
+        known = GaugeMetricFamily(
+            "fencemark_region_decider",
+            "1 with the member this member knows decides for its region; 0 (decider"
+            ' "") while it knows none: an election under way, or etcd unreachable',
+            labels=["region", "decider"],
+        )
+        known.add_metric(
+            [self.member.region, decider.member if decider else ""], 1 if decider else 0
+        )
+        yield known
+        yield GaugeMetricFamily(
+            "fencemark_region_decider_term",
+            "The term of the region's decider this member knows (0: none known)",
+            value=decider.term if decider else 0,
+        )
 
 
 class _StateCollector(Collector):

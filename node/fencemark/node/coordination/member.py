@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fencemark.node.coordination.decider import DEFAULT_TTL_S, Campaign
+from fencemark.node.coordination.decider import DEFAULT_TTL_S, Campaign, Decider
 from fencemark.node.coordination.etcd import Etcd
 from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.rules.errors import NotDecider, NotServing
@@ -91,6 +91,15 @@ class Member:
     def _new_term(self, term: int) -> None:
         self._gate.new_term(term, self._offset_ms)
         self._on_change()
+
+    def decider(self) -> Decider | None:
+        """The region's decider as this member knows it now (None: none known)."""
+        campaign = self.campaign
+        if campaign is None:
+            return None
+        if campaign.deciding():
+            return Decider(self.name, campaign.address, campaign.term)
+        return campaign.decider if campaign.term == 0 else None  # in doubt: nobody
 
     def term(self) -> int:
         """The term this member decides in now; 0 when it does not decide."""

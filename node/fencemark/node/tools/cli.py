@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
+import json
 import os
 import signal
 import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fencemark.node import __version__
 from fencemark.node.api.server import default_data_dir
@@ -39,6 +41,9 @@ from fencemark.node.tools.cli_rpc import (
     usage_error,
 )
 from fencemark.node.tools.proxy_command import add_proxy_command
+
+if TYPE_CHECKING:
+    from fencemark.client import NodeInfo
 
 # -- client commands ----------------------------------------------------------------
 
@@ -78,9 +83,19 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     )
 
 
+def _decider_words(info: NodeInfo) -> str:
+    """What a member says of its region's decider, for ``fencemark status``."""
+    decider = info.decider
+    if decider is None:
+        return f"no decider known for region {info.region} (an election, or etcd unreachable)"
+    if decider.member == info.member:
+        return f"decides for region {info.region} (term {decider.term})"
+    return f"decider {decider.member} (term {decider.term}) at {decider.address}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """A cluster overview: one row per node, one indented row per peer it replicates with."""
-    from fencemark.client import AsyncClient, FencemarkError, NodeInfo
+    from fencemark.client import AsyncClient, FencemarkError
 
     async def look(target: str) -> tuple[NodeInfo, str] | FencemarkError:
         try:
@@ -112,6 +127,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{target:<{width}} {info.region:<8} {info.node_id:<13} {health:<12} {claims:<12}"
                 f" {'on' if info.writes_enabled else 'off':<6} {info.record_count:>8}"
             )
+            if info.member:
+                lines.append(f"  member {info.member}: {_decider_words(info)}")
             for p in info.peers:
                 lags.append(p.lag_ms)
                 divergence += p.divergence
@@ -132,6 +149,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         return lines
 
+    async def as_json() -> str:
+        seen = await asyncio.gather(*(look(target) for target in args.targets))
+        nodes: list[dict[str, object]] = []
+        for target, answer in zip(args.targets, seen, strict=True):
+            if isinstance(answer, FencemarkError):
+                nodes.append({"target": target, "error": str(answer)})
+                continue
+            info, health = answer
+            said = dataclasses.asdict(info)
+            said["now"] = info.now.isoformat() if info.now is not None else None
+            for peer in said["peers"]:
+                last = peer["last_sync"]
+                peer["last_sync"] = last.isoformat() if last is not None else None
+            nodes.append({"target": target, "health": health, **said})
+        return json.dumps({"nodes": nodes}, indent=2)
+
+    if args.json:
+        print(asyncio.run(as_json()))
+        return 0
     print("\n".join(asyncio.run(run())))
     return 0
 
@@ -500,6 +536,9 @@ def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         default=os.environ.get("FENCEMARK_TARGETS", DEFAULT_TARGET).split(","),
     )
     status.add_argument("--timeout", type=float, default=3.0)
+    status.add_argument(
+        "--json", action="store_true", help="each node's answer as JSON, for programs"
+    )
     add_client_tls_flags(status)
     status.set_defaults(func=cmd_status)
 
