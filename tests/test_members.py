@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -274,3 +276,71 @@ async def test_status_names_each_members_decider_in_text_and_json(
         assert [n["claims_serving"] for n in said] == [True, False]
     finally:
         await stop_all(*nodes)
+
+
+async def test_a_member_with_another_regions_certificate_never_decides(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+) -> None:
+    """A node configured as a member of us that reaches etcd with eu's certificate (a
+    misconfiguration, or an eu machine trying to take us's items): etcd refuses it
+    us's decider key, so it decides nothing, names no decider, and its deciding calls
+    are refused NOT_SERVING while us's real member decides."""
+    server, certs = etcd
+    intruder_config = NodeConfig(
+        region="us",
+        listen="127.0.0.1:0",
+        data_dir=tmp_path / "intruder",
+        enable_writes=True,
+        grace_seconds=0.2,
+        member=MemberConfig("us-x", [server.endpoint], TlsFiles.in_dir(certs, "eu"), TTL_S),
+    )
+    intruder = await NodeServer.start(intruder_config)
+    try:
+        async with AsyncClient(intruder.address, retries=0) as client:
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+            for _ in range(3 * TTL_S):
+                assert not intruder.replica.gate.deciding
+                with pytest.raises(Unavailable) as refused:
+                    await client.claim(item.key, "worker-a", lease_seconds=30)
+                assert refused.value.reason == "NOT_SERVING"
+                await asyncio.sleep(1)
+        real = await member(tmp_path, server, certs, "us-a")
+        try:
+            await one_decides([real, intruder])
+            assert real.replica.gate.deciding and not intruder.replica.gate.deciding
+            # It cannot even read the key: it names nobody, so nobody is redirected there.
+            assert intruder.member is not None and intruder.member.decider() is None
+        finally:
+            await real.stop(0)
+    finally:
+        await intruder.stop(0)
+
+
+async def test_the_dashboard_names_the_member_and_its_decider(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+) -> None:
+    server, certs = etcd
+    config = NodeConfig(
+        region="us",
+        listen="127.0.0.1:0",
+        data_dir=tmp_path / "us-a",
+        dashboard_listen="127.0.0.1:0",
+        grace_seconds=0.2,
+        member=MemberConfig("us-a", [server.endpoint], TlsFiles.in_dir(certs, "us"), TTL_S),
+    )
+    node = await NodeServer.start(config)
+    try:
+        await one_decides([node])
+        url = f"http://127.0.0.1:{node.dashboard_port}/api/snapshot"
+
+        def snapshot() -> dict[str, object]:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                return cast(dict[str, object], json.loads(answer.read()))
+
+        said = await asyncio.to_thread(snapshot)
+        assert said["member"] == "us-a" and said["deciding"] is True
+        assert said["decider"] == {
+            "member": "us-a", "address": node.address, "term": node.replica.gate.term
+        }  # fmt: skip
+    finally:
+        await node.stop(0)

@@ -40,6 +40,7 @@ from typing import Any
 from fencemark.node.api.authz import DEFAULT_ACCESS, AccessMap, Right
 from fencemark.node.api.handshakes import BACKLOG, HANDSHAKE_TIMEOUT_S, PendingGate, defer_accept
 from fencemark.node.api.telemetry import RecentRefusals
+from fencemark.node.coordination.member import Member
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import Grant
@@ -75,11 +76,13 @@ class Dashboard:
         claims: Claims,
         peers: Mapping[str, PeerStats],
         refusals: RecentRefusals,
+        member: Member | None = None,
     ) -> None:
         self.replica = replica
         self.claims = claims
         self.peers = peers
         self.refusals = refusals
+        self.member = member  # at a member of a region of several
         self.series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SAMPLES)
         self._sampler: asyncio.Task[None] | None = None
         # The snapshot every viewer shares: (feed, made at, snapshot), and the one
@@ -185,7 +188,18 @@ class Dashboard:
             "refusals": self.refusals.items()[::-1],
             "peers": [_peer(p) for _, p in sorted(self.peers.items())],
             "series": list(self.series),
+            **self._membership(),
         }
+
+    def _membership(self) -> dict[str, Any]:
+        """At a member of a region of several: its name and the decider it knows."""
+        if self.member is None:
+            return {"member": "", "decider": None}
+        known = self.member.decider()
+        decider = None if known is None else {
+            "member": known.member, "address": known.address, "term": known.term
+        }  # fmt: skip
+        return {"member": self.member.name, "decider": decider}
 
 
 def _peer(p: PeerStats) -> dict[str, Any]:

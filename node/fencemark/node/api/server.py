@@ -149,7 +149,11 @@ class NodeServer:
             peering.member.start(config.advertise or self.address)
         if config.dashboard_listen:
             self._dashboard = Dashboard(
-                self.replica, self.claims, peering.peers, self.metrics.recent_refusals
+                self.replica,
+                self.claims,
+                peering.peers,
+                self.metrics.recent_refusals,
+                member=peering.member,
             )
             self.dashboard_port, self._stop_dashboard = await dashboard.serve(
                 self._dashboard,

@@ -29,10 +29,18 @@ function line(id, values, top) {
   document.getElementById(id).setAttribute("points", points.join(" "));
 }
 
+// Why this node decides no claims now: a member of a region of several names the
+// member that does (or says none is known); any other node is catching up.
+function notDeciding(s) {
+  if (!s.member) return "catching up: not deciding claims";
+  if (!s.decider) return `member ${s.member}: no decider known for its region`;
+  return `member ${s.member}: ${s.decider.member} decides (term ${s.decider.term})`;
+}
+
 function render(s) {
   document.getElementById("region").textContent = `${s.region} · ${s.node_id}`;
   document.getElementById("summary").textContent =
-    `${s.records} records · ${s.deciding ? "deciding claims" : "catching up: not deciding claims"}`;
+    `${s.records} records · ${s.deciding ? "deciding claims" : notDeciding(s)}`;
   fill("backlog", s.backlog, (row, t) => {
     row.dataset.topic = t.topic;
     cell(row, t.topic);
