@@ -8,6 +8,8 @@ durable before they count, and only ``caught_up`` ends them.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -112,7 +114,9 @@ async def written_file(db: Path) -> tuple[str, int]:
 KEY = "repo/r/mem/t/item"
 
 
-async def restarted(db: Path) -> tuple[Storage, GrantGate]:
+async def restarted(
+    db: Path, monotonic: Callable[[], float] = time.monotonic
+) -> tuple[Storage, GrantGate]:
     """A file written and caught up in its first life, opened again (left open): a
     restart's storage and gate."""
     _, high = await written_file(db)
@@ -120,7 +124,7 @@ async def restarted(db: Path) -> tuple[Storage, GrantGate]:
     await GrantGate(storage, HybridClock(last=high)).caught_up()
     await storage.close()
     storage = await Storage.open(db)
-    return storage, GrantGate(storage, HybridClock(last=high), region="us")
+    return storage, GrantGate(storage, HybridClock(last=high), region="us", monotonic=monotonic)
 
 
 async def test_a_brand_new_file_has_no_earlier_life_to_wait_for(tmp_path: Path) -> None:
@@ -284,9 +288,11 @@ async def test_a_member_decides_only_in_its_term_and_acknowledges_only_in_the_sa
     assert (refused.value.decider, refused.value.address, refused.value.term) == (
         "us-b", "127.0.0.1:7401", 7,
     )  # fmt: skip
+    role.now = 1  # etcd's first revision: a term like any other
+    assert deciding(gate)
     role.now = 8
     gate.new_term(8, max_clock_offset_ms=500)
-    assert gate.deciding
+    assert deciding(gate) and gate.term == 8
     gate.check()
     mark = gate.mark()
     gate.awake(mark)  # still deciding in term 8
@@ -310,10 +316,12 @@ async def test_each_term_starts_an_era_of_tokens_above_every_earlier_terms(
     clock = HybridClock()
     gate = GrantGate(storage, clock, region="us")
     await gate.caught_up()
+    assert (gate.term, gate.term_hlc, gate.era_hlc) == (0, 0, 0)  # no member: no term floor
     offset = 500
     before = physical_ms(clock.now())
     gate.new_term(3, max_clock_offset_ms=offset)
-    assert physical_ms(gate.term_hlc) >= before + 2 * offset
+    after = physical_ms(clock.now())
+    assert before + 2 * offset <= physical_ms(gate.term_hlc) <= after + 2 * offset
     assert gate.era_hlc == gate.term_hlc  # a brand-new file: no life floor of its own
     # The worst earlier decider: its HLC 2 offsets ahead of this member's clock, one
     # millisecond before this term began, and 1,000 grants of the record since its own
@@ -327,4 +335,110 @@ async def test_each_term_starts_an_era_of_tokens_above_every_earlier_terms(
     floor = gate.term_hlc
     gate.new_term(4, max_clock_offset_ms=offset)
     assert gate.term_hlc >= floor
+    await storage.close()
+
+
+# -- a process that stood still (a nap), and the settle's retry hint ------------------
+
+
+class Monotonic:
+    """A gate's monotonic clock, set by hand: a nap is a gap between two ticks."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def deciding(gate: GrantGate) -> bool:
+    return gate.deciding
+
+
+async def test_a_gap_between_ticks_above_nap_s_is_a_nap_and_the_node_settles_again(
+    tmp_path: Path,
+) -> None:
+    """A deciding node whose loop stood still longer than ``nap_s`` stops deciding
+    (``starting``, ``napped``), tells its listeners, refuses replication calls for
+    ``quiet_s`` and refuses claims as having stood still; a decision made before the
+    nap is not acknowledged after it. A gap of exactly ``nap_s`` is no nap, and a
+    gate that does not tick (no peers) never naps."""
+    clock = Monotonic()
+    storage = await Storage.open(tmp_path / DB_FILE)
+    gate = GrantGate(storage, HybridClock(), region="us", monotonic=clock)
+    await gate.caught_up()
+    heard: list[str] = []
+    gate.on_nap(lambda: heard.append("nap"))
+    clock.now += 60
+    gate.tick()  # not ticking yet: no peer could tell it from a twin
+    assert gate.naps == 0 and deciding(gate)
+    gate.start_ticking(nap_s=0.5, quiet_s=1.0)
+    clock.now += 0.5
+    gate.tick()  # exactly nap_s: no nap
+    assert gate.naps == 0 and deciding(gate) and not gate.quiet()
+    mark = gate.mark()
+    clock.now += 0.75
+    gate.tick()
+    assert (gate.naps, gate.woke_at, heard) == (1, clock.now, ["nap"])
+    assert gate.starting and gate.napped and gate.settled_at == 0.0 and not deciding(gate)
+    with pytest.raises(NotServing, match="stood still while it decided"):
+        gate.awake(mark)
+    with pytest.raises(NotServing, match="stood still") as refused:
+        gate.check()
+    assert refused.value.retry_after_ms == 0  # when the settle ends is not known yet
+    for step in (0.1, 0.4, 0.4):  # ticks closer than nap_s: no new nap
+        clock.now += step
+        assert gate.quiet()
+    clock.now += 0.1  # quiet_s after the nap was found: replication calls served again
+    assert not gate.quiet() and gate.naps == 1
+    assert gate.waited()  # the bounded wait ended
+    assert (gate.napped, deciding(gate)) == (False, True)
+    await storage.close()
+
+
+async def test_a_nap_while_owing_a_catch_up_tells_the_listeners_only_if_a_copy_could_run(
+    tmp_path: Path,
+) -> None:
+    """A brand-new file owing its catch-up drew its node id: no copy of it can run, so
+    a nap changes nothing. One restored or restarted before its catch-up ended may be
+    a copy: the replicator settles again (the listeners), the obligation stays."""
+    clock = Monotonic()
+    storage = await Storage.open(tmp_path / DB_FILE)
+    fresh = GrantGate(storage, HybridClock(), region="us", monotonic=clock)
+    assert fresh.owed and fresh.fresh
+    heard: list[str] = []
+    fresh.on_nap(lambda: heard.append("fresh"))
+    fresh.start_ticking(nap_s=0.5, quiet_s=1.0)
+    clock.now += 2
+    fresh.tick()
+    assert fresh.naps == 1 and heard == [] and not fresh.starting and fresh.owed
+    fresh.fresh = False  # as a file restored, or restarted before its catch-up ended
+    fresh.on_nap(lambda: heard.append("copy"))
+    clock.now += 2
+    fresh.tick()
+    assert fresh.naps == 2 and heard == ["fresh", "copy"]
+    assert fresh.owed and not fresh.starting, "still owes the catch-up, nothing more"
+    await storage.close()
+
+
+async def test_a_settling_restart_says_when_to_ask_again(
+    tmp_path: Path,
+) -> None:
+    """While a restart settles, a refused claim carries the wait in milliseconds, 50 ms
+    beyond the settle's end once it is known (gRPC's pushback, ``RetryInfo``); none
+    before it is known or once it has passed."""
+    clock = Monotonic()
+    storage, gate = await restarted(tmp_path / DB_FILE, monotonic=clock)
+    assert gate.starting and not gate.napped
+    with pytest.raises(NotServing, match="just started") as refused:
+        gate.check()
+    assert refused.value.retry_after_ms == 0
+    gate.settled_at = clock.now + 2.5
+    with pytest.raises(NotServing) as refused:
+        gate.check()
+    assert refused.value.retry_after_ms == 2_550
+    clock.now += 2.5
+    with pytest.raises(NotServing) as refused:
+        gate.check()  # ended, and no round yet: still settling, no wait to name
+    assert refused.value.retry_after_ms == 0
     await storage.close()

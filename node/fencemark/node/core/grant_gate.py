@@ -122,10 +122,18 @@ def term_floor(now_hlc: int, max_clock_offset_ms: int) -> int:
 class GrantGate:
     """The node's one answer to "may I decide now, and which token comes next?"."""
 
-    def __init__(self, storage: Storage, clock: HybridClock, *, region: str = "") -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        clock: HybridClock,
+        *,
+        region: str = "",
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._storage = storage
         self._clock = clock
         self._region = region
+        self._monotonic = monotonic  # what ``tick`` times naps and the settle by
         self._node_id = storage.node_id
         meta = storage.meta
         self.owed = meta.get(CATCH_UP) == "owed"
@@ -188,7 +196,7 @@ class GrantGate:
         or starved — after which the node settles with its peers again before it
         decides (a copy of it may have started meanwhile and settled unseen). A
         node without peers never ticks: no peer could tell it from a twin."""
-        now = time.monotonic()
+        now = self._monotonic()
         if not self._ticked:
             return
         gap, self._ticked = now - self._ticked, now
@@ -198,7 +206,7 @@ class GrantGate:
     def start_ticking(self, nap_s: float, quiet_s: float) -> None:
         """From now on a gap between ticks above ``nap_s`` is a nap, after which
         replication calls are refused for ``quiet_s`` (``quiet``)."""
-        self.nap_s, self.quiet_s, self._ticked = nap_s, quiet_s, time.monotonic()
+        self.nap_s, self.quiet_s, self._ticked = nap_s, quiet_s, self._monotonic()
 
     def quiet(self) -> bool:
         """Whether this node just woke from a nap: for ``quiet_s`` it refuses the
@@ -210,11 +218,11 @@ class GrantGate:
         the copy starts its settle again from this node's next answer; by then
         the original has called again (it calls every ``heartbeat_s``)."""
         self.tick()
-        return bool(self.woke_at) and time.monotonic() - self.woke_at < self.quiet_s
+        return bool(self.woke_at) and self._monotonic() - self.woke_at < self.quiet_s
 
     def _napped(self, gap: float) -> None:
         self.naps += 1
-        self.woke_at = time.monotonic()
+        self.woke_at = self._monotonic()
         log.warning(
             "this process stood still for %.2f s (paused, suspended or starved of CPU):"
             " settling with its peers again before it decides claims",
@@ -264,7 +272,7 @@ class GrantGate:
                 " claims and no fenced writes until it has seen their states"
             )
         if self.starting:
-            left = self.settled_at - time.monotonic()
+            left = self.settled_at - self._monotonic()
             why = (
                 "this process stood still (paused, or starved of CPU) and is comparing"
                 " its states with its peers' again"
