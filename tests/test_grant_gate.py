@@ -442,3 +442,24 @@ async def test_a_settling_restart_says_when_to_ask_again(
         gate.check()  # ended, and no round yet: still settling, no wait to name
     assert refused.value.retry_after_ms == 0
     await storage.close()
+
+
+async def test_before_anything_is_known_nothing_is_quiet_and_no_wait_is_named(
+    tmp_path: Path,
+) -> None:
+    """On a monotonic clock that has just started (a host just booted): a restart
+    whose settle's end is not known names no wait, and a gate that never napped is
+    not quiet — the defaults say "unknown" and "never", not a moment of their own."""
+    clock = Monotonic(now=0.25)
+    storage, gate = await restarted(tmp_path / DB_FILE, monotonic=clock)
+    with pytest.raises(NotServing) as refused:
+        gate.check()
+    assert refused.value.retry_after_ms == 0
+    gate.start_ticking(nap_s=0.5, quiet_s=5.0)
+    clock.now = 0.5
+    assert not gate.quiet() and gate.naps == 0
+    gate.settled_at = clock.now + 0.5  # less than a second left: still named
+    with pytest.raises(NotServing) as refused:
+        gate.check()
+    assert refused.value.retry_after_ms == 550
+    await storage.close()
