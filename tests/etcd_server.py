@@ -16,10 +16,12 @@ import contextlib
 import shutil
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
+from fencemark.node.api.config import NodeConfig
 from fencemark.node.coordination import access
 from fencemark.node.coordination.etcd import Etcd, EtcdError
+from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.security.tls import TlsFiles, init_dir
 from fencemark.node.tools.cli import main
 from fencemark.node.tools.ports import Ports
@@ -136,3 +138,31 @@ async def serving(server: EtcdServer, certs: Path) -> None:
         await eventually(answers, "etcd answering", within=30, every=0.1)
     finally:
         await root.close()
+
+
+def member_config(
+    folder: Path,
+    server: EtcdServer,
+    certs: Path,
+    name: str,
+    *,
+    region: str = "us",
+    etcd_as: str = "",
+    ttl_s: int = 2,
+    **overrides: Any,
+) -> NodeConfig:
+    """A node of ``region`` that is its member ``name``, on a data file of its own under
+    ``folder``, reaching etcd with the certificate of ``etcd_as`` (its region's by
+    default)."""
+    settings: dict[str, Any] = {
+        "region": region,
+        "listen": "127.0.0.1:0",
+        "data_dir": folder / name,
+        "enable_writes": True,
+        "grace_seconds": 0.2,
+        "member": MemberConfig(
+            name, [server.endpoint], TlsFiles.in_dir(certs, etcd_as or region), ttl_s
+        ),
+        **overrides,
+    }
+    return NodeConfig(**settings)

@@ -30,14 +30,12 @@ import pytest
 import yaml
 
 from fencemark.client import AsyncClient, NotFound, Unavailable, tls_credentials
-from fencemark.node.api.config import NodeConfig
 from fencemark.node.api.server import NodeServer
-from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.security.tls import TlsFiles, init_dir
 from tests.cluster import eventually
 from tests.conftest import StartNode
 from tests.docrun import Shell, Substitutions, run_steps, steps_of
-from tests.etcd_server import restricted
+from tests.etcd_server import member_config, restricted
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -235,14 +233,7 @@ async def test_a_members_metrics_and_the_rules_that_use_them(tmp_path: Path) -> 
     """A member of a region of several, elected through a real etcd: what it exports
     of its region's decider is documented, and the rules select it as exported."""
     async with restricted(tmp_path) as (server, certs):
-        config = NodeConfig(
-            region="us",
-            listen="127.0.0.1:0",
-            data_dir=tmp_path / "us-a",
-            metrics_listen="127.0.0.1:0",
-            grace_seconds=0.2,
-            member=MemberConfig("us-a", [server.endpoint], TlsFiles.in_dir(certs, "us"), 2),
-        )
+        config = member_config(tmp_path, server, certs, "us-a", metrics_listen="127.0.0.1:0")
         node = await NodeServer.start(config)
         try:
             url = f"http://127.0.0.1:{node.metrics.port}/metrics"

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -26,18 +26,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient
 from fencemark.client.errors import NotDecider, Unavailable, from_rpc_error
-from fencemark.node.api.config import NodeConfig
 from fencemark.node.api.gate_follower import CLAIMS_SERVICE
 from fencemark.node.api.server import NodeServer
 from fencemark.node.coordination.decider import DECIDE_SHARE
-from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
 from fencemark.node.rules.admission import token_ceiling
-from fencemark.node.security.tls import TlsFiles
 from fencemark.node.tools.cli import main
 from fencemark.v1 import claims_pb2, claims_pb2_grpc
 from tests.cluster import eventually
-from tests.etcd_server import EtcdServer, restricted, serving
+from tests.etcd_server import EtcdServer, member_config, restricted, serving
 
 pytestmark = pytest.mark.slow  # elections and lease times: seconds each
 
@@ -53,20 +50,26 @@ async def etcd(tmp_path: Path) -> AsyncIterator[tuple[EtcdServer, Path]]:
 
 
 async def member(
-    tmp_path: Path, server: EtcdServer, certs: Path, name: str, region: str = "us"
+    tmp_path: Path, server: EtcdServer, certs: Path, name: str, **overrides: Any
 ) -> NodeServer:
-    """A member of ``region`` named ``name``, on its own data file; etcd reached with
-    its region's certificate."""
-    config = NodeConfig(
-        region=region,
-        listen="127.0.0.1:0",
-        data_dir=tmp_path / name,
-        enable_writes=True,
-        grace_seconds=0.2,
-        max_clock_offset_ms=OFFSET_MS,
-        member=MemberConfig(name, [server.endpoint], TlsFiles.in_dir(certs, region), TTL_S),
+    """A member of us named ``name``, on its own data file; etcd reached with us's
+    certificate unless ``etcd_as`` names another."""
+    config = member_config(
+        tmp_path, server, certs, name, max_clock_offset_ms=OFFSET_MS, ttl_s=TTL_S, **overrides
     )
     return await NodeServer.start(config)
+
+
+@pytest.fixture
+async def members(tmp_path: Path, etcd: tuple[EtcdServer, Path]) -> AsyncIterator[list[NodeServer]]:
+    """us-a and us-b, members of us, campaigning."""
+    server, certs = etcd
+    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            await node.stop(0)
 
 
 async def one_decides(nodes: Sequence[NodeServer], within: float = 10.0) -> NodeServer:
@@ -84,198 +87,169 @@ async def claims_health(node: NodeServer) -> int:
         return int(answer.status)
 
 
-async def stop_all(*nodes: NodeServer) -> None:
-    for node in nodes:
-        await node.stop(0)
-
-
 async def test_one_member_decides_and_the_others_redirect_deciding_calls_to_it(
-    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+    members: list[NodeServer],
 ) -> None:
-    server, certs = etcd
-    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
-    try:
-        decider = await one_decides(nodes)
-        (other,) = [n for n in nodes if n is not decider]
-        serving_status = int(health_pb2.HealthCheckResponse.SERVING)
+    decider = await one_decides(members)
+    (other,) = [n for n in members if n is not decider]
+    serving_status = int(health_pb2.HealthCheckResponse.SERVING)
 
-        async def health_follows() -> bool:
-            here, there = await claims_health(decider), await claims_health(other)
-            return here == serving_status and there != serving_status
+    async def health_follows() -> bool:
+        here, there = await claims_health(decider), await claims_health(other)
+        return here == serving_status and there != serving_status
 
-        await eventually(health_follows, "claims health SERVING at the decider alone")
+    await eventually(health_follows, "claims health SERVING at the decider alone")
 
-        async def named() -> bool:
-            campaign = other.member.campaign if other.member is not None else None
-            return campaign is not None and campaign.decider is not None
+    async def named() -> bool:
+        campaign = other.member.campaign if other.member is not None else None
+        return campaign is not None and campaign.decider is not None
 
-        await eventually(named, "the other member naming the decider")
-        async with AsyncClient(other.address, retries=0) as client:
-            # Created at a member that does not decide: a birth is not a decision.
-            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
-            assert (await client.get(item.key)).key == item.key  # reads go on at every member
-        async with grpc.aio.insecure_channel(other.address) as channel:
-            stub = claims_pb2_grpc.ClaimsStub(channel)
-            deciding: list[Awaitable[object]] = [
-                stub.Claim(claims_pb2.ClaimRequest(key=item.key, owner="w", lease_seconds=30)),
-                stub.ClaimNext(claims_pb2.ClaimNextRequest(repo=REPO, topic=TOPIC, owner="w")),
-            ]
-            for call in deciding:
-                with pytest.raises(grpc.RpcError) as refused:
-                    await call
-                said = from_rpc_error(refused.value)
-                assert isinstance(said, NotDecider), said
-                assert said.code == grpc.StatusCode.FAILED_PRECONDITION
-                assert (said.region, said.address) == ("us", decider.address)
-                assert said.term == decider.replica.gate.term > 0
-                assert said.decider in ("us-a", "us-b")
-        async with AsyncClient(decider.address, retries=0) as client:
-            mine = (await client.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])).record
-            granted = await client.claim(mine.key, "worker-a", lease_seconds=30)
-            assert granted.granted
-    finally:
-        await stop_all(*nodes)
+    await eventually(named, "the other member naming the decider")
+    async with AsyncClient(other.address, retries=0) as client:
+        # Created at a member that does not decide: a birth is not a decision.
+        item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+        assert (await client.get(item.key)).key == item.key  # reads go on at every member
+    async with grpc.aio.insecure_channel(other.address) as channel:
+        stub = claims_pb2_grpc.ClaimsStub(channel)
+        deciding: list[Awaitable[object]] = [
+            stub.Claim(claims_pb2.ClaimRequest(key=item.key, owner="w", lease_seconds=30)),
+            stub.ClaimNext(claims_pb2.ClaimNextRequest(repo=REPO, topic=TOPIC, owner="w")),
+        ]
+        for call in deciding:
+            with pytest.raises(grpc.RpcError) as refused:
+                await call
+            said = from_rpc_error(refused.value)
+            assert isinstance(said, NotDecider), said
+            assert said.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert (said.region, said.address) == ("us", decider.address)
+            assert said.term == decider.replica.gate.term > 0
+            assert said.decider in ("us-a", "us-b")
+    async with AsyncClient(decider.address, retries=0) as client:
+        mine = (await client.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])).record
+        granted = await client.claim(mine.key, "worker-a", lease_seconds=30)
+        assert granted.granted
 
 
 async def test_the_next_decider_grants_above_every_token_an_earlier_term_can_have_granted(
-    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+    members: list[NodeServer],
 ) -> None:
     """The first decider grants a token its successor never hears of (the members do
     not share the record here): the successor's first grant on the record, in a later
     term, is above it all the same, and above the ceiling of the moment the first
     decider stopped plus twice the clock offset."""
-    server, certs = etcd
-    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
-    try:
-        first = await one_decides(nodes)
-        (second,) = [n for n in nodes if n is not first]
-        key = ""
-        for node in (first, second):  # the same item, born at each
-            async with AsyncClient(node.address, retries=0) as client:
-                made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
-                key = made.record.key
-        async with AsyncClient(first.address, retries=0) as client:
-            unseen = await client.claim(key, "worker-a", lease_seconds=30)
-        assert unseen.granted
-        old_term = first.replica.gate.term
-        stopped_ms = wall_clock_ms()
-        await first.stop(0)  # lets its key go: the successor is elected at once
-        await one_decides([second], within=TTL_S)
-        assert second.replica.gate.term > old_term
-        async with AsyncClient(second.address, retries=0) as client:
-            again = await client.claim(key, "worker-b", lease_seconds=30)
-        assert again.granted
-        assert again.fencing_token > unseen.fencing_token
-        assert again.fencing_token >= token_ceiling(pack(stopped_ms + 2 * OFFSET_MS))
-    finally:
-        await stop_all(*nodes)
+    first = await one_decides(members)
+    (second,) = [n for n in members if n is not first]
+    key = ""
+    for node in (first, second):  # the same item, born at each
+        async with AsyncClient(node.address, retries=0) as client:
+            made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+            key = made.record.key
+    async with AsyncClient(first.address, retries=0) as client:
+        unseen = await client.claim(key, "worker-a", lease_seconds=30)
+    assert unseen.granted
+    old_term = first.replica.gate.term
+    stopped_ms = wall_clock_ms()
+    await first.stop(0)  # lets its key go: the successor is elected at once
+    await one_decides([second], within=TTL_S)
+    assert second.replica.gate.term > old_term
+    async with AsyncClient(second.address, retries=0) as client:
+        again = await client.claim(key, "worker-b", lease_seconds=30)
+    assert again.granted
+    assert again.fencing_token > unseen.fencing_token
+    assert again.fencing_token >= token_ceiling(pack(stopped_ms + 2 * OFFSET_MS))
 
 
 async def test_while_etcd_is_away_nobody_decides_reads_go_on_and_a_decider_is_back_after(
-    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+    members: list[NodeServer], etcd: tuple[EtcdServer, Path]
 ) -> None:
     server, certs = etcd
-    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
-    try:
-        for node in nodes:  # held by both (the members do not share records here)
-            async with AsyncClient(node.address, retries=0) as client:
-                item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
-        await one_decides(nodes)
-        await server.kill()
-        killed = time.monotonic()
+    for node in members:  # held by both (the members do not share records here)
+        async with AsyncClient(node.address, retries=0) as client:
+            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+    await one_decides(members)
+    await server.kill()
+    killed = time.monotonic()
 
-        async def nobody() -> bool:
-            return not any(n.replica.gate.deciding for n in nodes)
+    async def nobody() -> bool:
+        return not any(n.replica.gate.deciding for n in members)
 
-        await eventually(nobody, "no member deciding", within=TTL_S)
-        assert time.monotonic() - killed <= TTL_S * DECIDE_SHARE + 0.5
-        for node in nodes:
-            async with AsyncClient(node.address, retries=0) as client:
-                with pytest.raises(Unavailable) as refused:
-                    await client.claim(item.key, "worker-a", lease_seconds=30)
-                assert refused.value.reason == "NOT_SERVING"
-                assert refused.value.retry_after == TTL_S
-                assert (await client.get(item.key)).key == item.key
-        await server.run()
-        await serving(server, certs)
-        back = await one_decides(nodes, within=3 * TTL_S)
-        async with AsyncClient(back.address, retries=0) as client:
-            assert (await client.claim(item.key, "worker-a", lease_seconds=30)).granted
-    finally:
-        await stop_all(*nodes)
+    await eventually(nobody, "no member deciding", within=TTL_S)
+    assert time.monotonic() - killed <= TTL_S * DECIDE_SHARE + 0.5
+    for node in members:
+        async with AsyncClient(node.address, retries=0) as client:
+            with pytest.raises(Unavailable) as refused:
+                await client.claim(item.key, "worker-a", lease_seconds=30)
+            assert refused.value.reason == "NOT_SERVING"
+            assert refused.value.retry_after == TTL_S
+            assert (await client.get(item.key)).key == item.key
+    await server.run()
+    await serving(server, certs)
+    back = await one_decides(members, within=3 * TTL_S)
+    async with AsyncClient(back.address, retries=0) as client:
+        assert (await client.claim(item.key, "worker-a", lease_seconds=30)).granted
 
 
 async def test_clients_follow_the_redirect_unnoticed_and_ask_again_after_a_failover(
-    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+    members: list[NodeServer],
 ) -> None:
     """A client of a member that does not decide: its deciding calls reach the
     decider without the caller seeing the redirect, and go there directly from then
     on; once that decider is gone, the member is asked again and names the next."""
-    server, certs = etcd
-    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
-    try:
-        decider = await one_decides(nodes)
-        (other,) = [n for n in nodes if n is not decider]
-        keys = []
-        for node in nodes:  # one item, held by both (the members do not share records here)
-            async with AsyncClient(node.address, retries=0) as client:
-                made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
-                keys.append(made.record.key)
-        key = keys[0]
+    decider = await one_decides(members)
+    (other,) = [n for n in members if n is not decider]
+    keys = []
+    for node in members:  # one item, held by both (the members do not share records here)
+        async with AsyncClient(node.address, retries=0) as client:
+            made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+            keys.append(made.record.key)
+    key = keys[0]
 
-        async def named() -> bool:
-            campaign = other.member.campaign if other.member is not None else None
-            return campaign is not None and campaign.decider is not None
+    async def named() -> bool:
+        campaign = other.member.campaign if other.member is not None else None
+        return campaign is not None and campaign.decider is not None
 
-        await eventually(named, "the other member naming the decider")
-        async with AsyncClient(other.address, timeout=10) as client:
-            granted = await client.claim(key, "worker-a", lease_seconds=30)
-            assert granted.granted
-            assert client.deciders == {other.address: decider.address}
-            renewed = await client.renew_claim(key, granted.fencing_token, lease_seconds=30)
-            assert renewed.renewed
-            await client.update(key, fields={"body": "fenced"}, fencing_token=granted.fencing_token)
-            released = await client.release_claim(key, granted.fencing_token)
-            assert released.released
-            await decider.stop(0)  # lets the key go: the other member decides at once
-            await one_decides([other], within=TTL_S)
-            again = await client.claim(key, "worker-b", lease_seconds=30)
-            assert again.granted and again.fencing_token > granted.fencing_token
-            assert client.deciders == {}  # the target decides itself now
-    finally:
-        await stop_all(*nodes)
+    await eventually(named, "the other member naming the decider")
+    async with AsyncClient(other.address, timeout=10) as client:
+        granted = await client.claim(key, "worker-a", lease_seconds=30)
+        assert granted.granted
+        assert client.deciders == {other.address: decider.address}
+        renewed = await client.renew_claim(key, granted.fencing_token, lease_seconds=30)
+        assert renewed.renewed
+        await client.update(key, fields={"body": "fenced"}, fencing_token=granted.fencing_token)
+        released = await client.release_claim(key, granted.fencing_token)
+        assert released.released
+        await decider.stop(0)  # lets the key go: the other member decides at once
+        await one_decides([other], within=TTL_S)
+        again = await client.claim(key, "worker-b", lease_seconds=30)
+        assert again.granted and again.fencing_token > granted.fencing_token
+        assert client.deciders == {}  # the target decides itself now
 
 
 async def test_status_names_each_members_decider_in_text_and_json(
-    tmp_path: Path, etcd: tuple[EtcdServer, Path], capsys: pytest.CaptureFixture[str]
+    members: list[NodeServer], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    server, certs = etcd
-    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
-    try:
-        decider = await one_decides(nodes)
-        (other,) = [n for n in nodes if n is not decider]
-        name = decider.member.name if decider.member is not None else ""
-        term = decider.replica.gate.term
+    decider = await one_decides(members)
+    (other,) = [n for n in members if n is not decider]
+    name = decider.member.name if decider.member is not None else ""
+    term = decider.replica.gate.term
 
-        async def named() -> bool:
-            known = other.member.decider() if other.member is not None else None
-            return known is not None and known.term == term
+    async def named() -> bool:
+        known = other.member.decider() if other.member is not None else None
+        return known is not None and known.term == term
 
-        await eventually(named, "the other member naming the decider")
-        targets = ["--targets", decider.address, other.address, "--timeout", "5"]
-        assert await asyncio.to_thread(main, ["status", *targets]) == 0
-        text = capsys.readouterr().out
-        assert f"member {name}: decides for region us (term {term})" in text
-        other_name = other.member.name if other.member is not None else ""
-        assert f"member {other_name}: decider {name} (term {term}) at {decider.address}" in text
-        assert await asyncio.to_thread(main, ["status", *targets, "--json"]) == 0
-        said = json.loads(capsys.readouterr().out)["nodes"]
-        wanted = {"member": name, "address": decider.address, "term": term}
-        assert [n["decider"] for n in said] == [wanted, wanted]
-        assert [n["member"] for n in said] == [name, other_name]
-        assert [n["claims_serving"] for n in said] == [True, False]
-    finally:
-        await stop_all(*nodes)
+    await eventually(named, "the other member naming the decider")
+    targets = ["--targets", decider.address, other.address, "--timeout", "5"]
+    assert await asyncio.to_thread(main, ["status", *targets]) == 0
+    text = capsys.readouterr().out
+    assert f"member {name}: decides for region us (term {term})" in text
+    other_name = other.member.name if other.member is not None else ""
+    assert f"member {other_name}: decider {name} (term {term}) at {decider.address}" in text
+    assert await asyncio.to_thread(main, ["status", *targets, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)["nodes"]
+    wanted = {"member": name, "address": decider.address, "term": term}
+    assert [n["decider"] for n in said] == [wanted, wanted]
+    assert [n["member"] for n in said] == [name, other_name]
+    assert [n["claims_serving"] for n in said] == [True, False]
 
 
 async def test_a_member_with_another_regions_certificate_never_decides(
@@ -286,15 +260,7 @@ async def test_a_member_with_another_regions_certificate_never_decides(
     us's decider key, so it decides nothing, names no decider, and its deciding calls
     are refused NOT_SERVING while us's real member decides."""
     server, certs = etcd
-    intruder_config = NodeConfig(
-        region="us",
-        listen="127.0.0.1:0",
-        data_dir=tmp_path / "intruder",
-        enable_writes=True,
-        grace_seconds=0.2,
-        member=MemberConfig("us-x", [server.endpoint], TlsFiles.in_dir(certs, "eu"), TTL_S),
-    )
-    intruder = await NodeServer.start(intruder_config)
+    intruder = await member(tmp_path, server, certs, "us-x", etcd_as="eu")
     try:
         async with AsyncClient(intruder.address, retries=0) as client:
             item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
@@ -320,15 +286,7 @@ async def test_the_dashboard_names_the_member_and_its_decider(
     tmp_path: Path, etcd: tuple[EtcdServer, Path]
 ) -> None:
     server, certs = etcd
-    config = NodeConfig(
-        region="us",
-        listen="127.0.0.1:0",
-        data_dir=tmp_path / "us-a",
-        dashboard_listen="127.0.0.1:0",
-        grace_seconds=0.2,
-        member=MemberConfig("us-a", [server.endpoint], TlsFiles.in_dir(certs, "us"), TTL_S),
-    )
-    node = await NodeServer.start(config)
+    node = await member(tmp_path, server, certs, "us-a", dashboard_listen="127.0.0.1:0")
     try:
         await one_decides([node])
         url = f"http://127.0.0.1:{node.dashboard_port}/api/snapshot"
