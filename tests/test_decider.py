@@ -11,6 +11,10 @@ etcd's return; and only a region's own certificates may take its decider key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,10 +30,14 @@ from fencemark.node.coordination.decider import (
 from fencemark.node.coordination.etcd import Etcd, EtcdError, parse_endpoints
 from fencemark.node.security.tls import TlsFiles
 from fencemark.node.tools.cli import main
+from fencemark.node.tools.ports import Ports
+from tests import components
 from tests.cluster import eventually
+from tests.docrun import Shell, Substitutions, run_steps, steps_of
 from tests.etcd_server import EtcdServer, restricted, serving
 
 TTL_S = 2
+SECURITY = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 
 
 @pytest.fixture
@@ -204,3 +212,49 @@ async def test_a_revoked_member_cannot_take_the_decider_key(
         await one_decides(member_now)
     finally:
         await stop_all(member_now)
+
+
+def test_security_md_sets_up_a_regions_etcd_as_written(tmp_path: Path) -> None:
+    """docs/security.md's etcd: certificates, etcd itself, then its users and roles,
+    typed in a shell as written (on held ports instead of etcd's 2379 and 2380);
+    then us's certificate takes us's decider key and eu's is refused it."""
+    components.require("etcd")
+    ports = Ports()
+    client, peer = ports.take(), ports.take()
+    bin_dir = str(Path(sys.executable).parent)  # where `fencemark` is installed
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    shell = Shell(tmp_path, env, tmp_path / "transcript")
+    steps = [s for s in steps_of([SECURITY]).values() if s.scenario == "etcd"]
+    assert [s.name for s in steps] == ["certificates", "serve", "restrict"]
+
+    def etcd_answers() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", client)):
+                return
+            time.sleep(0.1)
+        raise AssertionError((tmp_path / "etcd.log").read_text())
+
+    try:
+        subs = Substitutions({"2379": str(client), "2380": str(peer)})
+        run_steps(shell, steps, subs, before={"etcd/restrict": etcd_answers})
+
+        async def keys() -> None:
+            certs = tmp_path / "certs"
+            for region, allowed in (("us", True), ("eu", False)):
+                etcd = Etcd([f"127.0.0.1:{client}"], TlsFiles.in_dir(certs, region))
+                try:
+                    if allowed:
+                        await etcd.put(decider_key("us"), b"{}")
+                    else:
+                        with pytest.raises(EtcdError) as refused:
+                            await etcd.put(decider_key("us"), b"{}")
+                        assert refused.value.code is not None
+                        assert refused.value.code.name == "PERMISSION_DENIED"
+                finally:
+                    await etcd.close()
+
+        asyncio.run(keys())
+    finally:
+        shell.close()
+        ports.close()
