@@ -26,9 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fencemark.client import AsyncClient
 from fencemark.client.errors import NotDecider, Unavailable, from_rpc_error
+from fencemark.node.api.config import NodeConfig
 from fencemark.node.api.gate_follower import CLAIMS_SERVICE
 from fencemark.node.api.server import NodeServer
 from fencemark.node.coordination.decider import DECIDE_SHARE
+from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
 from fencemark.node.rules.admission import token_ceiling
 from fencemark.node.tools.cli import main
@@ -302,3 +304,21 @@ async def test_the_dashboard_names_the_member_and_its_decider(
         }  # fmt: skip
     finally:
         await node.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("member", "named"),
+    [
+        (MemberConfig("us a", ["127.0.0.1:2379"], None), "member: a member's name"),
+        (MemberConfig("us-a", [], None), "member.etcd: no endpoint"),
+        (MemberConfig("us-a", ["127.0.0.1:2379"], None, ttl_s=0), "member.ttl_s"),
+        (MemberConfig("us-a", ["127.0.0.1:2379"], None, ttl_s=61), "member.ttl_s"),
+    ],
+)
+async def test_a_bad_member_configuration_is_refused_before_anything_opens(
+    tmp_path: Path, member: MemberConfig, named: str
+) -> None:
+    config = NodeConfig(region="us", listen="127.0.0.1:0", data_dir=tmp_path, member=member)
+    with pytest.raises(ValueError, match=named):
+        await NodeServer.start(config)
+    assert not await asyncio.to_thread(lambda: list(tmp_path.iterdir())), "nothing written"

@@ -94,6 +94,8 @@ class NodeServer:
         """Assemble the layers bottom up (``fencemark.node.api.assembly``), bind the
         ports, then start: health says SERVING once the node listens, and SERVING for
         claims once it has caught up."""
+        if config.member is not None and (problem := config.member.problem()):
+            raise ValueError(problem)  # before anything opens
         tls = live_tls(config)
         connections = assembly.Connections.of(config)  # bounds refused before anything opens
         core = await assembly.open_core(config, tls)  # store, rules, core

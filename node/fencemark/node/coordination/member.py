@@ -20,6 +20,7 @@ from fencemark.node.coordination.decider import DEFAULT_TTL_S, Campaign, Decider
 from fencemark.node.coordination.etcd import Etcd
 from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.rules.errors import NotDecider, NotServing
+from fencemark.node.rules.validation import REGION
 from fencemark.node.security.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,14 @@ class MemberConfig:
     ttl_s: int = DEFAULT_TTL_S
 
     def problem(self) -> str:
-        """What is wrong with this configuration, naming the flag; "" if nothing."""
+        """What is wrong with this configuration, naming the field; "" if nothing.
+        Checked before the node opens anything (``NodeServer.start``)."""
+        if REGION.fullmatch(self.name) is None:
+            return f"member: a member's name must match {REGION.pattern}, got {self.name[:100]!r}"
         if not self.etcd:
-            return "--member needs --etcd: the members of a region elect their decider there"
+            return "member.etcd: no endpoint: the members of a region elect their decider there"
         if not 1 <= self.ttl_s <= MAX_TTL_S:
-            return f"--decider-ttl takes 1 to {MAX_TTL_S} seconds, got {self.ttl_s}"
+            return f"member.ttl_s: the decider lease takes 1 to {MAX_TTL_S} s, got {self.ttl_s}"
         return ""
 
 
