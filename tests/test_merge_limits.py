@@ -178,13 +178,17 @@ async def test_a_record_too_large_to_send_does_not_stop_anti_entropy(tmp_path: P
         us = await cluster.start("us")
         eu = await cluster.start("eu")
 
-        async def repaired() -> bool:
-            return all([await us.storage.get(k) is not None for k in missed])
-
-        await eventually(repaired, "us pulling eu's records")
-        assert await us.storage.get(huge.key) is None
         from_eu = us.replicator.peer_stats("eu")
-        assert from_eu.reachable and from_eu.last_sync is not None
+
+        async def repaired() -> bool:
+            # us's own round with eu completed, not only eu's pushes: us started first,
+            # its first calls found eu down, and eu's pushes may repair before us's
+            # back-off ends.
+            synced = from_eu.reachable and from_eu.last_sync is not None
+            return synced and all([await us.storage.get(k) is not None for k in missed])
+
+        await eventually(repaired, "us completing a round with eu, pulling eu's records")
+        assert await us.storage.get(huge.key) is None
         assert from_eu.merges_refused == 1 and huge.key in from_eu.last_refusal
         assert refused_over_limit(us, "eu") == 1
         assert eu.replicator.peer_stats("us").states_too_large == 1
