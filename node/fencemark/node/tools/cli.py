@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import dataclasses
 import functools
-import json
 import os
 import signal
 import sys
@@ -38,6 +37,7 @@ from fencemark.node.tools.cli_rpc import (
     add_rpc_commands,
     client_credentials,
     failure_line,
+    print_json,
     usage_error,
 )
 from fencemark.node.tools.proxy_command import add_proxy_command
@@ -149,24 +149,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         return lines
 
-    async def as_json() -> str:
+    async def answers() -> list[dict[str, object]]:
         seen = await asyncio.gather(*(look(target) for target in args.targets))
-        nodes: list[dict[str, object]] = []
-        for target, answer in zip(args.targets, seen, strict=True):
-            if isinstance(answer, FencemarkError):
-                nodes.append({"target": target, "error": str(answer)})
-                continue
-            info, health = answer
-            said = dataclasses.asdict(info)
-            said["now"] = info.now.isoformat() if info.now is not None else None
-            for peer in said["peers"]:
-                last = peer["last_sync"]
-                peer["last_sync"] = last.isoformat() if last is not None else None
-            nodes.append({"target": target, "health": health, **said})
-        return json.dumps({"nodes": nodes}, indent=2)
+        return [
+            {"target": target, "error": str(answer)}
+            if isinstance(answer, FencemarkError)
+            else {"target": target, "health": answer[1], **dataclasses.asdict(answer[0])}
+            for target, answer in zip(args.targets, seen, strict=True)
+        ]
 
     if args.json:
-        print(asyncio.run(as_json()))
+        print_json({"nodes": asyncio.run(answers())})  # times as ISO 8601, as `info` shows them
         return 0
     print("\n".join(asyncio.run(run())))
     return 0

@@ -53,7 +53,8 @@ def _json_default(value: object) -> object:
     raise TypeError(f"cannot show {type(value).__name__}")
 
 
-def _print_json(value: object) -> None:
+def print_json(value: object) -> None:
+    """``value`` as indented JSON: dataclasses as objects, times as ISO 8601."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     print(json.dumps(value, default=_json_default, indent=2, ensure_ascii=False))
@@ -169,7 +170,7 @@ def _client_call(args: argparse.Namespace, call: Callable[[Any], Awaitable[objec
         return failed(exc, target=args.target, tls=credentials is not None)
     if result is None:  # the call printed its own output (watch)
         return EXIT_DONE
-    _print_json(result)
+    print_json(result)
     return EXIT_ANSWERED_NO if answered_no(result) else EXIT_DONE
 
 
