@@ -694,8 +694,9 @@ async def test_a_grant_made_for_a_waiter_that_left_meanwhile_is_released(
 ) -> None:
     """docs/consistency.md, *Claims*: the head of the line whose caller leaves while
     its grant is being made durable never hears of the token; the attempt runs to its
-    end and the token it newly granted is released, so the next claimer gets the
-    record at once instead of after a whole lease held by nobody."""
+    end and the token it newly granted is withdrawn: released, so the next claimer
+    gets the record at once instead of after a whole lease held by nobody, with its
+    attempt given back (nobody worked the item)."""
     wall = CancellingWall()
     async with claims_on_file(tmp_path, wall) as claims:
         key = await made(claims, "left-while-granted")
@@ -708,6 +709,8 @@ async def test_a_grant_made_for_a_waiter_that_left_meanwhile_is_released(
         assert not wall.armed, "premise: cancelled while its claim was decided"
         status = await claims.status(key, caller=ANYONE)
         assert (status.holder, status.fence) == (None, holder.token + 1)
+        found = await claims.replica.find(key)
+        assert found is not None and found.record.attempts == 1, "its attempt given back"
         after = await claims.claim(key, "next", lease_seconds=LONG_LEASE, caller=ANYONE)
         assert (after.ok, after.token) == (True, holder.token + 2)
 
@@ -1094,7 +1097,7 @@ async def test_renewals_outside_the_lease_limits_are_invalid(client: AsyncClient
 async def test_a_grant_for_a_waiter_that_left_stays_to_lapse_if_its_release_fails(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """When releasing the grant made for a waiter that left fails too (a storage fault),
+    """When withdrawing the grant made for a waiter that left fails too (a storage fault),
     the caller still only sees its own cancellation; the failure is logged, and the
     lease lapses on its own."""
     wall = CancellingWall()
@@ -1104,15 +1107,15 @@ async def test_a_grant_for_a_waiter_that_left_stays_to_lapse_if_its_release_fail
         waiter = await wait_in_line(claims, key, "waiter", "")
         assert (await claims.release(key, holder.token, caller=ANYONE)).ok
 
-        async def failing_release(*args: object, **kwargs: object) -> Outcome:
+        async def failing_withdraw(*args: object, **kwargs: object) -> Outcome:
             raise OSError("the disk is gone")
 
-        monkeypatch.setattr(claims, "release", failing_release)  # the fault, on this node only
+        monkeypatch.setattr(claims, "withdraw", failing_withdraw)  # the fault, on this node only
         wall.arm(waiter)
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert not wall.armed, "premise: cancelled while its claim was decided"
-        assert f"releasing {key}, granted to a caller that left, failed" in caplog.text
+        assert f"withdrawing {key}, granted to a caller that left, failed" in caplog.text
         status = await claims.status(key, caller=ANYONE)
         assert status.holder is not None and status.holder.owner == "waiter"
 

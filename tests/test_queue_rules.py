@@ -13,7 +13,16 @@ import pytest
 
 from fencemark.node.crdt import Grant, Record, Stamp
 from fencemark.node.crdt.hlc import pack
-from fencemark.node.crdt.record import DEFERRED, DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
+from fencemark.node.crdt.record import (
+    ATTEMPTS,
+    DEFERRED,
+    DONE,
+    FAILED,
+    FORCED,
+    LAPSED,
+    OPEN,
+    PARKED,
+)
 from fencemark.node.rules import queue
 
 KEY = "repo/r/mem/t/item"
@@ -128,6 +137,20 @@ def test_each_ending_writes_its_outcome_and_only_failures_park_at_the_threshold(
         assert ended.not_before_ms == (NOW + 9 if ending == DEFERRED else 0), ending
     once = queue.granted(item("maxAttempts:2"), stamp(1))
     assert queue.ended(once, FAILED, at, default_max_attempts=5).status == OPEN
+
+
+def test_a_withdrawn_grant_gives_its_attempt_back_and_never_counts_below_zero() -> None:
+    """A grant its caller never received leaves the count as before the grant, at
+    the grant's epoch: a later failure then parks a ``maxAttempts:2`` item at 2."""
+    once = queue.granted(item("maxAttempts:2"), stamp(1))
+    again = queue.granted(once, stamp(2))
+    back = queue.withdrawn(again, stamp(2, NOW + 1))
+    assert back.attempts == 1
+    assert back.queue[ATTEMPTS].stamp == stamp(2, NOW + 1)
+    assert back.merge(again).attempts == 1, "the withdrawal wins over the grant it undoes"
+    third = queue.granted(back, stamp(3))
+    assert queue.ended(third, FAILED, stamp(3, NOW + 2), default_max_attempts=5).status == PARKED
+    assert queue.withdrawn(item(), stamp(1)).attempts == 0
 
 
 def test_a_reopen_opens_and_counts_from_zero_with_no_deferral() -> None:

@@ -618,10 +618,11 @@ async def test_an_item_picked_for_a_waiter_that_left_meanwhile_is_released(
         assert found is not None
         fence = found.record.fence
         assert (fence.fence, fence.ended(1)) == (1, True), "granted, then released"
+        assert found.record.attempts == 0, "handed back as it was: no attempt counted"
         again = await work.claim_next("claims", "backlog", "next", lease_seconds=LONG,
                                       caller=ANYONE)  # fmt: skip
         assert again.stored is not None and again.stored.record.key == key
-        assert again.outcome.token == 2
+        assert (again.outcome.token, again.stored.record.attempts) == (2, 1)
 
 
 async def _idle(claims: Claims) -> bool:
@@ -962,7 +963,7 @@ async def _lock_users(claims: Claims, key: str, users: int) -> bool:
 async def test_an_item_picked_for_a_waiter_that_left_stays_to_lapse_if_its_release_fails(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """When releasing the item picked for a caller that left fails too (a storage
+    """When withdrawing the item picked for a caller that left fails too (a storage
     fault), the caller still only sees its own cancellation; the failure is logged,
     and the lease lapses on its own."""
     wall = CancellingWall()
@@ -970,10 +971,10 @@ async def test_an_item_picked_for_a_waiter_that_left_stays_to_lapse_if_its_relea
         work = WorkQueue(claims)
         waiter = await asleep_at_the_head(work)
 
-        async def failing_release(*args: object, **kwargs: object) -> object:
+        async def failing_withdraw(*args: object, **kwargs: object) -> object:
             raise OSError("the disk is gone")
 
-        monkeypatch.setattr(claims, "release", failing_release)  # the fault, here only
+        monkeypatch.setattr(claims, "withdraw", failing_withdraw)  # the fault, here only
         wall.arm(waiter)
         key = await made(claims, "picked-for-nobody")
         with pytest.raises(asyncio.CancelledError):

@@ -184,7 +184,7 @@ class Claims:
         durable, it would never hear of the token, and the claim would sit with
         nobody for a whole lease while the line behind starves (docs/consistency.md,
         *Claims*). So the attempt runs to its end, and a token it newly granted is
-        released before the cancellation goes on (an owner's live claim that it
+        withdrawn before the cancellation goes on (an owner's live claim that it
         merely extended is left alone).
         """
         attempt = asyncio.create_task(self._try(key, owner, caller, lease_ms, queued_ahead=False))
@@ -194,9 +194,9 @@ class Claims:
             try:
                 outcome, granted = await attempt
                 if granted:
-                    await self.release(key, outcome.token, caller=caller)
+                    await self.withdraw(key, outcome.token, caller=caller)
             except Exception:  # the lease still lapses on its own
-                log.exception("releasing %s, granted to a caller that left, failed", key)
+                log.exception("withdrawing %s, granted to a caller that left, failed", key)
             raise
         return outcome
 
@@ -233,7 +233,8 @@ class Claims:
 
     def with_grant(self, record: Record, fence: FenceState) -> Record:
         """``record`` with the new grant that ``fence`` holds: signed by this (home)
-        node before it is durable, and counted as one attempt (SPEC §8)."""
+        node before it is durable, and counted as one attempt (SPEC §8; ``withdraw``
+        gives it back)."""
         replica = self.replica
         if replica.signer is not None:
             fence = replica.signer.sign_fence(record.key, fence)
@@ -309,6 +310,28 @@ class Claims:
             return changed.with_fence(changed.fence.release(token)), settled(changed, token)
 
         _, answer = await self.replica.transact(key, change, decides=True)
+        if answer.ok:
+            self.wake(key)
+        return answer
+
+    async def withdraw(self, key: str, token: int, *, caller: Caller) -> Outcome:
+        """Release ``token``, granted to a caller that left before it heard of it, and
+        give its attempt back (``queue.withdrawn``) in the same commit: the item is
+        handed back as it was, but for the spent token. Only the live claim of
+        ``token`` is withdrawn; anything else is a plain release's answer."""
+        replica = self.replica
+
+        def change(current: Record) -> tuple[Record, Outcome]:
+            replica.check_gate(current)
+            fence, answer = decide_release(current, token, caller=caller, region=replica.region)
+            live = token == current.fence.fence and not current.fence.ended(token)
+            if not answer.ok or not live:  # superseded, or ended with its attempt counted
+                return current.with_fence(fence), answer
+            stamp = replica.stamp(token)
+            changed = replica.signed_queue(queue.withdrawn(current, stamp), stamp)
+            return changed.with_fence(fence), answer
+
+        _, answer = await replica.transact(key, change, decides=True)
         if answer.ok:
             self.wake(key)
         return answer

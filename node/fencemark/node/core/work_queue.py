@@ -265,7 +265,7 @@ class WorkQueue:
                 self._told.pop(key, None)
                 self._lines.wake(scope)
                 return
-            await self.claims.release(key, picked.outcome.token, caller=caller)
+            await self.claims.withdraw(key, picked.outcome.token, caller=caller)
 
         async def try_pick() -> Picked | None:
             caller.still_allowed()  # revoked while it waited: refused, the next may have it

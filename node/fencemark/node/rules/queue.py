@@ -50,6 +50,14 @@ def granted(record: Record, stamp: Stamp) -> Record:
     return record.set_queue({ATTEMPTS: str(record.attempts + 1)}, stamp)
 
 
+def withdrawn(record: Record, stamp: Stamp) -> Record:
+    """A grant its caller never received (it left while the grant was being made
+    durable, and the home released it) gives its attempt back, written at that
+    grant's epoch: nobody worked the item, so it is as it was but for the spent
+    token, and a poison item still parks after exactly ``max_attempts`` tries."""
+    return record.set_queue({ATTEMPTS: str(max(0, record.attempts - 1))}, stamp)
+
+
 def ended(
     record: Record, ending: str, stamp: Stamp, *, default_max_attempts: int, not_before_ms: int = 0
 ) -> Record:
