@@ -24,18 +24,20 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fencemark.client import AsyncClient
+from fencemark.client import AsyncClient, tls_credentials
 from fencemark.client.errors import NotDecider, Unavailable, from_rpc_error
 from fencemark.node.api.config import NodeConfig
 from fencemark.node.api.gate_follower import CLAIMS_SERVICE
 from fencemark.node.api.server import NodeServer
 from fencemark.node.coordination.decider import DECIDE_SHARE
 from fencemark.node.coordination.member import MemberConfig
+from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
 from fencemark.node.rules.admission import token_ceiling
+from fencemark.node.security.tls import TlsFiles
 from fencemark.node.tools.cli import main
-from fencemark.v1 import claims_pb2, claims_pb2_grpc
-from tests.cluster import eventually
+from fencemark.v1 import claims_pb2, claims_pb2_grpc, replication_pb2, replication_pb2_grpc
+from tests.cluster import eventually, wait_converged
 from tests.etcd_server import EtcdServer, member_config, restricted, serving
 
 pytestmark = pytest.mark.slow  # elections and lease times: seconds each
@@ -252,6 +254,105 @@ async def test_status_names_each_members_decider_in_text_and_json(
     assert [n["decider"] for n in said] == [wanted, wanted]
     assert [n["member"] for n in said] == [name, other_name]
     assert [n["claims_serving"] for n in said] == [True, False]
+
+
+async def peers_of(node: NodeServer) -> dict[str, tuple[str, str]]:
+    """The node's peers as Node.Info lists them: name -> (region, member)."""
+    async with AsyncClient(node.address, retries=0) as client:
+        info = await client.info()
+    return {p.name: (p.region, p.member) for p in info.peers}
+
+
+async def test_members_find_each_other_in_etcd_and_replicate_with_each_other(
+    tmp_path: Path, members: list[NodeServer], etcd: tuple[EtcdServer, Path]
+) -> None:
+    """Each member registers its address in etcd; every other member makes it a peer
+    (``us/NAME``), pushes to it and syncs with it. A write at either member reaches
+    the other, and so does a grant made by the decider; a member that stops drops
+    out of the others' peers once its entry's lease is gone, and one that joins is
+    taken in and caught up."""
+    us_a, us_b = members
+
+    async def paired() -> bool:
+        return "us/us-b" in await peers_of(us_a) and "us/us-a" in await peers_of(us_b)
+
+    await eventually(paired, "each member a peer of the other", within=10)
+    assert (await peers_of(us_a))["us/us-b"] == ("us", "us-b")
+    async with AsyncClient(us_a.address, retries=0) as a, AsyncClient(us_b.address) as b:
+        one = (await a.remember(REPO, TOPIC, "from-a", tags=["homeRegion:us"])).record
+        two = (await b.remember(REPO, TOPIC, "from-b", tags=["homeRegion:us"])).record
+        await wait_converged(members)
+        assert (await b.get(one.key)).key == one.key and (await a.get(two.key)).key == two.key
+        decider = await one_decides(members)
+        other = us_b if decider is us_a else us_a
+        granted = await b.claim(one.key, "worker-a", lease_seconds=30)  # follows the redirect
+        assert granted.granted
+        async with AsyncClient(other.address, retries=0) as there:
+
+            async def seen() -> bool:
+                status = await there.claim_status(one.key)
+                return status.fence == granted.fencing_token
+
+            await eventually(seen, "the grant at the member that did not make it")
+    server, certs = etcd
+    await us_b.stop(0)
+
+    async def dropped() -> bool:
+        return "us/us-b" not in await peers_of(us_a)
+
+    await eventually(dropped, "us-b out of us-a's peers", within=3 * TTL_S + 5)
+    us_c = await member(tmp_path, server, certs, "us-c")
+    try:
+        await wait_converged([us_a, us_c], within=20)
+
+        async def joined() -> bool:
+            return "us/us-c" in await peers_of(us_a) and "us/us-a" in await peers_of(us_c)
+
+        await eventually(joined, "us-c and us-a peers of each other", within=10)
+    finally:
+        await us_c.stop(0)
+
+
+async def test_with_tls_only_a_registered_member_of_the_region_replicates_as_one(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+) -> None:
+    """Over mutual TLS a member accepts its own region's certificate only from a
+    member registered in etcd: us's certificate calling as an unknown member, or as
+    the region's only node, is refused ``unknown_region`` and merges nothing, while
+    the registered members replicate with each other."""
+    server, certs = etcd
+    nodes = [
+        await member(tmp_path, server, certs, name, tls=TlsFiles.in_dir(certs, "us"))
+        for name in ("us-a", "us-b")
+    ]
+    try:
+        us_a, us_b = nodes
+        alice = tls_credentials(certs, "alice")
+        async with AsyncClient(us_a.address, credentials=alice, retries=0) as a:
+            made = (await a.remember(REPO, TOPIC, "over-tls", tags=["homeRegion:us"])).record
+        await wait_converged(nodes, within=20)
+        assert made.key in await us_b.storage.states([made.key])
+        forged = Record(f"repo/{REPO}/mem/{TOPIC}/forged").create(
+            "us", Stamp(0, pack(wall_clock_ms()), "probe")
+        )
+        before = us_b.storage.record_count
+        us = TlsFiles.in_dir(certs, "us").channel_credentials()
+        for member_name in ("us-x", ""):
+            async with grpc.aio.secure_channel(us_b.address, us) as channel:
+                stub = replication_pb2_grpc.ReplicationStub(channel)
+                origin = replication_pb2.Origin(
+                    region="us", member=member_name, node_id="probe", hlc=pack(wall_clock_ms())
+                )
+                request = replication_pb2.PushRequest(origin=origin, states=[codec.encode(forged)])
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Push(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, member_name
+            assert "registered" in (refused.value.details() or ""), member_name
+        assert us_b.storage.record_count == before
+        assert await us_b.storage.get(forged.key) is None
+    finally:
+        for node in nodes:
+            await node.stop(0)
 
 
 async def test_a_member_with_another_regions_certificate_never_decides(

@@ -265,6 +265,7 @@ def peer_info_from_proto(message: node_pb2.PeerInfo) -> PeerInfo:
         push_backlog=message.push_backlog,
         merges_refused=message.merges_refused,
         last_refusal=message.last_refusal,
+        member=message.member,
     )
 
 

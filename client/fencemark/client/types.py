@@ -223,6 +223,12 @@ class PeerInfo:
     push_backlog: int
     merges_refused: int = 0  # states from the peer refused as invalid (docs/security.md)
     last_refusal: str = ""
+    member: str = ""  # a fellow member of the answering node's region: its name there
+
+    @property
+    def name(self) -> str:
+        """The peer's name: its region, or ``REGION/MEMBER`` for a fellow member."""
+        return f"{self.region}/{self.member}" if self.member else self.region
 
 
 @dataclass(frozen=True)

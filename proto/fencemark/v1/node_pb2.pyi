@@ -55,6 +55,7 @@ class PeerInfo(_message.Message):
     PUSH_BACKLOG_FIELD_NUMBER: _builtins.int
     MERGES_REFUSED_FIELD_NUMBER: _builtins.int
     LAST_REFUSAL_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The peer's region name."""
     address: _builtins.str
@@ -87,6 +88,10 @@ class PeerInfo(_message.Message):
     refusal ("KEY: REASON: DETAIL"); empty if none.
     """
     last_refusal: _builtins.str
+    member: _builtins.str
+    """A fellow member of this node's region (SPEC §10): its name there, and
+    `region` is this node's own; "" for another region's node.
+    """
     @_builtins.property
     def last_sync(self) -> _timestamp_pb2.Timestamp:
         """When the last anti-entropy round with the peer completed; unset if never."""
@@ -109,10 +114,11 @@ class PeerInfo(_message.Message):
         push_backlog: _builtins.int = ...,
         merges_refused: _builtins.int = ...,
         last_refusal: _builtins.str = ...,
+        member: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_sync", b"last_sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "divergence", b"divergence", "lag_ms", b"lag_ms", "last_error", b"last_error", "last_refusal", b"last_refusal", "last_sync", b"last_sync", "merges_refused", b"merges_refused", "push_backlog", b"push_backlog", "reachable", b"reachable", "records_received", b"records_received", "records_sent", b"records_sent", "region", b"region", "skew_alarms", b"skew_alarms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "divergence", b"divergence", "lag_ms", b"lag_ms", "last_error", b"last_error", "last_refusal", b"last_refusal", "last_sync", b"last_sync", "member", b"member", "merges_refused", b"merges_refused", "push_backlog", b"push_backlog", "reachable", b"reachable", "records_received", b"records_received", "records_sent", b"records_sent", "region", b"region", "skew_alarms", b"skew_alarms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

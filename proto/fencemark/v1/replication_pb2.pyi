@@ -57,6 +57,7 @@ class Origin(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     HLC_FIELD_NUMBER: _builtins.int
     LIFE_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The caller's region name."""
     node_id: _builtins.str
@@ -70,6 +71,11 @@ class Origin(_message.Message):
     receiver refuses both (FAILED_PRECONDITION, ErrorInfo reason TWIN_NODE)
     until one of them has stopped (docs/replication.md, Twins).
     """
+    member: _builtins.str
+    """The caller's name among its region's members (SPEC §10); "" for a region's
+    only node. A member's calls to its own region's members carry it: the
+    receiver accepts its region's certificate only from a registered member.
+    """
     def __init__(
         self,
         *,
@@ -77,10 +83,11 @@ class Origin(_message.Message):
         node_id: _builtins.str = ...,
         hlc: _builtins.int = ...,
         life: _builtins.int = ...,
+        member: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hlc", b"hlc", "life", b"life", "node_id", b"node_id", "region", b"region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hlc", b"hlc", "life", b"life", "member", b"member", "node_id", b"node_id", "region", b"region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -227,6 +227,7 @@ async def replication(
         tls=tls,  # checks the certificate each peer presents (replication.peer_check)
         tuning=config.replication,
         max_clock_offset_s=config.max_clock_offset_ms / 1000,
+        member=config.member.name if config.member is not None else "",
     )
     lives = Lives(config.max_clock_offset_ms, config.replication.twin_forget_s)
     gate = GateFollower(replica, replicator, health, config.start_wait_s)

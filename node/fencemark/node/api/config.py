@@ -102,6 +102,9 @@ class NodeConfig:
     # HOST:PORT this node's clients are sent to (the decider's redirect names it);
     # "": the bound client address.
     advertise: str = ""
+    # HOST:PORT a member's fellow members replicate with it at (its registry entry);
+    # "": the bound peer listener's address, else the client address it advertises.
+    advertise_peer: str = ""
 
     @property
     def db_path(self) -> Path:

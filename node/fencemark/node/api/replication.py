@@ -29,7 +29,7 @@ from fencemark.node.replication.intake import (
     too_large,
 )
 from fencemark.node.replication.lives import Lives
-from fencemark.node.replication.peers import PeerStats
+from fencemark.node.replication.peers import PeerStats, peer_name
 from fencemark.node.replication.signers import MAX_KEY_IDS
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import (
@@ -89,9 +89,15 @@ class ReplicationService:
         # The recent lives of each calling node id: two at once are twins, refused.
         self.lives = lives
 
+    def _sender(self, origin: replication_pb2.Origin) -> str:
+        """The calling peer's name (``peers.peer_name``)."""
+        return peer_name(origin.region, origin.member, self.replica.region)
+
     def _authenticate(self, origin: replication_pb2.Origin, context: Context) -> None:
         """Refuse (PERMISSION_DENIED) unless the caller's certificate is the node of a
-        configured peer region and ``origin.region`` is that region."""
+        configured peer region and ``origin.region`` is that region — or, at a member
+        of a region of several, this node's own region and ``origin.member`` one of
+        its members registered in etcd (``coordination.registry``)."""
         identity = peer_identity(context)
         if identity is None or identity.kind != "region":
             raise PermissionDenied(
@@ -99,6 +105,17 @@ class ReplicationService:
                 f"replication is for nodes: {identity or 'this certificate'} is no"
                 " fencemark://region/ identity",
                 identity=str(identity or ""),
+                right="replicate",
+            )
+        if identity.name == self.replica.region:
+            fellow = self.peers.get(self._sender(origin))
+            if origin.region == identity.name and fellow is not None and fellow.member:
+                return
+            raise PermissionDenied(
+                Denial.UNKNOWN_REGION,
+                f"{identity} is this node's own region; a call of it must come from a"
+                f" member registered in etcd, not {origin.member or 'a node'!r}",
+                identity=str(identity),
                 right="replicate",
             )
         if identity.name not in self.peers:
@@ -122,11 +139,12 @@ class ReplicationService:
     ) -> PeerStats | None:
         if self.authenticate:
             self._authenticate(origin, context)
-        peer = self.peers.get(origin.region)
+        sender = self._sender(origin)
+        peer = self.peers.get(sender)
         if peer is not None:
             peer.bytes_received += request_bytes
             if self.heard_from is not None:
-                self.heard_from(origin.region)
+                self.heard_from(sender)
         try:
             check_clock(self.replica, origin.region, [origin.hlc])
         except ClockSkewed:
@@ -175,7 +193,7 @@ class ReplicationService:
         records = decode_states(states)
         try:
             merged = await merge_all(
-                self.replica, request.origin.region, records, peer, states=states
+                self.replica, self._sender(request.origin), records, peer, states=states
             )
         except ClockSkewed:
             if peer is not None:
@@ -267,7 +285,7 @@ class ReplicationService:
                 # Stored before merges were limited: the asker would refuse it, and it
                 # may not fit a message at all. It must not fail the asker's round.
                 response.oversized.append(key)
-                too_large(peer, request.origin.region, key, len(state))
+                too_large(peer, self._sender(request.origin), key, len(state))
                 continue
             if response.states and size + len(state) > MAX_BATCH_BYTES:
                 response.truncated.append(key)
@@ -276,7 +294,7 @@ class ReplicationService:
             served.append(key)
             size += len(state)
         if current and peer is not None and self.pulled_by is not None:
-            self.pulled_by(request.origin.region, served)
+            self.pulled_by(self._sender(request.origin), served)
         self._sent(peer, response.ByteSize(), len(response.states))
         return response
 

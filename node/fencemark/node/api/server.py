@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 # grpc-stubs predates the asyncio health servicer; it is grpc_health.v1.health.aio.
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
@@ -27,6 +27,7 @@ from fencemark.node.api.dashboard import Dashboard
 from fencemark.node.api.gate_follower import CLAIMS_SERVICE as CLAIMS_SERVICE
 from fencemark.node.api.telemetry import say
 from fencemark.node.coordination.member import Member
+from fencemark.node.coordination.registry import Registered
 from fencemark.node.security.tls_reload import LiveTls
 from fencemark.node.store.storage import (
     DB_FILE as DB_FILE,  # re-exported: where a node keeps its file
@@ -139,7 +140,7 @@ class NodeServer:
             self._services,
             catching_up=peering.catching_up or peering.member is not None,
         )
-        self.replicator.start()
+        self.replicator.start(members=peering.member is not None)
         self.lapses.start()
         if config.metrics_listen:
             self.metrics.port, _, self._stop_metrics = await metrics_http.serve(
@@ -148,7 +149,11 @@ class NodeServer:
         if self.replica.gate.starting:
             self._gate.wait_for_peers()
         if peering.member is not None:
-            peering.member.start(config.advertise or self.address)
+            peer_address = config.advertise_peer or (
+                self.peer_address if self.peer_server is not None else ""
+            )
+            address = config.advertise or self.address
+            peering.member.start(address, peer_address or address, self._members_changed)
         if config.dashboard_listen:
             self._dashboard = Dashboard(
                 self.replica,
@@ -167,6 +172,11 @@ class NodeServer:
             )
         if self.tls is not None and config.tls_reload_interval > 0:
             self._tls_watch = asyncio.create_task(self._watch_tls(config.tls_reload_interval))
+
+    async def _members_changed(self, members: Mapping[str, Registered]) -> None:
+        """The region's other members, as etcd registers them, are this node's peers
+        in its region (``Replicator.set_members``)."""
+        await self.replicator.set_members({m.name: m.peer_address for m in members.values()})
 
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new calls, let running ones finish (up to ``grace`` s), close storage."""

@@ -412,6 +412,7 @@ class NodeService:
     def _peer(self, stats: PeerStats) -> node_pb2.PeerInfo:
         return node_pb2.PeerInfo(
             region=stats.region,
+            member=stats.member,
             address=stats.address,
             last_sync=timestamp(round(stats.last_sync * 1000)) if stats.last_sync else None,
             lag_ms=stats.lag_ms(),
@@ -423,7 +424,7 @@ class NodeService:
             skew_alarms=stats.skew_alarms,
             reachable=stats.reachable,
             last_error=stats.last_error,
-            push_backlog=self.replicator.backlog(stats.region),
+            push_backlog=self.replicator.backlog(stats.name),
             merges_refused=stats.merges_refused,
             last_refusal=stats.last_refusal,
         )

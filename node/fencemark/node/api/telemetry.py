@@ -306,7 +306,7 @@ class _StateCollector(Collector):
         for name, (family, help_text, value) in per_peer.items():
             metric = family(name, help_text, labels=["peer"])
             for peer in self.peers.values():
-                metric.add_metric([peer.region], value(peer))
+                metric.add_metric([peer.name], value(peer))
             yield metric
 
     def _refusals_per_peer(self) -> Iterable[Metric]:
@@ -320,7 +320,7 @@ class _StateCollector(Collector):
         )
         for peer in self.peers.values():
             for reason, count in sorted(peer.merge_refusals.items()):
-                merges.add_metric([peer.region, reason], count)
+                merges.add_metric([peer.name, reason], count)
         yield merges
         refused = CounterMetricFamily(
             "fencemark_replication_peer_refusals",
@@ -330,7 +330,7 @@ class _StateCollector(Collector):
         )
         for peer in self.peers.values():
             for reason, count in sorted(peer.certificate_refusals.items()):
-                refused.add_metric([peer.region, reason], count)
+                refused.add_metric([peer.name, reason], count)
         yield refused
 
 

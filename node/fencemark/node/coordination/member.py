@@ -1,5 +1,7 @@
 """A node as one member of a region of several (SPEC §10): its campaign for the
-region's decider key, and what the grant gate asks of it before every decision.
+region's decider key, what the grant gate asks of it before every decision, and its
+entry among the region's members (``registry``), from which it learns its fellow
+members to replicate with.
 
 The member is the gate's ``role`` (``fencemark.node.core.grant_gate.Role``). While its
 campaign holds the key and its lease clock runs (``decider.Campaign.deciding``), it
@@ -13,11 +15,12 @@ under way, etcd unreachable, or this member's own lease in doubt.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fencemark.node.coordination.decider import DEFAULT_TTL_S, Campaign, Decider
 from fencemark.node.coordination.etcd import Etcd
+from fencemark.node.coordination.registry import Registered, Registry
 from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.rules.errors import NotDecider, NotServing
 from fencemark.node.rules.validation import REGION
@@ -71,10 +74,26 @@ class Member:
         self._offset_ms = max_clock_offset_ms
         self._on_change = on_change
         self.campaign: Campaign | None = None
+        self.registry: Registry | None = None
         gate.role = self  # from now on, and before the node listens: no decision until elected
 
-    def start(self, address: str) -> None:
-        """Campaign, naming ``address`` as where clients reach this member."""
+    def start(
+        self,
+        address: str,
+        peer_address: str,
+        on_members: Callable[[Mapping[str, Registered]], Awaitable[None]],
+    ) -> None:
+        """Register (clients reach this member at ``address``, its fellow members at
+        ``peer_address``) and campaign; ``on_members`` hears of the other members
+        each time they change."""
+        self.registry = Registry(
+            self.etcd,
+            self.region,
+            Registered(self.name, address, peer_address),
+            ttl_s=self.config.ttl_s,
+            on_change=on_members,
+        )
+        self.registry.start()
         self.campaign = Campaign(
             self.etcd,
             self.region,
@@ -90,6 +109,8 @@ class Member:
         """Stop deciding, let the key go for a fast successor, close etcd's channels."""
         if self.campaign is not None:
             await self.campaign.stop()
+        if self.registry is not None:
+            await self.registry.stop()
         await self.etcd.close()
 
     def _new_term(self, term: int) -> None:

@@ -303,12 +303,16 @@ class GrantGate:
         file does not remember: a stamp of this node's, or a grant of this region,
         after the file's clock high-water mark and before this life began. Only a
         file that went back in time lacks its own earlier writes (a restored or new
-        file has a new node id; a lost one owes a catch-up already)."""
+        file has a new node id; a lost one owes a catch-up already). At a member of a
+        region of several (a ``role``), the region's other members grant too, so only
+        this node's own stamps count (a grant it made carries one: its attempt)."""
         if self.owed or not self.life_hlc:
             return False  # owing a catch-up already, or no earlier life to forget
         lost = range(self.opened_hlc + 1, self.life_hlc)
         if any(s.node == self._node_id and s.hlc in lost for s in remote.stamps()):
             return True
+        if self.role is not None:
+            return False
         grants = remote.fence.grants.values()
         return any(g.region == self._region and g.granted_hlc in lost for g in grants)
 

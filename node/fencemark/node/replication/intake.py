@@ -48,13 +48,14 @@ def decode_states(states: list[bytes], field: str = "states") -> list[Record]:
 
 async def merge_all(
     replica: Replica,
-    region: str,
+    sender: str,
     records: list[Record],
     peer: PeerStats | None = None,
     *,
     states: Sequence[bytes] | None = None,
 ) -> int:
-    """Merge states (after the clock check); returns how many changed a record.
+    """Merge states sent by peer ``sender`` (its name: ``peers.peer_name``), after
+    the clock check; returns how many changed a record.
 
     ``states`` are the records' canonical encodings, as received (a record that
     the merge leaves equal to the received one is stored as is, not encoded
@@ -64,7 +65,7 @@ async def merge_all(
     refusal is counted against the sending ``peer``, and logged once per key; so is
     a birth the merge holds void (``seen_before_birth``), though its state merged.
     """
-    check_clock(replica, region, [r.max_hlc() for r in records])
+    check_clock(replica, sender, [r.max_hlc() for r in records])
     encoded = list(states) if states is not None else [codec.encode(r) for r in records]
     refused: dict[int, MergeRefused] = {}
     for index, (record, state) in enumerate(zip(records, encoded, strict=True)):
@@ -79,7 +80,7 @@ async def merge_all(
     # Concurrent merges of different records share group commits.
     voided: list[MergeRefused] = []  # births void by a sighting: merged, and reported
     results = await asyncio.gather(
-        *(replica.merge(records[i], encoded[i], sender=region, voided=voided) for i in merging),
+        *(replica.merge(records[i], encoded[i], sender=sender, voided=voided) for i in merging),
         return_exceptions=True,
     )
     changed = 0
@@ -91,10 +92,10 @@ async def merge_all(
         else:
             changed += result
     for index, refusal in sorted(refused.items()):
-        await _refused(replica, region, peer, refusal, encoded[index])
+        await _refused(replica, sender, peer, refusal, encoded[index])
     by_key = {record.key: state for record, state in zip(records, encoded, strict=True)}
     for refusal in voided:
-        await _refused(replica, region, peer, refusal, by_key.get(refusal.key, b""))
+        await _refused(replica, sender, peer, refusal, by_key.get(refusal.key, b""))
     return changed
 
 

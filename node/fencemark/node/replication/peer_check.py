@@ -147,7 +147,7 @@ class PeerCheck:
         denial, details = refusal
         self.stats.certificate_refusals[denial] = self.stats.certificate_refusals.get(denial, 0) + 1
         if not self.refused:  # the previous verdict: say it once
-            log.warning("not replicating with %s: %s", self.stats.region, details)
+            log.warning("not replicating with %s: %s", self.stats.name, details)
         return _Verdict(
             revoked,
             channel,

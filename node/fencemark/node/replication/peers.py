@@ -1,4 +1,11 @@
-"""Static peers (region -> address) and what this node knows about each."""
+"""This node's peers and what it knows about each: the nodes of other regions
+(``--peer``, static), and with members (SPEC §10) the other members of its own
+region, as etcd registers them (``coordination.registry``), added and removed at
+run time.
+
+A peer is known by its *name*: another region's name (``eu``: any of that region's
+nodes serves its replication), or ``REGION/MEMBER`` for a member of this node's own
+region (``us/us-b``)."""
 
 from __future__ import annotations
 
@@ -38,12 +45,20 @@ def parse_peers(specs: Iterable[str], *, own_region: str) -> dict[str, str]:
     return peers
 
 
+def peer_name(region: str, member: str, own_region: str) -> str:
+    """The name of the peer that sent an ``Origin`` of ``region`` and ``member``, at a
+    node of ``own_region``: another region's name, or ``REGION/MEMBER`` for a fellow
+    member."""
+    return f"{region}/{member}" if region == own_region and member else region
+
+
 @dataclass
 class PeerStats:
     """Replication accounting for one peer, both directions, as this node sees it."""
 
-    region: str
+    region: str  # whose certificate it presents, and whose states it speaks for
     address: str
+    member: str = ""  # a fellow member of this node's region: its name there
     started: float = 0.0
     last_sync: float | None = None  # wall-clock seconds of the last completed round
     records_sent: int = 0
@@ -73,6 +88,11 @@ class PeerStats:
 
     def __post_init__(self) -> None:
         self.started = self.started or time.time()
+
+    @property
+    def name(self) -> str:
+        """The peer's name: its region, or ``REGION/MEMBER`` for a fellow member."""
+        return f"{self.region}/{self.member}" if self.member else self.region
 
     def lag_ms(self, now: float | None = None) -> int:
         since = self.last_sync if self.last_sync is not None else self.started

@@ -28,7 +28,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 
@@ -67,6 +67,7 @@ class Replicator(Rounds):
         tls: LiveTls | None = None,
         tuning: Tuning | None = None,
         max_clock_offset_s: float = 0.5,
+        member: str = "",
     ) -> None:
         self.replica = replica  # what it pulls merges through it ...
         self.storage = storage  # ... what it compares and pushes is read straight
@@ -74,20 +75,23 @@ class Replicator(Rounds):
         self.interval = interval
         self.timeout = timeout
         self.catching_up = catching_up
+        self.member = member
         self._on_caught_up = on_caught_up
-        # With TLS, every call first checks the certificate the peer presents.
-        self._peers = {
-            region: PeerLink(stats, self.tuning, PeerCheck(stats, tls) if tls is not None else None)
-            for region, stats in peers.items()
-        }
+        self._tls = tls
+        # The peers by name, shared with the replication service (which counts what
+        # each sends); fellow members come and go (``set_members``).
+        self._stats = peers
+        self._peers = {name: self._link(stats) for name, stats in peers.items()}
         self._tasks: list[asyncio.Task[None]] = []
+        self._peer_tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._started = False
         self._synced: set[str] = set()  # while catching up: peers that gave a complete round
         # A restarted node counts a peer's round only once the peer has had time to
         # hear any other live process with this node id (a twin): ``_settled``.
         self.settle_s = (
             self.tuning.heartbeat_s + 2 * max_clock_offset_s + self.tuning.settle_slack_s
         )
-        self._settling: dict[str, float] = {}  # region -> when its rounds count
+        self._settling: dict[str, float] = {}  # peer name -> when its rounds count
         self.rounds = 0
         # Set when a call gets across to or from a peer after a while in which no call
         # of this node's reached any peer: the next round need not wait (_reached).
@@ -95,49 +99,101 @@ class Replicator(Rounds):
 
     # -- lifecycle ---------------------------------------------------------------
 
-    def start(self) -> None:
+    def _link(self, stats: PeerStats) -> PeerLink:
+        # With TLS, every call first checks the certificate the peer presents.
+        tls = self._tls
+        return PeerLink(stats, self.tuning, PeerCheck(stats, tls) if tls is not None else None)
+
+    def start(self, *, members: bool = False) -> None:
+        """Push, heartbeat and run rounds with every peer; ``members``: this node is a
+        member of a region of several, whose fellow members come later
+        (``set_members``), so its rounds and nap ticks run even with no peer yet."""
+        self._started = True
         self.replica.on_local_write(self._enqueue)
         self.replica.on_sender_lacks(self._enqueue_for)
         for peer in self._peers.values():
-            self._tasks.append(asyncio.create_task(self._push_loop(peer)))
-            self._tasks.append(asyncio.create_task(self._heartbeat_loop(peer)))
-        if self._peers:
+            self._start_peer(peer)
+        if self._peers or members:
             self._tasks.append(asyncio.create_task(self._anti_entropy_loop()))
             self._tasks.append(asyncio.create_task(self._tick_loop()))
 
+    def _start_peer(self, peer: PeerLink) -> None:
+        self._peer_tasks[peer.stats.name] = [
+            asyncio.create_task(self._push_loop(peer)),
+            asyncio.create_task(self._heartbeat_loop(peer)),
+        ]
+
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *(t for ts in self._peer_tasks.values() for t in ts)]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for peer in self._peers.values():
             await peer.channel.close(None)
 
-    def backlog(self, region: str) -> int:
-        return len(self._peers[region].backlog)
+    async def set_members(self, members: Mapping[str, str]) -> None:
+        """This node's fellow members are now ``members`` (name -> the address their
+        peers reach them at, this node left out): a new one becomes a peer, pushed
+        to and synced with like any other (``REGION/NAME``); one gone (or moved to
+        another address) stops being one. Another region's peers are left alone."""
+        region = self.replica.region
+        wanted = {f"{region}/{name}": address for name, address in members.items()}
+        for name, peer in list(self._peers.items()):
+            if peer.stats.member and wanted.get(name) != peer.stats.address:
+                await self._drop(name)
+        for name, address in wanted.items():
+            if name not in self._peers:
+                member = name.partition("/")[2]
+                tls = self._tls
+                credentials = tls.channel_credentials if tls is not None else None
+                stats = PeerStats(region, address, member=member, credentials=credentials)
+                self._stats[name] = stats
+                peer = self._peers[name] = self._link(stats)
+                log.info("member %s joins this node's peers at %s", name, address)
+                if self._started:
+                    self._start_peer(peer)
+                    self._round_due.set()
 
-    def peer_stats(self, region: str) -> PeerStats:
-        return self._peers[region].stats
+    async def _drop(self, name: str) -> None:
+        peer = self._peers.pop(name)
+        self._stats.pop(name, None)
+        self._synced.discard(name)
+        self._settling.pop(name, None)
+        tasks = self._peer_tasks.pop(name, [])
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await peer.channel.close(None)
+        log.info("member %s left this node's peers", name)
 
-    def peer_check(self, region: str) -> PeerCheck | None:
-        """The check of the certificate ``region``'s address presents (None without TLS)."""
-        return self._peers[region].check
+    def backlog(self, name: str) -> int:
+        return len(self._peers[name].backlog)
 
-    def leaves_to_pull(self, region: str) -> bool:
-        """Whether this node runs no round with ``region``'s node for now: it found it
+    def peer_stats(self, name: str) -> PeerStats:
+        return self._peers[name].stats
+
+    def peer_check(self, name: str) -> PeerCheck | None:
+        """The check of the certificate peer ``name``'s address presents (None without TLS)."""
+        return self._peers[name].check
+
+    def leaves_to_pull(self, name: str) -> bool:
+        """Whether this node runs no round with peer ``name`` for now: it found it
         behind, or it came back from a partition that did not cut this node off."""
-        return self._peers[region].behind_until > time.monotonic()
+        return self._peers[name].behind_until > time.monotonic()
 
-    def unreachable(self, region: str) -> bool:
-        """Whether no call has reached ``region``'s node for a while: its push queue is
+    def unreachable(self, name: str) -> bool:
+        """Whether no call has reached peer ``name`` for a while: its push queue is
         dropped and nothing is queued for it until it is reached again."""
-        return self._peers[region].unreachable()
+        return self._peers[name].unreachable()
 
-    async def sync_with(self, region: str) -> RoundResult:
-        """One anti-entropy round with ``region``'s node now, outside the schedule
+    async def sync_with(self, name: str) -> RoundResult:
+        """One anti-entropy round with peer ``name`` now, outside the schedule
         (``fencemark bench`` measures what one round costs)."""
-        return await self.sync_round(self._peers[region])
+        return await self.sync_round(self._peers[name])
 
     # -- calls ---------------------------------------------------------------------
 
@@ -163,8 +219,8 @@ class Replicator(Rounds):
         for peer in self._peers.values():
             self._queue(peer, key)
 
-    def _enqueue_for(self, key: str, region: str) -> None:
-        peer = self._peers.get(region)
+    def _enqueue_for(self, key: str, name: str) -> None:
+        peer = self._peers.get(name)
         if peer is not None:
             self._queue(peer, key)
 
@@ -175,11 +231,11 @@ class Replicator(Rounds):
             peer.backlog[key] = None
             peer.wake.set()
 
-    def heard_from(self, region: str) -> None:
-        """``region``'s node just called this one: it is up, so a back-off from its
+    def heard_from(self, name: str) -> None:
+        """Peer ``name`` just called this one: it is up, so a back-off from its
         earlier failures is over — push and sync with it now, not seconds later —
         and writes are queued for it again."""
-        peer = self._peers.get(region)
+        peer = self._peers.get(name)
         if peer is None:
             return
         self._reached(peer)
@@ -210,11 +266,11 @@ class Replicator(Rounds):
             peer.retry_at = 0.0
             peer.wake.set()
 
-    def pulled_by(self, region: str, keys: list[str]) -> None:
-        """``region``'s node just fetched the current states of ``keys`` from this one:
+    def pulled_by(self, name: str, keys: list[str]) -> None:
+        """Peer ``name`` just fetched the current states of ``keys`` from this one:
         pushing them too would deliver them twice (after a partition heals, the
         peer's own round and this node's kept queue both reach for them)."""
-        peer = self._peers.get(region)
+        peer = self._peers.get(name)
         if peer is not None:
             for key in keys:
                 peer.backlog.pop(key, None)
@@ -249,7 +305,7 @@ class Replicator(Rounds):
                         if len(states[key]) > MAX_RECORD_BYTES:
                             # The peer would refuse it, and it may not fit a message:
                             # left out, so it cannot hold up the others.
-                            too_large(peer.stats, peer.stats.region, key, len(states[key]))
+                            too_large(peer.stats, peer.stats.name, key, len(states[key]))
                     fresh = [k for k in fresh if len(states[k]) <= MAX_RECORD_BYTES]
                     if not fresh:
                         continue  # fetched meanwhile, or gone: no call, nothing learned
@@ -265,7 +321,7 @@ class Replicator(Rounds):
                     peer.back_off(f"push: {exc.code().name}: {exc.details()}", exc.code())
                     continue
                 except Exception as exc:  # a local fault: keep the keys, never end the loop
-                    log.exception("push to %s failed", peer.stats.region)
+                    log.exception("push to %s failed", peer.stats.name)
                     peer.requeue(keys)
                     peer.back_off(f"push failed: {exc!r}")
                     continue
@@ -289,7 +345,7 @@ class Replicator(Rounds):
     async def _anti_entropy_loop(self) -> None:
         while True:
             now = time.monotonic()
-            owed = self.catching_up and len(self._synced) < len(self._peers)
+            owed = self.catching_up and not set(self._peers) <= self._synced
             # A peer found behind is left to pull, but not one still owed a round:
             # this node decides nothing until it has had one (it lists what the peer
             # lacks and pulls nothing; it completes all the same).
@@ -297,9 +353,9 @@ class Replicator(Rounds):
                 p
                 for p in self._peers.values()
                 if p.retry_at <= now
-                and (p.behind_until <= now or (owed and p.stats.region not in self._synced))
+                and (p.behind_until <= now or (owed and p.stats.name not in self._synced))
             ]
-            pending = [p for p in ready if p.stats.region not in self._synced]
+            pending = [p for p in ready if p.stats.name not in self._synced]
             if owed and pending:
                 ready = pending  # the peers still owed a complete round go first
             result = None
@@ -311,8 +367,8 @@ class Replicator(Rounds):
                 if self.catching_up and complete and self._settled(peer, began):
                     # Into the set as it is after the round: one that found the node's
                     # file went back in time began the catch-up anew (catch_up_again).
-                    self._synced.add(peer.stats.region)
-                    if self._synced == set(self._peers):
+                    self._synced.add(peer.stats.name)
+                    if set(self._peers) <= self._synced:
                         await self._caught_up(self._synced)
             # Hurry only while pulling: a round that pulled nothing, even a truncated
             # one, found a peer that is behind, and that peer pulls in its own rounds.
@@ -363,7 +419,7 @@ class Replicator(Rounds):
         at = peer.first_answered + self.settle_s
         if began >= at:
             return True
-        self._settling[peer.stats.region] = at
+        self._settling[peer.stats.name] = at
         gate.settled_at = max(gate.settled_at, at)  # the refusals meanwhile say when
         return False
 
@@ -414,7 +470,7 @@ class Replicator(Rounds):
                     await self._twinned(peer)
                 # Any other failure is the rounds' and pushes' to count and back off.
             except Exception:  # a refused certificate, a local fault: rounds report it
-                log.debug("heartbeat to %s failed", peer.stats.region, exc_info=True)
+                log.debug("heartbeat to %s failed", peer.stats.name, exc_info=True)
             else:
                 if peer.unanswered:
                     # Earlier calls did not reach it (a partition, a restart) and this
@@ -443,7 +499,7 @@ class Replicator(Rounds):
                 "%s refuses this node: another live process calls it as node %s (a copy"
                 " of this data directory started elsewhere); deciding no claims until it"
                 " has stopped and this node has caught up",
-                peer.stats.region,
+                peer.stats.name,
                 self.replica.node_id,
             )
         await self.replica.gate.twinned()
@@ -454,7 +510,7 @@ class Replicator(Rounds):
         except ClockSkewed as exc:
             peer.stats.skew_alarms += 1
             peer.back_off(str(exc))
-            log.warning("anti-entropy with %s: %s", peer.stats.region, exc)
+            log.warning("anti-entropy with %s: %s", peer.stats.name, exc)
             return None
         except grpc.aio.AioRpcError as exc:
             if refused_as_twin(exc):
@@ -464,7 +520,7 @@ class Replicator(Rounds):
             peer.back_off(f"{exc.code().name}: {exc.details()}", exc.code())
             return None
         except Exception as exc:  # a malformed reply, a local fault: never end the loop
-            log.exception("anti-entropy with %s failed", peer.stats.region)
+            log.exception("anti-entropy with %s failed", peer.stats.name)
             peer.back_off(f"round failed: {exc!r}")
             return None
         peer.answered()

@@ -63,12 +63,14 @@ class Rounds:
     catching_up: bool
     rounds: int
     timeout: float  # seconds: the deadline of every call
+    member: str  # this node's name among its region's members; "" for its only node
 
     def _origin(self) -> replication_pb2.Origin:
         r = self.replica
         return replication_pb2.Origin(
-            region=r.region, node_id=r.node_id, hlc=r.clock.now(), life=r.life
-        )
+            region=r.region, node_id=r.node_id, hlc=r.clock.now(), life=r.life,
+            member=self.member,
+        )  # fmt: skip
 
     async def _call(self, peer: PeerLink, method: str, request: Message, reply: type[R]) -> R:
         """One RPC with a deadline, counting the bytes both ways."""
@@ -223,7 +225,7 @@ class Rounds:
                 # Merged first, counted after: ``count += await ...`` would read the
                 # count before the merge and lose a push's counted meanwhile.
                 merged = await merge_all(
-                    self.replica, peer.stats.region, records, peer.stats, states=states
+                    self.replica, peer.stats.name, records, peer.stats, states=states
                 )
                 peer.stats.records_received += merged
                 pulled += len(records)
@@ -242,7 +244,7 @@ class Rounds:
             key, OVER_LIMIT, f"the peer's state is over {MAX_RECORD_BYTES} bytes; not transferred"
         )
         if peer.stats.refused_state(key, OVER_LIMIT, str(refusal), digests):
-            log.warning("refused a state from %s: %s", peer.stats.region, refusal)
+            log.warning("refused a state from %s: %s", peer.stats.name, refusal)
 
     def _fetch(
         self, peer: PeerLink, keys: list[str]

@@ -1,0 +1,116 @@
+"""A region's members as etcd knows them (SPEC §10): each live member registers its
+addresses under a lease of its own, and every member reads the others' from there.
+
+A member's entry is ``/fencemark/regions/R/members/NAME``, holding where its clients
+reach it and where its fellow members replicate with it, written under a lease the
+member keeps alive. A member that stops, or dies, or is cut off from etcd, drops
+out once its lease expires; one that comes back registers anew. Every member reads
+the region's entries once per renewal: a bounded read of a handful of keys, so no
+watch to resume after etcd restarts or compacts.
+
+Only a region's members can write under its prefix (``coordination.access``), so an
+entry names a process that holds a certificate of the region. What an entry says
+is only where to replicate: the replication calls themselves are checked against
+the certificate the address presents (``replication.peer_check``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from fencemark.node.coordination.decider import KEY_PREFIX, RENEW_SHARE
+from fencemark.node.coordination.etcd import Etcd, EtcdError
+
+log = logging.getLogger(__name__)
+
+
+def members_prefix(region: str) -> bytes:
+    return KEY_PREFIX + region.encode() + b"/members/"
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A member as its entry says: its name, and where clients and peers reach it."""
+
+    name: str
+    address: str
+    peer_address: str
+
+
+class Registry:
+    """This member's entry, kept alive, and the region's members as last read.
+
+    ``on_change`` is awaited with the other members (name -> ``Registered``) each
+    time that set changes; while etcd cannot be read it keeps the last set (the
+    members replicate with each other whether or not etcd answers)."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        region: str,
+        me: Registered,
+        *,
+        ttl_s: int,
+        on_change: Callable[[Mapping[str, Registered]], Awaitable[None]],
+    ) -> None:
+        self.etcd = etcd
+        self.region = region
+        self.me = me
+        self.ttl_s = ttl_s
+        self.on_change = on_change
+        self.members: dict[str, Registered] = {}  # the others, as last read
+        self._lease = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"registry {self.region}")
+
+    async def stop(self) -> None:
+        """Stop, and take this member's entry out at once (its lease revoked)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._lease:
+            with contextlib.suppress(EtcdError):
+                await self.etcd.revoke(self._lease)
+            self._lease = 0
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._register()
+                await self._read()
+            except EtcdError as exc:
+                log.warning("region %s: the members' registry: %s", self.region, exc)
+            await asyncio.sleep(self.ttl_s * RENEW_SHARE)
+
+    async def _register(self) -> None:
+        """Renew this member's lease; register anew when it is gone."""
+        if self._lease and await self.etcd.keep_alive(self._lease) > 0:
+            return
+        self._lease, _ = await self.etcd.grant(self.ttl_s)
+        said = {"address": self.me.address, "peer": self.me.peer_address}
+        key = members_prefix(self.region) + self.me.name.encode()
+        await self.etcd.put(key, json.dumps(said).encode(), self._lease)
+
+    async def _read(self) -> None:
+        prefix = members_prefix(self.region)
+        found: dict[str, Registered] = {}
+        for entry in await self.etcd.get_prefix(prefix):
+            name = entry.key[len(prefix) :].decode(errors="replace")
+            if name == self.me.name:
+                continue
+            try:
+                said = json.loads(entry.value)
+                found[name] = Registered(name, str(said["address"]), str(said["peer"]))
+            except (ValueError, KeyError, TypeError):
+                log.warning("region %s: member %s's entry is unreadable", self.region, name)
+        if found != self.members:
+            self.members = found
+            await self.on_change(dict(found))
