@@ -149,11 +149,13 @@ def member_config(
     region: str = "us",
     etcd_as: str = "",
     ttl_s: int = 2,
+    initial: Sequence[str] | None = None,
     **overrides: Any,
 ) -> NodeConfig:
     """A node of ``region`` that is its member ``name``, on a data file of its own under
     ``folder``, reaching etcd with the certificate of ``etcd_as`` (its region's by
-    default)."""
+    default); the region's member set is made ``initial`` (by default, this member
+    alone) unless etcd has one."""
     settings: dict[str, Any] = {
         "region": region,
         "listen": "127.0.0.1:0",
@@ -161,7 +163,11 @@ def member_config(
         "enable_writes": True,
         "grace_seconds": 0.2,
         "member": MemberConfig(
-            name, [server.endpoint], TlsFiles.in_dir(certs, etcd_as or region), ttl_s
+            name,
+            [server.endpoint],
+            TlsFiles.in_dir(certs, etcd_as or region),
+            ttl_s,
+            tuple(initial) if initial is not None else (name,),
         ),
         **overrides,
     }

@@ -64,11 +64,15 @@ async def member(
     return await NodeServer.start(config)
 
 
+MEMBERS = ("us-a", "us-b", "us-c")
+
+
 @pytest.fixture
 async def members(tmp_path: Path, etcd: tuple[EtcdServer, Path]) -> AsyncIterator[list[NodeServer]]:
-    """us-a and us-b, members of us, campaigning."""
+    """us-a, us-b and us-c, the members of us (its configured set), campaigning and
+    replicating with each other."""
     server, certs = etcd
-    nodes = [await member(tmp_path, server, certs, name) for name in ("us-a", "us-b")]
+    nodes = [await member(tmp_path, server, certs, name, initial=MEMBERS) for name in MEMBERS]
     try:
         yield nodes
     finally:
@@ -95,7 +99,7 @@ async def test_one_member_decides_and_the_others_redirect_deciding_calls_to_it(
     members: list[NodeServer],
 ) -> None:
     decider = await one_decides(members)
-    (other,) = [n for n in members if n is not decider]
+    other = next(n for n in members if n is not decider)
     serving_status = int(health_pb2.HealthCheckResponse.SERVING)
 
     async def health_follows() -> bool:
@@ -127,7 +131,7 @@ async def test_one_member_decides_and_the_others_redirect_deciding_calls_to_it(
             assert said.code == grpc.StatusCode.FAILED_PRECONDITION
             assert (said.region, said.address) == ("us", decider.address)
             assert said.term == decider.replica.gate.term > 0
-            assert said.decider in ("us-a", "us-b")
+            assert said.decider in MEMBERS
     async with AsyncClient(decider.address, retries=0) as client:
         mine = (await client.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])).record
         granted = await client.claim(mine.key, "worker-a", lease_seconds=30)
@@ -137,29 +141,30 @@ async def test_one_member_decides_and_the_others_redirect_deciding_calls_to_it(
 async def test_the_next_decider_grants_above_every_token_an_earlier_term_can_have_granted(
     members: list[NodeServer],
 ) -> None:
-    """The first decider grants a token its successor never hears of (the members do
-    not share the record here): the successor's first grant on the record, in a later
-    term, is above it all the same, and above the ceiling of the moment the first
-    decider stopped plus twice the clock offset."""
+    """A failover is invisible to a holder, and starts an era of tokens: the first
+    decider's grant, acknowledged by a majority, is the claim at its successor (the
+    holder renews and releases it there); the successor's first grant on the record,
+    in a later term, is above the ceiling of the moment the first decider stopped
+    plus twice the clock offset — above anything the earlier term can have granted,
+    acknowledged or not."""
     first = await one_decides(members)
-    (second,) = [n for n in members if n is not first]
-    key = ""
-    for node in (first, second):  # the same item, born at each
-        async with AsyncClient(node.address, retries=0) as client:
-            made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
-            key = made.record.key
     async with AsyncClient(first.address, retries=0) as client:
-        unseen = await client.claim(key, "worker-a", lease_seconds=30)
-    assert unseen.granted
+        made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+        key = made.record.key
+        held = await client.claim(key, "worker-a", lease_seconds=30)
+    assert held.granted
     old_term = first.replica.gate.term
     stopped_ms = wall_clock_ms()
     await first.stop(0)  # lets its key go: the successor is elected at once
-    await one_decides([second], within=TTL_S)
+    second = await one_decides([n for n in members if n is not first], within=TTL_S)
     assert second.replica.gate.term > old_term
     async with AsyncClient(second.address, retries=0) as client:
+        renewed = await client.renew_claim(key, held.fencing_token, lease_seconds=30)
+        assert renewed.renewed, "the claim survived the failover"
+        assert (await client.release_claim(key, held.fencing_token)).released
         again = await client.claim(key, "worker-b", lease_seconds=30)
     assert again.granted
-    assert again.fencing_token > unseen.fencing_token
+    assert again.fencing_token > held.fencing_token
     assert again.fencing_token >= token_ceiling(pack(stopped_ms + 2 * OFFSET_MS))
 
 
@@ -167,9 +172,9 @@ async def test_while_etcd_is_away_nobody_decides_reads_go_on_and_a_decider_is_ba
     members: list[NodeServer], etcd: tuple[EtcdServer, Path]
 ) -> None:
     server, certs = etcd
-    for node in members:  # held by both (the members do not share records here)
-        async with AsyncClient(node.address, retries=0) as client:
-            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+    async with AsyncClient(members[0].address, retries=0) as client:
+        item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+    await wait_converged(members)
     await one_decides(members)
     await server.kill()
     killed = time.monotonic()
@@ -200,13 +205,9 @@ async def test_clients_follow_the_redirect_unnoticed_and_ask_again_after_a_failo
     decider without the caller seeing the redirect, and go there directly from then
     on; once that decider is gone, the member is asked again and names the next."""
     decider = await one_decides(members)
-    (other,) = [n for n in members if n is not decider]
-    keys = []
-    for node in members:  # one item, held by both (the members do not share records here)
-        async with AsyncClient(node.address, retries=0) as client:
-            made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
-            keys.append(made.record.key)
-    key = keys[0]
+    other = next(n for n in members if n is not decider)
+    async with AsyncClient(other.address, retries=0) as client:
+        key = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
 
     async def named() -> bool:
         campaign = other.member.campaign if other.member is not None else None
@@ -222,18 +223,22 @@ async def test_clients_follow_the_redirect_unnoticed_and_ask_again_after_a_failo
         await client.update(key, fields={"body": "fenced"}, fencing_token=granted.fencing_token)
         released = await client.release_claim(key, granted.fencing_token)
         assert released.released
-        await decider.stop(0)  # lets the key go: the other member decides at once
-        await one_decides([other], within=TTL_S)
+        await decider.stop(0)  # lets the key go: another member decides at once
+        left = [n for n in members if n is not decider]
+        successor = await one_decides(left, within=TTL_S)
         again = await client.claim(key, "worker-b", lease_seconds=30)
         assert again.granted and again.fencing_token > granted.fencing_token
-        assert client.deciders == {}  # the target decides itself now
+        if successor is other:
+            assert client.deciders == {}  # the target decides itself now
+        else:
+            assert client.deciders == {other.address: successor.address}
 
 
 async def test_status_names_each_members_decider_in_text_and_json(
     members: list[NodeServer], capsys: pytest.CaptureFixture[str]
 ) -> None:
     decider = await one_decides(members)
-    (other,) = [n for n in members if n is not decider]
+    other = next(n for n in members if n is not decider)
     name = decider.member.name if decider.member is not None else ""
     term = decider.replica.gate.term
 
@@ -267,50 +272,116 @@ async def test_members_find_each_other_in_etcd_and_replicate_with_each_other(
     tmp_path: Path, members: list[NodeServer], etcd: tuple[EtcdServer, Path]
 ) -> None:
     """Each member registers its address in etcd; every other member makes it a peer
-    (``us/NAME``), pushes to it and syncs with it. A write at either member reaches
-    the other, and so does a grant made by the decider; a member that stops drops
-    out of the others' peers once its entry's lease is gone, and one that joins is
-    taken in and caught up."""
-    us_a, us_b = members
+    (``us/NAME``), pushes to it and syncs with it. A write at any member reaches the
+    others, and so does a grant made by the decider; a member that stops drops out
+    of the others' peers once its entry's lease is gone."""
+    us_a, us_b, us_c = members
 
     async def paired() -> bool:
-        return "us/us-b" in await peers_of(us_a) and "us/us-a" in await peers_of(us_b)
+        for node in members:
+            name = node.member.name if node.member is not None else ""
+            others = {f"us/{n}" for n in MEMBERS if n != name}
+            if not others <= (await peers_of(node)).keys():
+                return False
+        return True
 
-    await eventually(paired, "each member a peer of the other", within=10)
+    await eventually(paired, "each member a peer of the others", within=10)
     assert (await peers_of(us_a))["us/us-b"] == ("us", "us-b")
     async with AsyncClient(us_a.address, retries=0) as a, AsyncClient(us_b.address) as b:
         one = (await a.remember(REPO, TOPIC, "from-a", tags=["homeRegion:us"])).record
         two = (await b.remember(REPO, TOPIC, "from-b", tags=["homeRegion:us"])).record
         await wait_converged(members)
         assert (await b.get(one.key)).key == one.key and (await a.get(two.key)).key == two.key
-        decider = await one_decides(members)
-        other = us_b if decider is us_a else us_a
         granted = await b.claim(one.key, "worker-a", lease_seconds=30)  # follows the redirect
         assert granted.granted
-        async with AsyncClient(other.address, retries=0) as there:
-
-            async def seen() -> bool:
-                status = await there.claim_status(one.key)
-                return status.fence == granted.fencing_token
-
-            await eventually(seen, "the grant at the member that did not make it")
-    server, certs = etcd
-    await us_b.stop(0)
+        await wait_converged(members)
+        for node in members:
+            async with AsyncClient(node.address, retries=0) as there:
+                assert (await there.claim_status(one.key)).fence == granted.fencing_token
+    await us_c.stop(0)
 
     async def dropped() -> bool:
-        return "us/us-b" not in await peers_of(us_a)
+        return "us/us-c" not in await peers_of(us_a)
 
-    await eventually(dropped, "us-b out of us-a's peers", within=3 * TTL_S + 5)
-    us_c = await member(tmp_path, server, certs, "us-c")
+    await eventually(dropped, "us-c out of us-a's peers", within=3 * TTL_S + 5)
+
+
+async def test_a_member_joins_as_a_learner_and_counts_once_added_one_change_at_a_time(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The procedure of docs/operations.md, *Adding or removing a member*: a new
+    member started in a running region replicates and catches up at once, but its
+    acknowledgement counts for no majority until ``fencemark etcd members --add``
+    puts it in the set; only a running member can be added, one change at a time,
+    and the last member cannot leave. Once us-c is in the set and us-b has left it,
+    writes are acknowledged by us-a and us-c, with us-b stopped."""
+    server, certs = etcd
+    tool = ["etcd", "members", "--etcd", f"https://{server.endpoint}",
+            "--tls-dir", str(certs), "--region", "us"]  # fmt: skip
+    start = [
+        await member(tmp_path, server, certs, n, initial=("us-a", "us-b")) for n in ("us-a", "us-b")
+    ]
+    us_a, us_b = start
+    us_c = await member(tmp_path, server, certs, "us-c", initial=())
+    nodes = [us_a, us_b, us_c]
     try:
-        await wait_converged([us_a, us_c], within=20)
+        async with AsyncClient(us_a.address, retries=0) as a:
+            made = (await a.remember(REPO, TOPIC, "before", tags=["homeRegion:us"])).record
+        await wait_converged(nodes, within=20)  # the learner caught up
+        assert await asyncio.to_thread(main, tool) == 0
+        assert "region us: members us-a, us-b" in capsys.readouterr().out
+        # Refused, changing nothing: a member that is not running, two changes at once
+        # (argparse), removing one that is not there.
+        for refused, says in (
+            (["--add", "us-z"], "is not running"),
+            (["--remove", "us-z"], "is not in the member set of region 'us'"),
+            (["--add", "us-a"], "in the member set of region 'us' already"),
+        ):
+            assert await asyncio.to_thread(main, [*tool, *refused]) == 2, refused
+            assert says in capsys.readouterr().err, refused
+        assert await asyncio.to_thread(main, [*tool, "--add", "us-c"]) == 0
+        assert "region us: members us-a, us-b, us-c" in capsys.readouterr().out
+        assert await asyncio.to_thread(main, [*tool, "--remove", "us-b"]) == 0
+        assert "region us: members us-a, us-c" in capsys.readouterr().out
 
-        async def joined() -> bool:
-            return "us/us-c" in await peers_of(us_a) and "us/us-a" in await peers_of(us_c)
+        async def everyone_knows() -> bool:
+            return all(
+                n.member is not None and n.member.configured() == ("us-a", "us-c") for n in nodes
+            )
 
-        await eventually(joined, "us-c and us-a peers of each other", within=10)
+        await eventually(everyone_knows, "the new set at every member", within=5)
+        await us_b.stop(0)
+        async with AsyncClient(us_a.address, retries=0) as a:
+            await a.update(made.key, fields={"after": "us-b left"})
+        assert (await us_c.storage.get(made.key)) is not None
+        found = await us_c.storage.get(made.key)
+        assert found is not None and found.record.fields["after"].value == "us-b left"
+        assert await asyncio.to_thread(main, [*tool, "--remove", "us-c"]) == 0
+        capsys.readouterr()
+        assert await asyncio.to_thread(main, [*tool, "--remove", "us-a"]) == 2
+        assert "the last of region 'us': it cannot leave" in capsys.readouterr().err
     finally:
+        for node in nodes:
+            await node.stop(0)
+
+
+async def test_a_write_a_majority_does_not_hold_is_refused_no_majority_and_kept_here(
+    tmp_path: Path, members: list[NodeServer]
+) -> None:
+    """With two of us's three members stopped, a write at the third is durable there
+    but not acknowledged: refused UNAVAILABLE, reason NO_MAJORITY, naming how many
+    hold it."""
+    us_a, us_b, us_c = members
+    async with AsyncClient(us_a.address, retries=0) as a:
+        made = (await a.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+        await us_b.stop(0)
         await us_c.stop(0)
+        with pytest.raises(Unavailable) as refused:
+            await a.update(made.key, fields={"body": "alone"})
+        assert refused.value.reason == "NO_MAJORITY"
+        assert "1 of the 2 needed" in str(refused.value)
+        found = await us_a.storage.get(made.key)
+        assert found is not None and found.record.fields["body"].value == "alone"
 
 
 async def test_with_tls_only_a_registered_member_of_the_region_replicates_as_one(
@@ -360,17 +431,22 @@ async def test_a_member_with_another_regions_certificate_never_decides(
 ) -> None:
     """A node configured as a member of us that reaches etcd with eu's certificate (a
     misconfiguration, or an eu machine trying to take us's items): etcd refuses it
-    us's decider key, so it decides nothing, names no decider, and its deciding calls
-    are refused NOT_SERVING while us's real member decides."""
+    us's decider key and its region's member set, so it decides nothing, names no
+    decider, acknowledges no write (``NO_MAJORITY``: it knows no member set) and its
+    deciding calls are refused NOT_SERVING while us's real member decides."""
     server, certs = etcd
     intruder = await member(tmp_path, server, certs, "us-x", etcd_as="eu")
     try:
         async with AsyncClient(intruder.address, retries=0) as client:
-            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
+            with pytest.raises(Unavailable) as unacknowledged:
+                await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+            assert unacknowledged.value.reason == "NO_MAJORITY"
+            key = f"repo/{REPO}/mem/{TOPIC}/item-1"  # durable there all the same
+            assert await intruder.storage.get(key) is not None
             for _ in range(3 * TTL_S):
                 assert not intruder.replica.gate.deciding
                 with pytest.raises(Unavailable) as refused:
-                    await client.claim(item.key, "worker-a", lease_seconds=30)
+                    await client.claim(key, "worker-a", lease_seconds=30)
                 assert refused.value.reason == "NOT_SERVING"
                 await asyncio.sleep(1)
         real = await member(tmp_path, server, certs, "us-a")

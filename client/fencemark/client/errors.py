@@ -144,7 +144,10 @@ class Unavailable(FencemarkError):
     """The node could not be reached in time (UNAVAILABLE or DEADLINE_EXCEEDED), or
     answered that it decides nothing yet: ``reason`` ``NOT_SERVING`` (it catches up or
     settles; nothing was done), with ``retry_after`` seconds when the node knows when
-    to ask again (``RetryInfo``; 0 otherwise)."""
+    to ask again (``RetryInfo``; 0 otherwise). ``reason`` ``NO_MAJORITY``: a member
+    of a region of several wrote it, but too few of the region's members acknowledged
+    it; its outcome is unknown, as a lost reply's (retry it: a retried claim of the
+    same owner gets the same token back)."""
 
     def __init__(
         self, code: grpc.StatusCode, message: str, *, reason: str = "", retry_after: float = 0.0
@@ -201,9 +204,9 @@ def from_rpc_error(error: grpc.RpcError) -> FencemarkError:
             return CursorExpired(code, message, cursor=str(metadata.get("cursor", "")))
         if error_info.reason == "WATCHER_TOO_SLOW":
             return WatcherTooSlow(code, message, cursor=str(metadata.get("cursor", "")))
-        if error_info.reason == "NOT_SERVING":
+        if error_info.reason in ("NOT_SERVING", "NO_MAJORITY"):
             wait = retry_info.retry_delay.ToMilliseconds() / 1000 if retry_info else 0.0
-            return Unavailable(code, message, reason="NOT_SERVING", retry_after=wait)
+            return Unavailable(code, message, reason=error_info.reason, retry_after=wait)
         if error_info.reason == "NOT_DECIDER":
             return NotDecider(
                 code,

@@ -49,6 +49,7 @@ from fencemark.node.core.replica import Replica
 from fencemark.node.core.work_queue import WorkQueue
 from fencemark.node.crdt import HybridClock
 from fencemark.node.replication.lives import Lives
+from fencemark.node.replication.majority import Majority
 from fencemark.node.replication.peers import PeerStats, stats_for
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.signers import load_keyring
@@ -236,6 +237,9 @@ async def replication(
         member = Member(config.member, config.region, replica.gate,
                         max_clock_offset_ms=config.max_clock_offset_ms,
                         on_change=gate.decider_changed)  # fmt: skip
+        majority = Majority(replicator, config.region, config.member.name, member.configured,
+                            timeout_s=config.member.ttl_s)  # fmt: skip
+        core.storage.acknowledge = majority.acknowledge
     return Replication(peers, replicator, lives, gate, catching_up, member)
 
 

@@ -38,6 +38,7 @@ from fencemark.node.rules.errors import (
     Exhausted,
     FencemarkError,
     InvalidInput,
+    NoMajority,
     NotDecider,
     NotFound,
     NotServing,
@@ -101,12 +102,16 @@ def _not_serving(error: NotServing) -> grpc.Status:
     pushback (``grpc-retry-pushback-ms``): a client retrying UNAVAILABLE by its
     service config asks again then, not after its own shorter back-off."""
     wait = error.retry_after_ms
+    reason, metadata = "NOT_SERVING", {}
+    if isinstance(error, NoMajority):
+        reason = NoMajority.reason
+        metadata = {"region": error.region, "acked": str(error.acked), "needed": str(error.needed)}
     if wait <= 0:
-        return _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {})
+        return _status(code_pb2.UNAVAILABLE, str(error), reason, metadata)
     delay = duration_pb2.Duration()
     delay.FromMilliseconds(wait)
     info = error_details_pb2.RetryInfo(retry_delay=delay)
-    status = _status(code_pb2.UNAVAILABLE, str(error), "NOT_SERVING", {}, info)
+    status = _status(code_pb2.UNAVAILABLE, str(error), reason, metadata, info)
     pushback = (PUSHBACK, str(wait))
     return _Refused(status.code, status.details, (*status.trailing_metadata, pushback))
 
@@ -178,7 +183,7 @@ def refusal_reason(error: FencemarkError) -> str:
         return error.denial.value
     kinds: tuple[tuple[type[FencemarkError], str], ...] = (
         (InvalidInput, "invalid_argument"), (NotFound, "not_found"),
-        (ClockSkewed, "clock_skew"), (NotServing, "not_serving"),
+        (ClockSkewed, "clock_skew"), (NoMajority, "no_majority"), (NotServing, "not_serving"),
         (Exhausted, "resource_exhausted"), (CursorExpired, "cursor_expired"),
         (TooSlow, "watcher_too_slow"), (TwinNode, "twin_node"),
         (NotDecider, "not_decider"),

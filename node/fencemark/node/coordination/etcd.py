@@ -206,6 +206,19 @@ class Etcd:
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
         await self.call(rpc.KVStub, "Put", rpc.PutRequest(key=key, value=value, lease=lease))
 
+    async def put_if_unchanged(self, key: bytes, value: bytes, mod_revision: int) -> bool:
+        """Put ``key`` only if it is still as last read: modified last at
+        ``mod_revision`` (0: absent). Whether it was put."""
+        same = rpc.Compare(
+            key=key,
+            result=rpc.Compare.CompareResult.EQUAL,
+            target=rpc.Compare.CompareTarget.MOD,
+            mod_revision=mod_revision,
+        )
+        put = rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value))
+        reply = await self.call(rpc.KVStub, "Txn", rpc.TxnRequest(compare=[same], success=[put]))
+        return bool(reply.succeeded)
+
     async def delete_if_created_at(self, key: bytes, create_revision: int) -> bool:
         """Delete ``key`` only if it is still the one created at ``create_revision``."""
         same = rpc.Compare(

@@ -41,6 +41,9 @@ class MemberConfig:
     etcd: Sequence[str]
     etcd_tls: TlsFiles | None
     ttl_s: int = DEFAULT_TTL_S
+    # The region's member set, made in etcd by the first member to start when the
+    # region has none (``registry``); () for a member joining a region that has one.
+    initial: Sequence[str] = ()
 
     def problem(self) -> str:
         """What is wrong with this configuration, naming the field; "" if nothing.
@@ -51,6 +54,13 @@ class MemberConfig:
             return "member.etcd: no endpoint: the members of a region elect their decider there"
         if not 1 <= self.ttl_s <= MAX_TTL_S:
             return f"member.ttl_s: the decider lease takes 1 to {MAX_TTL_S} s, got {self.ttl_s}"
+        for name in self.initial:
+            if REGION.fullmatch(name) is None:
+                pattern = REGION.pattern
+                return f"member.initial: a member's name must match {pattern}, got {name[:100]!r}"
+        if self.initial and self.name not in self.initial:
+            listed = list(self.initial)
+            return f"member.initial: the set {listed} leaves out this member, {self.name!r}"
         return ""
 
 
@@ -92,6 +102,7 @@ class Member:
             Registered(self.name, address, peer_address),
             ttl_s=self.config.ttl_s,
             on_change=on_members,
+            initial=self.config.initial,
         )
         self.registry.start()
         self.campaign = Campaign(
@@ -125,6 +136,10 @@ class Member:
         if campaign.deciding():
             return Decider(self.name, campaign.address, campaign.term)
         return campaign.decider if campaign.term == 0 else None  # in doubt: nobody
+
+    def configured(self) -> tuple[str, ...]:
+        """The region's configured member set as last read from etcd (() before)."""
+        return self.registry.configured if self.registry is not None else ()
 
     def term(self) -> int:
         """The term this member decides in now; 0 when it does not decide."""

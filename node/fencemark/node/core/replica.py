@@ -34,7 +34,7 @@ from fencemark.node.rules.admission import (
     require_home,
     split_tokens,
 )
-from fencemark.node.rules.errors import InvalidInput, NotFound
+from fencemark.node.rules.errors import InvalidInput, NoMajority, NotFound
 from fencemark.node.security.signing import META_PREFIX, Keyring, Signer, certificate_pem
 from fencemark.node.store.events import Event
 from fencemark.node.store.feed import Change
@@ -351,13 +351,19 @@ class Replica:
                 events=events,
                 change=changes.kind_of(current, changed),
                 at_ms=self.clock.wall_ms(),
+                acked=local,
             )
             # Once queued, the write is committed whether the caller waits or not. A
             # caller cancelled meanwhile (a client gone, a deadline) still holds the
             # key's lock until it is, so the next change of the key reads it rather
             # than the state before it, and the listeners hear of it; then the
-            # cancellation goes on.
-            cancelled = await _through_cancellation(committed)
+            # cancellation goes on. Written here but not acknowledged by a majority of
+            # the region's members: committed all the same, refused to the caller.
+            try:
+                cancelled = await _through_cancellation(committed)
+            except NoMajority:
+                self._committed(key, changed, local)
+                raise
         self._committed(key, changed, local)
         if cancelled:
             raise asyncio.CancelledError

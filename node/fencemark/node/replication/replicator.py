@@ -85,6 +85,7 @@ class Replicator(Rounds):
         self._tasks: list[asyncio.Task[None]] = []
         self._peer_tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._started = False
+        self._members_changed = asyncio.Event()  # set, and replaced, by set_members
         self._synced: set[str] = set()  # while catching up: peers that gave a complete round
         # A restarted node counts a peer's round only once the peer has had time to
         # hear any other live process with this node id (a twin): ``_settled``.
@@ -140,6 +141,8 @@ class Replicator(Rounds):
         another address) stops being one. Another region's peers are left alone."""
         region = self.replica.region
         wanted = {f"{region}/{name}": address for name, address in members.items()}
+        changed, self._members_changed = self._members_changed, asyncio.Event()
+        changed.set()
         for name, peer in list(self._peers.items()):
             if peer.stats.member and wanted.get(name) != peer.stats.address:
                 await self._drop(name)
@@ -155,6 +158,18 @@ class Replicator(Rounds):
                 if self._started:
                     self._start_peer(peer)
                     self._round_due.set()
+
+    async def push_to_member(self, member: str, states: list[bytes]) -> bool:
+        """Push ``states`` to fellow member ``member`` now, outside its queue; True once
+        it holds them durably. A member not registered yet is waited for (the caller
+        bounds the wait); a failed call raises, as any push's (``replication.majority``)."""
+        name = f"{self.replica.region}/{member}"
+        while (peer := self._peers.get(name)) is None:
+            await self._members_changed.wait()
+        await self._push(peer, states)
+        self._reached(peer)
+        peer.answered()
+        return True
 
     async def _drop(self, name: str) -> None:
         peer = self._peers.pop(name)

@@ -138,6 +138,26 @@ class NotServing(FencemarkError):
         super().__init__(message)
 
 
+class NoMajority(NotServing):
+    """A write (a grant, a renewal, a release) durable at this member that a majority
+    of its region's configured members did not acknowledge in time (SPEC §10). Its
+    outcome is unknown to the caller, as a lost reply's: it may still reach the
+    others (replication goes on) and count, or be lost with this member's disk."""
+
+    reason = "NO_MAJORITY"
+
+    def __init__(self, region: str, acked: int, needed: int, members: int, why: str) -> None:
+        self.region = region
+        self.acked = acked
+        self.needed = needed
+        super().__init__(
+            f"not acknowledged by a majority of the {members} members of region {region!r}"
+            f" ({acked} of the {needed} needed hold it): {why}; it is durable at this"
+            " member only, and its outcome is unknown until it replicates",
+            retry_after_ms=1000,
+        )
+
+
 _CONFLICT_HELP = {
     Reason.CLAIMED: (
         "the record is claimed (fence {fence}): present the claim's fencing token,"

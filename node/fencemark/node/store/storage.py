@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -67,6 +67,7 @@ class _Pending:
     events: Sequence[Event] = ()  # claim events of this change (store.events)
     change: str = ""  # its kind for the change feed (store.feed); "": not fed
     at_ms: int = 0
+    acked: bool = False  # answered only once a majority of members hold it (acknowledge)
 
 
 @dataclass
@@ -103,6 +104,12 @@ class Storage:
         self.stats = CommitStats()
         # Called after each successful group commit with (writes, seconds): metrics.
         self.on_commit: Callable[[int, float], None] | None = None
+        # At a member of a region of several: awaited after a commit with the states
+        # of its writes that need a majority's acknowledgement (``enqueue(acked=)``),
+        # once per group commit; their callers hear of the commit only after it
+        # returns (fencemark.node.replication.majority). Commits go on meanwhile.
+        self.acknowledge: Callable[[list[bytes]], Awaitable[None]] | None = None
+        self._acknowledging: set[asyncio.Task[None]] = set()
         self._cache: OrderedDict[str, Stored] = OrderedDict()
         self._cache_size = cache_size
         self._commit_seq = 0
@@ -170,6 +177,9 @@ class Storage:
         await self._queue.put(None)
         with contextlib.suppress(asyncio.CancelledError):
             await self._writer_task
+        for task in list(self._acknowledging):
+            task.cancel()
+        await asyncio.gather(*self._acknowledging, return_exceptions=True)
         await self._reader.close()
         await self._writer.close()
 
@@ -398,16 +408,19 @@ class Storage:
         events: Sequence[Event] = (),
         change: str = "",
         at_ms: int = 0,
+        acked: bool = False,
     ) -> tuple[Stored, asyncio.Future[None]]:
         """``put``'s first half: queue ``record`` for the next group commit, and return
         it with the future its commit resolves. The write is committed whether or not
-        anyone awaits the future: a caller that may be cancelled awaits it shielded."""
+        anyone awaits the future: a caller that may be cancelled awaits it shielded.
+        ``acked``: the future resolves only once ``acknowledge`` (if set) says a
+        majority of the region's members hold the commit."""
         if state is None:
             state = codec.encode(record)
         stored = Stored(record, codec.digest(state), len(state))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._hlc_pending = max(self._hlc_pending, hlc)
-        self._queue.put_nowait(_Pending(stored, state, done, events, change, at_ms))
+        self._queue.put_nowait(_Pending(stored, state, done, events, change, at_ms, acked))
         return stored, done
 
     async def put_meta(self, name: str, value: str) -> None:
@@ -504,11 +517,35 @@ class Storage:
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
         if self.on_commit is not None:
             self.on_commit(len(batch), time.perf_counter() - started)
+        waiting = [p for p in batch if p.acked] if self.acknowledge is not None else []
         for p in batch:
             if p.stored is not None:
                 self._remember(p.stored.record.key, p.stored)
-            if not p.done.done():
+            if not p.done.done() and not (p.acked and waiting):
                 p.done.set_result(None)
+        if waiting:
+            task = asyncio.create_task(self._acknowledged(waiting))
+            self._acknowledging.add(task)
+            task.add_done_callback(self._acknowledging.discard)
+
+    async def _acknowledged(self, batch: list[_Pending]) -> None:
+        """One round of acknowledgements for a commit's writes that need them; each
+        caller hears the outcome (a refusal: its write is durable here only)."""
+        assert self.acknowledge is not None
+        try:
+            await self.acknowledge([p.state for p in batch])
+        except asyncio.CancelledError:  # the store is closing
+            for p in batch:
+                p.done.cancel()
+            raise
+        except Exception as exc:
+            for p in batch:
+                if not p.done.done():
+                    p.done.set_exception(exc)
+        else:
+            for p in batch:
+                if not p.done.done():
+                    p.done.set_result(None)
 
     def _remember(self, key: str, stored: Stored) -> None:
         self._cache[key] = stored

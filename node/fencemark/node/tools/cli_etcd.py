@@ -1,5 +1,7 @@
 """``fencemark etcd restrict``: turn an etcd cluster's authentication on for Fencemark's
-regions, once, as its ``root`` (fencemark.node.coordination.access)."""
+regions, once, as its ``root`` (fencemark.node.coordination.access); ``fencemark etcd
+members``: show or change a region's configured member set
+(fencemark.node.coordination.registry)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,47 @@ def cmd_etcd_restrict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_etcd_members(args: argparse.Namespace) -> int:
+    from fencemark.node.coordination.etcd import Etcd, EtcdError, parse_endpoints
+    from fencemark.node.coordination.registry import change_members, config_key, parse_config
+    from fencemark.node.security.tls import TlsFiles
+
+    try:
+        endpoints = parse_endpoints(args.etcd)
+        region = validation.region(args.region, "--region")
+        for flag, name in (("--add", args.add), ("--remove", args.remove)):
+            if name:
+                validation.region(name, flag)
+        tls = TlsFiles.in_dir(Path(args.tls_dir), region)
+        for path in (tls.ca, tls.cert, tls.key):
+            if not path.is_file():
+                raise ValueError(f"--tls-dir: no {path} (fencemark certs issue --region {region})")
+    except (InvalidInput, ValueError) as exc:
+        print(f"fencemark etcd: {exc}", file=sys.stderr)
+        return 2
+
+    async def run() -> tuple[str, ...]:
+        etcd = Etcd(endpoints, tls)
+        try:
+            if args.add or args.remove:
+                return await change_members(etcd, region, add=args.add, remove=args.remove)
+            entry = await etcd.get(config_key(region))
+            return parse_config(entry.value) if entry is not None else ()
+        finally:
+            await etcd.close()
+
+    try:
+        names = asyncio.run(run())
+    except EtcdError as exc:
+        print(f"fencemark etcd: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"fencemark etcd: {exc}", file=sys.stderr)
+        return 2
+    print(f"region {region}: members {', '.join(names) if names else '(none configured)'}")
+    return 0
+
+
 def add_etcd_command(sub: Any) -> None:
     etcd = sub.add_parser(
         "etcd",
@@ -64,3 +107,18 @@ def add_etcd_command(sub: Any) -> None:
     restrict.add_argument("--tls-dir", required=True, help="holds ca.pem and root.pem")
     restrict.add_argument("--regions", required=True, help="comma-separated region names")
     restrict.set_defaults(func=cmd_etcd_restrict)
+    members = what.add_parser(
+        "members",
+        help="show or change a region's configured member set",
+        description="Show a region's configured member set (a majority is counted over"
+        " it), or change it by one member: --add a running member that has caught up, or"
+        " --remove one (docs/operations.md, *Adding or removing a member*). Each change"
+        " applies only to the set it read. Speaks as the region (DIR/REGION.pem).",
+    )
+    members.add_argument("--etcd", required=True, help="HOST:PORT[,HOST:PORT...] (TLS)")
+    members.add_argument("--tls-dir", required=True, help="holds ca.pem and REGION.pem")
+    members.add_argument("--region", required=True)
+    change = members.add_mutually_exclusive_group()
+    change.add_argument("--add", default="", metavar="MEMBER")
+    change.add_argument("--remove", default="", metavar="MEMBER")
+    members.set_defaults(func=cmd_etcd_members)
