@@ -365,6 +365,48 @@ async def test_a_member_joins_as_a_learner_and_counts_once_added_one_change_at_a
             await node.stop(0)
 
 
+async def test_an_elected_member_decides_only_once_it_holds_a_majoritys_states(
+    members: list[NodeServer],
+) -> None:
+    """A new decider catches up first (SPEC §10): the last of three members left
+    running wins the election but cannot hold the states of a majority, so it
+    decides nothing (NOT_SERVING, saying so) however long it holds the key. Once a
+    second member is back, it catches up with it and decides, and a claim granted
+    before the failover is still its holder's there."""
+    first = await one_decides(members)
+    async with AsyncClient(first.address, retries=0) as client:
+        key = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
+        held = await client.claim(key, "worker-a", lease_seconds=60)
+    assert held.granted
+    last, gone = [n for n in members if n is not first], first
+    survivor, stopped = last[0], last[1]
+    await stopped.stop(0)
+    await gone.stop(0)
+
+    async def elected() -> bool:
+        campaign = survivor.member.campaign if survivor.member is not None else None
+        return campaign is not None and campaign.deciding()
+
+    await eventually(elected, "the survivor holding the decider key", within=3 * TTL_S)
+    async with AsyncClient(survivor.address, retries=0) as client:
+        for _ in range(2 * TTL_S):
+            assert not survivor.replica.gate.deciding
+            with pytest.raises(Unavailable) as refused:
+                await client.renew_claim(key, held.fencing_token, lease_seconds=60)
+            assert refused.value.reason == "NOT_SERVING"
+            assert "catches up with a majority" in str(refused.value)
+            await asyncio.sleep(0.5)
+    back = await NodeServer.start(stopped.config)
+    try:
+        await one_decides([survivor, back], within=3 * TTL_S)
+        decider = survivor if survivor.replica.gate.deciding else back
+        async with AsyncClient(decider.address, retries=0) as client:
+            renewed = await client.renew_claim(key, held.fencing_token, lease_seconds=60)
+        assert renewed.renewed, "the claim granted before the failover is its holder's"
+    finally:
+        await back.stop(0)
+
+
 async def test_a_write_a_majority_does_not_hold_is_refused_no_majority_and_kept_here(
     tmp_path: Path, members: list[NodeServer]
 ) -> None:

@@ -153,7 +153,13 @@ class NodeServer:
                 self.peer_address if self.peer_server is not None else ""
             )
             address = config.advertise or self.address
-            peering.member.start(address, peer_address or address, self._members_changed)
+            member = peering.member
+            peering.member.start(
+                address,
+                peer_address or address,
+                self._members_changed,
+                lambda: self.replicator.catch_up_with_majority(member.configured),
+            )
         if config.dashboard_listen:
             self._dashboard = Dashboard(
                 self.replica,

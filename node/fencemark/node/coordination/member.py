@@ -5,15 +5,20 @@ members to replicate with.
 
 The member is the gate's ``role`` (``fencemark.node.core.grant_gate.Role``). While its
 campaign holds the key and its lease clock runs (``decider.Campaign.deciding``), it
-decides in the key's term, and each new term starts an era of tokens above every
-earlier term's (``GrantGate.new_term``). Otherwise a deciding call is refused: with a
-redirect naming the decider's address when another member holds the key
-(``NotDecider``), else ``NotServing`` with a retry hint of one lease time — an election
-under way, etcd unreachable, or this member's own lease in doubt.
+decides in the key's term — once it has caught up: at the start of each term it holds
+the states of a majority of the region's members (a complete anti-entropy round with
+enough of them, ``catch_up``) before its first decision, so every acknowledged grant,
+renewal and release of an earlier term is in its hands. Each new term starts an era
+of tokens above every earlier term's (``GrantGate.new_term``), acknowledged or not.
+Otherwise a deciding call is refused: with a redirect naming the decider's address
+when another member holds the key (``NotDecider``), else ``NotServing`` with a retry
+hint of one lease time — an election or a catch-up under way, etcd unreachable, or
+this member's own lease in doubt.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -85,6 +90,9 @@ class Member:
         self._on_change = on_change
         self.campaign: Campaign | None = None
         self.registry: Registry | None = None
+        self.caught_up_term = 0  # the term whose catch-up with a majority is done
+        self._catch_up: Callable[[], Awaitable[None]] | None = None
+        self._catching_up: asyncio.Task[None] | None = None
         gate.role = self  # from now on, and before the node listens: no decision until elected
 
     def start(
@@ -92,10 +100,13 @@ class Member:
         address: str,
         peer_address: str,
         on_members: Callable[[Mapping[str, Registered]], Awaitable[None]],
+        catch_up: Callable[[], Awaitable[None]],
     ) -> None:
         """Register (clients reach this member at ``address``, its fellow members at
         ``peer_address``) and campaign; ``on_members`` hears of the other members
-        each time they change."""
+        each time they change; ``catch_up`` returns once this member holds the states
+        of a majority of them (awaited at the start of each term)."""
+        self._catch_up = catch_up
         self.registry = Registry(
             self.etcd,
             self.region,
@@ -118,6 +129,8 @@ class Member:
 
     async def stop(self) -> None:
         """Stop deciding, let the key go for a fast successor, close etcd's channels."""
+        if self._catching_up is not None:
+            self._catching_up.cancel()
         if self.campaign is not None:
             await self.campaign.stop()
         if self.registry is not None:
@@ -126,33 +139,59 @@ class Member:
 
     def _new_term(self, term: int) -> None:
         self._gate.new_term(term, self._offset_ms)
-        self._on_change()
+        if self._catching_up is not None:
+            self._catching_up.cancel()
+        self._catching_up = asyncio.create_task(self._caught_up(term))
+
+    async def _caught_up(self, term: int) -> None:
+        """Decide in ``term`` once caught up with a majority (``catch_up``)."""
+        if self._catch_up is not None:
+            await self._catch_up()
+        campaign = self.campaign
+        if campaign is not None and campaign.term == term:
+            self.caught_up_term = term
+            log.info("region %s: member %s caught up; deciding in term %d",
+                     self.region, self.name, term)  # fmt: skip
+            self._on_change()
 
     def decider(self) -> Decider | None:
         """The region's decider as this member knows it now (None: none known)."""
         campaign = self.campaign
         if campaign is None:
             return None
-        if campaign.deciding():
+        if self._deciding():
             return Decider(self.name, campaign.address, campaign.term)
+        if campaign.deciding():
+            return None  # elected, catching up: nobody decides yet
         return campaign.decider if campaign.term == 0 else None  # in doubt: nobody
 
     def configured(self) -> tuple[str, ...]:
         """The region's configured member set as last read from etcd (() before)."""
         return self.registry.configured if self.registry is not None else ()
 
+    def _deciding(self) -> bool:
+        """Holding the key, by the lease clock, and caught up in its term."""
+        campaign = self.campaign
+        return campaign is not None and campaign.deciding() and self.caught_up_term == campaign.term
+
     def term(self) -> int:
         """The term this member decides in now; 0 when it does not decide."""
         campaign = self.campaign
-        return campaign.term if campaign is not None and campaign.deciding() else 0
+        return campaign.term if campaign is not None and self._deciding() else 0
 
     def check(self) -> None:
         """Raise unless this member decides now: ``NotDecider`` naming the member that
         does, or ``NotServing`` when none is known to."""
         campaign = self.campaign
-        if campaign is not None and campaign.deciding():
+        if self._deciding():
             return
         retry_ms = self.config.ttl_s * 1000
+        if campaign is not None and campaign.deciding():
+            raise NotServing(
+                f"this member was elected decider of region {self.region!r} (term"
+                f" {campaign.term}) and first catches up with a majority of its members",
+                retry_after_ms=retry_ms,
+            )
         if campaign is not None and campaign.term:
             raise NotServing(
                 f"this member's decider lease for region {self.region!r} is in doubt (etcd"

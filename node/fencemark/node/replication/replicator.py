@@ -171,6 +171,32 @@ class Replicator(Rounds):
         peer.answered()
         return True
 
+    async def catch_up_with_majority(self, configured: Callable[[], tuple[str, ...]]) -> None:
+        """Return once this member holds the states of a majority of its region's
+        configured members (``configured()``, itself counted if it is one): a complete
+        round with enough of the others, each begun after this call (a new decider's
+        catch-up, SPEC §10). Waits for members not registered or not answering."""
+        done: set[str] = set()
+        while True:
+            names = configured()
+            needed = len(names) // 2 + 1 - (self.member in names)
+            if names and len(done & set(names)) >= needed:
+                return
+            for member in [n for n in names if n != self.member and n not in done]:
+                peer = self._peers.get(f"{self.replica.region}/{member}")
+                if peer is None:
+                    continue
+                try:
+                    result = await self.sync_round(peer)
+                except Exception as exc:  # unreachable, refused: another member may do
+                    log.debug("catching up with %s: %r", member, exc)
+                    continue
+                if result.complete:
+                    done.add(member)
+                    if len(done & set(names)) >= needed:
+                        return
+            await asyncio.sleep(0.05)
+
     async def _drop(self, name: str) -> None:
         peer = self._peers.pop(name)
         self._stats.pop(name, None)
