@@ -253,12 +253,15 @@ async def test_status_names_each_members_decider_in_text_and_json(
     assert f"member {name}: decides for region us (term {term})" in text
     other_name = other.member.name if other.member is not None else ""
     assert f"member {other_name}: decider {name} (term {term}) at {decider.address}" in text
+    assert "members of region us: us-a, us-b, us-c\n" in text
+    assert text.count("  member us/") == 4  # each of the two shows its two fellow members
     assert await asyncio.to_thread(main, ["status", *targets, "--json"]) == 0
     said = json.loads(capsys.readouterr().out)["nodes"]
     wanted = {"member": name, "address": decider.address, "term": term}
     assert [n["decider"] for n in said] == [wanted, wanted]
     assert [n["member"] for n in said] == [name, other_name]
     assert [n["claims_serving"] for n in said] == [True, False]
+    assert [n["members"] for n in said] == [list(MEMBERS), list(MEMBERS)]
 
 
 async def peers_of(node: NodeServer) -> dict[str, tuple[str, str]]:

@@ -281,6 +281,7 @@ def node_info_from_proto(message: node_pb2.InfoResponse) -> NodeInfo:
         version=message.version,
         now=to_datetime(message.now, message.HasField("now")),
         member=message.member,
+        members=tuple(message.members),
         decider=(
             DeciderInfo(message.decider.member, message.decider.address, message.decider.term)
             if message.HasField("decider")

@@ -256,3 +256,4 @@ class NodeInfo:
     # At a member of a region of several: its name, and the decider it knows of.
     member: str = ""
     decider: DeciderInfo | None = None
+    members: tuple[str, ...] = ()  # the region's configured member set, as it last read it

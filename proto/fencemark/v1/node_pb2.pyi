@@ -139,6 +139,7 @@ class InfoResponse(_message.Message):
     NOW_FIELD_NUMBER: _builtins.int
     MEMBER_FIELD_NUMBER: _builtins.int
     DECIDER_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The node's region name."""
     node_id: _builtins.str
@@ -174,6 +175,13 @@ class InfoResponse(_message.Message):
         election under way or etcd unreachable).
         """
 
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """... and the region's configured member set, over which a majority is counted,
+        as this member last read it from etcd (empty: not read yet). A member outside
+        it is a learner: it replicates, and counts for no majority.
+        """
+
     def __init__(
         self,
         *,
@@ -188,10 +196,11 @@ class InfoResponse(_message.Message):
         now: _timestamp_pb2.Timestamp | None = ...,
         member: _builtins.str = ...,
         decider: Global___DeciderInfo | None = ...,
+        members: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decider", b"decider", "now", b"now"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims_serving", b"claims_serving", "decider", b"decider", "max_clock_offset_ms", b"max_clock_offset_ms", "member", b"member", "node_id", b"node_id", "now", b"now", "peers", b"peers", "record_count", b"record_count", "region", b"region", "version", b"version", "writes_enabled", b"writes_enabled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims_serving", b"claims_serving", "decider", b"decider", "max_clock_offset_ms", b"max_clock_offset_ms", "member", b"member", "members", b"members", "node_id", b"node_id", "now", b"now", "peers", b"peers", "record_count", b"record_count", "region", b"region", "version", b"version", "writes_enabled", b"writes_enabled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

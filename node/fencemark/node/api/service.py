@@ -450,6 +450,7 @@ class NodeService:
             now=timestamp(self.replica.wall_ms()),
             member=self.member.name if self.member is not None else "",
             decider=self._decider(),
+            members=self.member.configured() if self.member is not None else (),
         )
 
     def _decider(self) -> node_pb2.DeciderInfo | None:

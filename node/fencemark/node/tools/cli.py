@@ -129,13 +129,17 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
             if info.member:
                 lines.append(f"  member {info.member}: {_decider_words(info)}")
+                members = ", ".join(info.members) if info.members else "not known yet"
+                learner = " (a learner: not in it)" if info.member not in info.members else ""
+                lines.append(f"  members of region {info.region}: {members}{learner}")
             for p in info.peers:
                 lags.append(p.lag_ms)
                 divergence += p.divergence
                 skew += p.skew_alarms
                 state = "reachable" if p.reachable else "UNREACHABLE"
                 row = (
-                    f"  peer {p.region:<8} {state:<12} lag {p.lag_ms / 1000:>6.1f} s"
+                    f"  {'member' if p.member else 'peer'} {p.name:<8} {state:<12}"
+                    f" lag {p.lag_ms / 1000:>6.1f} s"
                     f"  divergence {p.divergence:>5}  skew alarms {p.skew_alarms:>3}"
                     f"  push backlog {p.push_backlog:>5}"
                     + (f"  REFUSED {p.merges_refused} states" if p.merges_refused else "")
