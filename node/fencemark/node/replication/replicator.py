@@ -175,27 +175,40 @@ class Replicator(Rounds):
         """Return once this member holds the states of a majority of its region's
         configured members (``configured()``, itself counted if it is one): a complete
         round with enough of the others, each begun after this call (a new decider's
-        catch-up, SPEC §10). Waits for members not registered or not answering."""
+        catch-up, SPEC §10). Rounds with every other member run at once, so one that
+        is paused or cut off holds up nothing; members not registered are waited for."""
         done: set[str] = set()
-        while True:
-            names = configured()
-            needed = len(names) // 2 + 1 - (self.member in names)
-            if names and len(done & set(names)) >= needed:
-                return
-            for member in [n for n in names if n != self.member and n not in done]:
-                peer = self._peers.get(f"{self.replica.region}/{member}")
+        rounds: dict[str, asyncio.Task[None]] = {}
+
+        async def complete_round(member: str) -> None:
+            name = f"{self.replica.region}/{member}"
+            while True:
+                peer = self._peers.get(name)
                 if peer is None:
+                    await self._members_changed.wait()
                     continue
                 try:
-                    result = await self.sync_round(peer)
-                except Exception as exc:  # unreachable, refused: another member may do
-                    log.debug("catching up with %s: %r", member, exc)
-                    continue
-                if result.complete:
-                    done.add(member)
-                    if len(done & set(names)) >= needed:
+                    if (await self.sync_round(peer)).complete:
+                        done.add(member)
                         return
-            await asyncio.sleep(0.05)
+                except Exception as exc:  # unreachable, refused: try again, others may do
+                    log.debug("catching up with %s: %r", member, exc)
+                await asyncio.sleep(0.05)
+
+        try:
+            while True:
+                names = configured()
+                needed = len(names) // 2 + 1 - (self.member in names)
+                if names and len(done & set(names)) >= needed:
+                    return
+                for member in names:
+                    if member != self.member and member not in rounds:
+                        rounds[member] = asyncio.create_task(complete_round(member))
+                await asyncio.sleep(0.05)
+        finally:
+            for task in rounds.values():
+                task.cancel()
+            await asyncio.gather(*rounds.values(), return_exceptions=True)
 
     async def _drop(self, name: str) -> None:
         peer = self._peers.pop(name)

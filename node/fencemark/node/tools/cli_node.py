@@ -17,6 +17,8 @@ from typing import Any
 from fencemark.node.api.authz import AccessMap, load_access
 from fencemark.node.api.server import NodeConfig, serve
 from fencemark.node.api.telemetry import say
+from fencemark.node.coordination.decider import DEFAULT_TTL_S
+from fencemark.node.coordination.member import MemberConfig
 from fencemark.node.replication.peers import parse_peers
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
@@ -95,6 +97,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         validation.region(args.region, "--region")
         peers = parse_peers(args.peer or args.configured_peers, own_region=args.region)
         tls_files, access = node_security(args)
+        member = _member(args)
     except (InvalidInput, ValueError) as exc:
         return _refuse_to_start(str(exc))
     if args.max_concurrent_rpcs:
@@ -138,6 +141,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         tls=tls_files,
         access=access,
         tls_reload_interval=args.tls_reload_interval,
+        member=member,
+        advertise=args.advertise,
+        advertise_peer=args.advertise_peer,
     )
     tune_collector()
     try:
@@ -145,6 +151,36 @@ def cmd_node(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         return _refuse_to_start(str(exc))
     return 0
+
+
+def _member(args: argparse.Namespace) -> MemberConfig | None:
+    """``--member`` and its flags as a ``MemberConfig`` (None: the region's only node);
+    ValueError naming the flag when they do not fit together. The names themselves
+    are checked with the rest of the configuration (``MemberConfig.problem``)."""
+    from fencemark.node.coordination.etcd import parse_endpoints
+
+    if not args.member:
+        for flag in ("etcd", "etcd_tls_dir", "initial_members"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')}: only with --member NAME")
+        return None
+    if not args.etcd:
+        raise ValueError("--etcd: a member elects its region's decider through etcd: HOST:PORT")
+    tls_dir = args.etcd_tls_dir or args.tls_dir
+    if not tls_dir and not args.insecure:
+        raise ValueError(
+            "--etcd-tls-dir: etcd is reached over mutual TLS with the region's certificate"
+            " (DIR/ca.pem, DIR/REGION.pem); give it, or --tls-dir"
+        )
+    name = args.tls_name or args.region
+    initial = [n.strip() for n in args.initial_members.split(",") if n.strip()]
+    return MemberConfig(
+        args.member,
+        parse_endpoints(args.etcd),
+        TlsFiles.in_dir(Path(tls_dir), name) if tls_dir else None,
+        args.decider_ttl,
+        tuple(initial),
+    )
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -249,6 +285,7 @@ def add_node_command(
     _add_bound_flags(node, config, defaults)
     _add_feed_flags(node, config, defaults)
     _add_security_flags(node, config, defaults)
+    _add_member_flags(node, config)
     configured = os.environ.get("FENCEMARK_PEERS")
     node.set_defaults(
         func=cmd_node,
@@ -367,6 +404,59 @@ def _add_bound_flags(
         default=_setting(config, "max_token_jump", defaults.max_token_jump),
         help="refuse to merge a grant further than this above the grant below it"
         " (default 2^21: twice the jump a home makes after a disk loss)",
+    )
+
+
+def _add_member_flags(node: argparse.ArgumentParser, config: Mapping[str, Any]) -> None:
+    members = node.add_argument_group(
+        "a region of several members (docs/operations.md, *A region of several members*)"
+    )
+    members.add_argument(
+        "--member",
+        default=_setting(config, "member", ""),
+        metavar="NAME",
+        help="run as member NAME of --region: its decider is elected through --etcd, and a"
+        " write is answered once a majority of the region's members hold it (default:"
+        " the region's only node, no etcd)",
+    )
+    members.add_argument(
+        "--etcd",
+        default=_setting(config, "etcd", ""),
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the etcd cluster the region's members elect their decider through",
+    )
+    members.add_argument(
+        "--etcd-tls-dir",
+        default=_setting(config, "etcd_tls_dir", ""),
+        metavar="DIR",
+        help="reach etcd with DIR/ca.pem and the region's DIR/REGION.pem (default: --tls-dir)",
+    )
+    members.add_argument(
+        "--decider-ttl",
+        type=int,
+        default=_setting(config, "decider_ttl", DEFAULT_TTL_S),
+        metavar="SECONDS",
+        help="the decider lease's TTL: a failover takes about this long",
+    )
+    members.add_argument(
+        "--initial-members",
+        default=_setting(config, "initial_members", ""),
+        metavar="NAME,NAME...",
+        help="the region's member set, made in etcd if the region has none yet (the first"
+        " start of a region); later changes: fencemark etcd members",
+    )
+    members.add_argument(
+        "--advertise",
+        default=_setting(config, "advertise", ""),
+        metavar="HOST:PORT",
+        help="where clients reach this member (a redirect names it; default: --listen)",
+    )
+    members.add_argument(
+        "--advertise-peer",
+        default=_setting(config, "advertise_peer", ""),
+        metavar="HOST:PORT",
+        help="where the region's other members replicate with it (default: --peer-listen,"
+        " else --advertise)",
     )
 
 
