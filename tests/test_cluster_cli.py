@@ -95,6 +95,8 @@ def test_peers_come_from_flags_env_or_config_in_that_order(
         ("eu=nowhere", "REGION=HOST:PORT"),
         ("us=h:1", "own region"),
         ("bad region!=h:1", "region must match"),
+        ("eu=h:1,nowhere", "REGION=HOST:PORT"),
+        ("h:1,eu=h:2", "REGION=HOST:PORT"),
     ],
 )
 def test_a_bad_peer_is_refused_with_a_reason(spec: str, why: str) -> None:
@@ -103,3 +105,23 @@ def test_a_bad_peer_is_refused_with_a_reason(spec: str, why: str) -> None:
     with pytest.raises(InvalidInput) as refused:
         parse_peers([spec], own_region="us")
     assert why in str(refused.value)
+
+
+def test_a_region_of_several_members_is_given_every_address_that_serves_it() -> None:
+    """``--peer eu=A,B`` (or ``--peer eu=A,B --peer ap=C``): each address after a
+    region's adds to it; the first is tried first (``PeerStats.next_address``)."""
+    assert parse_peers(["eu=a:1,b:2,ap=c:3", "jp=d:4"], own_region="us") == {
+        "eu": "a:1,b:2", "ap": "c:3", "jp": "d:4",
+    }  # fmt: skip
+    assert parse_peers(["eu=a:1,b:2", "eu=a:1,b:2"], own_region="us") == {"eu": "a:1,b:2"}
+    from fencemark.node.rules.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="given twice"):
+        parse_peers(["eu=a:1", "eu=b:2"], own_region="us")
+    from fencemark.node.replication.peers import PeerStats
+
+    stats = PeerStats("eu", "a:1,b:2")
+    assert (stats.address, stats.addresses) == ("a:1", ("a:1", "b:2"))
+    assert stats.next_address() and stats.address == "b:2"
+    assert stats.next_address() and stats.address == "a:1"
+    assert not PeerStats("ap", "c:3").next_address()

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -22,10 +27,17 @@ import pytest
 
 from fencemark.client import AsyncClient, NotDecider, Unavailable, tls_credentials
 from fencemark.client.errors import from_rpc_error
+from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.process import NodeProcess
 from fencemark.v1 import claims_pb2, claims_pb2_grpc
+from tests import components
 from tests.cluster import eventually, paused
+from tests.docrun import Shell, Substitutions, run_steps, steps_of
 from tests.etcd_server import EtcdServer, restricted
+from tests.test_docs import ROOT
+
+SECURITY = ROOT / "docs" / "security.md"
+OPERATIONS = ROOT / "docs" / "operations.md"
 
 pytestmark = pytest.mark.slow  # processes, elections and lease times: seconds each
 
@@ -140,3 +152,86 @@ async def test_a_paused_decider_that_wakes_decides_nothing_on_its_old_term(
         assert (status.claim.owner, status.claim.fencing_token) == ("worker-b", newer.fencing_token)
         assert await decider_of(nodes, certs, within=4 * TTL_S + 5) == second
         await asyncio.sleep(0)
+
+
+def test_operations_md_runs_a_region_of_three_and_changes_its_members_as_written(
+    tmp_path: Path,
+) -> None:
+    """docs/operations.md, *A region of several members*, typed in a shell as written
+    after docs/security.md's etcd set-up (on held ports): three members started, the
+    status naming the set, a fourth joining as a learner and added once it has caught
+    up, one removed and stopped; the region's set in etcd is then us-b, us-c, us-d."""
+    components.require("etcd")
+    ports = Ports()
+    etcd_client, etcd_peer = ports.take(), ports.take()
+    members = {f"740{i}": str(ports.take()) for i in range(1, 5)}
+    bin_dir = str(Path(sys.executable).parent)  # where `fencemark` is installed
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    shell = Shell(tmp_path, env, tmp_path / "transcript")
+    steps = [
+        s for s in steps_of([SECURITY, OPERATIONS]).values() if s.scenario in ("etcd", "members")
+    ]
+    assert [s.id for s in steps] == [
+        "etcd/certificates", "etcd/serve", "etcd/restrict",
+        "members/start", "members/status", "members/join", "members/add", "members/remove",
+    ]  # fmt: skip
+    certs = tmp_path / "certs"
+    endpoint = f"127.0.0.1:{etcd_client}"
+
+    def ask(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "fencemark.node", *args],
+            capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path,
+        )  # fmt: skip
+        return done.stdout + done.stderr
+
+    def until(what: str, holds: Callable[[], bool], within: float = 60) -> None:
+        deadline = time.monotonic() + within
+        while not holds():
+            if time.monotonic() > deadline:
+                logs = {p.name: p.read_text()[-1500:] for p in tmp_path.glob("*.log")}
+                raise AssertionError(f"{what} did not happen within {within} s: {logs}")
+            time.sleep(0.2)
+
+    def etcd_answers() -> None:
+        until("etcd answering", lambda: _connects(etcd_client))
+
+    def region_up() -> None:
+        def settled() -> bool:
+            said = ask("status", "--targets", f"127.0.0.1:{members['7401']}",
+                       "--tls-dir", str(certs), "--tls-name", "alice")  # fmt: skip
+            return (
+                "members of region us: us-a, us-b, us-c" in said
+                and said.count(" reachable ") == 2
+                and "no decider known" not in said
+            )
+
+        until("three members with a decider", settled)
+
+    def caught_up() -> None:
+        def registered() -> bool:
+            said = ask("status", "--targets", f"127.0.0.1:{members['7404']}",
+                       "--tls-dir", str(certs), "--tls-name", "alice")  # fmt: skip
+            return said.count(" reachable ") == 3 and "(a learner: not in it)" in said
+
+        until("us-d caught up as a learner", registered)
+
+    try:
+        subs = Substitutions({"2379": str(etcd_client), "2380": str(etcd_peer), **members})
+        run_steps(
+            shell, steps, subs,
+            before={"etcd/restrict": etcd_answers, "members/status": region_up,
+                    "members/add": caught_up},
+        )  # fmt: skip
+        said = ask("etcd", "members", "--etcd", endpoint, "--tls-dir", str(certs),
+                   "--region", "us")  # fmt: skip
+        assert "region us: members us-b, us-c, us-d" in said
+    finally:
+        shell.close()
+        ports.close()
+
+
+def _connects(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+        return True
+    return False

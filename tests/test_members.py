@@ -429,6 +429,42 @@ async def test_a_write_a_majority_does_not_hold_is_refused_no_majority_and_kept_
         assert found is not None and found.record.fields["body"].value == "alone"
 
 
+async def test_another_region_replicates_with_any_member_and_moves_on_when_one_is_gone(
+    tmp_path: Path, members: list[NodeServer]
+) -> None:
+    """``--peer us=A,B,C``: any member of a region of several serves its replication.
+    eu learns us's writes through the first address; once that member is gone, it
+    moves on to the next and goes on learning them."""
+    eu = await NodeServer.start(
+        NodeConfig(
+            region="eu",
+            listen="127.0.0.1:0",
+            data_dir=tmp_path / "eu",
+            enable_writes=True,
+            grace_seconds=0.2,
+            peers={"us": ",".join(m.address for m in members)},
+        )
+    )
+    try:
+        first = members[0]
+        async with AsyncClient(eu.address, retries=0) as at_eu:
+            async with AsyncClient(first.address, retries=0) as at_us:
+                one = (await at_us.remember(REPO, TOPIC, "one", tags=["homeRegion:us"])).record
+
+            async def learnt(key: str) -> bool:
+                return await eu.storage.get(key) is not None
+
+            await eventually(lambda: learnt(one.key), "eu learning us's write")
+            assert (await at_eu.info()).peers[0].address == first.address
+            await first.stop(0)
+            async with AsyncClient(members[1].address, retries=0) as at_us:
+                two = (await at_us.remember(REPO, TOPIC, "two", tags=["homeRegion:us"])).record
+            await eventually(lambda: learnt(two.key), "eu learning us's write from another member")
+            assert (await at_eu.info()).peers[0].address != first.address
+    finally:
+        await eu.stop(0)
+
+
 async def test_with_tls_only_a_registered_member_of_the_region_replicates_as_one(
     tmp_path: Path, etcd: tuple[EtcdServer, Path]
 ) -> None:

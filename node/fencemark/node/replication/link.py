@@ -121,6 +121,9 @@ class PeerLink:
             if not self.unanswered:
                 self.unanswered_since = time.monotonic()
             self.unanswered += 1
+            if self.stats.next_address():  # a region of several members: another serves it
+                log.info("peer %s: trying %s", self.stats.name, self.stats.address)
+                self._reconnect()
             if self.unreachable() or len(self.backlog) > self.tuning.kept_push_limit:
                 self.backlog.clear()  # it pulls what it missed once it is back
         doublings = min(self.stats.failures, 9) - 1  # failed() counted this one: >= 1

@@ -42,7 +42,7 @@ import socket
 import ssl
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -88,8 +88,15 @@ class _Verdict:
     denial: str = ""
     details: str = ""
 
-    def current(self, revoked: Revoked, channel: object) -> bool:
-        return self.revoked is revoked and self.channel is channel and time.monotonic() < self.until
+    address: str = ""  # the address it was taken at (a peer of several addresses moves on)
+
+    def current(self, revoked: Revoked, channel: object, address: str) -> bool:
+        return (
+            self.revoked is revoked
+            and self.channel is channel
+            and self.address == address
+            and time.monotonic() < self.until
+        )
 
 
 class PeerCheck:
@@ -114,12 +121,14 @@ class PeerCheck:
         """Return if the peer may be called now; raise :class:`PeerRefused` if not."""
         verdict = self._verdict
         revoked, channel = self.tls.revocations.revoked, self.stats.credentials
-        if verdict is None or not verdict.current(revoked, channel):
+        address = self.stats.address
+        if verdict is None or not verdict.current(revoked, channel, address):
             async with self._lock:  # one probe at a time; the others take its verdict
                 verdict = self._verdict
                 revoked, channel = self.tls.revocations.revoked, self.stats.credentials
-                if verdict is None or not verdict.current(revoked, channel):
-                    verdict = await self._probe(revoked, channel)
+                address = self.stats.address
+                if verdict is None or not verdict.current(revoked, channel, address):
+                    verdict = replace(await self._probe(revoked, channel), address=address)
                     self._verdict = verdict
         if verdict.code is not None:
             # A new exception each time: re-raising one would grow its traceback.

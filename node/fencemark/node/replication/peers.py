@@ -29,19 +29,32 @@ RETRY_REFUSED_S = 5.0
 
 
 def parse_peers(specs: Iterable[str], *, own_region: str) -> dict[str, str]:
-    """``["eu=host:port", ...]`` (also comma-separated) -> ``{"eu": "host:port"}``."""
+    """``["eu=host:port", ...]`` (also comma-separated) -> ``{"eu": "host:port"}``.
+
+    A region of several members may be given several addresses, any of which serves
+    its replication: ``eu=h1:p1,h2:p2`` (an item without ``=`` adds an address to the
+    region before it) -> ``{"eu": "h1:p1,h2:p2"}``, tried in turn (``PeerLink``)."""
     peers: dict[str, str] = {}
     for spec in specs:
+        region = ""
+        given: dict[str, list[str]] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
-            region, sep, address = item.partition("=")
+            named, sep, address = item.partition("=")
+            if not sep and region and ":" in item:
+                given[region].append(item)  # another address of the region before it
+                continue
             if not sep or not address or ":" not in address:
                 raise InvalidInput.field("peer", f"expected REGION=HOST:PORT, got {item!r}")
+            region = named
             validation.region(region, "peer")
             if region == own_region:
                 raise InvalidInput.field("peer", f"{region!r} is this node's own region")
-            if region in peers and peers[region] != address:
+            given.setdefault(region, []).append(address)
+        for region, addresses in given.items():
+            joined = ",".join(dict.fromkeys(addresses))
+            if region in peers and peers[region] != joined:
                 raise InvalidInput.field("peer", f"region {region!r} given twice")
-            peers[region] = address
+            peers[region] = joined
     return peers
 
 
@@ -57,8 +70,10 @@ class PeerStats:
     """Replication accounting for one peer, both directions, as this node sees it."""
 
     region: str  # whose certificate it presents, and whose states it speaks for
-    address: str
+    address: str  # where it is reached now: one of ``addresses``
     member: str = ""  # a fellow member of this node's region: its name there
+    # Every address that serves the peer (a region of several members), tried in turn.
+    addresses: tuple[str, ...] = ()
     started: float = 0.0
     last_sync: float | None = None  # wall-clock seconds of the last completed round
     records_sent: int = 0
@@ -88,6 +103,18 @@ class PeerStats:
 
     def __post_init__(self) -> None:
         self.started = self.started or time.time()
+        if "," in self.address:
+            self.addresses = tuple(self.address.split(","))
+        self.address = self.address.split(",")[0]
+        self.addresses = self.addresses or (self.address,)
+
+    def next_address(self) -> bool:
+        """Reach the peer at its next address from now on; False if it has one only."""
+        if len(self.addresses) < 2:
+            return False
+        at = self.addresses.index(self.address) if self.address in self.addresses else -1
+        self.address = self.addresses[(at + 1) % len(self.addresses)]
+        return True
 
     @property
     def name(self) -> str:

@@ -235,9 +235,10 @@ def add_node_command(
     node.add_argument(
         "--peer",
         action="append",
-        metavar="REGION=HOST:PORT",
+        metavar="REGION=HOST:PORT[,HOST:PORT...]",
         help="a peer region's node (repeat; env FENCEMARK_PEERS=eu=h:p,ap=h:p;"
-        " config table [peers]): its --peer-listen address if it has one",
+        " config table [peers]): its --peer-listen address if it has one; for a region of"
+        " several members, any of them (several addresses, tried in turn)",
     )
     node.add_argument(
         "--peer-listen",
