@@ -557,6 +557,7 @@ async def test_the_dashboard_names_the_member_and_its_decider(
 
         said = await asyncio.to_thread(snapshot)
         assert said["member"] == "us-a" and said["deciding"] is True
+        assert said["members"] == ["us-a"]
         assert said["decider"] == {
             "member": "us-a", "address": node.address, "term": node.replica.gate.term
         }  # fmt: skip
@@ -571,6 +572,8 @@ async def test_the_dashboard_names_the_member_and_its_decider(
         (MemberConfig("us-a", [], None), "member.etcd: no endpoint"),
         (MemberConfig("us-a", ["127.0.0.1:2379"], None, ttl_s=0), "member.ttl_s"),
         (MemberConfig("us-a", ["127.0.0.1:2379"], None, ttl_s=61), "member.ttl_s"),
+        (MemberConfig("us-a", ["127.0.0.1:2379"], None, initial=("us-a", "b c")), "initial"),
+        (MemberConfig("us-a", ["127.0.0.1:2379"], None, initial=("us-b",)), "leaves out"),
     ],
 )
 async def test_a_bad_member_configuration_is_refused_before_anything_opens(

@@ -192,18 +192,20 @@ class Dashboard:
         }
 
     def _membership(self) -> dict[str, Any]:
-        """At a member of a region of several: its name and the decider it knows."""
+        """At a member of a region of several: its name, the decider it knows and the
+        region's configured member set."""
         if self.member is None:
-            return {"member": "", "decider": None}
+            return {"member": "", "decider": None, "members": []}
         known = self.member.decider()
         decider = None if known is None else {
             "member": known.member, "address": known.address, "term": known.term
         }  # fmt: skip
-        return {"member": self.member.name, "decider": decider}
+        members = list(self.member.configured())
+        return {"member": self.member.name, "decider": decider, "members": members}
 
 
 def _peer(p: PeerStats) -> dict[str, Any]:
-    return {"region": p.region, "address": p.address, "reachable": p.reachable,
+    return {"region": p.region, "name": p.name, "address": p.address, "reachable": p.reachable,
             "lag_ms": p.lag_ms(), "divergence": p.divergence, "skew_alarms": p.skew_alarms,
             "last_error": p.last_error}  # fmt: skip
 

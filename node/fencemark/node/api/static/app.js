@@ -33,8 +33,9 @@ function line(id, values, top) {
 // member that does (or says none is known); any other node is catching up.
 function notDeciding(s) {
   if (!s.member) return "catching up: not deciding claims";
-  if (!s.decider) return `member ${s.member}: no decider known for its region`;
-  return `member ${s.member}: ${s.decider.member} decides (term ${s.decider.term})`;
+  const of = s.members.length ? ` (members ${s.members.join(", ")})` : "";
+  if (!s.decider) return `member ${s.member}: no decider known for its region${of}`;
+  return `member ${s.member}: ${s.decider.member} decides (term ${s.decider.term})${of}`;
 }
 
 function render(s) {
@@ -57,7 +58,7 @@ function render(s) {
   });
   fill("peers", s.peers, (row, p) => {
     if (!p.reachable || p.skew_alarms > 0) row.className = "bad";
-    cell(row, p.region);
+    cell(row, p.name);
     cell(row, p.reachable ? "yes" : `no${p.last_error ? ": " + p.last_error : ""}`);
     cell(row, seconds(p.lag_ms), "num");
     cell(row, p.divergence, "num");
