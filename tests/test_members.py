@@ -542,6 +542,34 @@ async def test_a_member_with_another_regions_certificate_never_decides(
         await intruder.stop(0)
 
 
+async def test_a_second_process_given_a_members_name_neither_registers_nor_campaigns(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two processes started with one ``--member`` name (a copied service definition):
+    the second finds the name registered, says so, and neither replicates as it nor
+    campaigns while the first runs; once the first has stopped, it takes the name."""
+    server, certs = etcd
+    first = await member(tmp_path, server, certs, "us-a")
+    second = await member(tmp_path / "copy", server, certs, "us-a")
+    try:
+        await one_decides([first])
+
+        async def said() -> bool:
+            return "member name us-a is registered by another process" in caplog.text
+
+        await eventually(said, "the second process saying the name is taken")
+        for _ in range(2 * TTL_S):
+            assert second.member is not None and second.member.campaign is not None
+            assert second.member.campaign.term == 0 and not second.replica.gate.deciding
+            assert first.replica.gate.deciding
+            await asyncio.sleep(0.5)
+        await first.stop(0)
+        await one_decides([second], within=3 * TTL_S)
+    finally:
+        await first.stop(0)
+        await second.stop(0)
+
+
 async def test_the_dashboard_names_the_member_and_its_decider(
     tmp_path: Path, etcd: tuple[EtcdServer, Path]
 ) -> None:

@@ -127,19 +127,26 @@ class PushResponse(_message.Message):
 
     MERGED_FIELD_NUMBER: _builtins.int
     UNCHANGED_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     merged: _builtins.int
     """States that changed the receiver's record."""
     unchanged: _builtins.int
-    """States the receiver already had (the merge changed nothing)."""
+    """States the receiver already had (the merge changed nothing), or refused."""
+    refused: _builtins.int
+    """Of those, the states the receiver refused to merge (an integrity rule, a
+    limit, a signer it does not know yet): it does not hold them. A member's
+    write counts a fellow member's acknowledgement only with none refused.
+    """
     def __init__(
         self,
         *,
         merged: _builtins.int = ...,
         unchanged: _builtins.int = ...,
+        refused: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["merged", b"merged", "unchanged", b"unchanged"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["merged", b"merged", "refused", b"refused", "unchanged", b"unchanged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

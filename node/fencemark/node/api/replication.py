@@ -192,7 +192,7 @@ class ReplicationService:
         states = list(request.states)
         records = decode_states(states)
         try:
-            merged = await merge_all(
+            merged, refused = await merge_all(
                 self.replica, self._sender(request.origin), records, peer, states=states
             )
         except ClockSkewed:
@@ -201,7 +201,9 @@ class ReplicationService:
             raise
         if peer is not None:
             peer.records_received += merged
-        response = replication_pb2.PushResponse(merged=merged, unchanged=len(records) - merged)
+        response = replication_pb2.PushResponse(
+            merged=merged, unchanged=len(records) - merged, refused=refused
+        )
         self._sent(peer, response.ByteSize())
         return response
 

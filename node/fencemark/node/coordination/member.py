@@ -93,6 +93,7 @@ class Member:
         self.caught_up_term = 0  # the term whose catch-up with a majority is done
         self._catch_up: Callable[[], Awaitable[None]] | None = None
         self._catching_up: asyncio.Task[None] | None = None
+        self._starting: asyncio.Task[None] | None = None
         gate.role = self  # from now on, and before the node listens: no decision until elected
 
     def start(
@@ -116,7 +117,7 @@ class Member:
             initial=self.config.initial,
         )
         self.registry.start()
-        self.campaign = Campaign(
+        campaign = self.campaign = Campaign(
             self.etcd,
             self.region,
             self.name,
@@ -125,12 +126,20 @@ class Member:
             on_term=self._new_term,
             on_stop=self._on_change,
         )
-        self.campaign.start()
+        registered = self.registry.registered
+
+        async def campaign_once_registered() -> None:
+            await registered.wait()  # a second process with this name never campaigns
+            campaign.start()
+
+        self._starting = asyncio.create_task(campaign_once_registered())
 
     async def stop(self) -> None:
         """Stop deciding, let the key go for a fast successor, close etcd's channels."""
         if self._catching_up is not None:
             self._catching_up.cancel()
+        if self._starting is not None:
+            self._starting.cancel()
         if self.campaign is not None:
             await self.campaign.stop()
         if self.registry is not None:

@@ -96,6 +96,10 @@ class Registry:
         self.configured: tuple[str, ...] = ()
         self._lease = 0
         self._task: asyncio.Task[None] | None = None
+        # Set once this member's entry is its own: a second process started with the
+        # same name waits, and does not campaign, while the first one's entry lives.
+        self.registered = asyncio.Event()
+        self.taken_by = ""  # the address of the other process holding this name
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"registry {self.region}")
@@ -127,10 +131,29 @@ class Registry:
             return
         if self.initial:
             await self.etcd.create(config_key(self.region), config_value(self.initial), 0)
+        if self._lease:
+            with contextlib.suppress(EtcdError):
+                await self.etcd.revoke(self._lease)
         self._lease, _ = await self.etcd.grant(self.ttl_s)
         said = {"address": self.me.address, "peer": self.me.peer_address}
         key = members_prefix(self.region) + self.me.name.encode()
-        await self.etcd.put(key, json.dumps(said).encode(), self._lease)
+        created = await self.etcd.create(key, json.dumps(said).encode(), self._lease)
+        if created.created:
+            self.taken_by = ""
+            self.registered.set()
+            return
+        other = created.entry.value.decode(errors="replace") if created.entry else "?"
+        if other != self.taken_by:
+            log.error(
+                "region %s: member name %s is registered by another process (%s): this"
+                " one neither replicates as it nor campaigns until that entry's lease"
+                " ends (this member's previous life, gone within a TTL; or two"
+                " processes given one --member)",
+                self.region, self.me.name, other,
+            )  # fmt: skip
+        self.taken_by = other
+        await self.etcd.revoke(self._lease)
+        self._lease = 0
 
     async def _read(self) -> None:
         config = await self.etcd.get(config_key(self.region))

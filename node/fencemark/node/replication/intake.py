@@ -53,9 +53,9 @@ async def merge_all(
     peer: PeerStats | None = None,
     *,
     states: Sequence[bytes] | None = None,
-) -> int:
+) -> tuple[int, int]:
     """Merge states sent by peer ``sender`` (its name: ``peers.peer_name``), after
-    the clock check; returns how many changed a record.
+    the clock check; returns how many changed a record, and how many were refused.
 
     ``states`` are the records' canonical encodings, as received (a record that
     the merge leaves equal to the received one is stored as is, not encoded
@@ -96,7 +96,7 @@ async def merge_all(
     by_key = {record.key: state for record, state in zip(records, encoded, strict=True)}
     for refusal in voided:
         await _refused(replica, sender, peer, refusal, by_key.get(refusal.key, b""))
-    return changed
+    return changed, len(refused)
 
 
 async def _refused(

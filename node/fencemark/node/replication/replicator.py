@@ -161,15 +161,16 @@ class Replicator(Rounds):
 
     async def push_to_member(self, member: str, states: list[bytes]) -> bool:
         """Push ``states`` to fellow member ``member`` now, outside its queue; True once
-        it holds them durably. A member not registered yet is waited for (the caller
-        bounds the wait); a failed call raises, as any push's (``replication.majority``)."""
+        it holds them durably, False if it refused any. A member not registered yet is
+        waited for (the caller bounds the wait); a failed call raises, as any push's
+        (``replication.majority``)."""
         name = f"{self.replica.region}/{member}"
         while (peer := self._peers.get(name)) is None:
             await self._members_changed.wait()
-        await self._push(peer, states)
+        refused = await self._push(peer, states)
         self._reached(peer)
         peer.answered()
-        return True
+        return refused == 0
 
     async def catch_up_with_majority(self, configured: Callable[[], tuple[str, ...]]) -> None:
         """Return once this member holds the states of a majority of its region's
@@ -251,21 +252,24 @@ class Replicator(Rounds):
 
     # -- calls ---------------------------------------------------------------------
 
-    async def _push(self, peer: PeerLink, states: Sequence[bytes]) -> None:
-        """Push states in batches bounded by count and bytes."""
+    async def _push(self, peer: PeerLink, states: Sequence[bytes]) -> int:
+        """Push states in batches bounded by count and bytes; how many the peer refused."""
         batch: list[bytes] = []
         size = 0
+        refused = 0
         for state in [*states, None]:
             if batch and (
                 state is None or len(batch) == MAX_STATES or size + len(state) > MAX_BATCH_BYTES
             ):
                 request = replication_pb2.PushRequest(origin=self._origin(), states=batch)
-                await self._call(peer, "Push", request, replication_pb2.PushResponse)
+                answer = await self._call(peer, "Push", request, replication_pb2.PushResponse)
                 peer.stats.records_sent += len(batch)
+                refused += answer.refused
                 batch, size = [], 0
             if state is not None:
                 batch.append(state)
                 size += len(state)
+        return refused
 
     # -- eager push ------------------------------------------------------------------
 

@@ -224,7 +224,7 @@ class Rounds:
                 records = decode_states(states)
                 # Merged first, counted after: ``count += await ...`` would read the
                 # count before the merge and lose a push's counted meanwhile.
-                merged = await merge_all(
+                merged, _ = await merge_all(
                     self.replica, peer.stats.name, records, peer.stats, states=states
                 )
                 peer.stats.records_received += merged
