@@ -185,6 +185,11 @@ async def test_a_state_holding_writes_the_file_forgot_is_seen_as_a_rollback(
     assert gate.forgets(granted("us", lost))
     assert not gate.forgets(granted("eu", lost)), "another region's grant"
     assert not gate.forgets(granted("us", life))
+    # At a member of a region of several, the region's other members grant too: only
+    # this node's own stamps prove its file lost writes (its grants carry one).
+    gate.role = Elected()
+    assert not gate.forgets(granted("us", lost)), "another member's grant"
+    assert gate.forgets(stamped(node_id, lost))
     await storage.close()
 
 
