@@ -715,6 +715,55 @@ async def test_a_grant_made_for_a_waiter_that_left_meanwhile_is_released(
         assert (after.ok, after.token) == (True, holder.token + 2)
 
 
+async def test_the_waiter_behind_one_that_left_while_granted_gets_the_claim_at_once(
+    tmp_path: Path,
+) -> None:
+    """The grant withdrawn from a head of the line that left wakes the line: the next
+    waiter is granted then, not when its own wait runs out."""
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        key = await made(claims, "left-then-next")
+        holder = await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        gone = await wait_in_line(claims, key, "gone", "")
+        behind = await wait_in_line(claims, key, "behind", "")
+        wall.arm(gone)
+        assert (await claims.release(key, holder.token, caller=ANYONE)).ok
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert not wall.armed, "premise: cancelled while its claim was decided"
+        async with asyncio.timeout(SOON):
+            granted = await behind
+        assert (granted.ok, granted.token) == (True, holder.token + 2)
+
+
+async def test_a_waiter_that_left_while_its_owners_claim_was_extended_leaves_it_held(
+    tmp_path: Path,
+) -> None:
+    """Two calls of one owner in line: the first is granted; the second, reaching the
+    head, only extends that live claim, and leaves just then. Nothing was granted for
+    it, so nothing is withdrawn: the owner's claim stays, with its attempt."""
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        key = await made(claims, "extended-then-left")
+        holder = await claims.claim(key, "holder", lease_seconds=LONG_LEASE, caller=ANYONE)
+        first = await wait_in_line(claims, key, "w", "")
+        second = await wait_in_line(claims, key, "w", "")
+        assert (await claims.release(key, holder.token, caller=ANYONE)).ok
+        async with asyncio.timeout(SOON):
+            granted = await first
+        assert granted.ok
+        wall.arm(second)
+        claims.wake(key)  # the second call looks again: the owner holds the live claim
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert not wall.armed, "premise: cancelled while its claim was decided"
+        status = await claims.status(key, caller=ANYONE)
+        assert status.holder is not None and status.holder.owner == "w"
+        assert status.fence == granted.token
+        found = await claims.replica.find(key)
+        assert found is not None and found.record.attempts == 2
+
+
 async def test_queue_depth_counts_the_claimers_waiting(client: AsyncClient) -> None:
     """SPEC §1 step 7: claim_status reports the queue depth while waiters wait."""
     key = await make(client, "depth")

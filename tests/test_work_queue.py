@@ -26,7 +26,7 @@ from fencemark.node.crdt import Stamp
 from fencemark.node.crdt.fence import Grant
 from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
 from fencemark.node.rules import queue
-from fencemark.node.rules.admission import ANYONE, Caller
+from fencemark.node.rules.admission import ANYONE, Caller, Outcome
 from fencemark.node.rules.errors import Denial, PermissionDenied, Reason
 from fencemark.node.rules.validation import DEFAULT_LEASE_S
 from fencemark.node.store.storage import DB_FILE, Storage
@@ -958,6 +958,61 @@ async def test_an_after_link_added_while_a_pick_waits_for_the_lock_is_honoured(
 async def _lock_users(claims: Claims, key: str, users: int) -> bool:
     held = claims.replica._locks._locks.get(key)
     return held is not None and held[1] == users
+
+
+async def test_a_claim_waiting_on_an_item_picked_for_a_caller_that_left_gets_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The item a ``ClaimNext`` picked for a caller that left is withdrawn and wakes the
+    line of the item itself: a ``Claim`` that found it claimed meanwhile, and sleeps
+    in line until that lease would lapse (``DEFAULT_LEASE_S``), is granted at once."""
+    assert DEFAULT_LEASE_S > SOON
+    wall = CancellingWall()
+    async with claims_on_file(tmp_path, wall) as claims:
+        work = WorkQueue(claims)
+        waiter = await asleep_at_the_head(work)
+        key = "repo/claims/mem/backlog/picked-then-left"
+        by_key: list[asyncio.Task[Outcome]] = []
+        withdraw = claims.withdraw
+
+        async def once_a_claim_sleeps_in_line(*args: Any, **kwargs: Any) -> Outcome:
+            # The pick is durable, its caller gone: a claim by key finds it claimed.
+            claim = claims.claim(key, "by-key", wait_seconds=WAIT, caller=ANYONE)
+            by_key.append(asyncio.create_task(claim))
+            await eventually(lambda: _queued(claims, key), "the claim by key in line")
+            await asyncio.sleep(0.05)  # its look at the head over: asleep until the lapse
+            return await withdraw(*args, **kwargs)
+
+        monkeypatch.setattr(claims, "withdraw", once_a_claim_sleeps_in_line)
+        wall.arm(waiter)  # cancelled by the clock read of its next pick
+        assert await made(claims, "picked-then-left") == key  # the head picks it
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not wall.armed and by_key, "premise: cancelled while its pick was made"
+        async with asyncio.timeout(SOON):
+            granted = await by_key[0]
+        assert (granted.ok, granted.token) == (True, 2), "after the withdrawn token 1"
+
+
+async def test_withdrawing_a_token_that_is_no_longer_the_live_claim_gives_nothing_back(
+    tmp_path: Path,
+) -> None:
+    """Only the live claim's grant is withdrawn: a token the fence has moved past (an
+    operator's force-release) answers as a plain release does and leaves the count
+    as it is, as does one already released."""
+    async with claims_on_file(tmp_path) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "superseded")
+        first = await claims.claim(key, "w", lease_seconds=LONG, caller=ANYONE)
+        await work.force_release(key, "stopped by hand", caller=ANYONE)
+        assert (await claims.withdraw(key, first.token, caller=ANYONE)).ok
+        found = await claims.replica.find(key)
+        assert found is not None and found.record.attempts == 1
+        second = await claims.claim(key, "w", lease_seconds=LONG, caller=ANYONE)
+        assert (await claims.release(key, second.token, caller=ANYONE)).ok
+        assert (await claims.withdraw(key, second.token, caller=ANYONE)).ok
+        found = await claims.replica.find(key)
+        assert found is not None and found.record.attempts == 2
 
 
 async def test_an_item_picked_for_a_waiter_that_left_stays_to_lapse_if_its_release_fails(
