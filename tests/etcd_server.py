@@ -26,7 +26,7 @@ from fencemark.node.security.tls import TlsFiles, init_dir
 from fencemark.node.tools.cli import main
 from fencemark.node.tools.ports import Ports
 from tests import components
-from tests.cluster import eventually
+from tests.cluster import eventually, shared_loop
 
 STARTUP_S = 30.0
 
@@ -162,6 +162,8 @@ def member_config(
         "data_dir": folder / name,
         "enable_writes": True,
         "grace_seconds": 0.2,
+        # In-process members share the test's event loop, whose stalls are not naps.
+        "replication": shared_loop(),
         "member": MemberConfig(
             name,
             [server.endpoint],

@@ -107,7 +107,7 @@ async def test_a_decider_killed_mid_claim_leaves_the_claim_with_its_holder(
     first = await decider_of(nodes, certs, within=15)
     others = {n: p for n, p in nodes.items() if n != first}
     entry = next(iter(others.values()))
-    async with client(entry, certs, timeout=10) as c:
+    async with client(entry, certs, timeout=30) as c:
         key = (await c.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
         held = await c.claim(key, "worker-a", lease_seconds=60)  # at the decider, redirected
         assert held.granted
@@ -128,7 +128,7 @@ async def test_a_paused_decider_that_wakes_decides_nothing_on_its_old_term(
     first = await decider_of(nodes, certs, within=15)
     others = {n: p for n, p in nodes.items() if n != first}
     entry = next(iter(others.values()))
-    async with client(entry, certs, timeout=10) as c:
+    async with client(entry, certs, timeout=30) as c:
         key = (await c.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
         with paused(nodes[first]):
             second = await decider_of(others, certs, within=4 * TTL_S + 5, other_than=first)
