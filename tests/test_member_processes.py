@@ -100,15 +100,26 @@ async def decider_of(
     return named.pop()
 
 
+async def elected(
+    nodes: dict[str, NodeProcess], certs: Path
+) -> tuple[str, dict[str, NodeProcess], NodeProcess]:
+    """The first decider, the other members, and one of them to send calls to."""
+    first = await decider_of(nodes, certs, within=15)
+    others = {n: p for n, p in nodes.items() if n != first}
+    return first, others, next(iter(others.values()))
+
+
+async def item(c: AsyncClient) -> str:
+    return (await c.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
+
+
 async def test_a_decider_killed_mid_claim_leaves_the_claim_with_its_holder(
     region: tuple[dict[str, NodeProcess], Path],
 ) -> None:
     nodes, certs = region
-    first = await decider_of(nodes, certs, within=15)
-    others = {n: p for n, p in nodes.items() if n != first}
-    entry = next(iter(others.values()))
+    first, others, entry = await elected(nodes, certs)
     async with client(entry, certs, timeout=30) as c:
-        key = (await c.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
+        key = await item(c)
         held = await c.claim(key, "worker-a", lease_seconds=60)  # at the decider, redirected
         assert held.granted
         await nodes[first].kill()  # no goodbye: its key stays until its lease runs out
@@ -125,24 +136,27 @@ async def test_a_paused_decider_that_wakes_decides_nothing_on_its_old_term(
     region: tuple[dict[str, NodeProcess], Path],
 ) -> None:
     nodes, certs = region
-    first = await decider_of(nodes, certs, within=15)
-    others = {n: p for n, p in nodes.items() if n != first}
-    entry = next(iter(others.values()))
-    async with client(entry, certs, timeout=30) as c:
-        key = (await c.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
+    first, others, entry = await elected(nodes, certs)
+    credentials = tls_credentials(certs, "alice")
+    async with (
+        client(entry, certs, timeout=30) as c,
+        grpc.aio.secure_channel(nodes[first].address, credentials) as to_first,
+    ):
+        key = await item(c)
+        stub = claims_pb2_grpc.ClaimsStub(to_first)
+        request = claims_pb2.ClaimRequest(key=key, owner="worker-c", lease_seconds=60)
         with paused(nodes[first]):
             second = await decider_of(others, certs, within=4 * TTL_S + 5, other_than=first)
             newer = await c.claim(key, "worker-b", lease_seconds=60)
             assert newer.granted
-        # Awake, with the claim request already on its socket before it can look at
-        # its lease clock: it grants nothing, on any term, and refuses as a member
-        # that does not decide.
-        credentials = tls_credentials(certs, "alice")
-        async with grpc.aio.secure_channel(nodes[first].address, credentials) as channel:
-            stub = claims_pb2_grpc.ClaimsStub(channel)
-            request = claims_pb2.ClaimRequest(key=key, owner="worker-c", lease_seconds=60)
-            with pytest.raises(grpc.RpcError) as refused:
-                await stub.Claim(request, timeout=10)
+            # A claim sent to it while it sleeps: on its socket when it wakes, before
+            # it can look at its lease clock.
+            waiting = stub.Claim(request, timeout=30)  # sent now: a call starts at once
+            await asyncio.sleep(0.5)
+        # Awake: it grants nothing, on any term, and refuses as a member that does not
+        # decide (or whose lease is in doubt).
+        with pytest.raises(grpc.RpcError) as refused:
+            await waiting
         said = from_rpc_error(refused.value)
         assert isinstance(said, NotDecider | Unavailable), said
         if isinstance(said, NotDecider):
@@ -151,7 +165,6 @@ async def test_a_paused_decider_that_wakes_decides_nothing_on_its_old_term(
         assert status.claim is not None
         assert (status.claim.owner, status.claim.fencing_token) == ("worker-b", newer.fencing_token)
         assert await decider_of(nodes, certs, within=4 * TTL_S + 5) == second
-        await asyncio.sleep(0)
 
 
 def test_operations_md_runs_a_region_of_three_and_changes_its_members_as_written(

@@ -103,8 +103,7 @@ def add_etcd_command(sub: Any) -> None:
         " region/REGION (the common name of that region's node certificates), then turn"
         " authentication on. Run once per etcd cluster, again to add regions.",
     )
-    restrict.add_argument("--etcd", required=True, help="HOST:PORT[,HOST:PORT...] (TLS)")
-    restrict.add_argument("--tls-dir", required=True, help="holds ca.pem and root.pem")
+    _reach_etcd(restrict, "holds ca.pem and root.pem")
     restrict.add_argument("--regions", required=True, help="comma-separated region names")
     restrict.set_defaults(func=cmd_etcd_restrict)
     members = what.add_parser(
@@ -115,10 +114,14 @@ def add_etcd_command(sub: Any) -> None:
         " --remove one (docs/operations.md, *Adding or removing a member*). Each change"
         " applies only to the set it read. Speaks as the region (DIR/REGION.pem).",
     )
-    members.add_argument("--etcd", required=True, help="HOST:PORT[,HOST:PORT...] (TLS)")
-    members.add_argument("--tls-dir", required=True, help="holds ca.pem and REGION.pem")
+    _reach_etcd(members, "holds ca.pem and REGION.pem")
     members.add_argument("--region", required=True)
     change = members.add_mutually_exclusive_group()
     change.add_argument("--add", default="", metavar="MEMBER")
     change.add_argument("--remove", default="", metavar="MEMBER")
     members.set_defaults(func=cmd_etcd_members)
+
+
+def _reach_etcd(parser: Any, holds: str) -> None:
+    parser.add_argument("--etcd", required=True, help="HOST:PORT[,HOST:PORT...] (TLS)")
+    parser.add_argument("--tls-dir", required=True, help=holds)
