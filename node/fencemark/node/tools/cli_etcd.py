@@ -9,24 +9,23 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from fencemark.node.security.tls import TlsFiles
 
 
 def cmd_etcd_restrict(args: argparse.Namespace) -> int:
     from fencemark.node.coordination.access import ROOT, restrict, user_of
     from fencemark.node.coordination.etcd import Etcd, EtcdError, parse_endpoints
-    from fencemark.node.security.tls import TlsFiles
 
     try:
         endpoints = parse_endpoints(args.etcd)
         regions = [validation.region(r.strip(), "--regions") for r in args.regions.split(",")]
-        tls = TlsFiles.in_dir(Path(args.tls_dir), ROOT)
-        for path in (tls.ca, tls.cert, tls.key):
-            if not path.is_file():
-                raise ValueError(f"--tls-dir: no {path} (fencemark certs etcd --root)")
+        tls = _tls_files(args.tls_dir, ROOT, "fencemark certs etcd --root")
     except (InvalidInput, ValueError) as exc:
         print(f"fencemark etcd: {exc}", file=sys.stderr)
         return 2
@@ -51,7 +50,6 @@ def cmd_etcd_restrict(args: argparse.Namespace) -> int:
 def cmd_etcd_members(args: argparse.Namespace) -> int:
     from fencemark.node.coordination.etcd import Etcd, EtcdError, parse_endpoints
     from fencemark.node.coordination.registry import change_members, config_key, parse_config
-    from fencemark.node.security.tls import TlsFiles
 
     try:
         endpoints = parse_endpoints(args.etcd)
@@ -59,10 +57,7 @@ def cmd_etcd_members(args: argparse.Namespace) -> int:
         for flag, name in (("--add", args.add), ("--remove", args.remove)):
             if name:
                 validation.region(name, flag)
-        tls = TlsFiles.in_dir(Path(args.tls_dir), region)
-        for path in (tls.ca, tls.cert, tls.key):
-            if not path.is_file():
-                raise ValueError(f"--tls-dir: no {path} (fencemark certs issue --region {region})")
+        tls = _tls_files(args.tls_dir, region, f"fencemark certs issue --region {region}")
     except (InvalidInput, ValueError) as exc:
         print(f"fencemark etcd: {exc}", file=sys.stderr)
         return 2
@@ -125,3 +120,14 @@ def add_etcd_command(sub: Any) -> None:
 def _reach_etcd(parser: Any, holds: str) -> None:
     parser.add_argument("--etcd", required=True, help="HOST:PORT[,HOST:PORT...] (TLS)")
     parser.add_argument("--tls-dir", required=True, help=holds)
+
+
+def _tls_files(tls_dir: str, name: str, makes_it: str) -> TlsFiles:
+    """``name``'s TLS files in ``tls_dir``; ValueError naming the one missing."""
+    from fencemark.node.security.tls import TlsFiles
+
+    tls = TlsFiles.in_dir(Path(tls_dir), name)
+    for path in (tls.ca, tls.cert, tls.key):
+        if not path.is_file():
+            raise ValueError(f"--tls-dir: no {path} ({makes_it})")
+    return tls
