@@ -285,13 +285,16 @@ def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
 async def test_a_caller_that_leaves_is_one_info_record_naming_its_call(
     node: NodeServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A claim that waits past its caller's deadline, and a watch its caller cancels."""
+    """A claim that waits past its caller's deadline, and a watch its caller cancels.
+    The claim's deadline (2 s) is long beside ``DEADLINE_SLACK_S``: its client cancels
+    it as the deadline passes, which the node, counting from the call's arrival, sees
+    a little before its own (a loaded machine once named it ``CANCELLED`` at 0.3 s)."""
     caplog.set_level(logging.DEBUG)
     async with grpc.aio.insecure_channel(node.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as gave_up:
             await claims_pb2_grpc.ClaimsStub(channel).ClaimNext(
                 claims_pb2.ClaimNextRequest(repo="m", topic="t", owner="w", wait_seconds=30),
-                timeout=0.3, metadata=((REQUEST_ID_METADATA, "left-waiting"),),
+                timeout=2.0, metadata=((REQUEST_ID_METADATA, "left-waiting"),),
             )  # fmt: skip
         assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         watch = records_pb2_grpc.RecordsStub(channel).Watch(
