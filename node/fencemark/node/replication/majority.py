@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Callable
 
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.rules.errors import NoMajority
-
-log = logging.getLogger(__name__)
 
 
 class Majority:
@@ -42,16 +39,15 @@ class Majority:
         self.member = member
         self.configured = configured  # the region's member set, as last read from etcd
         self.timeout_s = timeout_s
-        self.rounds = 0  # rounds of acknowledgements (one per group commit that needed one)
-        self.refused = 0  # ... that did not reach a majority
 
     async def acknowledge(self, states: list[bytes]) -> None:
         """Return once a majority of the region's members hold ``states`` durably;
         raise ``NoMajority`` if that is not so within ``timeout_s``."""
         names = self.configured()
-        self.rounds += 1
         if not names:
-            self._refuse(0, 0, 0, "the region's member set is not known yet (etcd not read)")
+            raise NoMajority(
+                self.region, 0, 0, 0, "the region's member set is not known yet (etcd not read)"
+            )
         needed = len(names) // 2 + 1
         acked = 1 if self.member in names else 0
         if acked >= needed:
@@ -74,8 +70,4 @@ class Majority:
         finally:
             for push in pushes:
                 push.cancel()
-        self._refuse(acked, needed, len(names), why)
-
-    def _refuse(self, acked: int, needed: int, members: int, why: str) -> None:
-        self.refused += 1
-        raise NoMajority(self.region, acked, needed, members, why)
+        raise NoMajority(self.region, acked, needed, len(names), why)
