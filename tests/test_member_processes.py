@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -206,9 +205,6 @@ def test_operations_md_runs_a_region_of_three_and_changes_its_members_as_written
                 raise AssertionError(f"{what} did not happen within {within} s: {logs}")
             time.sleep(0.2)
 
-    def etcd_answers() -> None:
-        until("etcd answering", lambda: _connects(etcd_client))
-
     def region_up() -> None:
         def settled() -> bool:
             said = ask("status", "--targets", f"127.0.0.1:{members['7401']}",
@@ -233,7 +229,7 @@ def test_operations_md_runs_a_region_of_three_and_changes_its_members_as_written
         subs = Substitutions({"2379": str(etcd_client), "2380": str(etcd_peer), **members})
         run_steps(
             shell, steps, subs,
-            before={"etcd/restrict": etcd_answers, "members/status": region_up,
+            before={"members/status": region_up,
                     "members/add": caught_up},
         )  # fmt: skip
         said = ask("etcd", "members", "--etcd", endpoint, "--tls-dir", str(certs),
@@ -242,9 +238,3 @@ def test_operations_md_runs_a_region_of_three_and_changes_its_members_as_written
     finally:
         shell.close()
         ports.close()
-
-
-def _connects(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
-        return True
-    return False

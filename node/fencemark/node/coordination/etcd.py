@@ -3,8 +3,8 @@
 etcd's API is gRPC: this module speaks it with the message and stub classes of the
 ``aetcd`` package (``aetcd.rpc``, generated from etcd's own ``.proto`` files) over a
 ``grpc.aio`` channel of our own. ``aetcd``'s client opens plaintext channels only, and
-a region's members must reach etcd with client certificates (docs/spec.md §10 is to
-come; docs/security.md): the stubs are what we need of it, gRPC does the rest —
+a region's members must reach etcd with client certificates (docs/spec.md §10;
+docs/security.md): the stubs are what we need of it, gRPC does the rest —
 TLS, deadlines, keepalives.
 
 Several endpoints are tried in turn: a call that finds one unavailable goes to the
@@ -193,6 +193,24 @@ class Etcd:
         reply = await self.call(rpc.KVStub, "Txn", request)
         kvs = reply.responses[-1].response_range.kvs
         return Created(bool(reply.succeeded), entry_of(kvs[0]) if kvs else None)
+
+    async def answering(self, key: bytes, within_s: float) -> None:
+        """Return once an endpoint answers a read of ``key``, trying again for up to
+        ``within_s`` seconds: an etcd just started listens before it has elected a
+        leader, and answers nothing meanwhile. A refusal is an answer too (the call
+        that follows reports it). EtcdError when none answered in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while True:
+            try:
+                await self.get(key)
+                return
+            except EtcdError as exc:
+                if exc.code not in ENDPOINT_FAULTS:
+                    return
+                if loop.time() >= deadline:
+                    raise EtcdError(f"{exc} (tried for {within_s:g} s)", exc.code) from exc
+            await asyncio.sleep(0.1)
 
     async def get(self, key: bytes) -> Entry | None:
         reply = await self.call(rpc.KVStub, "Range", rpc.RangeRequest(key=key))

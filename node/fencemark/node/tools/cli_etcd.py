@@ -17,6 +17,9 @@ from fencemark.node.rules.errors import InvalidInput
 if TYPE_CHECKING:
     from fencemark.node.security.tls import TlsFiles
 
+WAIT_S = 30.0  # an etcd just started: how long its first answer may take
+MAX_WAIT_S = 3600.0
+
 
 def cmd_etcd_restrict(args: argparse.Namespace) -> int:
     from fencemark.node.coordination.access import ROOT, restrict, user_of
@@ -26,6 +29,7 @@ def cmd_etcd_restrict(args: argparse.Namespace) -> int:
         endpoints = parse_endpoints(args.etcd)
         regions = [validation.region(r.strip(), "--regions") for r in args.regions.split(",")]
         tls = _tls_files(args.tls_dir, ROOT, "fencemark certs etcd --root")
+        _check_wait(args.wait)
     except (InvalidInput, ValueError) as exc:
         print(f"fencemark etcd: {exc}", file=sys.stderr)
         return 2
@@ -33,6 +37,7 @@ def cmd_etcd_restrict(args: argparse.Namespace) -> int:
     async def run() -> None:
         etcd = Etcd(endpoints, tls)
         try:
+            await etcd.answering(b"/fencemark/", args.wait)
             await restrict(etcd, regions)
         finally:
             await etcd.close()
@@ -58,6 +63,7 @@ def cmd_etcd_members(args: argparse.Namespace) -> int:
             if name:
                 validation.region(name, flag)
         tls = _tls_files(args.tls_dir, region, f"fencemark certs issue --region {region}")
+        _check_wait(args.wait)
     except (InvalidInput, ValueError) as exc:
         print(f"fencemark etcd: {exc}", file=sys.stderr)
         return 2
@@ -65,6 +71,7 @@ def cmd_etcd_members(args: argparse.Namespace) -> int:
     async def run() -> tuple[str, ...]:
         etcd = Etcd(endpoints, tls)
         try:
+            await etcd.answering(config_key(region), args.wait)
             if args.add or args.remove:
                 return await change_members(etcd, region, add=args.add, remove=args.remove)
             entry = await etcd.get(config_key(region))
@@ -120,6 +127,19 @@ def add_etcd_command(sub: Any) -> None:
 def _reach_etcd(parser: Any, holds: str) -> None:
     parser.add_argument("--etcd", required=True, help="HOST:PORT[,HOST:PORT...] (TLS)")
     parser.add_argument("--tls-dir", required=True, help=holds)
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=WAIT_S,
+        metavar="SECONDS",
+        help="how long to wait for etcd to answer (one just started elects its leader"
+        f" first; default {WAIT_S:g})",
+    )
+
+
+def _check_wait(seconds: float) -> None:
+    if not 0 <= seconds <= MAX_WAIT_S:
+        raise ValueError(f"--wait: 0 to {MAX_WAIT_S:g} seconds, got {seconds:g}")
 
 
 def _tls_files(tls_dir: str, name: str, makes_it: str) -> TlsFiles:
