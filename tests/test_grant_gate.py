@@ -114,6 +114,35 @@ async def written_file(db: Path) -> tuple[str, int]:
 KEY = "repo/r/mem/t/item"
 
 
+async def test_a_member_that_does_not_decide_redirects_while_it_catches_up_or_settles(
+    tmp_path: Path,
+) -> None:
+    """A restarted member, or one on a new file, that is not the decider sends a
+    deciding call on to the decider at once: its own settling or catch-up concerns
+    only what it decides itself. Once it decides, its own state speaks first."""
+    storage = await Storage.open(tmp_path / DB_FILE)
+    gate = GrantGate(storage, HybridClock(), region="us")
+    role = Elected()
+    gate.role = role
+    assert gate.owed
+    with pytest.raises(NotDecider):
+        gate.check()
+    role.now = 3
+    with pytest.raises(NotServing, match="catching up"):
+        gate.check()
+    await storage.close()
+    settling, gate = await restarted(tmp_path / "restarted" / DB_FILE)
+    role.now = 0
+    gate.role = role
+    assert gate.starting
+    with pytest.raises(NotDecider):
+        gate.check()
+    role.now = 3
+    with pytest.raises(NotServing, match="just started"):
+        gate.check()
+    await settling.close()
+
+
 async def restarted(
     db: Path, monotonic: Callable[[], float] = time.monotonic
 ) -> tuple[Storage, GrantGate]:

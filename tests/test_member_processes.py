@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -129,6 +130,45 @@ async def test_a_decider_killed_mid_claim_leaves_the_claim_with_its_holder(
         assert (await c.release_claim(key, held.fencing_token)).released
         again = await c.claim(key, "worker-b", lease_seconds=60)
         assert again.granted and again.fencing_token > held.fencing_token
+
+
+async def test_a_decider_killed_with_its_disk_lost_catches_up_before_it_counts(
+    region: tuple[dict[str, NodeProcess], Path],
+) -> None:
+    """kill -9 of the decider, and its data directory destroyed: another member
+    decides, and the claim stays its holder's. Started again on an empty directory,
+    the member owes a catch-up until it holds what the two others hold; then it
+    counts — once the second decider is killed too, the third decider, elected
+    with it, still holds the claim as renewed at the second."""
+    nodes, certs = region
+    first, others, entry = await elected(nodes, certs)
+    async with client(entry, certs, timeout=30) as c:
+        key = await item(c)
+        held = await c.claim(key, "worker-a", lease_seconds=60)
+        assert held.granted
+    lost = nodes[first]
+    await lost.kill()
+    second = await decider_of(others, certs, within=4 * TTL_S + 5, other_than=first)
+    await asyncio.to_thread(shutil.rmtree, lost.data_dir)  # its disk, gone with it
+    nodes[first] = back = await NodeProcess.start(
+        lost.data_dir, region="us", tls_dir=certs, extra_args=lost.extra_args
+    )
+    async with client(back, certs, timeout=30) as c:
+        renewed = await c.renew_claim(key, held.fencing_token, lease_seconds=60)
+        assert renewed.renewed, "a failover is invisible to the holder"
+
+        async def caught_up() -> bool:
+            info = await c.info()
+            return not info.owes_catch_up and info.decider is not None
+
+        await eventually(caught_up, f"{first} catching up on its empty disk", within=30)
+        await nodes[second].kill()
+        rest = {n: p for n, p in nodes.items() if n != second}
+        await decider_of(rest, certs, within=4 * TTL_S + 5, other_than=second)
+        again = await c.renew_claim(key, held.fencing_token, lease_seconds=60)
+        assert again.renewed, "the renewal acknowledged before is in the third term's hands"
+        refused = await c.claim(key, "worker-b", lease_seconds=60)
+        assert not refused.granted
 
 
 async def test_a_paused_decider_that_wakes_decides_nothing_on_its_old_term(

@@ -282,6 +282,7 @@ def node_info_from_proto(message: node_pb2.InfoResponse) -> NodeInfo:
         now=to_datetime(message.now, message.HasField("now")),
         member=message.member,
         members=tuple(message.members),
+        owes_catch_up=message.owes_catch_up,
         decider=(
             DeciderInfo(message.decider.member, message.decider.address, message.decider.term)
             if message.HasField("decider")

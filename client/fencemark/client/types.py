@@ -257,3 +257,6 @@ class NodeInfo:
     member: str = ""
     decider: DeciderInfo | None = None
     members: tuple[str, ...] = ()  # the region's configured member set, as it last read it
+    # Its file is new, emptied or restored and it has not caught up yet: it may lack
+    # what it acknowledged before (a member counts for no majority's states meanwhile).
+    owes_catch_up: bool = False

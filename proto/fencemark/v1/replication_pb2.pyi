@@ -200,10 +200,17 @@ class TreeResponse(_message.Message):
 
     HASHES_FIELD_NUMBER: _builtins.int
     COUNTS_FIELD_NUMBER: _builtins.int
+    OWED_FIELD_NUMBER: _builtins.int
     hashes: _builtins.bytes
     """At level 0 the root's 16-byte hash. Below it the 4-byte check value of
     every node asked about, concatenated in order: BLAKE2b with a 4-byte digest
     of the node's 16-byte hash followed by the request's salt.
+    """
+    owed: _builtins.bool
+    """At level 0: the answering node may lack writes it acknowledged before (its
+    data file is new, emptied or restored, it has not caught up since, and at a
+    member its name served before). A member's round with it counts towards no
+    majority's states (docs/consistency.md, *A region of several members*).
     """
     @_builtins.property
     def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -216,10 +223,11 @@ class TreeResponse(_message.Message):
         *,
         hashes: _builtins.bytes = ...,
         counts: _abc.Iterable[_builtins.int] | None = ...,
+        owed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "hashes", b"hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "hashes", b"hashes", "owed", b"owed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -208,15 +208,18 @@ async def replication(
     the node has caught up."""
     replica = core.replica
     peers = _peers(config, tls, replica)
-    if not peers:
-        await replica.gate.caught_up()  # nobody to learn from
+    if not peers and config.member is None:
+        await replica.gate.caught_up()  # nobody to learn from (a member's come from etcd)
     if config.start_wait_s <= 0:
         replica.gate.waited()  # a restart decides at once, on its era of tokens
 
     async def caught_up() -> None:
         await replica.gate.caught_up()
+        if member is not None:
+            member.file_caught_up()  # it may campaign now
         await serve_claims(health, replica)
 
+    member: Member | None = None
     catching_up = replica.gate.owed or replica.gate.starting
     replicator = Replicator(
         replica,
@@ -232,11 +235,11 @@ async def replication(
     )
     lives = Lives(config.max_clock_offset_ms, config.replication.twin_forget_s)
     gate = GateFollower(replica, replicator, health, config.start_wait_s)
-    member = None
     if config.member is not None:
         member = Member(config.member, config.region, replica.gate,
                         max_clock_offset_ms=config.max_clock_offset_ms,
                         on_change=gate.decider_changed)  # fmt: skip
+        replicator.configured = member.configured  # a member's catch-up counts a majority
         majority = Majority(replicator, config.region, config.member.name, member.configured,
                             timeout_s=config.member.ttl_s)  # fmt: skip
         core.storage.acknowledge = majority.acknowledge
@@ -391,6 +394,7 @@ def _servicers(
             authenticate=config.tls is not None,
             max_list_records=config.max_list_records,
             lives=peering.lives,
+            lacks_acknowledged=replicator.lacks_acknowledged,
         ),
     }
 

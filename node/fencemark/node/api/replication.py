@@ -75,6 +75,7 @@ class ReplicationService:
         authenticate: bool = False,
         max_list_records: int = MAX_LIST_RECORDS,
         lives: Lives | None = None,
+        lacks_acknowledged: Callable[[], bool] | None = None,
     ) -> None:
         self.replica = replica  # merges go through it (admission, integrity) ...
         self.storage = storage  # ... the digest tree and states are read straight
@@ -88,6 +89,8 @@ class ReplicationService:
         self.authenticate = authenticate
         # The recent lives of each calling node id: two at once are twins, refused.
         self.lives = lives
+        # Replicator.lacks_acknowledged: said in Tree answers (a lost disk owes it all).
+        self.lacks_acknowledged = lacks_acknowledged or (lambda: replica.gate.owed)
 
     def _sender(self, origin: replication_pb2.Origin) -> str:
         """The calling peer's name (``peers.peer_name``)."""
@@ -231,7 +234,8 @@ class ReplicationService:
                 )
             nodes = [c for p in request.parents for c in children(request.level - 1, p)]
         if request.level == 0:  # the root's count would make in-sync rounds grow with it
-            response = replication_pb2.TreeResponse(hashes=tree.root)
+            owed = self.lacks_acknowledged()  # a member counts no majority's states here
+            response = replication_pb2.TreeResponse(hashes=tree.root, owed=owed)
         else:
             response = replication_pb2.TreeResponse(
                 hashes=tree.checks(request.level, nodes, request.salt),

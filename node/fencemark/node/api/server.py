@@ -159,6 +159,7 @@ class NodeServer:
                 peer_address or address,
                 self._members_changed,
                 lambda: self.replicator.catch_up_with_majority(member.configured),
+                self.replicator.first_life,
             )
         if config.dashboard_listen:
             self._dashboard = Dashboard(

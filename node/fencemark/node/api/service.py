@@ -451,6 +451,7 @@ class NodeService:
             member=self.member.name if self.member is not None else "",
             decider=self._decider(),
             members=self.member.configured() if self.member is not None else (),
+            owes_catch_up=self.replica.gate.owed,
         )
 
     def _decider(self) -> node_pb2.DeciderInfo | None:

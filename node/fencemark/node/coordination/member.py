@@ -8,12 +8,14 @@ campaign holds the key and its lease clock runs (``decider.Campaign.deciding``),
 decides in the key's term — once it has caught up: at the start of each term it holds
 the states of a majority of the region's members (a complete anti-entropy round with
 enough of them, ``catch_up``) before its first decision, so every acknowledged grant,
-renewal and release of an earlier term is in its hands. Each new term starts an era
-of tokens above every earlier term's (``GrantGate.new_term``), acknowledged or not.
-Otherwise a deciding call is refused: with a redirect naming the decider's address
-when another member holds the key (``NotDecider``), else ``NotServing`` with a retry
-hint of one lease time — an election or a catch-up under way, etcd unreachable, or
-this member's own lease in doubt.
+renewal and release of an earlier term is in its hands. A member whose file may lack
+what it acknowledged (new, emptied or restored, under a name that served before)
+counts for none of them, and campaigns only once it has caught up itself. Each new
+term starts an era of tokens above every earlier term's (``GrantGate.new_term``),
+acknowledged or not. Otherwise a deciding call is refused: with a redirect naming
+the decider's address when another member holds the key (``NotDecider``), else
+``NotServing`` with a retry hint of one lease time — an election or a catch-up under
+way, etcd unreachable, or this member's own lease in doubt.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class Member:
         self._catch_up: Callable[[], Awaitable[None]] | None = None
         self._catching_up: asyncio.Task[None] | None = None
         self._starting: asyncio.Task[None] | None = None
+        # Set once the file owes no catch-up (``file_caught_up``): a member campaigns then.
+        self._file_caught_up = asyncio.Event()
+        if not gate.owed:
+            self._file_caught_up.set()
         gate.role = self  # from now on, and before the node listens: no decision until elected
 
     def start(
@@ -102,11 +108,15 @@ class Member:
         peer_address: str,
         on_members: Callable[[Mapping[str, Registered]], Awaitable[None]],
         catch_up: Callable[[], Awaitable[None]],
+        first_life: Callable[[], Awaitable[None]],
     ) -> None:
         """Register (clients reach this member at ``address``, its fellow members at
         ``peer_address``) and campaign; ``on_members`` hears of the other members
         each time they change; ``catch_up`` returns once this member holds the states
-        of a majority of them (awaited at the start of each term)."""
+        of a majority of them (awaited at the start of each term). A member on a new,
+        emptied or restored file campaigns only once it has caught up; when its name
+        serves for the first time (``Registry.first_life``) it acknowledged nothing
+        before, and says so (``first_life``)."""
         self._catch_up = catch_up
         self.registry = Registry(
             self.etcd,
@@ -126,13 +136,27 @@ class Member:
             on_term=self._new_term,
             on_stop=self._on_change,
         )
-        registered = self.registry.registered
+        registry, gate = self.registry, self._gate
 
         async def campaign_once_registered() -> None:
-            await registered.wait()  # a second process with this name never campaigns
+            await registry.registered.wait()  # a second process with this name never does
+            if registry.first_life:
+                await first_life()
+            elif gate.owed:
+                log.warning(
+                    "region %s: member %s starts on a new, emptied or restored file:"
+                    " it catches up with a majority of its fellow members before it"
+                    " campaigns, and counts for no majority's states until then",
+                    self.region, self.name,
+                )  # fmt: skip
+            await self._file_caught_up.wait()
             campaign.start()
 
         self._starting = asyncio.create_task(campaign_once_registered())
+
+    def file_caught_up(self) -> None:
+        """This member's file owes no catch-up any more (``GrantGate.caught_up``)."""
+        self._file_caught_up.set()
 
     async def stop(self) -> None:
         """Stop deciding, let the key go for a fast successor, close etcd's channels."""

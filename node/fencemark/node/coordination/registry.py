@@ -17,6 +17,13 @@ on the revision it read. A registered member outside the set is a *learner*: it
 replicates with the others and catches up, but its acknowledgement counts for no
 majority until it is added.
 
+A member's name, once it has served, is known for good:
+``/fencemark/regions/R/known/NAME``, created (with no lease) before its first entry.
+Its first process, on whatever file, acknowledged nothing before: a new file
+there lacks nothing it acknowledged (``first_life``). A later process on a new,
+emptied or restored file may: it owes a catch-up with a majority of the others
+before it counts as holding what it acknowledged (docs/consistency.md).
+
 Only a region's members can write under its prefix (``coordination.access``), so an
 entry names a process that holds a certificate of the region. What an entry says
 is only where to replicate: the replication calls themselves are checked against
@@ -44,6 +51,10 @@ def members_prefix(region: str) -> bytes:
 
 def config_key(region: str) -> bytes:
     return KEY_PREFIX + region.encode() + b"/config"
+
+
+def known_key(region: str, name: str) -> bytes:
+    return KEY_PREFIX + region.encode() + b"/known/" + name.encode()
 
 
 def parse_config(value: bytes) -> tuple[str, ...]:
@@ -100,6 +111,9 @@ class Registry:
         # same name waits, and does not campaign, while the first one's entry lives.
         self.registered = asyncio.Event()
         self.taken_by = ""  # the address of the other process holding this name
+        # Whether this process is the first ever to serve under this name (None until
+        # etcd said, before the first entry): it acknowledged nothing before.
+        self.first_life: bool | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"registry {self.region}")
@@ -131,6 +145,9 @@ class Registry:
             return
         if self.initial:
             await self.etcd.create(config_key(self.region), config_value(self.initial), 0)
+        if self.first_life is None:
+            known = await self.etcd.create(known_key(self.region, self.me.name), b"", 0)
+            self.first_life = known.created
         if self._lease:
             with contextlib.suppress(EtcdError):
                 await self.etcd.revoke(self._lease)

@@ -263,8 +263,12 @@ class GrantGate:
         """Raise :class:`NotServing` while catch-up is owed, or while a restarted (or
         napping: ``tick``) node waits for its first round with each peer; and, at a
         member of a region of several, unless it is the region's decider now
-        (``Role.check``)."""
+        (``Role.check``). A member that does not decide says so first — a redirect
+        to the decider, or that nobody decides — whatever its own file owes: the
+        call is not its to decide."""
         self.tick()
+        if self.role is not None and not self.role.term():
+            self.role.check()
         if self.owed:
             raise NotServing(
                 "this node is catching up with its peers after starting on a new or"

@@ -29,6 +29,9 @@ class PeerLink:
         self.backlog: dict[str, None] = {}  # an ordered set of keys to push
         self.pushing = False  # a batch is in flight ...
         self.fetched: set[str] = set()  # ... and the peer fetched these meanwhile
+        # A fellow member's: keys whose state just committed here it acknowledged
+        # already (``Replicator.held_by``): their eager push is not sent.
+        self.delivered: set[str] = set()
         self.wake = asyncio.Event()
         self.retry_at = 0.0
         self.behind_until = 0.0  # no rounds with it before: it was behind, and pulls

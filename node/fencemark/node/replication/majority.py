@@ -21,6 +21,7 @@ import contextlib
 from collections.abc import Callable
 
 from fencemark.node.replication.replicator import Replicator
+from fencemark.node.rules import quorum
 from fencemark.node.rules.errors import NoMajority
 
 
@@ -40,29 +41,36 @@ class Majority:
         self.configured = configured  # the region's member set, as last read from etcd
         self.timeout_s = timeout_s
 
-    async def acknowledge(self, states: list[bytes]) -> None:
-        """Return once a majority of the region's members hold ``states`` durably;
-        raise ``NoMajority`` if that is not so within ``timeout_s``."""
+    async def acknowledge(self, keys: list[str], states: list[bytes]) -> None:
+        """Return once a majority of the region's members hold ``states`` (of
+        ``keys``) durably; raise ``NoMajority`` if that is not so within
+        ``timeout_s``. A member that acknowledged them is not sent them again by the
+        eager push that follows their commit (``Replicator.held_by``)."""
         names = self.configured()
         if not names:
             raise NoMajority(
                 self.region, 0, 0, 0, "the region's member set is not known yet (etcd not read)"
             )
-        needed = len(names) // 2 + 1
-        acked = 1 if self.member in names else 0
-        if acked >= needed:
+        holders = {self.member}  # durable here before this is called
+        if quorum.acknowledged(names, holders):
             return
         fellows = [name for name in names if name != self.member]
-        pushes = [
-            asyncio.create_task(self.replicator.push_to_member(name, states)) for name in fellows
-        ]
+
+        async def push_to(name: str) -> str:
+            """``name`` once it holds the states; "" if it refused any."""
+            if not await self.replicator.push_to_member(name, states):
+                return ""
+            self.replicator.held_by(name, keys)
+            return name
+
+        pushes = [asyncio.create_task(push_to(name)) for name in fellows]
         why = f"no majority within {self.timeout_s:g} s"
         try:
             async with asyncio.timeout(self.timeout_s):
-                for push in asyncio.as_completed(pushes):
+                for answer in asyncio.as_completed(pushes):
                     with contextlib.suppress(Exception):  # unreachable, refused: not acked
-                        acked += await push
-                    if acked >= needed:
+                        holders.add(await answer)
+                    if quorum.acknowledged(names, holders):
                         return
             why = "too few members answered"
         except TimeoutError:
@@ -70,4 +78,5 @@ class Majority:
         finally:
             for push in pushes:
                 push.cancel()
-        raise NoMajority(self.region, acked, needed, len(names), why)
+        acked = len(holders & set(names))
+        raise NoMajority(self.region, acked, quorum.majority(len(names)), len(names), why)

@@ -28,7 +28,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 import grpc
 
@@ -44,6 +44,7 @@ from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.replication.rounds import RoundResult, Rounds
 from fencemark.node.replication.tuning import Tuning
+from fencemark.node.rules import quorum
 from fencemark.node.rules.errors import ClockSkewed
 from fencemark.node.rules.validation import MAX_RECORD_BYTES
 from fencemark.node.security.tls_reload import LiveTls
@@ -51,6 +52,11 @@ from fencemark.node.store.storage import Storage
 from fencemark.v1 import replication_pb2
 
 log = logging.getLogger(__name__)
+
+
+# A fellow member that may lack what it acknowledged (``Tree`` said ``owed``): how
+# long a member catching up waits before asking it again.
+OWED_PEER_PAUSE_S = 0.25
 
 
 class Replicator(Rounds):
@@ -87,6 +93,13 @@ class Replicator(Rounds):
         self._started = False
         self._members_changed = asyncio.Event()  # set, and replaced, by set_members
         self._synced: set[str] = set()  # while catching up: peers that gave a complete round
+        # A member's region's configured member set (``Member.configured``); () for a
+        # region's only node. A member catching up counts a majority of it.
+        self.configured: Callable[[], tuple[str, ...]] = tuple
+        # Fellow members whose last complete round said they may lack what they
+        # acknowledged: not asked again before then (name -> monotonic time).
+        self._owed_peers: dict[str, float] = {}
+        self._first_life = False  # a member whose name serves for the first time
         # A restarted node counts a peer's round only once the peer has had time to
         # hear any other live process with this node id (a twin): ``_settled``.
         self.settle_s = (
@@ -172,12 +185,23 @@ class Replicator(Rounds):
         peer.answered()
         return refused == 0
 
+    def held_by(self, member: str, keys: Sequence[str]) -> None:
+        """Fellow member ``member`` acknowledged the states of ``keys`` as just
+        committed here (``replication.majority``): the eager push that follows their
+        commit (``_enqueue``) would send them again, so it skips them once."""
+        peer = self._peers.get(f"{self.replica.region}/{member}")
+        if peer is not None:
+            peer.delivered.update(keys)
+
     async def catch_up_with_majority(self, configured: Callable[[], tuple[str, ...]]) -> None:
         """Return once this member holds the states of a majority of its region's
-        configured members (``configured()``, itself counted if it is one): a complete
-        round with enough of the others, each begun after this call (a new decider's
-        catch-up, SPEC §10). Rounds with every other member run at once, so one that
-        is paused or cut off holds up nothing; members not registered are waited for."""
+        configured members (``configured()``, itself counted if it is one and owes no
+        catch-up): a complete round with enough of the others, each begun after this
+        call (a new decider's catch-up, SPEC §10). A member that owes a catch-up
+        itself (a new, emptied or restored file) may lack what it acknowledged: its
+        rounds count for nothing (``rules.quorum``). Rounds with every other
+        member run at once, so one that is paused or cut off holds up nothing;
+        members not registered are waited for."""
         done: set[str] = set()
         rounds: dict[str, asyncio.Task[None]] = {}
 
@@ -188,19 +212,22 @@ class Replicator(Rounds):
                 if peer is None:
                     await self._members_changed.wait()
                     continue
+                pause = 0.05
                 try:
-                    if (await self.sync_round(peer)).complete:
+                    result = await self.sync_round(peer)
+                    if result.complete and not result.peer_owed:
                         done.add(member)
                         return
+                    if result.peer_owed:
+                        pause = OWED_PEER_PAUSE_S  # until it has caught up itself
                 except Exception as exc:  # unreachable, refused: try again, others may do
                     log.debug("catching up with %s: %r", member, exc)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(pause)
 
         try:
             while True:
                 names = configured()
-                needed = len(names) // 2 + 1 - (self.member in names)
-                if names and len(done & set(names)) >= needed:
+                if self._holds_majority(names, done):
                     return
                 for member in names:
                     if member != self.member and member not in rounds:
@@ -211,11 +238,50 @@ class Replicator(Rounds):
                 task.cancel()
             await asyncio.gather(*rounds.values(), return_exceptions=True)
 
+    def lacks_acknowledged(self) -> bool:
+        """Whether this node's file may lack writes it acknowledged: it owes a
+        catch-up (a new, emptied or restored file) and, at a member, its name served
+        before (``first_life``). Its ``Tree`` answers say so: a member counts no
+        round with it towards a majority's states."""
+        return self.replica.gate.owed and not self._first_life
+
+    async def first_life(self) -> None:
+        """This member's name serves for the first time (etcd never saw it): it
+        acknowledged nothing before, so it counts as holding all it acknowledged.
+        It still catches up before it decides, as a majority of its fellow members'
+        states and every other region's peer are its to learn."""
+        self._first_life = True
+        if self.catching_up and self.replica.gate.owed and self._pass_complete():
+            await self._caught_up(self._synced)
+
+    def _holds_majority(self, names: tuple[str, ...], rounds_with: Collection[str]) -> bool:
+        """Whether complete rounds with the fellow members ``rounds_with`` (each
+        holding all it acknowledged) give this member a majority's states of the
+        configured set ``names``, itself counted unless its file may lack what it
+        acknowledged (``rules.quorum``)."""
+        intact = not self.lacks_acknowledged()
+        return quorum.holds_majority(names, self.member, intact=intact, rounds_with=rounds_with)
+
+    def _pass_complete(self) -> bool:
+        """Whether the rounds counted so far end this node's catch-up: one complete
+        round with every peer — for a member, with every peer of another region and
+        with enough fellow members, each owing no catch-up, to hold a majority's
+        states (``_holds_majority``)."""
+        if not self.member:
+            return set(self._peers) <= self._synced
+        others = {name for name, peer in self._peers.items() if not peer.stats.member}
+        if not others <= self._synced:
+            return False
+        prefix = f"{self.replica.region}/"
+        fellows = {name.removeprefix(prefix) for name in self._synced if name.startswith(prefix)}
+        return self._holds_majority(self.configured(), fellows)
+
     async def _drop(self, name: str) -> None:
         peer = self._peers.pop(name)
         self._stats.pop(name, None)
         self._synced.discard(name)
         self._settling.pop(name, None)
+        self._owed_peers.pop(name, None)
         tasks = self._peer_tasks.pop(name, [])
         for task in tasks:
             task.cancel()
@@ -283,6 +349,9 @@ class Replicator(Rounds):
             self._queue(peer, key)
 
     def _queue(self, peer: PeerLink, key: str) -> None:
+        if peer.delivered and key in peer.delivered:
+            peer.delivered.discard(key)  # the majority round carried this commit there
+            return
         if not peer.pushes_allowed() or peer.unreachable():
             return
         if key in peer.backlog or len(peer.backlog) < self.tuning.push_queue_limit:
@@ -403,7 +472,12 @@ class Replicator(Rounds):
     async def _anti_entropy_loop(self) -> None:
         while True:
             now = time.monotonic()
-            owed = self.catching_up and not set(self._peers) <= self._synced
+            owes = self.catching_up and self.member and self.replica.gate.owed
+            if owes and self._pass_complete():
+                # A member's set changed (etcd read, a fellow registered), or it needs
+                # no fellow at all (a member set of one): no round to wait for.
+                await self._caught_up(self._synced)
+            owed = self.catching_up and not self._pass_complete()
             # A peer found behind is left to pull, but not one still owed a round:
             # this node decides nothing until it has had one (it lists what the peer
             # lacks and pulls nothing; it completes all the same).
@@ -412,6 +486,7 @@ class Replicator(Rounds):
                 for p in self._peers.values()
                 if p.retry_at <= now
                 and (p.behind_until <= now or (owed and p.stats.name not in self._synced))
+                and self._owed_peers.get(p.stats.name, 0.0) <= now
             ]
             pending = [p for p in ready if p.stats.name not in self._synced]
             if owed and pending:
@@ -422,11 +497,17 @@ class Replicator(Rounds):
                 began = time.monotonic()
                 result = await self._guarded_round(peer)
                 complete = result is not None and result.complete
+                owing = result is not None and result.peer_owed and peer.stats.member
+                if self.catching_up and complete and owing:
+                    # It may lack what it acknowledged: it counts for no majority's
+                    # states, and it is asked again a little later.
+                    self._owed_peers[peer.stats.name] = time.monotonic() + OWED_PEER_PAUSE_S
+                    complete = False
                 if self.catching_up and complete and self._settled(peer, began):
                     # Into the set as it is after the round: one that found the node's
                     # file went back in time began the catch-up anew (catch_up_again).
                     self._synced.add(peer.stats.name)
-                    if set(self._peers) <= self._synced:
+                    if self._pass_complete():
                         await self._caught_up(self._synced)
             # Hurry only while pulling: a round that pulled nothing, even a truncated
             # one, found a peer that is behind, and that peer pulls in its own rounds.

@@ -46,6 +46,7 @@ class RoundResult:
     pulled: int = 0
     divergence: int = 0  # keys whose digests differed in the compared buckets
     truncated: bool = False
+    peer_owed: bool = False  # the peer owed a catch-up: it may lack what it acknowledged
 
     @property
     def complete(self) -> bool:
@@ -102,8 +103,9 @@ class Rounds:
         truncated = False
         request = replication_pb2.TreeRequest(origin=self._origin(), level=0)
         response = await self._call(peer, "Tree", request, replication_pb2.TreeResponse)
+        owed = response.owed
         if response.hashes == tree.root:
-            return RoundResult(in_sync=True)
+            return RoundResult(in_sync=True, peer_owed=owed)
         frontier = [0]  # differing nodes to descend into; the root has no count
         salt = os.urandom(SALT_BYTES)  # a check two nodes share by chance, once
         for level in range(1, DEPTH + 1):
@@ -133,6 +135,7 @@ class Rounds:
                 break
         result = await self._repair(peer, listed, truncated)
         result.divergence += only_mine
+        result.peer_owed = owed
         return result
 
     async def _tree(

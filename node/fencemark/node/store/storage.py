@@ -104,11 +104,11 @@ class Storage:
         self.stats = CommitStats()
         # Called after each successful group commit with (writes, seconds): metrics.
         self.on_commit: Callable[[int, float], None] | None = None
-        # At a member of a region of several: awaited after a commit with the states
-        # of its writes that need a majority's acknowledgement (``enqueue(acked=)``),
+        # At a member of a region of several: awaited after a commit with the keys and
+        # states of its writes that need a majority's acknowledgement (``enqueue(acked=)``),
         # once per group commit; their callers hear of the commit only after it
         # returns (fencemark.node.replication.majority). Commits go on meanwhile.
-        self.acknowledge: Callable[[list[bytes]], Awaitable[None]] | None = None
+        self.acknowledge: Callable[[list[str], list[bytes]], Awaitable[None]] | None = None
         self._acknowledging: set[asyncio.Task[None]] = set()
         self._cache: OrderedDict[str, Stored] = OrderedDict()
         self._cache_size = cache_size
@@ -533,7 +533,8 @@ class Storage:
         caller hears the outcome (a refusal: its write is durable here only)."""
         assert self.acknowledge is not None
         try:
-            await self.acknowledge([p.state for p in batch])
+            keys = [p.stored.record.key for p in batch if p.stored is not None]
+            await self.acknowledge(keys, [p.state for p in batch])
         except asyncio.CancelledError:  # the store is closing
             for p in batch:
                 p.done.cancel()

@@ -132,6 +132,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 members = ", ".join(info.members) if info.members else "not known yet"
                 learner = " (a learner: not in it)" if info.member not in info.members else ""
                 lines.append(f"  members of region {info.region}: {members}{learner}")
+                if info.owes_catch_up:
+                    lines.append(
+                        f"  member {info.member} owes a catch-up (a new, emptied or restored"
+                        " file): it campaigns once it has caught up with its fellow members"
+                    )
             for p in info.peers:
                 lags.append(p.lag_ms)
                 divergence += p.divergence
