@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+from aetcd import rpc
+
 from fencemark.node.api.config import NodeConfig
 from fencemark.node.coordination import access
 from fencemark.node.coordination.etcd import Etcd, EtcdError
@@ -32,13 +34,23 @@ STARTUP_S = 30.0
 
 
 class EtcdServer:
-    def __init__(self, folder: Path, certs: Path | None) -> None:
+    def __init__(self, folder: Path, certs: Path | None, *, name: str = "test") -> None:
         self.folder = folder
         self.certs = certs
+        self.name = name
         self.ports = Ports()
         self.client_port = self.ports.take()
         self.peer_port = self.ports.take()
+        self.initial_cluster = f"{name}={self.peer_url}"  # this one alone, unless a cluster's
         self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [self.endpoint]
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
@@ -57,12 +69,12 @@ class EtcdServer:
         await asyncio.to_thread(self.folder.mkdir, parents=True, exist_ok=True)
         scheme = "https" if self.certs is not None else "http"
         client_url = f"{scheme}://{self.endpoint}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        peer_url = self.peer_url
         args = [
-            binary, "--name=test", f"--data-dir={self.folder / 'data'}",
+            binary, f"--name={self.name}", f"--data-dir={self.folder / 'data'}",
             f"--listen-client-urls={client_url}", f"--advertise-client-urls={client_url}",
             f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=test={peer_url}", "--log-level=error",
+            f"--initial-cluster={self.initial_cluster}", "--log-level=error",
         ]  # fmt: skip
         if self.certs is not None:
             if not (self.certs / "etcd-0.pem").exists():  # as an operator makes it
@@ -102,6 +114,58 @@ class EtcdServer:
         self.ports.close()
 
 
+class EtcdCluster:
+    """Three etcd processes forming one cluster (``etcd-0`` .. ``etcd-2``), each on
+    held loopback ports with its data under ``folder``, over mutual TLS with the
+    certificates of ``certs``: for the faults of etcd itself (its leader killed, its
+    quorum lost)."""
+
+    def __init__(self, folder: Path, certs: Path, size: int = 3) -> None:
+        self.servers = [
+            EtcdServer(folder / f"etcd-{i}", certs, name=f"etcd-{i}") for i in range(size)
+        ]
+        cluster = ",".join(f"{s.name}={s.peer_url}" for s in self.servers)
+        for server in self.servers:
+            server.initial_cluster = cluster
+        self.certs = certs
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [s.endpoint for s in self.servers]
+
+    async def start(self) -> None:
+        """Start every member (each waits for its peers' to form the cluster)."""
+        await asyncio.gather(*(s.run() for s in self.servers))
+
+    async def leader(self) -> EtcdServer:
+        """The member etcd says leads now, asked as its root."""
+        root = Etcd(self.endpoints, TlsFiles.in_dir(self.certs, access.ROOT), timeout_s=1.0)
+        try:
+
+            async def status() -> Any:
+                return await root.call(rpc.MaintenanceStub, "Status", rpc.StatusRequest())
+
+            leaders: list[int] = []
+
+            async def known() -> bool:
+                try:
+                    leaders.append(int((await status()).leader))
+                except EtcdError:
+                    return False
+                return leaders[-1] != 0
+
+            await eventually(known, "etcd naming its leader", within=30, every=0.2)
+            members = await root.call(rpc.ClusterStub, "MemberList", rpc.MemberListRequest())
+            name = next(m.name for m in members.members if leaders[-1] == m.ID)
+        finally:
+            await root.close()
+        return next(s for s in self.servers if s.name == name)
+
+    async def stop(self) -> None:
+        for server in self.servers:
+            await server.stop()
+
+
 @contextlib.asynccontextmanager
 async def restricted(
     folder: Path, regions: Sequence[str] = ("us", "eu"), clients: Sequence[str] = ("alice",)
@@ -123,6 +187,26 @@ async def restricted(
         await server.stop()
 
 
+@contextlib.asynccontextmanager
+async def restricted_cluster(
+    folder: Path, regions: Sequence[str] = ("us",)
+) -> AsyncIterator[tuple[EtcdCluster, Path]]:
+    """As ``restricted``, on an ``EtcdCluster`` of three."""
+    components.require("etcd")
+    certs = folder / "certs"
+    init_dir(certs, regions=list(regions), clients=["alice"])
+    assert main(["certs", "etcd", "--dir", str(certs), "--root"]) == 0
+    cluster = EtcdCluster(folder / "etcd", certs)
+    try:
+        await cluster.start()
+        restrict = ["etcd", "restrict", "--etcd", ",".join(cluster.endpoints),
+                    "--tls-dir", str(certs), "--regions", ",".join(regions)]  # fmt: skip
+        assert await asyncio.to_thread(main, restrict) == 0
+        yield cluster, certs
+    finally:
+        await cluster.stop()
+
+
 async def serving(server: EtcdServer, certs: Path) -> None:
     """Until etcd answers a read (a leader elected), as its root."""
     root = Etcd([server.endpoint], TlsFiles.in_dir(certs, access.ROOT), timeout_s=1.0)
@@ -142,7 +226,7 @@ async def serving(server: EtcdServer, certs: Path) -> None:
 
 def member_config(
     folder: Path,
-    server: EtcdServer,
+    server: EtcdServer | EtcdCluster,
     certs: Path,
     name: str,
     *,
@@ -150,12 +234,14 @@ def member_config(
     etcd_as: str = "",
     ttl_s: int = 2,
     initial: Sequence[str] | None = None,
+    etcd_endpoints: Sequence[str] = (),
     **overrides: Any,
 ) -> NodeConfig:
     """A node of ``region`` that is its member ``name``, on a data file of its own under
     ``folder``, reaching etcd with the certificate of ``etcd_as`` (its region's by
     default); the region's member set is made ``initial`` (by default, this member
-    alone) unless etcd has one."""
+    alone) unless etcd has one. ``etcd_endpoints`` (fault proxies in front of
+    ``server``'s, say) replace the ones it is reached at."""
     settings: dict[str, Any] = {
         "region": region,
         "listen": "127.0.0.1:0",
@@ -166,7 +252,7 @@ def member_config(
         "replication": shared_loop(),
         "member": MemberConfig(
             name,
-            [server.endpoint],
+            list(etcd_endpoints) or server.endpoints,
             TlsFiles.in_dir(certs, etcd_as or region),
             ttl_s,
             tuple(initial) if initial is not None else (name,),

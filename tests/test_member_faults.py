@@ -1,0 +1,385 @@
+"""A region of several members under faults (SPEC §10): etcd's leader killed, etcd's
+quorum lost for 20 s and restored, the decider cut from etcd alone, a member cut from
+the decider and healed, and 20 failovers in a row under load.
+
+Members us-a, us-b and us-c run in-process on loopback, each reached by its fellow
+members through a fault proxy of its own and reaching etcd through proxies of its
+own; etcd is three real processes over mutual TLS with authentication on
+(tests/etcd_server.py). A watcher samples every member
+all along: at no moment do two of them decide. After each fault a member decides,
+and a claim granted before it is still its holder's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+
+from fencemark.client import AsyncClient
+from fencemark.client.errors import FencemarkError, NotDecider, Unavailable
+from fencemark.node.api.server import NodeServer
+from fencemark.node.tools.ports import Ports
+from fencemark.node.tools.proxy import FaultProxy
+from tests.cluster import eventually, wait_converged
+from tests.etcd_server import EtcdCluster, member_config, restricted_cluster
+
+pytestmark = pytest.mark.slow  # etcd elections, lease times and a 20 s outage
+
+T = TypeVar("T")
+TTL_S = 2
+MEMBERS = ("us-a", "us-b", "us-c")
+REPO, TOPIC = "lattice", "backlog"
+
+
+class Stopped(Exception):
+    """The test is over: a worker stops asking."""
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[tuple[EtcdCluster, Path]]:
+    async with restricted_cluster(tmp_path) as running:
+        yield running
+
+
+@pytest.fixture
+async def proxies() -> AsyncIterator[dict[str, FaultProxy]]:
+    """A fault proxy in front of each member's peer listener (on a held port), by
+    member name: the address it registers for its fellow members."""
+    ports = Ports()
+    made: dict[str, FaultProxy] = {}
+    try:
+        for name in MEMBERS:
+            made[name] = await FaultProxy.start(ports.address(), name=name)
+        yield made
+    finally:
+        for proxy in made.values():
+            await proxy.close()
+        ports.close()
+
+
+@pytest.fixture
+async def etcd_links(etcd: tuple[EtcdCluster, Path]) -> AsyncIterator[dict[str, list[FaultProxy]]]:
+    """Each member's own way to etcd, by member name: a fault proxy in front of each
+    etcd endpoint (etcd's certificate names 127.0.0.1, whatever the port)."""
+    cluster, _ = etcd
+    made: dict[str, list[FaultProxy]] = {}
+    try:
+        for name in MEMBERS:
+            made[name] = [await FaultProxy.start(e, name=f"{name}-etcd") for e in cluster.endpoints]
+        yield made
+    finally:
+        for links in made.values():
+            for proxy in links:
+                await proxy.close()
+
+
+@pytest.fixture
+async def members(
+    tmp_path: Path,
+    etcd: tuple[EtcdCluster, Path],
+    proxies: dict[str, FaultProxy],
+    etcd_links: dict[str, list[FaultProxy]],
+) -> AsyncIterator[list[NodeServer]]:
+    cluster, certs = etcd
+    nodes: list[NodeServer] = []
+    try:
+        for name in MEMBERS:
+            proxy = proxies[name]
+            config = member_config(
+                tmp_path, cluster, certs, name, ttl_s=TTL_S, initial=MEMBERS,
+                peer_listen=proxy.upstream, advertise_peer=proxy.address,
+                etcd_endpoints=[link.address for link in etcd_links[name]],
+            )  # fmt: skip
+            nodes.append(await NodeServer.start(config))
+        yield nodes
+    finally:
+        for node in nodes:
+            await node.stop(0)
+
+
+def name_of(node: NodeServer) -> str:
+    return node.member.name if node.member is not None else ""
+
+
+@contextmanager
+def never_two_deciders(nodes: list[NodeServer]) -> Iterator[list[int]]:
+    """Sample ``nodes`` every 50 ms while the block runs; fail if two decided at
+    once. Yields the list of samples taken (how many deciders each saw)."""
+    seen: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            seen.append(sum(n.replica.gate.deciding for n in nodes))
+            assert seen[-1] <= 1, "two members decided at once"
+            await asyncio.sleep(0.05)
+
+    task = asyncio.get_running_loop().create_task(watch())
+    try:
+        yield seen
+    finally:
+        task.cancel()
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise AssertionError("two members decided at once")
+
+
+async def one_decides(nodes: list[NodeServer], within: float) -> NodeServer:
+    async def exactly_one() -> bool:
+        return sum(n.replica.gate.deciding for n in nodes) == 1
+
+    await eventually(exactly_one, "exactly one member deciding", within=within)
+    return next(n for n in nodes if n.replica.gate.deciding)
+
+
+async def claimed(nodes: list[NodeServer]) -> tuple[NodeServer, str, Any]:
+    """The member deciding now, and a claim it granted: the item's key, the grant."""
+    decider = await one_decides(nodes, within=10)
+    async with AsyncClient(decider.address, retries=0) as client:
+        key = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
+        held = await client.claim(key, "worker-a", lease_seconds=120)
+    assert held.granted
+    return decider, key, held
+
+
+async def still_held(nodes: list[NodeServer], key: str, held: Any, within: float) -> None:
+    decider = await one_decides(nodes, within=within)
+    async with AsyncClient(decider.address, retries=0) as client:
+        renewed = await client.renew_claim(key, held.fencing_token, lease_seconds=120)
+    assert renewed.renewed, "the claim granted before the fault is its holder's"
+
+
+async def test_etcds_leader_killed_leaves_one_decider_and_the_claims_as_they_were(
+    members: list[NodeServer], etcd: tuple[EtcdCluster, Path]
+) -> None:
+    """etcd's leader killed, and later back on its data: another etcd member leads,
+    a member decides again (at most one at any moment), and the claim granted
+    before is its holder's both times."""
+    cluster, _ = etcd
+    _, key, held = await claimed(members)
+    with never_two_deciders(members) as seen:
+        leader = await cluster.leader()
+        await leader.kill()
+        await asyncio.sleep(2 * TTL_S)  # etcd elects another leader meanwhile
+        await still_held(members, key, held, within=10 * TTL_S)
+        await leader.run()  # back on its data: it rejoins as a follower
+        await asyncio.sleep(TTL_S)
+        await still_held(members, key, held, within=10 * TTL_S)
+    assert len(seen) > 10
+
+
+async def test_etcds_quorum_lost_for_20_s_stops_every_decision_and_nothing_else(
+    members: list[NodeServer], etcd: tuple[EtcdCluster, Path]
+) -> None:
+    """With two of etcd's three members killed, no member decides once its lease
+    clock has run out (``NOT_SERVING``), while writes go on, acknowledged by a
+    majority of the region's members. 20 s later etcd is whole again, a member
+    decides, and the claim granted before is its holder's."""
+    cluster, _ = etcd
+    decider, key, held = await claimed(members)
+    with never_two_deciders(members) as seen:
+        leader = await cluster.leader()
+        lost = [leader, next(s for s in cluster.servers if s is not leader)]
+        for server in lost:
+            await server.kill()
+
+        async def nobody_decides() -> bool:
+            return not any(n.replica.gate.deciding for n in members)
+
+        await eventually(nobody_decides, "every member stopping deciding", within=2 * TTL_S)
+        deadline = asyncio.get_running_loop().time() + 20
+        n = 0
+        async with AsyncClient(decider.address, retries=0) as client:  # the decider until now
+            while asyncio.get_running_loop().time() < deadline:
+                assert await nobody_decides()
+                made = await client.remember(REPO, TOPIC, f"during-{n}", tags=["homeRegion:us"])
+                assert made.record.key
+                with pytest.raises(Unavailable) as refused:
+                    await client.renew_claim(key, held.fencing_token, lease_seconds=120)
+                assert refused.value.reason == "NOT_SERVING", refused.value
+                n += 1
+                await asyncio.sleep(1.0)
+        for server in lost:
+            await server.run()
+        await still_held(members, key, held, within=10 * TTL_S)
+    assert n >= 10 and len(seen) > 100
+
+
+async def test_a_member_cut_from_the_decider_holds_up_nothing_and_converges_once_healed(
+    members: list[NodeServer], proxies: dict[str, FaultProxy]
+) -> None:
+    """The decider and another member cut from each other both ways (their peer
+    listeners refuse every connection; the third member reaches neither, while
+    both reach it): the decider goes on deciding, its grants acknowledged by the
+    third member; the cut member's writes are acknowledged there too. Once healed,
+    all three converge and the claims granted meanwhile are their holders'."""
+    decider, key, held = await claimed(members)
+    cut = next(n for n in members if n is not decider)
+    with never_two_deciders(members):
+        proxies[name_of(decider)].cut()
+        proxies[name_of(cut)].cut()
+        async with AsyncClient(decider.address, retries=0) as at_decider:
+            made = await at_decider.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])
+            during = await at_decider.claim(made.record.key, "worker-b", lease_seconds=120)
+            assert during.granted
+            renewed = await at_decider.renew_claim(key, held.fencing_token, lease_seconds=120)
+            assert renewed.renewed
+        async with AsyncClient(cut.address, retries=0) as at_cut:
+            mine = await at_cut.remember(REPO, TOPIC, "from-the-cut", tags=["homeRegion:us"])
+        assert decider.replica.gate.deciding
+        for proxy in proxies.values():
+            proxy.heal()
+        await wait_converged(members, within=30)
+        for node in members:
+            found = await node.storage.get(mine.record.key)
+            assert found is not None
+        await still_held(members, made.record.key, during, within=2 * TTL_S)
+        await still_held(members, key, held, within=2 * TTL_S)
+
+
+async def test_a_decider_cut_from_etcd_alone_stops_and_another_decides(
+    members: list[NodeServer], etcd_links: dict[str, list[FaultProxy]]
+) -> None:
+    """The decider cut from etcd, and from nothing else (its clients and fellow
+    members reach it): it stops deciding before its lease can have expired
+    (``NOT_SERVING``, its lease in doubt), another member decides once etcd let
+    the lease go, never both at once, and the claim granted before is its holder's
+    there. Healed, the old decider decides nothing and sends deciding calls on to
+    the new one."""
+    decider, key, held = await claimed(members)
+    with never_two_deciders(members):
+        for link in etcd_links[name_of(decider)]:
+            link.blackhole()  # its calls to etcd go unanswered, as across a lost route
+        rest = [n for n in members if n is not decider]
+        async with AsyncClient(decider.address, retries=0) as at_old:
+            await still_held(rest, key, held, within=10 * TTL_S)
+            with pytest.raises(Unavailable) as refused:
+                await at_old.renew_claim(key, held.fencing_token, lease_seconds=120)
+            assert refused.value.reason == "NOT_SERVING", refused.value
+            for link in etcd_links[name_of(decider)]:
+                link.heal()
+
+            async def names_the_new_one() -> bool:
+                known = decider.member.decider() if decider.member is not None else None
+                return known is not None and known.member != name_of(decider)
+
+            await eventually(names_the_new_one, "the old decider naming the new one", within=20)
+            assert not decider.replica.gate.deciding
+            renewed = await at_old.renew_claim(key, held.fencing_token, lease_seconds=120)
+            assert renewed.renewed, "sent on to the new decider"
+
+
+async def test_twenty_failovers_under_load_grant_no_token_twice_and_lose_nothing(
+    tmp_path: Path, etcd: tuple[EtcdCluster, Path]
+) -> None:
+    """20 failovers in a row while workers drain a queue and a writer adds to it:
+    each time the decider stops (its key let go at once: the fastest handover, the
+    most overlap of an old term's last calls with a new term's first) and starts
+    again on its own file. Workers reach any member and follow its redirect; a call
+    refused during a handover (``NOT_SERVING``, ``NO_MAJORITY``, a member gone) is
+    asked again. No item's token is granted twice, no item is done twice, and every
+    write a member acknowledged is on every member at the end."""
+    cluster, certs = etcd
+    ports = Ports()
+    configs = {
+        name: member_config(
+            tmp_path, cluster, certs, name, ttl_s=TTL_S, initial=MEMBERS, listen=ports.address()
+        )
+        for name in MEMBERS
+    }
+    nodes = {name: await NodeServer.start(config) for name, config in configs.items()}
+    addresses = [config.listen for config in configs.values()]
+    grants: list[tuple[str, int]] = []
+    done: list[str] = []
+    acked: list[str] = []
+    stop = asyncio.Event()
+
+    async def again(call: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """``call(...)`` until it is answered (a handover's refusals change nothing),
+        or until the test stops (``Stopped``)."""
+        while not stop.is_set():
+            try:
+                return await call(*args, **kwargs)
+            except (Unavailable, NotDecider):  # a handover: redirects that chase it
+                await asyncio.sleep(0.05)
+            except FencemarkError as error:  # a member stopped in the middle of the call
+                if error.code != grpc.StatusCode.CANCELLED:
+                    raise
+                await asyncio.sleep(0.05)
+        raise Stopped
+
+    async def worker(owner: str) -> None:
+        clients = [AsyncClient(a, retries=0, timeout=5) for a in addresses]
+        try:
+            while True:
+                c = random.choice(clients)
+                picked = await again(c.claim_next, REPO, "queue", owner, lease_seconds=60)
+                if not picked.granted or picked.record is None:
+                    await asyncio.sleep(0.05)
+                    continue
+                key, token = picked.record.key, picked.fencing_token
+                grants.append((key, token))
+                await again(c.update, key, fields={"by": owner}, fencing_token=token)
+                # A release whose reply was lost is refused when asked again (the
+                # claim is over): the item is done all the same, counted once here.
+                if (await again(c.release_claim, key, token, outcome="done")).released:
+                    done.append(key)
+        except Stopped:
+            return
+        finally:
+            for client in clients:
+                await client.close()
+
+    async def writer() -> None:
+        async with AsyncClient(addresses[0], retries=0, timeout=5) as c:
+            n = 0
+            try:
+                while True:
+                    made = await again(c.remember, REPO, "queue", f"item-{n}",
+                                       tags=["homeRegion:us"])  # fmt: skip
+                    acked.append(made.record.key)
+                    n += 1
+                    await asyncio.sleep(0.02)
+            except Stopped:
+                return
+
+    tasks = [asyncio.create_task(worker(f"worker-{i}")) for i in range(3)]
+    tasks.append(asyncio.create_task(writer()))
+    try:
+        for _ in range(20):
+            decider = await one_decides(list(nodes.values()), within=10 * TTL_S)
+            name = name_of(decider)
+            await decider.stop(0)
+            nodes[name] = await NodeServer.start(configs[name])
+            await asyncio.sleep(0.5)  # work goes on in the new term
+        await one_decides(list(nodes.values()), within=10 * TTL_S)
+        await asyncio.sleep(1.0)
+    finally:
+        stop.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        members = list(nodes.values())
+        try:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            await wait_converged(members, within=30)
+            # A done item is never eligible again, and a grant whose reply was lost
+            # is withdrawn unseen: each item is granted to a worker at most once.
+            granted_twice = [k for k, count in Counter(k for k, _ in grants).items() if count > 1]
+            assert not granted_twice, f"items granted twice: {granted_twice}"
+            twice = [key for key, count in Counter(done).items() if count > 1]
+            assert not twice, f"items done twice: {twice}"
+            assert len(done) >= 5 and len(acked) >= 100, (len(done), len(acked))  # it ran
+            for node in members:
+                held = await node.storage.states(acked)
+                assert set(held) == set(acked), "an acknowledged write lost"
+        finally:
+            for node in members:
+                await node.stop(0)
+            ports.close()
