@@ -120,26 +120,23 @@ async def test_a_member_that_does_not_decide_redirects_while_it_catches_up_or_se
     """A restarted member, or one on a new file, that is not the decider sends a
     deciding call on to the decider at once: its own settling or catch-up concerns
     only what it decides itself. Once it decides, its own state speaks first."""
+
+    def redirects_first(gate: GrantGate, its_own_state: str) -> None:
+        role = gate.role = Elected()
+        with pytest.raises(NotDecider):
+            gate.check()
+        role.now = 3
+        with pytest.raises(NotServing, match=its_own_state):
+            gate.check()
+
     storage = await Storage.open(tmp_path / DB_FILE)
     gate = GrantGate(storage, HybridClock(), region="us")
-    role = Elected()
-    gate.role = role
     assert gate.owed
-    with pytest.raises(NotDecider):
-        gate.check()
-    role.now = 3
-    with pytest.raises(NotServing, match="catching up"):
-        gate.check()
+    redirects_first(gate, "catching up")
     await storage.close()
     settling, gate = await restarted(tmp_path / "restarted" / DB_FILE)
-    role.now = 0
-    gate.role = role
     assert gate.starting
-    with pytest.raises(NotDecider):
-        gate.check()
-    role.now = 3
-    with pytest.raises(NotServing, match="just started"):
-        gate.check()
+    redirects_first(gate, "just started")
     await settling.close()
 
 
