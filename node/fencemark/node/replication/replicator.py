@@ -659,6 +659,9 @@ class Replicator(Rounds):
             peer.back_off(f"{exc.code().name}: {exc.details()}", exc.code())
             return None
         except Exception as exc:  # a malformed reply, a local fault: never end the loop
+            if self._peers.get(peer.stats.name) is not peer:  # its channel closed
+                log.debug("anti-entropy with %s: it left the peers mid-round", peer.stats.name)
+                return None
             log.exception("anti-entropy with %s failed", peer.stats.name)
             peer.back_off(f"round failed: {exc!r}")
             return None
