@@ -37,6 +37,7 @@ from fencemark.node.crdt.hlc import pack, wall_clock_ms
 from fencemark.node.rules.admission import token_ceiling
 from fencemark.node.security.tls import TlsFiles
 from fencemark.node.tools.cli import main
+from fencemark.node.tools.ports import Ports
 from fencemark.v1 import claims_pb2, claims_pb2_grpc, replication_pb2, replication_pb2_grpc
 from tests.cluster import eventually, shared_loop, wait_converged
 from tests.etcd_server import EtcdServer, member_config, restricted, serving
@@ -455,8 +456,9 @@ async def test_an_elected_member_decides_only_once_it_holds_a_majoritys_states(
         await back.stop(0)
 
 
+@pytest.mark.parametrize("losses", [1, 2], ids=["lost-once", "lost-again-before-caught-up"])
 async def test_a_member_back_on_a_lost_disk_counts_for_no_majority_until_it_caught_up(
-    members: list[NodeServer], capsys: pytest.CaptureFixture[str]
+    members: list[NodeServer], capsys: pytest.CaptureFixture[str], losses: int
 ) -> None:
     """A member that lost its disk may lack what it acknowledged (SPEC §10). With
     the third member stopped, the decider and one other acknowledge a claim; all
@@ -464,7 +466,9 @@ async def test_a_member_back_on_a_lost_disk_counts_for_no_majority_until_it_caug
     three, but the claim is on neither's disk. So the one on the lost disk owes a
     catch-up, says so, counts for no majority, and nobody decides — the claim is
     granted to no one else. Once the decider's member is back, one decides, the
-    claim is still its holder's, and the member on the lost disk catches up."""
+    claim is still its holder's, and the member on the lost disk catches up. Its
+    disk lost a second time before it caught up, it is no vote either: the new
+    file's first start is not its name's first life (etcd remembers the name)."""
     decider = await one_decides(members)
     await all_caught_up(members)
     lost, late = [n for n in members if n is not decider]
@@ -482,6 +486,12 @@ async def test_a_member_back_on_a_lost_disk_counts_for_no_majority_until_it_caug
     lost = await NodeServer.start(lost.config)
     members.append(lost)
     assert lost.replica.gate.owed
+    if losses == 2:  # nobody to catch up from (the decider is down): lost again
+        await lost.stop(0)
+        await asyncio.to_thread(shutil.rmtree, lost.config.data_dir or "")
+        lost = await NodeServer.start(lost.config)
+        members.append(lost)
+        assert lost.replica.gate.owed
     async with AsyncClient(late.address, retries=0) as client:
         for _ in range(2 * TTL_S):
             assert not late.replica.gate.deciding and not lost.replica.gate.deciding
@@ -722,3 +732,73 @@ async def test_a_bad_member_configuration_is_refused_before_anything_opens(
     with pytest.raises(ValueError, match=named):
         await NodeServer.start(config)
     assert not await asyncio.to_thread(lambda: list(tmp_path.iterdir())), "nothing written"
+
+
+def name_of(node: NodeServer) -> str:
+    return node.member.name if node.member is not None else ""
+
+
+async def test_another_regions_signed_sighting_reaches_every_member_over_tls(
+    tmp_path: Path, etcd: tuple[EtcdServer, Path]
+) -> None:
+    """A claim of us seen at eu carries eu's signed sighting. Only us-a peers with eu;
+    its fellows, which never speak to eu, learn eu's certificate from us-a
+    (``Replication.Certificates``, asked as the registered members they are) and
+    merge the sighting: every node ends byte-identical."""
+    server, certs = etcd
+    us, ports = TlsFiles.in_dir(certs, "us"), Ports()
+    at_eu = ports.address()
+    members = [
+        await member(
+            tmp_path,
+            server,
+            certs,
+            name,
+            tls=us,
+            initial=MEMBERS,
+            peers={"eu": at_eu} if name == "us-a" else {},
+        )
+        for name in MEMBERS
+    ]
+    eu = await NodeServer.start(
+        NodeConfig(
+            region="eu",
+            listen=at_eu,
+            data_dir=tmp_path / "eu",
+            enable_writes=True,
+            grace_seconds=0.2,
+            peers={"us": members[0].address},
+            replication=shared_loop(),
+            tls=TlsFiles.in_dir(certs, "eu"),
+        )
+    )
+    try:
+        decider = await one_decides(members)
+        alice = tls_credentials(certs, "alice")
+        async with AsyncClient(decider.address, credentials=alice, retries=0) as client:
+            key = (await client.remember(REPO, TOPIC, "seen", tags=["homeRegion:us"])).record.key
+            assert (await client.claim(key, "worker-a", lease_seconds=60)).granted
+
+        async def sighted_everywhere() -> bool:
+            for node in [*members, eu]:
+                held = await node.storage.get(key)
+                if held is None or "eu" not in held.record.seen:
+                    return False
+            return True
+
+        async def where() -> str:
+            found = []
+            for node in [*members, eu]:
+                held = await node.storage.get(key)
+                seen = sorted(held.record.seen) if held is not None else None
+                found.append(f"{node.config.region}/{name_of(node)}: {seen}")
+            return ", ".join(found)
+
+        await eventually(sighted_everywhere, "eu's sighting on every member", within=20,
+                         explain=where)  # fmt: skip
+        await wait_converged([*members, eu], within=20)
+    finally:
+        await eu.stop(0)
+        for node in members:
+            await node.stop(0)
+        ports.close()

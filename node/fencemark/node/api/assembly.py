@@ -236,6 +236,7 @@ async def replication(
     lives = Lives(config.max_clock_offset_ms, config.replication.twin_forget_s)
     gate = GateFollower(replica, replicator, health, config.start_wait_s)
     if config.member is not None:
+        replica.member = config.member.name  # its calls say so (signers' Certificates too)
         member = Member(config.member, config.region, replica.gate,
                         max_clock_offset_ms=config.max_clock_offset_ms,
                         on_change=gate.decider_changed)  # fmt: skip

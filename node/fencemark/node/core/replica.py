@@ -132,6 +132,9 @@ class Replica:
         # This life of the node: sent with every replication call, so that peers
         # tell a restart from a twin (fencemark.node.replication.lives).
         self.life = secrets.randbits(63) + 1
+        # Its name among its region's members ("": the region's only node), sent with
+        # every replication call it makes: a fellow member answers only a registered one.
+        self.member = ""
         self._locks = KeyLocks()
         self._write_listeners: list[Callable[[str], None]] = []
         self._share_listeners: list[Callable[[str, str], None]] = []

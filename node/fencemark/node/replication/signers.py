@@ -103,7 +103,11 @@ def _start_fetch(
 
 async def _fetch(replica: Replica, keyring: Keyring, peer: PeerStats, ask: list[bytes]) -> None:
     origin = replication_pb2.Origin(
-        region=replica.region, node_id=replica.node_id, hlc=replica.now_hlc(), life=replica.life
+        region=replica.region,
+        node_id=replica.node_id,
+        hlc=replica.now_hlc(),
+        life=replica.life,
+        member=replica.member,  # a fellow member answers only a registered member
     )
     try:
         # The call's deadline tells the peer; the outer one also bounds connecting,
