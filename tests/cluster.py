@@ -293,6 +293,24 @@ async def digests_of(node: NodeServer) -> dict[str, bytes]:
     return {s.record.key: s.digest for s in stored}
 
 
+async def stop_within(node: NodeServer, within: float = 30.0) -> None:
+    """``node.stop(0)``, failing after ``within`` s with every pending task's stack: a
+    stop that never ends says where it waits."""
+    try:
+        async with asyncio.timeout(within):
+            await node.stop(0)
+    except TimeoutError:
+        stacks = []
+        for task in asyncio.all_tasks():
+            frames = task.get_stack(limit=8)
+            where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
+            stacks.append(f"{task.get_name()}: {where}")
+        raise AssertionError(
+            f"node {node.config.region} did not stop within {within:g} s; its tasks:\n"
+            + "\n".join(sorted(stacks))
+        ) from None
+
+
 async def wait_converged(nodes: Sequence[NodeServer], *, within: float = 15.0) -> None:
     """Wait until every node has the same digest tree, then prove the states byte-identical."""
 

@@ -28,7 +28,7 @@ from fencemark.client.errors import ClaimConflict, FencemarkError, NotDecider, U
 from fencemark.node.api.server import NodeServer
 from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.proxy import FaultProxy
-from tests.cluster import eventually, wait_converged
+from tests.cluster import eventually, stop_within, wait_converged
 from tests.etcd_server import EtcdCluster, member_config, restricted_cluster
 
 pytestmark = pytest.mark.slow  # etcd elections, lease times and a 20 s outage
@@ -103,7 +103,7 @@ async def members(
         yield nodes
     finally:
         for node in nodes:
-            await node.stop(0)
+            await stop_within(node)
 
 
 def name_of(node: NodeServer) -> str:
@@ -407,5 +407,5 @@ async def test_twenty_failovers_under_load_grant_no_token_twice_and_lose_nothing
                 assert set(held) == set(acked), "an acknowledged write lost"
         finally:
             for node in members:
-                await node.stop(0)
+                await stop_within(node)
             ports.close()

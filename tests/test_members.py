@@ -39,7 +39,7 @@ from fencemark.node.security.tls import TlsFiles
 from fencemark.node.tools.cli import main
 from fencemark.node.tools.ports import Ports
 from fencemark.v1 import claims_pb2, claims_pb2_grpc, replication_pb2, replication_pb2_grpc
-from tests.cluster import eventually, shared_loop, wait_converged
+from tests.cluster import eventually, shared_loop, stop_within, wait_converged
 from tests.etcd_server import EtcdServer, member_config, restricted, serving
 
 pytestmark = pytest.mark.slow  # elections and lease times: seconds each
@@ -79,7 +79,7 @@ async def members(tmp_path: Path, etcd: tuple[EtcdServer, Path]) -> AsyncIterato
         yield nodes
     finally:
         for node in nodes:
-            await node.stop(0)
+            await stop_within(node)
 
 
 async def one_decides(nodes: Sequence[NodeServer], within: float = 10.0) -> NodeServer:
