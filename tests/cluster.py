@@ -311,6 +311,12 @@ async def stop_within(node: NodeServer, within: float = 30.0) -> None:
         ) from None
 
 
+def name_of(node: NodeServer) -> str:
+    """``REGION`` or ``REGION/MEMBER``: a node as a failure names it."""
+    member = node.config.member
+    return f"{node.config.region}/{member.name}" if member is not None else node.config.region
+
+
 async def wait_converged(nodes: Sequence[NodeServer], *, within: float = 15.0) -> None:
     """Wait until every node has the same digest tree, then prove the states byte-identical."""
 
@@ -318,10 +324,18 @@ async def wait_converged(nodes: Sequence[NodeServer], *, within: float = 15.0) -
         return len({node.storage.tree.root for node in nodes}) == 1
 
     async def roots() -> str:
-        return ", ".join(
-            f"{n.config.region}: {n.storage.tree.root.hex()[:8]} ({n.storage.record_count} records)"
+        said = ", ".join(
+            f"{name_of(n)}: {n.storage.tree.root.hex()[:8]} ({n.storage.record_count} records)"
             for n in nodes
         )
+        # Which keys each node lacks or holds otherwise than the node with the most.
+        held = {name_of(n): await digests_of(n) for n in nodes}
+        fullest = max(held.values(), key=len)
+        for name, digests in held.items():
+            apart = sorted(k for k, d in fullest.items() if digests.get(k) != d)
+            if apart:
+                said += f"; {name} apart on {len(apart)}: {', '.join(apart[:3])}"
+        return said
 
     await eventually(same_roots, "convergence of the digest trees", within=within, explain=roots)
     await assert_identical(nodes)
