@@ -220,6 +220,8 @@ async def replication(
         await serve_claims(health, replica)
 
     member: Member | None = None
+    if config.member is not None:
+        replica.member = config.member.name  # every replication call it makes names it
     catching_up = replica.gate.owed or replica.gate.starting
     replicator = Replicator(
         replica,
@@ -231,12 +233,10 @@ async def replication(
         tls=tls,  # checks the certificate each peer presents (replication.peer_check)
         tuning=config.replication,
         max_clock_offset_s=config.max_clock_offset_ms / 1000,
-        member=config.member.name if config.member is not None else "",
     )
     lives = Lives(config.max_clock_offset_ms, config.replication.twin_forget_s)
     gate = GateFollower(replica, replicator, health, config.start_wait_s)
     if config.member is not None:
-        replica.member = config.member.name  # its calls say so (signers' Certificates too)
         member = Member(config.member, config.region, replica.gate,
                         max_clock_offset_ms=config.max_clock_offset_ms,
                         on_change=gate.decider_changed)  # fmt: skip

@@ -13,11 +13,16 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import InvalidInput
+from fencemark.v1 import replication_pb2
+
+if TYPE_CHECKING:
+    from fencemark.node.core.replica import Replica
 
 # Refused states remembered per peer, by key (the oldest is forgotten first).
 MAX_REFUSED_KEYS = 10_000
@@ -172,3 +177,15 @@ def stats_for(
         region: PeerStats(region, address, credentials=credentials)
         for region, address in peers.items()
     }
+
+
+def origin(replica: Replica) -> replication_pb2.Origin:
+    """Who makes a replication call: this node's region, id and life, its name among
+    its region's members (a fellow member answers only a registered one), its clock."""
+    return replication_pb2.Origin(
+        region=replica.region,
+        node_id=replica.node_id,
+        hlc=replica.clock.now(),
+        life=replica.life,
+        member=replica.member,
+    )

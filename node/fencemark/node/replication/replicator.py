@@ -73,7 +73,6 @@ class Replicator(Rounds):
         tls: LiveTls | None = None,
         tuning: Tuning | None = None,
         max_clock_offset_s: float = 0.5,
-        member: str = "",
     ) -> None:
         self.replica = replica  # what it pulls merges through it ...
         self.storage = storage  # ... what it compares and pushes is read straight
@@ -81,7 +80,6 @@ class Replicator(Rounds):
         self.interval = interval
         self.timeout = timeout
         self.catching_up = catching_up
-        self.member = member
         self._on_caught_up = on_caught_up
         self._tls = tls
         # The peers by name, shared with the replication service (which counts what

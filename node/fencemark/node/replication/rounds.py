@@ -29,6 +29,7 @@ from fencemark.node.replication.intake import (
     merge_all,
 )
 from fencemark.node.replication.link import PeerLink
+from fencemark.node.replication.peers import origin
 from fencemark.node.replication.tuning import CHILD_BYTES, ENTRY_BYTES, SALT_BYTES, Tuning
 from fencemark.node.rules.integrity import MergeRefused
 from fencemark.node.rules.validation import MAX_RECORD_BYTES, OVER_LIMIT
@@ -64,14 +65,14 @@ class Rounds:
     catching_up: bool
     rounds: int
     timeout: float  # seconds: the deadline of every call
-    member: str  # this node's name among its region's members; "" for its only node
+
+    @property
+    def member(self) -> str:
+        """This node's name among its region's members; "" for its only node."""
+        return self.replica.member
 
     def _origin(self) -> replication_pb2.Origin:
-        r = self.replica
-        return replication_pb2.Origin(
-            region=r.region, node_id=r.node_id, hlc=r.clock.now(), life=r.life,
-            member=self.member,
-        )  # fmt: skip
+        return origin(self.replica)
 
     async def _call(self, peer: PeerLink, method: str, request: Message, reply: type[R]) -> R:
         """One RPC with a deadline, counting the bytes both ways."""

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import Record
-from fencemark.node.replication.peers import PeerStats
+from fencemark.node.replication.peers import PeerStats, origin
 from fencemark.node.security.signing import META_PREFIX, Keyring
 from fencemark.node.security.tls import peer_channel
 from fencemark.node.store.storage import Storage
@@ -102,20 +102,13 @@ def _start_fetch(
 
 
 async def _fetch(replica: Replica, keyring: Keyring, peer: PeerStats, ask: list[bytes]) -> None:
-    origin = replication_pb2.Origin(
-        region=replica.region,
-        node_id=replica.node_id,
-        hlc=replica.now_hlc(),
-        life=replica.life,
-        member=replica.member,  # a fellow member answers only a registered member
-    )
     try:
         # The call's deadline tells the peer; the outer one also bounds connecting,
         # closing the channel, and keeping what it answered.
         async with asyncio.timeout(TIMEOUT_S):
             async with peer_channel(peer.address, peer.credentials) as channel:
                 stub = replication_pb2_grpc.ReplicationStub(channel)
-                request = replication_pb2.CertificatesRequest(origin=origin, key_ids=ask)
+                request = replication_pb2.CertificatesRequest(origin=origin(replica), key_ids=ask)
                 response = await stub.Certificates(request, timeout=TIMEOUT_S)
             await _keep(replica, keyring, peer.region, list(response.certificates[:MAX_KEY_IDS]))
     except grpc.aio.AioRpcError as exc:
