@@ -1,6 +1,8 @@
 """A region of several members under faults (SPEC §10): etcd's leader killed, etcd's
 quorum lost for 20 s and restored, the decider cut from etcd alone, a member cut from
-the decider and healed, and 20 failovers in a row under load.
+the decider and healed, 20 failovers in a row under load, a new decider whose own
+state of an item is newer than a majority's and lacks its grant, and a fellow member
+leaving while a write waits for its acknowledgement.
 
 Members us-a, us-b and us-c run in-process on loopback, each reached by its fellow
 members through a fault proxy of its own and reaching etcd through proxies of its
@@ -104,6 +106,14 @@ async def members(
     finally:
         for node in nodes:
             await stop_within(node)
+
+
+def has_peer(node: NodeServer, name: str) -> bool:
+    try:
+        node.replicator.peer_stats(name)
+    except KeyError:
+        return False
+    return True
 
 
 def name_of(node: NodeServer) -> str:
@@ -409,3 +419,73 @@ async def test_twenty_failovers_under_load_grant_no_token_twice_and_lose_nothing
             for node in members:
                 await stop_within(node)
             ports.close()
+
+
+async def test_a_new_decider_takes_an_acknowledged_grant_from_a_state_older_than_its_own(
+    members: list[NodeServer], proxies: dict[str, FaultProxy]
+) -> None:
+    """A grant acknowledged by the decider and a second member while nobody reached
+    the third; then the third takes an unfenced write of the same item, later by
+    the clock, acknowledged by the decider alone (the second cut off too). Its state
+    of the item is newer than the second member's and lacks the grant. The decider
+    stops and the third is elected (the second does not campaign): its catch-up
+    with the second merges every state that differs, older or not, so the item
+    stays its holder's — refused to another worker, renewed for the holder."""
+    decider = await one_decides(members, within=10)
+    second, third = (n for n in members if n is not decider)
+    async with AsyncClient(decider.address, retries=0) as at_decider:
+        made = await at_decider.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+        key = made.record.key
+        await wait_converged(members, within=10)
+        proxies[name_of(third)].cut()
+        held = await at_decider.claim(key, "worker-a", lease_seconds=120)
+    assert held.granted
+    proxies[name_of(second)].cut()
+    async with AsyncClient(third.address, retries=0) as at_third:
+        await at_third.update(key, fields={"seen": "by the third member"})
+    assert second.member is not None and second.member.campaign is not None
+    await second.member.campaign.stop()  # the third is the only candidate left
+    await stop_within(decider)
+    proxies[name_of(second)].heal()  # the third reaches it; nobody reaches the third
+    elected = await one_decides([second, third], within=10 * TTL_S)
+    assert elected is third
+    async with AsyncClient(third.address, retries=0) as at_third:
+        taken = await at_third.claim(key, "worker-b", lease_seconds=120)
+        assert not taken.granted, f"granted again: token {taken.fencing_token}"
+        renewed = await at_third.renew_claim(key, held.fencing_token, lease_seconds=120)
+        assert renewed.renewed
+
+
+async def test_a_write_outlives_a_fellow_member_that_leaves_while_it_is_acknowledged(
+    members: list[NodeServer], proxies: dict[str, FaultProxy]
+) -> None:
+    """A write at the decider waits for its majority: one fellow member answers
+    slowly, the other slower still, and leaves the decider's peers meanwhile (its
+    registration gone: the channel its calls were on is closed under them). Its
+    unanswered push is a fellow that did not acknowledge, not a cancellation of
+    the write: the write is answered once the slow member acknowledges, and once
+    healed, the decider's anti-entropy rounds go on."""
+    decider = await one_decides(members, within=10)
+    slow, gone = (n for n in members if n is not decider)
+
+    async def both_are_its_peers() -> bool:
+        return all(has_peer(decider, f"us/{name_of(n)}") for n in (slow, gone))
+
+    await eventually(both_are_its_peers, "the decider replicating with both fellows", within=10)
+    proxies[name_of(slow)].set_latency(0.4)
+    proxies[name_of(gone)].set_latency(5.0)
+    async with AsyncClient(decider.address, retries=0, timeout=10) as client:
+        write = asyncio.create_task(client.remember(REPO, TOPIC, "item-1"))
+        await asyncio.sleep(0.2)  # its pushes are under way
+        assert not write.done()
+        await decider.replicator.set_members({name_of(slow): proxies[name_of(slow)].address})
+        made = await write
+    assert made.record.key
+    for proxy in proxies.values():
+        proxy.set_latency(0)
+    rounds = decider.replicator.rounds
+
+    async def rounds_go_on() -> bool:
+        return decider.replicator.rounds > rounds + 2
+
+    await eventually(rounds_go_on, "the decider's anti-entropy rounds", within=10)

@@ -19,6 +19,13 @@ from fencemark.v1 import replication_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+class PeerLeft(ConnectionError):
+    """A call to a peer whose channel was closed under it: the peer left this node's
+    peers, or the channel was replaced and its grace ran out. gRPC cancels such a
+    call, which would otherwise end the task that made it — an anti-entropy loop,
+    a write's acknowledgement — as if that task had been cancelled."""
+
+
 class PeerLink:
     def __init__(self, stats: PeerStats, tuning: Tuning, check: PeerCheck | None = None) -> None:
         self.stats = stats

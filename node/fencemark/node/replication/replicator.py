@@ -38,7 +38,7 @@ from fencemark.node.replication.intake import (
     MAX_STATES,
     too_large,
 )
-from fencemark.node.replication.link import PeerLink
+from fencemark.node.replication.link import PeerLeft, PeerLink
 from fencemark.node.replication.lives import refused_as_twin
 from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
@@ -212,7 +212,7 @@ class Replicator(Rounds):
                     continue
                 pause = 0.05
                 try:
-                    result = await self.sync_round(peer)
+                    result = await self.sync_round(peer, whole=True)
                     if result.complete and not result.peer_owed:
                         done.add(member)
                         return
@@ -445,6 +445,10 @@ class Replicator(Rounds):
                         peer.stats.skew_alarms += 1  # the peer refused our clock
                     peer.back_off(f"push: {exc.code().name}: {exc.details()}", exc.code())
                     continue
+                except PeerLeft as exc:  # its channel replaced: the next one carries them
+                    peer.requeue(keys)
+                    peer.back_off(str(exc))
+                    continue
                 except Exception as exc:  # a local fault: keep the keys, never end the loop
                     log.exception("push to %s failed", peer.stats.name)
                     peer.requeue(keys)
@@ -656,10 +660,12 @@ class Replicator(Rounds):
                 peer.stats.skew_alarms += 1  # the peer refused our clock
             peer.back_off(f"{exc.code().name}: {exc.details()}", exc.code())
             return None
+        except PeerLeft as exc:
+            if self._peers.get(peer.stats.name) is peer:  # its channel replaced
+                peer.back_off(str(exc))
+            log.debug("anti-entropy with %s: %s", peer.stats.name, exc)
+            return None
         except Exception as exc:  # a malformed reply, a local fault: never end the loop
-            if self._peers.get(peer.stats.name) is not peer:  # its channel closed
-                log.debug("anti-entropy with %s: it left the peers mid-round", peer.stats.name)
-                return None
             log.exception("anti-entropy with %s failed", peer.stats.name)
             peer.back_off(f"round failed: {exc!r}")
             return None

@@ -28,7 +28,7 @@ from fencemark.node.replication.intake import (
     decode_states,
     merge_all,
 )
-from fencemark.node.replication.link import PeerLink
+from fencemark.node.replication.link import PeerLeft, PeerLink
 from fencemark.node.replication.peers import origin
 from fencemark.node.replication.tuning import CHILD_BYTES, ENTRY_BYTES, SALT_BYTES, Tuning
 from fencemark.node.rules.integrity import MergeRefused
@@ -48,11 +48,14 @@ class RoundResult:
     divergence: int = 0  # keys whose digests differed in the compared buckets
     truncated: bool = False
     peer_owed: bool = False  # the peer owed a catch-up: it may lack what it acknowledged
+    whole: bool = False  # every differing state was pulled, whatever its HLC
 
     @property
     def complete(self) -> bool:
-        """This node now has everything the peer had when the round ran."""
-        return self.in_sync or (not self.truncated and self.pulled == 0)
+        """This node now has everything the peer had when the round ran: the digests
+        agreed, or nothing was left unlisted and either every differing state was
+        pulled and merged (``whole``) or none needed to be."""
+        return self.in_sync or (not self.truncated and (self.whole or self.pulled == 0))
 
 
 class Rounds:
@@ -81,6 +84,12 @@ class Rounds:
         peer.stats.bytes_sent += request.ByteSize()
         try:
             response = await getattr(peer.stub, method)(request, timeout=self.timeout)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this task was cancelled: a node stopping, a caller gone
+            peer.first_answered = None  # as for a call unanswered
+            raise PeerLeft(f"{peer.stats.name}: its channel was closed during {method}") from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # Down or restarting: it may not remember hearing this life at all.
@@ -95,8 +104,17 @@ class Rounds:
             peer.first_answered = started  # the peer has heard this life since then
         return response
 
-    async def sync_round(self, peer: PeerLink) -> RoundResult:
-        """One bounded anti-entropy round with ``peer``: this node pulls what differs."""
+    async def sync_round(self, peer: PeerLink, *, whole: bool = False) -> RoundResult:
+        """One bounded anti-entropy round with ``peer``: this node pulls what differs.
+
+        A routine round skips a state whose largest HLC is below ours (``_compare``)
+        and stops listing a peer found behind (``_repair``). ``whole`` does neither:
+        it pulls every state that differs, so that, once complete, this node holds
+        everything the peer held when the round began — what a node catching up,
+        or a new decider's catch-up with a majority, relies on. A state older by
+        the clock may still hold what ours lacks: a grant acknowledged by the
+        peer, while ours took a later unfenced write without it."""
+        whole = whole or self.catching_up
         self.rounds += 1
         tree = self.storage.tree
         listed: dict[int, list[tuple[int, int]]] = {}  # level -> [(node, peer's count)]
@@ -134,7 +152,7 @@ class Rounds:
                 frontier, truncated = sorted(sample), True
             if not frontier:
                 break
-        result = await self._repair(peer, listed, truncated)
+        result = await self._repair(peer, listed, truncated, whole=whole)
         result.divergence += only_mine
         result.peer_owed = owed
         return result
@@ -161,29 +179,36 @@ class Rounds:
         return nodes, b"".join(checks), counts
 
     async def _repair(
-        self, peer: PeerLink, listed: dict[int, list[tuple[int, int]]], truncated: bool
+        self,
+        peer: PeerLink,
+        listed: dict[int, list[tuple[int, int]]],
+        truncated: bool,
+        *,
+        whole: bool,
     ) -> RoundResult:
         """List the records below ``listed`` nodes on both sides, a chunk at a time,
         and pull what differs. Once ``Tuning.behind_after`` differences have turned out to
-        be all the peer's to pull, the rest is not listed: the peer is behind."""
+        be all the peer's to pull, the rest is not listed — the peer is behind —
+        unless the round is ``whole``."""
         pulled = differing = 0
         chunks = [(level, chunk) for level, nodes in listed.items()
                   for chunk in _listing_chunks(nodes, self.tuning.first_listing)]  # fmt: skip
         for n, (level, nodes) in enumerate(chunks):
-            pull, found = await self._compare(peer, level, nodes)
+            pull, found = await self._compare(peer, level, nodes, whole=whole)
             differing += found
             pulled += await self._pull(peer, pull)
-            behind = not pulled and differing >= self.tuning.behind_after and not self.catching_up
+            behind = not pulled and differing >= self.tuning.behind_after and not whole
             if behind and n + 1 < len(chunks):
                 truncated = True
                 break
-        return RoundResult(False, pulled, differing, truncated)
+        return RoundResult(False, pulled, differing, truncated, whole=whole)
 
     async def _compare(
-        self, peer: PeerLink, level: int, nodes: list[int]
+        self, peer: PeerLink, level: int, nodes: list[int], *, whole: bool
     ) -> tuple[dict[str, tuple[bytes, bytes]], int]:
         """The keys to pull below ``nodes``, each with the peer's digest and ours (b""
-        for a record this node lacks), and how many records differ there."""
+        for a record this node lacks), and how many records differ there; ``whole``:
+        every key that differs (``sync_round``)."""
         listing = replication_pb2.BucketsRequest(origin=self._origin(), level=level, nodes=nodes)
         entries = await self._call(peer, "Buckets", listing, replication_pb2.BucketsResponse)
         theirs = {e.key: (e.digest, e.max_hlc) for e in entries.entries}
@@ -193,20 +218,19 @@ class Rounds:
         only_mine = len(mine.keys() - theirs.keys())
         # Skip states whose largest HLC is below ours: typically an older version
         # of ours. Should one hold something ours lacks, the peer pulls ours (its
-        # HLC is larger) and the next comparison fetches the join; a node catching
-        # up after disk loss takes everything (docs/replication.md, step 4).
+        # HLC is larger) and the next comparison fetches the join; a whole round
+        # (a catch-up) takes everything (docs/replication.md, step 4).
         pull = {
             k: (theirs[k][0], mine.get(k, (b"",))[0])
             for k in changed
-            if self.catching_up or k not in mine or theirs[k][1] >= mine[k][1]
+            if whole or k not in mine or theirs[k][1] >= mine[k][1]
         }
         # A state refused against ours is not fetched again until either changes:
-        # the merge would be refused again (SPEC §2), round after round. A node
-        # catching up counts such a state as seen (it judged it), but asks again at
+        # the merge would be refused again (SPEC §2), round after round. A whole
+        # round counts such a state as seen (it judged it), but asks again at
         # once for one whose signer it did not know: it may learn it now.
-        catching_up = self.catching_up
         for key, (their_digest, our_digest) in list(pull.items()):
-            if peer.stats.refused_before(key, their_digest, our_digest, catching_up=catching_up):
+            if peer.stats.refused_before(key, their_digest, our_digest, catching_up=whole):
                 del pull[key]
         return pull, len(changed) + only_mine
 
