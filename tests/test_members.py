@@ -166,7 +166,7 @@ async def test_the_next_decider_grants_above_every_token_an_earlier_term_can_hav
     assert held.granted
     old_term = first.replica.gate.term
     stopped_ms = wall_clock_ms()
-    await first.stop(0)  # lets its key go: the successor is elected at once, catches up
+    await stop_within(first)  # lets its key go: the successor is elected at once, catches up
     second = await one_decides([n for n in members if n is not first], within=3 * TTL_S)
     assert second.replica.gate.term > old_term
     async with AsyncClient(second.address, retries=0) as client:
@@ -234,7 +234,7 @@ async def test_clients_follow_the_redirect_unnoticed_and_ask_again_after_a_failo
         await client.update(key, fields={"body": "fenced"}, fencing_token=granted.fencing_token)
         released = await client.release_claim(key, granted.fencing_token)
         assert released.released
-        await decider.stop(0)  # lets the key go: another member decides at once
+        await stop_within(decider)  # lets the key go: another member decides at once
         left = [n for n in members if n is not decider]
         successor = await one_decides(left, within=3 * TTL_S)
         again = await client.claim(key, "worker-b", lease_seconds=30)
@@ -318,7 +318,7 @@ async def test_members_find_each_other_in_etcd_and_replicate_with_each_other(
         for node in members:
             async with AsyncClient(node.address, retries=0) as there:
                 assert (await there.claim_status(one.key)).fence == granted.fencing_token
-    await us_c.stop(0)
+    await stop_within(us_c)
 
     async def dropped() -> bool:
         return "us/us-c" not in await peers_of(us_a)
@@ -394,7 +394,7 @@ async def test_a_member_joins_as_a_learner_and_counts_once_added_one_change_at_a
             )
 
         await eventually(everyone_knows, "the new set at every member", within=5)
-        await us_b.stop(0)
+        await stop_within(us_b)
         async with AsyncClient(us_a.address, retries=0) as a:
             await a.update(made.key, fields={"after": "us-b left"})
         assert (await us_c.storage.get(made.key)) is not None
@@ -406,7 +406,7 @@ async def test_a_member_joins_as_a_learner_and_counts_once_added_one_change_at_a
         assert "the last of region 'us': it cannot leave" in capsys.readouterr().err
     finally:
         for node in nodes:
-            await node.stop(0)
+            await stop_within(node)
 
 
 async def test_an_elected_member_decides_only_once_it_holds_a_majoritys_states(
@@ -426,7 +426,7 @@ async def test_an_elected_member_decides_only_once_it_holds_a_majoritys_states(
     assert held.granted
     await all_caught_up(members)  # a new file stopped before it has owes it still
     for node in members:
-        await node.stop(0)
+        await stop_within(node)
     alone, stopped = [n for n in members if n is not first]
     survivor = await NodeServer.start(alone.config)
     members.append(survivor)  # the fixture stops it
@@ -453,7 +453,7 @@ async def test_an_elected_member_decides_only_once_it_holds_a_majoritys_states(
             renewed = await client.renew_claim(key, held.fencing_token, lease_seconds=60)
         assert renewed.renewed, "the claim granted before the failover is its holder's"
     finally:
-        await back.stop(0)
+        await stop_within(back)
 
 
 @pytest.mark.parametrize("losses", [1, 2], ids=["lost-once", "lost-again-before-caught-up"])
@@ -472,13 +472,13 @@ async def test_a_member_back_on_a_lost_disk_counts_for_no_majority_until_it_caug
     decider = await one_decides(members)
     await all_caught_up(members)
     lost, late = [n for n in members if n is not decider]
-    await late.stop(0)
+    await stop_within(late)
     async with AsyncClient(decider.address, retries=0) as client:
         key = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record.key
         held = await client.claim(key, "worker-a", lease_seconds=60)
     assert held.granted  # acknowledged by the decider and `lost`: a majority of three
-    await decider.stop(0)
-    await lost.stop(0)
+    await stop_within(decider)
+    await stop_within(lost)
     assert lost.config.data_dir is not None
     await asyncio.to_thread(shutil.rmtree, lost.config.data_dir)  # its disk lost
     late = await NodeServer.start(late.config)
@@ -487,7 +487,7 @@ async def test_a_member_back_on_a_lost_disk_counts_for_no_majority_until_it_caug
     members.append(lost)
     assert lost.replica.gate.owed
     if losses == 2:  # nobody to catch up from (the decider is down): lost again
-        await lost.stop(0)
+        await stop_within(lost)
         await asyncio.to_thread(shutil.rmtree, lost.config.data_dir or "")
         lost = await NodeServer.start(lost.config)
         members.append(lost)
@@ -526,8 +526,8 @@ async def test_a_write_a_majority_does_not_hold_is_refused_no_majority_and_kept_
     us_a, us_b, us_c = members
     async with AsyncClient(us_a.address, retries=0) as a:
         made = (await a.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
-        await us_b.stop(0)
-        await us_c.stop(0)
+        await stop_within(us_b)
+        await stop_within(us_c)
         with pytest.raises(Unavailable) as refused:
             await a.update(made.key, fields={"body": "alone"})
         assert refused.value.reason == "NO_MAJORITY"
@@ -577,13 +577,13 @@ async def test_another_region_replicates_with_any_member_and_moves_on_when_one_i
 
             await eventually(lambda: learnt(one.key), "eu learning us's write")
             assert (await at_eu.info()).peers[0].address == first.address
-            await first.stop(0)
+            await stop_within(first)
             async with AsyncClient(members[1].address, retries=0) as at_us:
                 two = await acknowledged(at_us, "two")
             await eventually(lambda: learnt(two), "eu learning us's write from another member")
             assert (await at_eu.info()).peers[0].address != first.address
     finally:
-        await eu.stop(0)
+        await stop_within(eu)
 
 
 async def test_with_tls_only_a_registered_member_of_the_region_replicates_as_one(
@@ -625,7 +625,7 @@ async def test_with_tls_only_a_registered_member_of_the_region_replicates_as_one
         assert await us_b.storage.get(forged.key) is None
     finally:
         for node in nodes:
-            await node.stop(0)
+            await stop_within(node)
 
 
 async def test_a_member_with_another_regions_certificate_never_decides(
@@ -658,9 +658,9 @@ async def test_a_member_with_another_regions_certificate_never_decides(
             # It cannot even read the key: it names nobody, so nobody is redirected there.
             assert intruder.member is not None and intruder.member.decider() is None
         finally:
-            await real.stop(0)
+            await stop_within(real)
     finally:
-        await intruder.stop(0)
+        await stop_within(intruder)
 
 
 async def test_a_second_process_given_a_members_name_neither_registers_nor_campaigns(
@@ -684,11 +684,11 @@ async def test_a_second_process_given_a_members_name_neither_registers_nor_campa
             assert second.member.campaign.term == 0 and not second.replica.gate.deciding
             assert first.replica.gate.deciding
             await asyncio.sleep(0.5)
-        await first.stop(0)
+        await stop_within(first)
         await one_decides([second], within=3 * TTL_S)
     finally:
-        await first.stop(0)
-        await second.stop(0)
+        await stop_within(first)
+        await stop_within(second)
 
 
 async def test_the_dashboard_names_the_member_and_its_decider(
@@ -711,7 +711,7 @@ async def test_the_dashboard_names_the_member_and_its_decider(
             "member": "us-a", "address": node.address, "term": node.replica.gate.term
         }  # fmt: skip
     finally:
-        await node.stop(0)
+        await stop_within(node)
 
 
 @pytest.mark.parametrize(
@@ -798,7 +798,7 @@ async def test_another_regions_signed_sighting_reaches_every_member_over_tls(
                          explain=where)  # fmt: skip
         await wait_converged([*members, eu], within=20)
     finally:
-        await eu.stop(0)
+        await stop_within(eu)
         for node in members:
-            await node.stop(0)
+            await stop_within(node)
         ports.close()
