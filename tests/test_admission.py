@@ -893,6 +893,34 @@ def test_the_first_grant_of_a_life_is_above_every_token_an_earlier_life_can_have
     assert token > fence_token
 
 
+@given(
+    fence_token=st.integers(min_value=0, max_value=2**40),
+    recovered_ms=st.integers(min_value=0, max_value=60_000),
+    era_ms=st.integers(min_value=0, max_value=60_000),
+    granted_ms=st.integers(min_value=0, max_value=60_000),
+)
+@example(fence_token=0, recovered_ms=0, era_ms=35_000, granted_ms=0)  # a member's later term
+def test_a_grant_is_above_every_floor_that_applies(
+    fence_token: int, recovered_ms: int, era_ms: int, granted_ms: int
+) -> None:
+    """A node that recovered (a lost disk) early in its life and, as a member, decides
+    in a later term: its first grant on a record is above the recovery's floor and
+    the term's alike. Were it above the recovery's only, a grant an earlier term
+    made without it (unacknowledged, so not in the new decider's hands) could carry
+    a larger token and, merged later, take the claim from the holder the new term
+    answered."""
+    recovered, era = pack(NOW_MS + recovered_ms), pack(NOW_MS + era_ms)
+    fence = FenceState()
+    if fence_token:
+        granted = Grant(pack(NOW_MS + granted_ms), "w", "other")  # not this era's own
+        fence = fence.grant(fence_token, granted, NOW_MS + 60_000)
+    token = next_token(fence, recovered_hlc=recovered, life_hlc=era, region="local")
+    assert token > fence_token
+    assert token >= token_ceiling(era)
+    if not fence_token or pack(NOW_MS + granted_ms) < recovered:
+        assert token >= token_ceiling(recovered)
+
+
 def test_a_life_continues_its_own_tokens_one_by_one() -> None:
     """Once this life granted a record's fence, the next token is ``fence + 1``; a
     holder granted before the life began, or by another region (two births), gets

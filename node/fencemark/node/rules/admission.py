@@ -224,15 +224,19 @@ def next_token(
     that may have gone back in time (a reverted snapshot, a lost fsync): unless the
     holder is a grant of this ``region`` made in this life, every token an earlier
     life granted — remembered by the file or not — is below it, on the same two
-    assumptions (docs/replication.md, *A disk that goes back in time*).
+    assumptions (docs/replication.md, *A disk that goes back in time*). At a
+    member of a region of several, ``life_hlc`` is also the current term's floor
+    (``grant_gate.term_floor``), usually far above a recovery made earlier in the
+    life: where both floors apply, the token is above both.
     """
     holder = fence.holder()
+    token = fence.fence + 1
     if recovered_hlc and (holder is None or holder.granted_hlc < recovered_hlc):
-        return max(fence.fence + 1 + RECOVERY_GAP, token_ceiling(recovered_hlc))
+        token = max(token + RECOVERY_GAP, token_ceiling(recovered_hlc))
     ours = holder is not None and holder.region == region and holder.granted_hlc >= life_hlc
     if life_hlc and not ours:
-        return max(fence.fence + 1, token_ceiling(life_hlc))
-    return fence.fence + 1
+        token = max(token, token_ceiling(life_hlc))
+    return token
 
 
 def not_here(record: Record, region: str, *, tombstone_ok: bool = False) -> Outcome | None:
