@@ -25,6 +25,7 @@ from fencemark.client import AsyncClient, ClaimConflict, NotFound, Unavailable, 
 from fencemark.node.api.server import CLAIMS_SERVICE, NodeServer
 from fencemark.node.crdt import Record, Stamp, codec
 from fencemark.node.crdt.hlc import pack, wall_clock_ms
+from fencemark.node.replication.peers import PeerStats
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.replication.rounds import RoundResult
 from fencemark.node.replication.tuning import Tuning
@@ -1527,3 +1528,23 @@ async def test_each_state_merged_is_counted_once_when_a_push_and_a_pull_race(
             all_counted, "eu counting every state it merged from us", within=10, explain=count
         )
         assert stats.records_received == keys  # and none twice
+
+
+def test_a_whole_round_is_complete_once_every_state_it_pulled_is_merged_or_judged() -> None:
+    """A whole round (a catch-up: every differing state pulled, whatever its HLC)
+    holds everything the peer held once nothing was left unlisted — unless a state
+    it pulled was refused for a reason that may lift (an unknown signer): that
+    merge is still owed, and the round counts for no catch-up. A refusal for good
+    (over the limits, a forged grant) is judged: it counts as seen. A routine round
+    that pulled anything is not complete (it skipped states older than ours)."""
+    assert RoundResult(False, pulled=3, whole=True).complete
+    assert RoundResult(True, whole=True, unsettled=1).complete  # the digests agreed
+    assert not RoundResult(False, pulled=3).complete
+    assert not RoundResult(False, pulled=3, whole=True, truncated=True).complete
+    assert not RoundResult(False, pulled=3, whole=True, unsettled=1).complete
+    stats = PeerStats("eu", "127.0.0.1:1")
+    began = time.monotonic()
+    stats.refused_state("k1", "unknown_signer", "who signed it?", (b"theirs", b"ours"))
+    stats.refused_state("k2", "over_limit", "too large", (b"theirs", b"ours"))
+    assert stats.refused_to_retry(["k1", "k2", "k3"], began) == 1
+    assert stats.refused_to_retry(["k1"], time.monotonic() + 1) == 0  # refused before it

@@ -145,6 +145,18 @@ class PeerStats:
             del self.refused[next(iter(self.refused))]
         return before is None or before[0] != reason
 
+    def refused_to_retry(self, keys: Iterable[str], since: float) -> int:
+        """How many of ``keys`` had a state refused since ``since`` (monotonic) for a
+        reason that may lift (an unknown signer): its merge is still owed, so a
+        whole round that met one has not merged everything the peer held."""
+        return sum(
+            1
+            for key in keys
+            if (before := self.refused.get(key)) is not None
+            and before[0] in RETRIED_REFUSALS
+            and before[3] >= since
+        )
+
     def refused_before(
         self, key: str, theirs: bytes, ours: bytes, *, catching_up: bool = False
     ) -> bool:

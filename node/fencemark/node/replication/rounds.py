@@ -49,13 +49,16 @@ class RoundResult:
     truncated: bool = False
     peer_owed: bool = False  # the peer owed a catch-up: it may lack what it acknowledged
     whole: bool = False  # every differing state was pulled, whatever its HLC
+    unsettled: int = 0  # pulled states refused for a reason that may lift (unknown signer)
 
     @property
     def complete(self) -> bool:
         """This node now has everything the peer had when the round ran: the digests
         agreed, or nothing was left unlisted and either every differing state was
-        pulled and merged (``whole``) or none needed to be."""
-        return self.in_sync or (not self.truncated and (self.whole or self.pulled == 0))
+        pulled and merged or judged for good (``whole``), or none needed to be."""
+        if self.in_sync:
+            return True
+        return not self.truncated and not self.unsettled and (self.whole or self.pulled == 0)
 
 
 class Rounds:
@@ -190,18 +193,20 @@ class Rounds:
         and pull what differs. Once ``Tuning.behind_after`` differences have turned out to
         be all the peer's to pull, the rest is not listed — the peer is behind —
         unless the round is ``whole``."""
-        pulled = differing = 0
+        pulled = differing = unsettled = 0
         chunks = [(level, chunk) for level, nodes in listed.items()
                   for chunk in _listing_chunks(nodes, self.tuning.first_listing)]  # fmt: skip
         for n, (level, nodes) in enumerate(chunks):
             pull, found = await self._compare(peer, level, nodes, whole=whole)
             differing += found
+            since = time.monotonic()
             pulled += await self._pull(peer, pull)
+            unsettled += peer.stats.refused_to_retry(pull, since)
             behind = not pulled and differing >= self.tuning.behind_after and not whole
             if behind and n + 1 < len(chunks):
                 truncated = True
                 break
-        return RoundResult(False, pulled, differing, truncated, whole=whole)
+        return RoundResult(False, pulled, differing, truncated, whole=whole, unsettled=unsettled)
 
     async def _compare(
         self, peer: PeerLink, level: int, nodes: list[int], *, whole: bool
