@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.node.core.grant_gate import GrantGate
+from fencemark.node.core.grant_gate import RECOVERY_GAP_MS, GrantGate
 from fencemark.node.crdt import FenceState, Grant, HybridClock, Record, Stamp
 from fencemark.node.crdt.hlc import pack, physical_ms
-from fencemark.node.rules.admission import next_token, token_ceiling
+from fencemark.node.rules.admission import RECOVERY_GAP, next_token, token_ceiling
 from fencemark.node.rules.errors import NotDecider, NotServing
 from fencemark.node.store.storage import DB_FILE, Storage
 
@@ -342,7 +342,8 @@ async def test_each_term_starts_an_era_of_tokens_above_every_earlier_terms(
     """The first grant of a term on a record jumps to the ceiling of the term's floor:
     above every token a decider of an earlier term can have granted, seen here or
     not — it stopped before this term began, with a clock and an HLC at most
-    ``max_clock_offset_ms`` ahead each (``term_floor``)."""
+    ``max_clock_offset_ms`` ahead each, and, if it had recovered from a lost disk,
+    granted at most a recovery gap above its ceiling (``term_floor``)."""
     storage = await Storage.open(tmp_path / DB_FILE)
     clock = HybridClock()
     gate = GrantGate(storage, clock, region="us")
@@ -352,7 +353,8 @@ async def test_each_term_starts_an_era_of_tokens_above_every_earlier_terms(
     before = physical_ms(clock.now())
     gate.new_term(3, max_clock_offset_ms=offset)
     after = physical_ms(clock.now())
-    assert before + 2 * offset <= physical_ms(gate.term_hlc) <= after + 2 * offset
+    margin = 2 * offset + RECOVERY_GAP_MS
+    assert before + margin <= physical_ms(gate.term_hlc) <= after + margin
     assert gate.era_hlc == gate.term_hlc  # a brand-new file: no life floor of its own
     # The worst earlier decider: its HLC 2 offsets ahead of this member's clock, one
     # millisecond before this term began, and 1,000 grants of the record since its own
@@ -362,6 +364,11 @@ async def test_each_term_starts_an_era_of_tokens_above_every_earlier_terms(
     token = next_token(held, life_hlc=gate.era_hlc, region="us")
     assert token > earlier
     assert token >= token_ceiling(gate.term_hlc)
+    # ... or one that had recovered from a lost disk since the holder before it was
+    # granted: the recovery's gap above that holder's token, the earliest it could be.
+    recovered = next_token(held, recovered_hlc=2, life_hlc=1, region="us")
+    assert recovered == earlier + 1 + RECOVERY_GAP
+    assert next_token(held, life_hlc=gate.era_hlc, region="us") > recovered
     # A later term's floor is above this one's; an earlier term's never lowers it.
     floor = gate.term_hlc
     gate.new_term(4, max_clock_offset_ms=offset)

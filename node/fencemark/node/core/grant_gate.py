@@ -83,6 +83,7 @@ from typing import Protocol
 
 from fencemark.node.crdt import HybridClock, Record
 from fencemark.node.crdt.hlc import pack, physical_ms
+from fencemark.node.rules.admission import RECOVERY_GAP, TOKENS_PER_MS_BITS
 from fencemark.node.rules.errors import NotServing
 from fencemark.node.store.storage import Storage
 
@@ -106,17 +107,23 @@ class Role(Protocol):
         ...
 
 
+# The milliseconds of token ceiling that a recovery's gap spans, and one more.
+RECOVERY_GAP_MS = (RECOVERY_GAP >> TOKENS_PER_MS_BITS) + 1
+
+
 def term_floor(now_hlc: int, max_clock_offset_ms: int) -> int:
     """The HLC whose token ceiling a new term's first grant on each record reaches
     (``admission.next_token``'s era floor): above every token an earlier term can
     have granted. An earlier decider stopped deciding before its lease could have
     expired at etcd, so before this term began; the tokens it granted are below the
     ceiling of its HLC then (the era assumption: fewer than 2**10 grants of one
-    record in a millisecond). Its HLC was at most ``max_clock_offset_ms`` ahead of
-    its wall clock (a peer's state further ahead is refused, ``intake.check_clock``),
-    and its wall clock at most that far ahead of this member's: twice the offset
-    above this member's clock covers it."""
-    return pack(physical_ms(now_hlc) + 2 * max_clock_offset_ms)
+    record in a millisecond), or, on a record whose holder was granted before it
+    recovered from a lost disk, at most the recovery gap above that ceiling
+    (``fence + 1 + RECOVERY_GAP``): ``RECOVERY_GAP_MS`` more covers it. Its HLC was
+    at most ``max_clock_offset_ms`` ahead of its wall clock (a peer's state further
+    ahead is refused, ``intake.check_clock``), and its wall clock at most that far
+    ahead of this member's: twice the offset above this member's clock covers it."""
+    return pack(physical_ms(now_hlc) + 2 * max_clock_offset_ms + RECOVERY_GAP_MS)
 
 
 class GrantGate:
