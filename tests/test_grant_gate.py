@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.node.core.grant_gate import RECOVERY_GAP_MS, GrantGate
+from fencemark.node.core.grant_gate import GrantGate
 from fencemark.node.crdt import FenceState, Grant, HybridClock, Record, Stamp
 from fencemark.node.crdt.hlc import pack, physical_ms
 from fencemark.node.rules.admission import RECOVERY_GAP, next_token, token_ceiling
@@ -344,31 +344,30 @@ async def test_each_term_starts_an_era_of_tokens_above_every_earlier_terms(
     not — it stopped before this term began, with a clock and an HLC at most
     ``max_clock_offset_ms`` ahead each, and, if it had recovered from a lost disk,
     granted at most a recovery gap above its ceiling (``term_floor``)."""
+    wall = 1_800_000_000_000  # this member's clock, standing still: the floor to the ms
     storage = await Storage.open(tmp_path / DB_FILE)
-    clock = HybridClock()
+    clock = HybridClock(wall_ms=lambda: wall)
     gate = GrantGate(storage, clock, region="us")
     await gate.caught_up()
     assert (gate.term, gate.term_hlc, gate.era_hlc) == (0, 0, 0)  # no member: no term floor
     offset = 500
-    before = physical_ms(clock.now())
     gate.new_term(3, max_clock_offset_ms=offset)
-    after = physical_ms(clock.now())
-    margin = 2 * offset + RECOVERY_GAP_MS
-    assert before + margin <= physical_ms(gate.term_hlc) <= after + margin
+    # Twice the offset, and a recovery's gap (2**20 tokens: 1,024 ms of ceiling) and 1 ms.
+    assert physical_ms(gate.term_hlc) == wall + 2 * offset + 1_025
     assert gate.era_hlc == gate.term_hlc  # a brand-new file: no life floor of its own
     # The worst earlier decider: its HLC 2 offsets ahead of this member's clock, one
-    # millisecond before this term began, and 1,000 grants of the record since its own
-    # era began (fewer than 2**10 a millisecond).
-    earlier = token_ceiling(pack(before + 2 * offset - 1)) + 1_000
+    # millisecond before this term began, and 2**10 - 1 grants of the record since its
+    # own era began (fewer than 2**10 a millisecond).
+    earlier = token_ceiling(pack(wall + 2 * offset - 1)) + 2**10 - 1
     held = FenceState().grant(earlier, Grant(1, "worker-a", "us"), 10**13)
     token = next_token(held, life_hlc=gate.era_hlc, region="us")
     assert token > earlier
     assert token >= token_ceiling(gate.term_hlc)
     # ... or one that had recovered from a lost disk since the holder before it was
-    # granted: the recovery's gap above that holder's token, the earliest it could be.
+    # granted: the recovery's gap above that holder's token, the most it can grant.
     recovered = next_token(held, recovered_hlc=2, life_hlc=1, region="us")
     assert recovered == earlier + 1 + RECOVERY_GAP
-    assert next_token(held, life_hlc=gate.era_hlc, region="us") > recovered
+    assert token > recovered
     # A later term's floor is above this one's; an earlier term's never lowers it.
     floor = gate.term_hlc
     gate.new_term(4, max_clock_offset_ms=offset)
