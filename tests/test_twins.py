@@ -17,6 +17,7 @@ could have granted.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -376,21 +377,28 @@ async def test_a_claim_waiting_in_line_is_not_granted_while_its_home_settles_aft
     catch-up: a twin, a rollback) while a claim waited granted it when the lease
     before it lapsed, though it decided nothing else — a copy may have granted the
     same item meanwhile. Now every decision reads the gate under the record's lock:
-    the waiter is refused NOT_SERVING (a retrying client queues again)."""
+    the waiter is refused NOT_SERVING (a retrying client queues again).
+
+    ``us`` is restarted first: a node whose process drew its node id (a new file)
+    settles after a nap with one round once its peer's quiet second is over, about
+    when the lease would lapse; a restarted one settles for ``SETTLE_S`` after its
+    peer first answers, so the lapse falls well inside the settle, however slowly
+    a loaded machine queues the waiter (up to 4 s here)."""
     async with Cluster(tmp_path, ["us", "eu"], nap_s=Tuning().nap_s) as c:
-        us, eu = await c.start_all()
-        await all_deciding(us, eu)
+        us = await restarted_us(c)
+        await all_deciding(us, c["eu"], within=SETTLE_S * 4)
         gate = us.replica.gate
+        assert not gate.fresh
         async with AsyncClient(us.address, retries=0) as client:
-            item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
-            held = await client.claim(item.key, "worker-a", lease_seconds=gate.nap_s * 3)
+            item = await client.get(f"repo/{REPO}/mem/{TOPIC}/item-1")
+            held = await client.claim(item.key, "worker-a", lease_seconds=gate.nap_s * 6)
             assert held.granted
             waiting = asyncio.create_task(
                 client.claim(item.key, "worker-b", lease_seconds=60, wait_seconds=30)
             )
             await eventually(_queued(us, item.key), "worker-b waiting in line")
             time.sleep(gate.nap_s * 2)  # noqa: ASYNC251 - the event loop stands still: a nap
-            # worker-a's lease lapses about a nap later; us settles for settle_s (4 s).
+            # worker-a's lease lapses within 4 naps; us settles for 1 + SETTLE_S (5 s).
             with pytest.raises(Unavailable, match="stood still"):
                 await waiting
         assert gate.naps == 1
@@ -422,6 +430,29 @@ async def test_a_claim_next_waiting_for_work_is_not_granted_while_its_node_settl
                 await waiting
         stored = await us.storage.get(item.record.key)
         assert stored is not None and stored.record.fence.fence == 0
+
+
+async def test_nodes_that_nap_together_wait_as_asked_instead_of_calling_each_other(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two nodes whose processes stood still together (one host, one suspended VM)
+    each refuse replication calls for ``nap_quiet_s`` after waking, asking the caller
+    to wait that long, while each one's own calls show the other it is up. Were such
+    a call to end the wait its refusal asked for, the two would answer each other's
+    refusals with calls as fast as they came (about 800 in that second, here): a
+    peer's call ends a back-off, never the wait the peer asked for."""
+    caplog.set_level(logging.INFO, logger="fencemark.node.access")
+    async with Cluster(tmp_path, ["us", "eu"], nap_s=Tuning().nap_s) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        caplog.clear()
+        time.sleep(Tuning().nap_s * 2)  # noqa: ASYNC251 - both event loops stand still
+        await eventually(_settling(us), "us settling after its nap")
+        await all_deciding(us, eu, within=SETTLE_S * 2)
+        refused = [r for r in caplog.records if getattr(r, "code", "") == "UNAVAILABLE"]
+        # A round, a heartbeat and a push refused, each way, at most twice in the second.
+        assert 0 < len(refused) <= 12, [r.getMessage() for r in refused]
+        assert us.replica.gate.naps == eu.replica.gate.naps == 1
 
 
 def _queued(node: NodeServer, key: str) -> Callable[[], Awaitable[bool]]:

@@ -7,8 +7,12 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Iterable
+from typing import cast
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
@@ -26,6 +30,25 @@ class PeerLeft(ConnectionError):
     a write's acknowledgement — as if that task had been cancelled."""
 
 
+def asked_to_wait(error: grpc.aio.AioRpcError) -> float:
+    """How long, in seconds, a peer that refused a call asked this node to wait before
+    the next (its ``RetryInfo``: a peer that just woke from a nap, ``grant_gate.quiet``);
+    0 when it named no wait."""
+    metadata = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    for key, value in metadata:
+        if key != "grpc-status-details-bin" or not isinstance(value, bytes):
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:
+            return 0.0
+        for detail in status.details:
+            info = error_details_pb2.RetryInfo()
+            if detail.Unpack(info):
+                return float(info.retry_delay.ToMilliseconds()) / 1000
+    return 0.0
+
+
 class PeerLink:
     def __init__(self, stats: PeerStats, tuning: Tuning, check: PeerCheck | None = None) -> None:
         self.stats = stats
@@ -41,6 +64,7 @@ class PeerLink:
         self.delivered: set[str] = set()
         self.wake = asyncio.Event()
         self.retry_at = 0.0
+        self.asked_until = 0.0  # the peer's own refusal asked for no call before this
         self.behind_until = 0.0  # no rounds with it before: it was behind, and pulls
         self.accepts_push = True
         self.push_probe_at = 0.0  # when to try pushing again to a peer that refused
@@ -125,7 +149,11 @@ class PeerLink:
             and time.monotonic() - self.unanswered_since >= self.tuning.unreachable_after_s
         )
 
-    def back_off(self, why: str, code: grpc.StatusCode | None = None) -> None:
+    def back_off(self, why: str, code: grpc.StatusCode | None = None, asked_s: float = 0.0) -> None:
+        """A call failed: no round or push before ``retry_at``, an exponential
+        back-off, and no earlier than the wait the peer asked for (``asked_s``,
+        ``asked_to_wait``), which a call of the peer's does not cut short
+        (``Replicator.heard_from``)."""
         self.stats.failed(why)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             if not self.unanswered:
@@ -138,7 +166,11 @@ class PeerLink:
                 self.backlog.clear()  # it pulls what it missed once it is back
         doublings = min(self.stats.failures, 9) - 1  # failed() counted this one: >= 1
         delay = min(self.tuning.max_backoff_s, self.tuning.first_backoff_s * 2**doublings)
-        self.retry_at = time.monotonic() + delay * random.uniform(0.5, 1.5)
+        now = time.monotonic()
+        self.retry_at = now + delay * random.uniform(0.5, 1.5)
+        if asked_s > 0:
+            self.asked_until = now + asked_s
+            self.retry_at = max(self.retry_at, self.asked_until)
 
     def answered(self) -> None:
         self.stats.succeeded()

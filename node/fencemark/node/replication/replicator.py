@@ -38,7 +38,7 @@ from fencemark.node.replication.intake import (
     MAX_STATES,
     too_large,
 )
-from fencemark.node.replication.link import PeerLeft, PeerLink
+from fencemark.node.replication.link import PeerLeft, PeerLink, asked_to_wait
 from fencemark.node.replication.lives import refused_as_twin
 from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
@@ -386,9 +386,14 @@ class Replicator(Rounds):
             peer.behind_until = max(peer.behind_until, time.monotonic() + self.interval)
 
     def _back_off_over(self, peer: PeerLink) -> None:
-        """``peer`` is up again: end its back-off and let its pushes go now."""
-        if peer.retry_at > time.monotonic():
-            peer.retry_at = 0.0
+        """``peer`` is up again: end its back-off and let its pushes go now — all but
+        a wait the peer itself asked for (``PeerLink.asked_until``). A peer that just
+        woke from a nap calls out while it refuses calls: were its calls to end the
+        wait, two nodes that napped together (one host, one suspended VM) would
+        answer each other's refusals with calls as fast as they come."""
+        now = time.monotonic()
+        if peer.retry_at > now:
+            peer.retry_at = peer.asked_until if peer.asked_until > now else 0.0
             peer.wake.set()
 
     def pulled_by(self, name: str, keys: list[str]) -> None:
@@ -443,7 +448,8 @@ class Replicator(Rounds):
                         await self._twinned(peer)
                     elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         peer.stats.skew_alarms += 1  # the peer refused our clock
-                    peer.back_off(f"push: {exc.code().name}: {exc.details()}", exc.code())
+                    why = f"push: {exc.code().name}: {exc.details()}"
+                    peer.back_off(why, exc.code(), asked_to_wait(exc))
                     continue
                 except PeerLeft as exc:  # its channel replaced: the next one carries them
                     peer.requeue(keys)
@@ -658,7 +664,7 @@ class Replicator(Rounds):
                 await self._twinned(peer)
             elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 peer.stats.skew_alarms += 1  # the peer refused our clock
-            peer.back_off(f"{exc.code().name}: {exc.details()}", exc.code())
+            peer.back_off(f"{exc.code().name}: {exc.details()}", exc.code(), asked_to_wait(exc))
             return None
         except PeerLeft as exc:
             if self._peers.get(peer.stats.name) is peer:  # its channel replaced
