@@ -17,6 +17,7 @@ help:
 	@echo "make proto       regenerate fencemark.v1 from proto/"
 	@echo "make image       build the fencemark:dev docker image air-gapped (docs/deploy.md)"
 	@echo "make prometheus-image  the compose stack's Prometheus image, air-gapped too"
+	@echo "make etcd-image  a region's etcd image (Debian's etcd-server), air-gapped too"
 	@echo "make inspector   install Node 22 and the pinned MCP Inspector CLI into .tools/"
 	@echo "make buf         install the pinned buf CLI (a reflection client) into .tools/"
 
@@ -112,8 +113,9 @@ clean:
 FENCEMARK_IMAGE      ?= fencemark:dev
 FENCEMARK_BASE_IMAGE ?= fencemark/base:bookworm
 FENCEMARK_PROMETHEUS_IMAGE ?= fencemark/prometheus:dev
+FENCEMARK_ETCD_IMAGE ?= fencemark/etcd-server:dev
 
-.PHONY: docker-engine base-image image prometheus-image
+.PHONY: docker-engine base-image image prometheus-image etcd-image
 
 # A Docker engine and the tools the deployment needs (installs and starts them as needed).
 docker-engine:
@@ -132,5 +134,11 @@ image: $(STAMP) base-image
 # the same base, the packages fetched here, docker build with no network; kept while
 # its recipe and base are unchanged.
 prometheus-image: base-image
-	deploy/build-prometheus-image.sh \
+	deploy/build-package-image.sh --package prometheus \
 	  --base-image $(FENCEMARK_BASE_IMAGE) --tag $(FENCEMARK_PROMETHEUS_IMAGE)
+
+# A region's etcd (a region of several members): Debian's etcd-server package on the
+# same base, built the same way; kept while its recipe and base are unchanged.
+etcd-image: base-image
+	deploy/build-package-image.sh --package etcd-server \
+	  --base-image $(FENCEMARK_BASE_IMAGE) --tag $(FENCEMARK_ETCD_IMAGE)

@@ -119,21 +119,23 @@ def pytest_terminal_summary(
 # Outermost, so that waiting for a lock is not counted in a test's timeout.
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
-    """Under pytest-xdist, the chaos tier runs alone on the machine, and the other
-    container tests one at a time beside the rest.
+    """Under pytest-xdist, the region chaos tier (marked ``alone``) runs alone on the
+    machine, and the other container tests one at a time beside the rest.
 
-    The chaos tier judges its nodes' availability, and a node that a busy machine
-    starves for a second takes it for a pause (a nap: it settles again and refuses
-    claims meanwhile). So while a Docker engine is here every test holds the run's
-    lock shared and the chaos tier holds it exclusively: it waits until nothing
-    else runs (in practice, the end of the run). The deployment tests share one
-    engine's swarm and images: each holds a second lock exclusively.
+    The region chaos tier judges its nodes' availability, and a node that a busy
+    machine starves for a second takes it for a pause (a nap: it settles again and
+    refuses claims meanwhile). So while a Docker engine is here every test holds the
+    run's lock shared and that test holds it exclusively: it waits until nothing
+    else runs (in practice, the end of the run). The member chaos tier judges only
+    safety and that a member decides again, which a busy machine slows but cannot
+    break: it runs beside the rest. The container tests share one engine's swarm
+    and images: each holds a second lock exclusively.
     """
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of a run
     if not run:
         return (yield)
     docker = item.get_closest_marker("docker") is not None and components.present("docker")
-    alone = docker and item.get_closest_marker("chaos") is not None
+    alone = docker and item.get_closest_marker("alone") is not None
     with contextlib.ExitStack() as held:
         held.enter_context(_locked(f"fencemark-tests-{run}", exclusive=alone))
         if docker:
@@ -225,6 +227,12 @@ def compose(docker_engine: None) -> list[str]:
 def prometheus_image(docker_engine: None) -> str:
     """The stack's Prometheus image, built air-gapped unless it is up to date."""
     return dockerenv.ensure_prometheus_image()
+
+
+@pytest.fixture(scope="session")
+def etcd_image(docker_engine: None) -> str:
+    """A region's etcd image (Debian's etcd-server), built air-gapped unless up to date."""
+    return dockerenv.ensure_etcd_image()
 
 
 @pytest.fixture

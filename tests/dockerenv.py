@@ -21,6 +21,7 @@ DEPLOY = ROOT / "deploy"
 IMAGE = os.environ.get("FENCEMARK_IMAGE") or "fencemark:dev"
 BASE_IMAGE = os.environ.get("FENCEMARK_BASE_IMAGE") or "fencemark/base:bookworm"
 PROMETHEUS_IMAGE = os.environ.get("FENCEMARK_PROMETHEUS_IMAGE") or "fencemark/prometheus:dev"
+ETCD_IMAGE = os.environ.get("FENCEMARK_ETCD_IMAGE") or "fencemark/etcd-server:dev"
 IMAGE_UID = 10001
 REVISION_LABEL = "org.opencontainers.image.revision"
 # Bounds, in seconds. A base image takes about 1.5 min, the image about 1 min.
@@ -95,15 +96,26 @@ def ensure_image() -> str:
 
 
 def ensure_prometheus_image() -> str:
-    """``PROMETHEUS_IMAGE`` on the air-gapped base; its script rebuilds it only when
-    it is missing or was made by another recipe or base (a second's look otherwise)."""
+    """``PROMETHEUS_IMAGE`` on the air-gapped base (``ensure_package_image``)."""
+    return ensure_package_image("prometheus", PROMETHEUS_IMAGE)
+
+
+def ensure_etcd_image() -> str:
+    """``ETCD_IMAGE``, a region's etcd, on the air-gapped base (``ensure_package_image``)."""
+    return ensure_package_image("etcd-server", ETCD_IMAGE)
+
+
+def ensure_package_image(package: str, tag: str) -> str:
+    """``tag``: Debian's ``package`` on the air-gapped base; its script rebuilds it only
+    when it is missing or was made by another recipe or base (a second's look
+    otherwise)."""
     run([str(DEPLOY / "build-base-image.sh"), "--tag", BASE_IMAGE], limit_s=BUILD_LIMIT_S)
     run(
-        [str(DEPLOY / "build-prometheus-image.sh"), "--base-image", BASE_IMAGE,
-         "--tag", PROMETHEUS_IMAGE],
+        [str(DEPLOY / "build-package-image.sh"), "--package", package,
+         "--base-image", BASE_IMAGE, "--tag", tag],
         limit_s=BUILD_LIMIT_S,
     )  # fmt: skip
-    return PROMETHEUS_IMAGE
+    return tag
 
 
 def inspect(kind: str, name: str) -> dict[str, object]:

@@ -1,12 +1,12 @@
 """The compose stack's Prometheus (deploy/docker-compose.prometheus.yml).
 
 Its image is Debian's ``prometheus`` package on the air-gapped base
-(deploy/build-prometheus-image.sh). The stack with it runs in docs/deploy.md's compose
-steps (tests/test_deploy.py), which ask Prometheus' own HTTP API, on its port
-published on 127.0.0.1, with the checks here: whether it scrapes every node, what the
-nodes report through it, and whether it loaded and evaluates the alert rules. Here,
-too: adding or removing the file changes nothing of the regions, so it recreates none.
-"""
+(deploy/build-package-image.sh --package prometheus). The stack with it runs in
+docs/deploy.md's compose steps (tests/test_deploy.py), which ask Prometheus' own
+HTTP API, on its port published on 127.0.0.1, with the checks here: whether it
+scrapes every node, what the nodes report through it, and whether it loaded and
+evaluates the alert rules. Here, too: adding or removing the file changes nothing of
+the regions, so it recreates none."""
 
 from __future__ import annotations
 

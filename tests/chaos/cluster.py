@@ -165,14 +165,18 @@ class ChaosCluster:
         )  # fmt: skip
         self.proxy.start()
         for name in self.names:
-            data = self.root / "data" / name
-            data.mkdir(parents=True)
-            if os.geteuid() == 0:
-                os.chown(data, IMAGE_UID, IMAGE_UID)
-            port = free_port()
+            data, port = self._data_dir(name), free_port()
             container = self._node_container(name, name, data, self._node_certs(name), port)
             self.regions[name] = Region(name, container, port, data)
             container.start()
+
+    def _data_dir(self, name: str) -> Path:
+        """A new data directory for ``name``'s node, the image's user its owner."""
+        data = self.root / "data" / name
+        data.mkdir(parents=True)
+        if os.geteuid() == 0:
+            os.chown(data, IMAGE_UID, IMAGE_UID)
+        return data
 
     def _node_container(
         self, alias: str, region: str, data: Path, certs: Path, port: int
@@ -278,11 +282,16 @@ class ChaosCluster:
             self._credentials[name] = tls_credentials(self.certs, name)
         return self._credentials[name]
 
-    def close(self, logs_to: Path | None = None) -> None:
-        """Save every container's log under ``logs_to``, then remove containers and network."""
+    def containers(self) -> list[tuple[str, DockerContainer]]:
+        """Every container of the run, by alias."""
         containers = [(r.name, r.container) for r in (*self.regions.values(), *self.twins)]
         if self.proxy is not None:
             containers.append((PROXY_ALIAS, self.proxy))
+        return containers
+
+    def close(self, logs_to: Path | None = None) -> None:
+        """Save every container's log under ``logs_to``, then remove containers and network."""
+        containers = self.containers()
         if logs_to is not None:
             logs_to.mkdir(parents=True, exist_ok=True)
             for alias, output in self._twin_logs.items():

@@ -12,6 +12,8 @@ end of its schedule). docs/chaos.md explains how to read them.
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -31,6 +33,7 @@ from tests.chaos.nemesis import Fault, Played
 from tests.chaos.watch_invariants import WatchLog
 from tests.chaos.workload import Sample
 
+RESULTS = Path(__file__).resolve().parent / "results"
 MAX_LABELLED_FAULTS = 30
 COLOURS = {
     "isolate": "tab:red",
@@ -48,6 +51,19 @@ COLOURS = {
     "rollback": "tab:brown",
     "twin": "tab:pink",
 }
+
+
+def results_folder(seed: int, tier: str = "") -> Path:
+    """A new folder for a run's report, ``<time>-seed<seed>`` under the results root
+    (``FENCEMARK_CHAOS_RESULTS``, else ``tests/chaos/results``) and ``tier`` (the
+    member chaos tier's, ``members``); ``latest`` beside it points at it."""
+    root = Path(os.environ.get("FENCEMARK_CHAOS_RESULTS") or RESULTS) / tier
+    folder = root / f"{time.strftime('%Y%m%d-%H%M%S')}-seed{seed}"
+    folder.mkdir(parents=True)
+    latest = root / "latest"
+    latest.unlink(missing_ok=True)
+    latest.symlink_to(folder.name)
+    return folder
 
 
 def write(

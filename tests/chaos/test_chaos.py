@@ -54,7 +54,6 @@ WARM_UP_S = 3.0  # a healthy workload before the first fault
 COOL_DOWN_S = 3.0  # and after the last one
 LONG_RUN_S = 1800.0
 SERVING_LIMIT_S = 60.0
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -77,16 +76,6 @@ class Settings:
 SETTINGS = Settings.from_env()
 
 
-def results_folder(seed: int) -> Path:
-    root = Path(os.environ.get("FENCEMARK_CHAOS_RESULTS") or RESULTS)
-    folder = root / f"{time.strftime('%Y%m%d-%H%M%S')}-seed{seed}"
-    folder.mkdir(parents=True)
-    latest = root / "latest"
-    latest.unlink(missing_ok=True)
-    latest.symlink_to(folder.name)
-    return folder
-
-
 def by_kind(faults: Sequence[Fault | Played]) -> str:
     """``isolate x3, kill x2, ...``: how many of ``faults`` are of each kind."""
     return ", ".join(f"{k} x{n}" for k, n in Counter(f.kind for f in faults).items())
@@ -101,6 +90,7 @@ async def _all_serving(clients: dict[str, AsyncClient]) -> bool:
 
 @pytest.mark.chaos
 @pytest.mark.docker
+@pytest.mark.alone  # it judges availability: a busy machine's stalls would be naps
 @pytest.mark.timeout(SETTINGS.seconds + 900)
 async def test_replication_keeps_its_promises_under_the_nemesis(
     image: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -113,7 +103,7 @@ async def test_replication_keeps_its_promises_under_the_nemesis(
         with capsys.disabled():
             print(f"[chaos {time.monotonic() - history.started:6.1f}s] {text}", flush=True)
 
-    folder = results_folder(settings.seed)
+    folder = report.results_folder(settings.seed)
     log(f"seed {settings.seed} (replay: FENCEMARK_CHAOS_SEED={settings.seed}); report: {folder}")
     cluster = ChaosCluster(
         image,
