@@ -241,8 +241,7 @@ async def replication(
                         max_clock_offset_ms=config.max_clock_offset_ms,
                         on_change=gate.decider_changed)  # fmt: skip
         replicator.configured = member.configured  # a member's catch-up counts a majority
-        majority = Majority(replicator, config.region, config.member.name, member.configured,
-                            timeout_s=config.member.ttl_s)  # fmt: skip
+        majority = Majority(replicator, timeout_s=config.member.ttl_s)
         core.storage.acknowledge = majority.acknowledge
     return Replication(peers, replicator, lives, gate, catching_up, member)
 

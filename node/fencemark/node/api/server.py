@@ -153,12 +153,11 @@ class NodeServer:
                 self.peer_address if self.peer_server is not None else ""
             )
             address = config.advertise or self.address
-            member = peering.member
             peering.member.start(
                 address,
                 peer_address or address,
                 self._members_changed,
-                lambda: self.replicator.catch_up_with_majority(member.configured),
+                self.replicator.catch_up_with_majority,
                 self.replicator.first_life,
             )
         if config.dashboard_listen:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.rules import quorum
@@ -26,19 +25,10 @@ from fencemark.node.rules.errors import NoMajority
 
 
 class Majority:
-    def __init__(
-        self,
-        replicator: Replicator,
-        region: str,
-        member: str,
-        configured: Callable[[], tuple[str, ...]],
-        *,
-        timeout_s: float,
-    ) -> None:
-        self.replicator = replicator
-        self.region = region
-        self.member = member
-        self.configured = configured  # the region's member set, as last read from etcd
+    def __init__(self, replicator: Replicator, *, timeout_s: float) -> None:
+        self.replicator = replicator  # its region, its member name and the member set
+        self.region = replicator.replica.region
+        self.member = replicator.member
         self.timeout_s = timeout_s
 
     async def acknowledge(self, keys: list[str], states: list[bytes]) -> None:
@@ -46,7 +36,7 @@ class Majority:
         ``keys``) durably; raise ``NoMajority`` if that is not so within
         ``timeout_s``. A member that acknowledged them is not sent them again by the
         eager push that follows their commit (``Replicator.held_by``)."""
-        names = self.configured()
+        names = self.replicator.configured()  # the member set, as last read from etcd
         if not names:
             raise NoMajority(
                 self.region, 0, 0, 0, "the region's member set is not known yet (etcd not read)"

@@ -191,7 +191,7 @@ class Replicator(Rounds):
         if peer is not None:
             peer.delivered.update(keys)
 
-    async def catch_up_with_majority(self, configured: Callable[[], tuple[str, ...]]) -> None:
+    async def catch_up_with_majority(self) -> None:
         """Return once this member holds the states of a majority of its region's
         configured members (``configured()``, itself counted if it is one and owes no
         catch-up): a complete round with enough of the others, each begun after this
@@ -224,7 +224,7 @@ class Replicator(Rounds):
 
         try:
             while True:
-                names = configured()
+                names = self.configured()
                 if self._holds_majority(names, done):
                     return
                 for member in names:
