@@ -1437,6 +1437,29 @@ async def test_after_a_heal_the_regions_that_kept_a_peer_leave_the_returning_one
         await mesh.close()
 
 
+async def test_a_round_that_gets_across_after_unanswered_calls_gives_the_head_start_too(
+    tmp_path: Path,
+) -> None:
+    """The first call to get across after a partition heals may be a round (one in
+    flight as it healed), not a push, a heartbeat or the peer's own call: it gives
+    the returning peer its head start too, before it clears the count of calls that
+    did not get across. (A round that cleared it first left ``us`` running its own
+    rounds with ``ap`` in the test above, once, on a loaded machine.)"""
+    quick = Tuning(unreachable_after=1, unreachable_after_s=0.2)
+    cluster = Cluster(tmp_path, ["us", "eu", "ap"], anti_entropy_interval=30.0, replication=quick)
+    async with cluster:
+        us, _, _ = await cluster.start_all()
+        await all_serving(cluster)
+        link = us.replicator._peers["ap"]
+        # As after a second of calls to ap that did not get across: a partition.
+        link.unanswered, link.unanswered_since = 3, time.monotonic() - 1.0
+        assert us.replicator.unreachable("ap") and not us.replicator.leaves_to_pull("ap")
+        result = await us.replicator._guarded_round(link)
+        assert result is not None and result.complete  # the round got across
+        assert us.replicator.leaves_to_pull("ap")
+        assert not us.replicator.unreachable("ap")
+
+
 @pytest.mark.slow  # waits out a back-off
 async def test_info_reports_each_peer_and_a_down_peer_is_backed_off(tmp_path: Path) -> None:
     """SPEC §5: per-peer last sync, counters and reachability; a failing peer is backed off."""

@@ -675,6 +675,11 @@ class Replicator(Rounds):
             log.exception("anti-entropy with %s failed", peer.stats.name)
             peer.back_off(f"round failed: {exc!r}")
             return None
+        # As for a push or a heartbeat: a round that got across after calls that did
+        # not may be the first sign that a partition healed (a round in flight as it
+        # did). Were ``answered`` to clear the count first, the head start that a
+        # returning peer is owed (``_reached``) would never be given.
+        self._reached(peer)
         peer.answered()
         peer.stats.last_sync = time.time()
         peer.stats.divergence = result.divergence
