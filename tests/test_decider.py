@@ -111,6 +111,7 @@ async def test_a_decider_that_lets_go_is_followed_at_once_on_a_higher_term(
         await stop_all(*campaigns)
 
 
+@pytest.mark.slow  # waits out a decider's TTL
 async def test_a_decider_cut_from_etcd_stops_before_its_lease_lapses_and_one_is_back_in_a_ttl(
     etcd: tuple[EtcdServer, Path],
 ) -> None:
