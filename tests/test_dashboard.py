@@ -22,9 +22,11 @@ import shutil
 import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -328,8 +330,18 @@ async def test_a_burst_of_viewers_shares_one_snapshot_within_a_rate(
     assert node._dashboard is not None
     made = node._dashboard.made
     url = f"http://127.0.0.1:{node.dashboard_port}/api/snapshot"
-    codes = await asyncio.gather(*(asyncio.to_thread(status_of, url) for _ in range(20)))
-    assert sorted(codes) == [200] * int(dashboard.BURST) + [429] * (20 - int(dashboard.BURST))
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=20) as viewers:  # all 20 at once
+        asks = [loop.run_in_executor(viewers, status_of, url) for _ in range(20)]
+        codes = await asyncio.gather(*asks)
+    # The bucket refills at RATE while the viewers arrive: on a loaded machine they
+    # spread over a little time, and each 1/RATE s of it may let one more through.
+    refilled = dashboard.RATE * (time.monotonic() - started)
+    served, refused = codes.count(200), codes.count(429)
+    assert served + refused == 20, codes
+    assert dashboard.BURST <= served <= dashboard.BURST + refilled, (codes, refilled)
+    assert refused >= 20 - dashboard.BURST - refilled, (codes, refilled)
     assert node._dashboard.made == made + 1, "one snapshot, shared by every viewer"
 
 
