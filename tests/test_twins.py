@@ -372,6 +372,30 @@ async def test_a_node_whose_event_loop_stood_still_settles_again_before_it_decid
         assert gate.twins == 0 and eu.replica.gate.twins == 0
 
 
+async def test_a_round_begun_before_a_nap_does_not_settle_a_fresh_node_after_it(
+    tmp_path: Path,
+) -> None:
+    """A node whose process drew its node id waits no ``settle_s`` after a nap (no copy
+    of it can run), but only a round begun after the nap counts: one begun before and
+    answered after (in flight across a SIGSTOP) says nothing of whether the peer has
+    heard a copy meanwhile. Counted, it let a paused original that woke grant the
+    claim waiting in its socket while its copy decided, for the milliseconds before
+    the peer's twin refusal arrived (``test_an_original_paused_...``, once)."""
+    async with Cluster(tmp_path, ["us", "eu"], nap_s=Tuning().nap_s) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        gate = us.replica.gate
+        assert gate.fresh
+        link = us.replicator._peers["eu"]
+        before = time.monotonic()  # a round that begins now ...
+        time.sleep(gate.nap_s * 2)  # noqa: ASYNC251 - the event loop stands still: a nap
+        gate.tick()  # ... and is answered once the nap is found
+        assert gate.starting and not us.replica.deciding
+        assert not us.replicator._settled(link, before)
+        assert us.replicator._settled(link, time.monotonic())
+        await all_deciding(us, eu)  # rounds begun since settle it
+
+
 async def test_a_claim_waiting_in_line_is_not_granted_while_its_home_settles_after_a_nap(
     tmp_path: Path,
 ) -> None:

@@ -551,7 +551,9 @@ class Replicator(Rounds):
         """Whether a complete round with ``peer`` that began at ``began`` counts
         towards a restarted node's first pass, or a catch-up. A node whose process
         drew its node id (a new or emptied file: ``GrantGate.fresh``) counts every
-        complete round: no other process can have that id. Any other file — a
+        complete round begun since its latest nap (``PeerLink.settle_after``): no
+        other process can have that id, and a round begun after the nap reaches a
+        peer that would refuse it had a copy started meanwhile. Any other file — a
         restart, a restored file, one that still owes the catch-up of its first
         start, one refused as a twin — may be a copy of a node that still runs: it
         counts a round that began ``settle_s`` after the peer first answered it. By
@@ -559,8 +561,13 @@ class Replicator(Rounds):
         (``heartbeat_s``) since this life began there, and the peer refuses the
         round as a twin's (``lives``) instead of answering it."""
         gate = self.replica.gate
-        if gate.fresh or not (gate.owed or gate.starting):
+        if not (gate.owed or gate.starting):
             return True
+        if gate.fresh:
+            # No copy of it can settle unseen, but a round begun before a nap and
+            # answered after it (in flight across a SIGSTOP) says nothing of what the
+            # peer heard meanwhile: only a round begun after the nap counts.
+            return began >= peer.settle_after
         if peer.first_answered is None:
             return False
         at = peer.first_answered + self.settle_s
