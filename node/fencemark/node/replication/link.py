@@ -7,13 +7,11 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Iterable
-from typing import cast
 
 import grpc
-from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2
 
+from fencemark.node.replication.lives import status_details
 from fencemark.node.replication.peer_check import PeerCheck
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.replication.tuning import CHANNEL_OPTIONS, RECONNECT_BACKOFF_MS, Tuning
@@ -34,18 +32,10 @@ def asked_to_wait(error: grpc.aio.AioRpcError) -> float:
     """How long, in seconds, a peer that refused a call asked this node to wait before
     the next (its ``RetryInfo``: a peer that just woke from a nap, ``grant_gate.quiet``);
     0 when it named no wait."""
-    metadata = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
-    for key, value in metadata:
-        if key != "grpc-status-details-bin" or not isinstance(value, bytes):
-            continue
-        try:
-            status = status_pb2.Status.FromString(value)
-        except DecodeError:
-            return 0.0
-        for detail in status.details:
-            info = error_details_pb2.RetryInfo()
-            if detail.Unpack(info):
-                return float(info.retry_delay.ToMilliseconds()) / 1000
+    for detail in status_details(error):
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return float(info.retry_delay.ToMilliseconds()) / 1000
     return 0.0
 
 

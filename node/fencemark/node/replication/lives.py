@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import grpc
+from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
@@ -110,21 +111,27 @@ class Lives:
         )
 
 
+def status_details(error: grpc.aio.AioRpcError) -> list[any_pb2.Any]:
+    """The rich details of a refused call (its ``grpc-status-details-bin``
+    trailer): ``ErrorInfo``, ``RetryInfo`` and the like; none if it has none, or
+    none that parse."""
+    metadata = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    for key, value in metadata:
+        if key == "grpc-status-details-bin" and isinstance(value, bytes):
+            try:
+                return list(status_pb2.Status.FromString(value).details)
+            except DecodeError:
+                return []
+    return []
+
+
 def refused_as_twin(error: grpc.aio.AioRpcError) -> bool:
     """Whether a peer refused a call of this node because it has a twin: the
     ``ErrorInfo`` reason ``TWIN_NODE`` of a FAILED_PRECONDITION."""
     if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
         return False
-    metadata = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
-    for key, value in metadata:
-        if key != "grpc-status-details-bin" or not isinstance(value, bytes):
-            continue
-        try:
-            status = status_pb2.Status.FromString(value)
-        except DecodeError:
-            return False
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info) and info.reason == TWIN_NODE:
-                return True
+    for detail in status_details(error):
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.reason == TWIN_NODE:
+            return True
     return False
