@@ -396,6 +396,25 @@ async def test_a_round_begun_before_a_nap_does_not_settle_a_fresh_node_after_it(
         await all_deciding(us, eu)  # rounds begun since settle it
 
 
+async def test_a_round_begun_before_a_twin_refusal_does_not_end_the_catch_up_it_owes(
+    tmp_path: Path,
+) -> None:
+    """The same for a catch-up owed anew (a peer refused this node as a twin, or its
+    file went back in time): a round begun before the obligation and answered after
+    it may have been served before the peer heard the twin, so only rounds begun
+    since count."""
+    async with Cluster(tmp_path, ["us", "eu"]) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        gate = us.replica.gate
+        link = us.replicator._peers["eu"]
+        before = time.monotonic()  # a round that begins now ...
+        await gate.twinned()  # ... and a refusal as a twin meanwhile
+        assert gate.owed and not us.replica.deciding
+        assert not us.replicator._settled(link, before)
+        assert us.replicator._settled(link, time.monotonic())
+
+
 async def test_a_claim_waiting_in_line_is_not_granted_while_its_home_settles_after_a_nap(
     tmp_path: Path,
 ) -> None:

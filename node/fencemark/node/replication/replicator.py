@@ -472,10 +472,15 @@ class Replicator(Rounds):
         return sorted(set(self._peers) - self._synced)
 
     def catch_up_again(self) -> None:
-        """The node owes a catch-up again (its data file went back in time,
-        ``grant_gate``): every peer owes it a complete round anew."""
+        """The node owes a catch-up again (its data file went back in time, or a peer
+        refused it as a twin: ``grant_gate``): every peer owes it a complete round
+        anew, begun from now on (``_settled``): one in flight as the obligation came
+        may have been served before the peer heard a twin."""
+        now = time.monotonic()
         self._synced = set()
         self.catching_up = True
+        for peer in self._peers.values():
+            peer.settle_after = max(peer.settle_after, now)
 
     async def _anti_entropy_loop(self) -> None:
         while True:
@@ -551,7 +556,8 @@ class Replicator(Rounds):
         """Whether a complete round with ``peer`` that began at ``began`` counts
         towards a restarted node's first pass, or a catch-up. A node whose process
         drew its node id (a new or emptied file: ``GrantGate.fresh``) counts every
-        complete round begun since its latest nap (``PeerLink.settle_after``): no
+        complete round begun since its latest nap or owed catch-up
+        (``PeerLink.settle_after``, which every round must have begun after): no
         other process can have that id, and a round begun after the nap reaches a
         peer that would refuse it had a copy started meanwhile. Any other file — a
         restart, a restored file, one that still owes the catch-up of its first
@@ -563,11 +569,13 @@ class Replicator(Rounds):
         gate = self.replica.gate
         if not (gate.owed or gate.starting):
             return True
+        if began < peer.settle_after:
+            # Begun before the latest nap or obligation and answered after it (in
+            # flight across a SIGSTOP, or as a twin was refused): it says nothing of
+            # what the peer heard since.
+            return False
         if gate.fresh:
-            # No copy of it can settle unseen, but a round begun before a nap and
-            # answered after it (in flight across a SIGSTOP) says nothing of what the
-            # peer heard meanwhile: only a round begun after the nap counts.
-            return began >= peer.settle_after
+            return True  # no copy of it can settle unseen
         if peer.first_answered is None:
             return False
         at = peer.first_answered + self.settle_s
