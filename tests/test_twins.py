@@ -31,6 +31,7 @@ from fencemark.client.errors import Unavailable
 from fencemark.node.api.config import DB_FILE
 from fencemark.node.api.server import NodeServer
 from fencemark.node.replication.link import PeerLink
+from fencemark.node.rules.errors import NotServing
 from fencemark.node.replication.tuning import HEARTBEAT_S, SETTLE_SLACK_S, Tuning
 from fencemark.node.tools.process import NodeProcess
 from fencemark.node.tools.proxy import FaultProxy
@@ -394,6 +395,26 @@ async def test_a_round_begun_before_a_nap_does_not_settle_a_fresh_node_after_it(
         assert not us.replicator._settled(link, before)
         assert us.replicator._settled(link, time.monotonic())
         await all_deciding(us, eu)  # rounds begun since settle it
+
+
+async def test_a_fresh_node_that_napped_asks_for_no_settle_long_wait(tmp_path: Path) -> None:
+    """A node whose process drew its node id decides again after one round begun
+    since its nap: its refusals meanwhile name no wait of ``settle_s`` (they did,
+    and a retrying client waited seconds for a node that decided within one
+    round)."""
+    async with Cluster(tmp_path, ["us", "eu"], nap_s=Tuning().nap_s) as c:
+        us, eu = await c.start_all()
+        await all_deciding(us, eu)
+        gate = us.replica.gate
+        assert gate.fresh
+        time.sleep(gate.nap_s * 2)  # noqa: ASYNC251 - the event loop stands still: a nap
+        gate.tick()
+        assert gate.starting and not us.replica.deciding
+        # Refused, as the event loop has run no round since: with no wait named.
+        with pytest.raises(NotServing, match="stood still") as refused:
+            gate.check()
+        assert refused.value.retry_after_ms == 0
+        await all_deciding(us, eu)
 
 
 async def test_a_round_begun_before_a_twin_refusal_does_not_end_the_catch_up_it_owes(

@@ -606,7 +606,10 @@ class Replicator(Rounds):
         for peer in self._peers.values():
             peer.first_answered, peer.settle_after = None, now
         # The earliest it can decide again; the refusals meanwhile say so (pushback).
-        self.replica.gate.settled_at = now + self.settle_s
+        # A node whose process drew its node id waits for no settle, only for a
+        # round begun since (``_settled``): its refusals name no wait.
+        gate = self.replica.gate
+        gate.settled_at = 0.0 if gate.fresh else now + self.settle_s
 
     async def _heartbeat_loop(self, peer: PeerLink) -> None:
         """Call ``peer`` at least every ``heartbeat_s``: a root-only ``Tree`` call
