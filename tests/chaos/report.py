@@ -18,13 +18,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from types import ModuleType
 from typing import Any
-
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-
-from matplotlib import pyplot
 
 from fencemark.node.tools.workload import History
 from tests.chaos.checker import Verdict
@@ -32,6 +27,18 @@ from tests.chaos.claim_invariants import stale_wakes
 from tests.chaos.nemesis import Fault, Played
 from tests.chaos.watch_invariants import WatchLog
 from tests.chaos.workload import Sample
+
+
+def plotter() -> ModuleType:
+    """matplotlib's pyplot, drawing to files only. Imported when a report is drawn,
+    not when the suite is collected: every test worker imports this module."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot
+
+    return pyplot
+
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_LABELLED_FAULTS = 30
@@ -317,6 +324,7 @@ def timeline(
     settings: Mapping[str, Any],
 ) -> None:
     """Faults as shaded spans; per region, the records it is behind on over time."""
+    pyplot = plotter()
     figure, axes = pyplot.subplots(figsize=(12, 4.5))
     seen: set[str] = set()
     for fault in played:

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-import matplotlib
 import pytest
 
 from fencemark.client import AsyncClient, ClaimConflict, FencemarkError, Record
@@ -61,11 +60,8 @@ from tests.chaos.member_invariants import (
     holders_kept,
 )
 from tests.chaos.members import ETCDS, MEMBERS, OTHER, REGION, MemberCluster
-from tests.chaos.report import results_folder
+from tests.chaos.report import plotter, results_folder
 from tests.chaos.workload import divergence, versions
-
-matplotlib.use("Agg")  # files only, no display
-from matplotlib import pyplot
 
 T = TypeVar("T")
 KINDS = (
@@ -388,6 +384,7 @@ def write_report(folder: Path, history: History, verdicts: list[Verdict]) -> boo
     per_second = [0] * len(seconds)
     for at in ends:
         per_second[int(at)] += 1
+    pyplot = plotter()
     figure, axes = pyplot.subplots(figsize=(11, 4))
     axes.plot(seconds, per_second, color="tab:blue", label="items done per second")
     for p in history.played:
