@@ -31,8 +31,8 @@ from fencemark.client.errors import Unavailable
 from fencemark.node.api.config import DB_FILE
 from fencemark.node.api.server import NodeServer
 from fencemark.node.replication.link import PeerLink
-from fencemark.node.rules.errors import NotServing
 from fencemark.node.replication.tuning import HEARTBEAT_S, SETTLE_SLACK_S, Tuning
+from fencemark.node.rules.errors import NotServing
 from fencemark.node.tools.process import NodeProcess
 from fencemark.node.tools.proxy import FaultProxy
 from tests.cluster import (
