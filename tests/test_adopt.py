@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,9 @@ from fencemark.client import AsyncClient
 from fencemark.node.tools.adopt import (
     CONTRACT,
     LAYOUT,
+    RENDERED,
     SPEC,
+    WORKFLOW,
     AdoptError,
     load_bindings,
     render,
@@ -37,6 +39,7 @@ from fencemark.node.tools.adopt import (
     template_file,
 )
 from fencemark.node.tools.process import NodeProcess
+from tests import recording_gh
 from tests.cluster import eventually
 from tests.test_cli import Ran, clean_env
 from tests.test_mcp_walkthrough import expect_ok, outcome_of
@@ -47,10 +50,12 @@ REPO = "widgets"
 LIMIT_S = 60.0
 
 
-async def run_cli(*args: str, cwd: Path, stdin: str = "") -> Ran:
-    """``fencemark ARGS`` in ``cwd``, ``stdin`` piped in."""
+async def run_cli(
+    *args: str, cwd: Path, stdin: str = "", env: Mapping[str, str] | None = None
+) -> Ran:
+    """``fencemark ARGS`` in ``cwd``, ``stdin`` piped in, ``env`` added to its environment."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fencemark.node", *args, cwd=cwd, env=clean_env(),
+        sys.executable, "-m", "fencemark.node", *args, cwd=cwd, env={**clean_env(), **(env or {})},
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -95,8 +100,12 @@ async def test_init_writes_the_template_once_and_never_overwrites_a_changed_file
     # Everything but the bindings and the contract is the template, byte for byte.
     template = template_dir()
     for source, target in LAYOUT.items():
-        if source not in {"bindings.toml", SPEC}:
+        if source not in {*RENDERED, SPEC}:
             assert (repo / target).read_text() == template_file(template, source).read_text()
+    # The workflow carries the bindings as flags (it checks nothing out).
+    workflow = (repo / LAYOUT[WORKFLOW]).read_text()
+    assert f"--repo {REPO} --region us --regions us=127.0.0.1:7400,eu=127.0.0.1:7401" in workflow
+    assert "{{" not in workflow.replace("${{", "")
     # Beside the protocol, the contract it cites: this version's docs/spec.md, word for
     # word, its links to the project's other pages (absent here) written as their paths.
     spec = (ROOT / "docs" / "spec.md").read_text()
@@ -147,6 +156,8 @@ def test_this_repository_consumes_its_own_template() -> None:
     from template/ with its bindings: they drift apart only in the bindings."""
     bindings = load_bindings(ROOT / ".fencemark/bindings.toml")
     for relative, text in render(template_dir(), bindings).items():
+        if relative == LAYOUT[WORKFLOW]:
+            continue  # its issues are not on GitHub beside a node the workflow could reach
         assert (ROOT / relative).read_text() == text, f"{relative} drifted from template/"
 
 
@@ -364,15 +375,35 @@ def matches(shown: list[str], printed: list[str]) -> bool:
 @pytest.mark.slow
 async def test_the_adoption_guide_runs_as_shown(tmp_path: Path, node: NodeProcess) -> None:
     commands = guide_commands()
-    assert [c.split()[1] for c, _ in commands] == ["init", "init", "mirror", "mirror", "mirror"]
+    assert [c.split()[1] for c, _ in commands] == ["init", "init", *["mirror"] * 5]
     repo = git_repository(tmp_path / "widgets")
     (repo / "issues.json").write_text(json.dumps(ISSUES))  # what `gh issue list` printed
+    # GitHub's CLI as the guide's step 5 meets it: the recording gh, holding the issues.
+    state = tmp_path / "gh-issues.json"
+    state.write_text(json.dumps({str(i["number"]): recording_gh.issue() for i in ISSUES}))
+    recording_gh.install(tmp_path / "bin")
+    env = {
+        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "RECORDING_GH_STATE": str(state),
+        "RECORDING_GH_LOG": str(tmp_path / "gh-calls.jsonl"),
+    }
     for command, shown in commands:
+        if "--push" in command and "--dry-run" in command:  # step 5: worker-1 finished issue-1
+            async with AsyncClient(node.address) as client:
+                key = (await backlog(node.address))["issue-1"].key
+                claim = await client.claim(key, "worker-1", lease_seconds=30)
+                await client.release_claim(key, claim.fencing_token, outcome="done",
+                                           fields={"result": "merged in #2107"})  # fmt: skip
         argv = command.replace(DOCUMENTED_NODE, node.address).split()[1:]
-        ran = await run_cli(*argv, cwd=repo)
+        ran = await run_cli(*argv, cwd=repo, env=env)
         assert ran.code == 0, (command, ran.stderr)
         expected = [line.replace(DOCUMENTED_NODE, node.address) for line in shown]
         assert matches(expected, ran.stdout.splitlines()), (command, ran.stdout)
+    # What the guide says the comment reads, and the issue closed.
+    (comment,) = json.loads(state.read_text())["1"]["comments"]
+    assert re.match(r"Done by worker-1 on \d{4}-\d\d-\d\d \d\d:\d\d UTC \(fencing token 1\)\.\n\n"
+                    r"- result: merged in #2107\n", comment), comment  # fmt: skip
+    assert json.loads(state.read_text())["1"]["state"] == "CLOSED"
 
 
 def test_an_installed_package_carries_every_template_file() -> None:

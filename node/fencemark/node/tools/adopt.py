@@ -31,6 +31,10 @@ BINDINGS = Path(".fencemark/bindings.toml")
 # repository, with its own links to other pages of the project made plain paths.
 CONTRACT = Path(".fencemark/spec.md")
 SPEC = "spec.md"  # its name in an installed template directory
+# The GitHub Actions workflow that runs `fencemark mirror` both ways (docs/adopting.md,
+# step 5): rendered with the bindings as flags, as it checks nothing out.
+WORKFLOW = "github/fencemark-mirror.yml"
+RENDERED = ("bindings.toml", WORKFLOW)  # the template files with {{placeholders}}
 # template file -> where `init` writes it, relative to the repository's root
 # (SPEC: the contract, found by spec_file()).
 LAYOUT = {
@@ -42,6 +46,7 @@ LAYOUT = {
     "agents/worker.md": ".fencemark/agents/worker.md",
     "agents/backlog-pm.md": ".fencemark/agents/backlog-pm.md",
     "mcp/http.json": ".fencemark/mcp-http.json",
+    WORKFLOW: ".github/workflows/fencemark-mirror.yml",
 }
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 # A link of docs/spec.md to another page of the project (not to a section of its own,
@@ -60,6 +65,15 @@ class AdoptError(ValueError):
 
 
 @dataclass(frozen=True)
+class PushBindings:
+    """``[push]``: what ``fencemark mirror --push`` tells the issues."""
+
+    close: bool = True  # close an issue whose item is done (after its comment)
+    parked_label: str = "fencemark:parked"  # the label of an issue whose item is parked
+    comment_on: tuple[str, ...] = ()  # outcomes that also get a comment: failed, deferred
+
+
+@dataclass(frozen=True)
 class Bindings:
     """What a repository sets: its repo id, its agents' own region, every region's
     node, the backlog's topic, and label spellings to priorities (``mirror``)."""
@@ -69,6 +83,7 @@ class Bindings:
     regions: Mapping[str, str]
     topic: str = DEFAULT_TOPIC
     priorities: Mapping[str, str] = field(default_factory=dict)
+    push: PushBindings = field(default_factory=lambda: PushBindings())
 
     @property
     def target(self) -> str:
@@ -194,7 +209,27 @@ def load_bindings(path: Path = BINDINGS) -> Bindings:
         isinstance(v, str) and re.fullmatch(r"P[0-9]", v) for v in priorities.values()
     ):
         raise AdoptError(f"{path}: [priorities] must map labels to P0 ... P9")
-    return Bindings(bindings.repo, bindings.region, bindings.regions, topic, priorities)
+    push = _push_bindings(path, data.get("push", {}))
+    return Bindings(bindings.repo, bindings.region, bindings.regions, topic, priorities, push)
+
+
+def _push_bindings(path: Path, table: object) -> PushBindings:
+    if not isinstance(table, dict):
+        raise AdoptError(f"{path}: [push] must be a table")
+    unknown = sorted(set(table) - {"close", "parked_label", "comment_on"})
+    if unknown:
+        raise AdoptError(f"{path}: [push] has no setting {unknown[0]!r}")
+    defaults = PushBindings()
+    close = table.get("close", defaults.close)
+    if not isinstance(close, bool):
+        raise AdoptError(f"{path}: [push] `close` must be true or false")
+    label = table.get("parked_label", defaults.parked_label)
+    if not isinstance(label, str) or not label.strip() or len(label) > 50:
+        raise AdoptError(f"{path}: [push] `parked_label` must be a label of 1 to 50 characters")
+    outcomes = table.get("comment_on", list(defaults.comment_on))
+    if not isinstance(outcomes, list) or not set(outcomes) <= {"failed", "deferred"}:
+        raise AdoptError(f"{path}: [push] `comment_on` must list failed and/or deferred")
+    return PushBindings(close, label.strip(), tuple(outcomes))
 
 
 def git_repo_name(directory: Path) -> str | None:
@@ -214,15 +249,19 @@ def render(template: Path, bindings: Bindings) -> dict[str, str]:
     """Every file ``init`` writes, by path relative to the repository: the template's
     files as they are, the bindings file with its placeholders filled, and the
     contract standing alone (``standalone_spec``)."""
+    from fencemark.node import __version__
+
     values = {
         "repo": bindings.repo,
         "region": bindings.region,
         "regions": "\n".join(f'{name} = "{addr}"' for name, addr in bindings.regions.items()),
+        "regions_flag": bindings.regions_flag(),
+        "version": __version__,
     }
     out = {}
     for source, target in LAYOUT.items():
         text = template_file(template, source).read_text()
-        if source == "bindings.toml":
+        if source in RENDERED:
             text = PLACEHOLDER.sub(lambda m: values[m[1]], text)
         elif source == SPEC:
             text = standalone_spec(text)

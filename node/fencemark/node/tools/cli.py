@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import functools
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -44,6 +45,8 @@ from fencemark.node.tools.proxy_command import add_proxy_command
 
 if TYPE_CHECKING:
     from fencemark.client import NodeInfo
+    from fencemark.node.tools.adopt import Bindings
+    from fencemark.node.tools.mirror_push import PushSettings
 
 # -- client commands ----------------------------------------------------------------
 
@@ -416,6 +419,21 @@ def _add_adopt_commands(
         help="gh issue list --json ... output, or JSON lines (default: stdin)",
     )  # fmt: skip
     mirror.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    mirror.add_argument(
+        "--push", action="store_true",
+        help="the other way: comment on and close, label or reopen the issues of items"
+        " whose state changed (through gh)",
+    )  # fmt: skip
+    mirror.add_argument("--no-close", action="store_true",
+                        help="--push: comment on a done item's issue, leave it open")  # fmt: skip
+    mirror.add_argument(
+        "--comment-on", default=None, metavar="OUTCOME,...",
+        help="--push: comment on these outcomes too (failed, deferred)",
+    )  # fmt: skip
+    mirror.add_argument(
+        "--gh-repo", default="", metavar="OWNER/NAME",
+        help="--push: the issues' repository (default: gh's choice, GH_REPO or the remote)",
+    )  # fmt: skip
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -431,7 +449,6 @@ def cmd_mirror(args: argparse.Namespace) -> int:
     from fencemark.node.tools.adopt import (
         BINDINGS,
         AdoptError,
-        Bindings,
         load_bindings,
         make_bindings,
         parse_regions,
@@ -457,14 +474,49 @@ def cmd_mirror(args: argparse.Namespace) -> int:
             overrides["regions"] = parse_regions(args.regions)
         if args.region:
             overrides["region"] = args.region
+        if args.target and not args.regions:
+            # An explicit --target is the address of --region (the bindings' own
+            # region without it) unless --regions says otherwise.
+            region = overrides.get("region", bindings.region)
+            overrides["regions"] = {**bindings.regions, str(region): args.target}
         bindings = replace(bindings, **overrides)  # type: ignore[arg-type]
         checked: Bindings = make_bindings(bindings.repo, bindings.region, bindings.regions)
         bindings = replace(bindings, regions=checked.regions)
+        settings = push_settings(args, bindings) if args.push else None
     except AdoptError as exc:
         print(f"fencemark mirror: {exc}", file=sys.stderr)
         return 2
+    if settings is not None:
+        from fencemark.node.tools import mirror_push
+
+        return mirror_push.run(bindings, settings, dry_run=args.dry_run, timeout=args.timeout,
+                               credentials=client_credentials(args))  # fmt: skip
     return mirror.run(bindings, args.source, dry_run=args.dry_run, timeout=args.timeout,
                       credentials=client_credentials(args), target=args.target)  # fmt: skip
+
+
+def push_settings(args: argparse.Namespace, bindings: Bindings) -> PushSettings:
+    """``--push``'s settings: the bindings' ``[push]``, then the flags."""
+    from fencemark.node.tools.adopt import AdoptError
+    from fencemark.node.tools.mirror_push import COMMENT_OUTCOMES, PushSettings
+
+    if args.source != "-":
+        raise AdoptError("--push reads the backlog, not issues: --from does not go with it")
+    outcomes = list(bindings.push.comment_on)
+    if args.comment_on is not None:
+        outcomes = [o.strip() for o in args.comment_on.split(",") if o.strip()]
+        wrong = [o for o in outcomes if o not in COMMENT_OUTCOMES]
+        if wrong:
+            known = ", ".join(COMMENT_OUTCOMES)
+            raise AdoptError(f"--comment-on: {wrong[0]!r} is not one of {known}")
+    if args.gh_repo and not re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", args.gh_repo):
+        raise AdoptError(f"--gh-repo: {args.gh_repo!r} is not OWNER/NAME")
+    return PushSettings(
+        close=bindings.push.close and not args.no_close,
+        parked_label=bindings.push.parked_label,
+        comment_on=frozenset(outcomes),
+        gh_repo=args.gh_repo,
+    )
 
 
 def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
