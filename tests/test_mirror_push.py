@@ -20,6 +20,8 @@ import pytest
 
 from fencemark.client import AsyncClient, Record
 from fencemark.node.api.server import NodeServer
+from fencemark.node.tools import adopt, mirror
+from fencemark.node.tools.adopt import make_bindings
 from fencemark.node.tools.mirror_push import PUSHED_FIELD, ZWSP, marker
 from tests import recording_gh
 from tests.conftest import StartNode
@@ -91,10 +93,13 @@ async def site(tmp_path: Path, start_node: StartNode) -> Site:
     recording_gh.install(bin_dir)
     site = Site(root, node, bin_dir, state, log,
                 {"RECORDING_GH_STATE": str(state), "RECORDING_GH_LOG": str(log)})  # fmt: skip
-    ran = await site.cli("init", "--region", "us", "--regions", f"us={node.address}")
-    assert ran.code == 0, ran.stderr
-    ran = await site.cli("mirror", stdin=json.dumps(ISSUES))
-    assert ran.code == 0 and "4 created" in ran.stdout, (ran.stdout, ran.stderr)
+    # init and the mirror in, in this process (their CLI is tests/test_adopt.py's).
+    bindings = make_bindings(REPO, "us", {"us": node.address})
+    assert not adopt.init(root, bindings).left
+    async with AsyncClient(node.address) as client:
+        plan = await mirror.mirror(client, bindings, mirror.parse(json.dumps(ISSUES)),
+                                   dry_run=False)  # fmt: skip
+    assert plan.counts == {"created": 4}, plan.lines
     return site
 
 
