@@ -27,7 +27,7 @@ import grpc
 import pytest
 
 from fencemark.client import AsyncClient
-from fencemark.client.errors import Unavailable
+from fencemark.client.errors import NotFound, Unavailable
 from fencemark.node.api.config import DB_FILE
 from fencemark.node.api.server import NodeServer
 from fencemark.node.replication.link import PeerLink
@@ -299,7 +299,10 @@ async def test_an_original_paused_while_its_copy_settled_grants_nothing_when_it_
         async with AsyncClient(eu.address) as client:
 
             async def eu_holds_the_release() -> bool:
-                status = await client.claim_status(item.key)
+                try:  # the record itself may not have reached eu yet
+                    status = await client.claim_status(item.key)
+                except NotFound:
+                    return False
                 return status.fence == first.fencing_token and status.claim is None
 
             await eventually(eu_holds_the_release, "eu holding the release")
