@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import HealthCheck, example, find, given, settings
+from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import strategies as st
 
 from fencemark.node.crdt import (
@@ -381,8 +381,13 @@ def test_history_is_16_grants_on_every_node() -> None:
 
 
 def test_the_strategies_reach_folded_histories() -> None:
-    """The whole-record laws above cover folding only if their states get there."""
-    states = find(replicas(3), lambda states: len({s.fence.floor() for s in states}) > 1)
+    """The whole-record laws above cover folding only if their states get there. The
+    first example found answers that: shrinking it (25 s) would add nothing."""
+    states = find(
+        replicas(3),
+        lambda states: len({s.fence.floor() for s in states}) > 1,
+        settings=settings(phases=[Phase.generate], database=None, max_examples=10_000),
+    )
     assert max(s.fence.floor() for s in states) > 0
 
 
