@@ -87,6 +87,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         for mark in item.iter_markers("requires"):
             components.check_names(mark.args, item.nodeid)
+    # A test of minutes (marked `long`) first: a worker starts it at once, and the
+    # others share the rest meanwhile, instead of waiting for it at the end.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -63,6 +63,7 @@ def numbers(value: Any) -> list[float]:
 ALONE = ("feed",)
 
 
+@pytest.mark.long  # about three minutes
 async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
     servers: None, tmp_path: Path
 ) -> None:
