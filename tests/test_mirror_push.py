@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,11 @@ from fencemark.node.tools.adopt import make_bindings
 from fencemark.node.tools.mirror_push import PUSHED_FIELD, ZWSP, marker
 from tests import recording_gh
 from tests.conftest import StartNode
-from tests.test_adopt import REPO, gh_issue, git_repository
-from tests.test_cli import Ran, clean_env
+from tests.test_adopt import REPO, gh_issue, git_repository, run_cli
+from tests.test_cli import Ran
 
 pytestmark = pytest.mark.slow  # every step runs the CLI as a process
 
-LIMIT_S = 90.0
 ISSUES = [gh_issue(n, f"Issue {n}") for n in (1, 2, 3, 4)]
 WRITES = ("comment", "close", "reopen", "edit")
 
@@ -48,19 +46,11 @@ class Site:
     env: dict[str, str] = field(default_factory=dict)
 
     async def cli(self, *args: str, stdin: str = "", path: str | None = None, **env: str) -> Ran:
-        environ = {**clean_env(), **self.env, **env}
-        environ["PATH"] = (
-            path if path is not None else f"{self.bin_dir}{os.pathsep}{environ['PATH']}"
-        )
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fencemark.node", *args, cwd=self.root, env=environ,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        async with asyncio.timeout(LIMIT_S):
-            out, err = await proc.communicate(stdin.encode())
-        assert proc.returncode is not None
-        return Ran(proc.returncode, out.decode(), err.decode())
+        """``fencemark ARGS`` here, the recording ``gh`` first on ``PATH`` (or ``path``)."""
+        if path is None:
+            path = f"{self.bin_dir}{os.pathsep}{os.environ['PATH']}"
+        return await run_cli(*args, cwd=self.root, stdin=stdin,
+                             env={**self.env, **env, "PATH": path})  # fmt: skip
 
     async def push(self, *args: str, **env: str) -> Ran:
         return await self.cli("mirror", "--push", *args, **env)
@@ -321,13 +311,7 @@ async def test_mirror_sends_its_calls_to_an_explicit_target_without_bindings(
     went to 127.0.0.1:7400 whatever ADDR said."""
     node = await start_node(region="us")
     assert not node.address.endswith(":7400")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fencemark.node", "mirror", "--target", node.address,
-        "--repo", REPO, "--region", "us", cwd=tmp_path, env=clean_env(),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    async with asyncio.timeout(LIMIT_S):
-        out, err = await proc.communicate(json.dumps(ISSUES[:1]).encode())
-    assert proc.returncode == 0, err.decode()
-    assert "1 created" in out.decode()
+    ran = await run_cli("mirror", "--target", node.address, "--repo", REPO, "--region", "us",
+                        cwd=tmp_path, stdin=json.dumps(ISSUES[:1]))  # fmt: skip
+    assert ran.code == 0, ran.stderr
+    assert "1 created" in ran.stdout
