@@ -64,13 +64,17 @@ class AdoptError(ValueError):
     """Bad input to ``init`` or ``mirror``: a one-line reason naming the field."""
 
 
+COMMENT_OUTCOMES = ("failed", "deferred")  # outcomes `mirror --push` may comment on
+
+
 @dataclass(frozen=True)
 class PushBindings:
-    """``[push]``: what ``fencemark mirror --push`` tells the issues."""
+    """``[push]``: what ``fencemark mirror --push`` tells the issues (its flags change
+    them for one run)."""
 
     close: bool = True  # close an issue whose item is done (after its comment)
     parked_label: str = "fencemark:parked"  # the label of an issue whose item is parked
-    comment_on: tuple[str, ...] = ()  # outcomes that also get a comment: failed, deferred
+    comment_on: tuple[str, ...] = ()  # of COMMENT_OUTCOMES: they get a comment too
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class Bindings:
     regions: Mapping[str, str]
     topic: str = DEFAULT_TOPIC
     priorities: Mapping[str, str] = field(default_factory=dict)
-    push: PushBindings = field(default_factory=lambda: PushBindings())
+    push: PushBindings = field(default_factory=PushBindings)
 
     @property
     def target(self) -> str:
@@ -227,7 +231,7 @@ def _push_bindings(path: Path, table: object) -> PushBindings:
     if not isinstance(label, str) or not label.strip() or len(label) > 50:
         raise AdoptError(f"{path}: [push] `parked_label` must be a label of 1 to 50 characters")
     outcomes = table.get("comment_on", list(defaults.comment_on))
-    if not isinstance(outcomes, list) or not set(outcomes) <= {"failed", "deferred"}:
+    if not isinstance(outcomes, list) or not set(outcomes) <= set(COMMENT_OUTCOMES):
         raise AdoptError(f"{path}: [push] `comment_on` must list failed and/or deferred")
     return PushBindings(close, label.strip(), tuple(outcomes))
 

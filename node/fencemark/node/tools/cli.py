@@ -45,8 +45,7 @@ from fencemark.node.tools.proxy_command import add_proxy_command
 
 if TYPE_CHECKING:
     from fencemark.client import NodeInfo
-    from fencemark.node.tools.adopt import Bindings
-    from fencemark.node.tools.mirror_push import PushSettings
+    from fencemark.node.tools.adopt import Bindings, PushBindings
 
 # -- client commands ----------------------------------------------------------------
 
@@ -482,23 +481,24 @@ def cmd_mirror(args: argparse.Namespace) -> int:
         bindings = replace(bindings, **overrides)  # type: ignore[arg-type]
         checked: Bindings = make_bindings(bindings.repo, bindings.region, bindings.regions)
         bindings = replace(bindings, regions=checked.regions)
-        settings = push_settings(args, bindings) if args.push else None
+        if args.push:
+            bindings = replace(bindings, push=push_settings(args, bindings))
     except AdoptError as exc:
         print(f"fencemark mirror: {exc}", file=sys.stderr)
         return 2
-    if settings is not None:
+    if args.push:
         from fencemark.node.tools import mirror_push
 
-        return mirror_push.run(bindings, settings, dry_run=args.dry_run, timeout=args.timeout,
-                               credentials=client_credentials(args))  # fmt: skip
+        credentials = client_credentials(args)
+        return mirror_push.run(bindings, gh_repo=args.gh_repo, dry_run=args.dry_run,
+                               timeout=args.timeout, credentials=credentials)  # fmt: skip
     return mirror.run(bindings, args.source, dry_run=args.dry_run, timeout=args.timeout,
                       credentials=client_credentials(args), target=args.target)  # fmt: skip
 
 
-def push_settings(args: argparse.Namespace, bindings: Bindings) -> PushSettings:
+def push_settings(args: argparse.Namespace, bindings: Bindings) -> PushBindings:
     """``--push``'s settings: the bindings' ``[push]``, then the flags."""
-    from fencemark.node.tools.adopt import AdoptError
-    from fencemark.node.tools.mirror_push import COMMENT_OUTCOMES, PushSettings
+    from fencemark.node.tools.adopt import COMMENT_OUTCOMES, AdoptError
 
     if args.source != "-":
         raise AdoptError("--push reads the backlog, not issues: --from does not go with it")
@@ -511,11 +511,8 @@ def push_settings(args: argparse.Namespace, bindings: Bindings) -> PushSettings:
             raise AdoptError(f"--comment-on: {wrong[0]!r} is not one of {known}")
     if args.gh_repo and not re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", args.gh_repo):
         raise AdoptError(f"--gh-repo: {args.gh_repo!r} is not OWNER/NAME")
-    return PushSettings(
-        close=bindings.push.close and not args.no_close,
-        parked_label=bindings.push.parked_label,
-        comment_on=frozenset(outcomes),
-        gh_repo=args.gh_repo,
+    return dataclasses.replace(
+        bindings.push, close=bindings.push.close and not args.no_close, comment_on=tuple(outcomes)
     )
 
 

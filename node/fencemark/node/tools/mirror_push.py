@@ -53,11 +53,11 @@ import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 from fencemark.client import AsyncClient, ClaimConflict, ClaimEvent, FencemarkError, Record
 from fencemark.client.keepalive import ClaimLost, Hold
-from fencemark.node.tools.adopt import AdoptError, Bindings
+from fencemark.node.tools.adopt import AdoptError, Bindings, PushBindings
 from fencemark.node.tools.cli_rpc import failed
 from fencemark.node.tools.mirror import (
     AUTHOR,
@@ -70,8 +70,7 @@ from fencemark.node.tools.mirror import (
 )
 
 PUSHED_FIELD = "issuePushed"
-PARKED_LABEL = "fencemark:parked"
-COMMENT_OUTCOMES = ("failed", "deferred")
+GH = "gh"
 ITEM = re.compile(r"issue-([1-9][0-9]{0,17})")
 # The fields mirror writes itself: everything else on a done item is its result.
 MIRROR_FIELDS = frozenset({"kind", "author", "title", "body", "url", STATE_FIELD, PUSHED_FIELD})
@@ -105,15 +104,6 @@ def quoted(text: str) -> str:
     text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     text = MENTION.sub("@" + ZWSP, text)
     return CLOSING.sub(lambda m: m[0][0] + ZWSP + m[0][1:], text)
-
-
-@dataclass(frozen=True)
-class PushSettings:
-    close: bool = True
-    parked_label: str = PARKED_LABEL
-    comment_on: frozenset[str] = frozenset()  # of COMMENT_OUTCOMES
-    gh: str = "gh"
-    gh_repo: str = ""  # gh's -R OWNER/NAME; empty: gh's own choice (GH_REPO, the remote)
 
 
 @dataclass(frozen=True)
@@ -178,7 +168,7 @@ def _body(lines: Sequence[str], mark: str) -> str:
 
 
 async def plan(
-    client: AsyncClient, number: int, record: Record, settings: PushSettings
+    client: AsyncClient, number: int, record: Record, settings: PushBindings
 ) -> Step | None:
     """What ``record``'s issue needs now, or None when nothing changed since the push."""
     pushed = record.fields.get(PUSHED_FIELD, "")
@@ -233,26 +223,25 @@ class GhFailed(Exception):
     """A ``gh`` command failed: the message names the cause in one line."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Gh:
-    """The GitHub CLI, one command at a time."""
+    """The GitHub CLI, one command at a time, on ``repo`` (``-R``) or on the one it
+    picks itself (``GH_REPO``, the directory's git remote)."""
 
-    settings: PushSettings
-    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    repo: str = ""
 
     def argv(self, *args: str) -> list[str]:
-        repo = ["-R", self.settings.gh_repo] if self.settings.gh_repo else []
-        return [self.settings.gh, "issue", *args, *repo]
+        return [GH, "issue", *args, *(["-R", self.repo] if self.repo else [])]
 
     async def run(self, *args: str, stdin: str = "") -> str:
         argv = self.argv(*args)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=self.environ,
+                stderr=asyncio.subprocess.PIPE,
             )  # fmt: skip
         except FileNotFoundError:
-            raise GhFailed(f"{self.settings.gh} is not installed (GitHub's CLI, `gh`)") from None
+            raise GhFailed(f"{GH} is not installed (GitHub's CLI, `gh`)") from None
         try:
             async with asyncio.timeout(GH_LIMIT_S):
                 out, err = await proc.communicate(stdin.encode())
@@ -344,10 +333,7 @@ class Outcome:
             self.lines.append(line)
 
 
-async def push(
-    client: AsyncClient, bindings: Bindings, settings: PushSettings, *, dry_run: bool,
-    out: TextIO = sys.stdout,
-) -> Outcome:  # fmt: skip
+async def push(client: AsyncClient, bindings: Bindings, gh: Gh, *, dry_run: bool) -> Outcome:
     records = [r async for r in client.iter_records(bindings.repo, topic=bindings.topic)]
     items = mirrored(records)
     if not items:
@@ -355,7 +341,7 @@ async def push(
             f"--push: no item of repo {bindings.repo}, topic {bindings.topic} came from"
             " `fencemark mirror` (issue-N, author backlog-pm): run `fencemark mirror` first"
         )
-    gh = Gh(settings)
+    settings = bindings.push
     result = Outcome()
     if dry_run:
         for number, record in items:
@@ -398,7 +384,7 @@ async def push(
 
 
 def run(
-    bindings: Bindings, settings: PushSettings, *, dry_run: bool, timeout: float,
+    bindings: Bindings, *, gh_repo: str = "", dry_run: bool, timeout: float,
     credentials: Any = None,
 ) -> int:  # fmt: skip
     """``fencemark mirror --push``: 0 when every issue got what it needed, 1 when a
@@ -407,7 +393,7 @@ def run(
     async def go() -> Outcome:
         async with AsyncClient(bindings.target, regions=bindings.regions, timeout=timeout,
                                credentials=credentials) as client:  # fmt: skip
-            return await push(client, bindings, settings, dry_run=dry_run)
+            return await push(client, bindings, Gh(gh_repo), dry_run=dry_run)
 
     try:
         outcome = asyncio.run(go())
