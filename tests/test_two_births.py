@@ -89,6 +89,9 @@ async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_hold
             assert elsewhere.value.reason == "wrong_region"
             renewal = await at_eu.renew_claim(key, 1)
             assert not renewal.renewed and renewal.reason == "wrong_region"
+            # The home says what it did, and when, in the record's history.
+            moved = [e for e in (await at_us.history(key)).events if e.kind == "moved"]
+            assert [(e.fencing_token, e.detail) for e in moved] == [(2, "births eu us")]
             again = await at_us.claim(key, "worker-next", lease_seconds=60)
             # The heal restarted us: its grant starts this life's era of tokens.
             assert again.granted and again.fencing_token == token_ceiling(us.replica.gate.life_hlc)
@@ -99,6 +102,66 @@ async def test_an_id_born_on_both_sides_of_a_split_gets_one_home_and_no_two_hold
             for region in node.config.peers:
                 stats = node.replicator.peer_stats(region)
                 assert stats.merges_refused == 0, stats.last_refusal
+
+
+async def test_a_claim_the_home_grants_after_the_births_met_through_a_third_region_lives(
+    tmp_path: Path,
+) -> None:
+    """A bridge: us and ap cannot reach each other, eu reaches both. The births meet
+    at us through eu before the bridge heals; us's claim granted after that is an
+    ordinary claim, above the moved fence, and its history shows the move first
+    (regression: the chaos tier's checker took it for a split-time claim that must
+    end, as it had nothing on the wire to tell the two apart)."""
+    async with Cluster(tmp_path, ["us", "eu", "ap"]) as cluster:
+        await all_deciding(*await cluster.start_all())
+        for region in cluster.regions:
+            await cluster.stop(region)
+        us = await cluster.start_isolated("us")
+        ap = await cluster.start_isolated("ap")
+        async with AsyncClient(us.address) as at_us, AsyncClient(ap.address) as at_ap:
+            made = await at_us.remember("lattice", "backlog", "bridged", title="from us")
+            key = made.record.key
+            await at_ap.remember("lattice", "backlog", "bridged", title="from ap")
+            held_ap = await at_ap.claim(key, "worker-ap", lease_seconds=60)
+            assert held_ap.granted
+        await cluster.stop("us")
+        await cluster.stop("ap")
+        eu_only = {"eu": cluster.addresses["eu"]}
+        us, ap, eu = await asyncio.gather(
+            cluster.start("us", peers=eu_only),
+            cluster.start("ap", peers=eu_only),
+            cluster.start("eu"),
+        )
+        await all_deciding(us, ap, eu)
+
+        async def met_at_us() -> bool:
+            stored = await us.storage.get(key)
+            return stored is not None and stored.record.fence.moved > held_ap.fencing_token
+
+        await eventually(met_at_us, "the births met at us, through eu")
+        async with AsyncClient(us.address) as at_us, AsyncClient(ap.address) as at_ap:
+            held_us = await at_us.claim(key, "worker-us", lease_seconds=60)
+            assert held_us.granted and held_us.fencing_token > held_ap.fencing_token
+            events = [(e.kind, e.fencing_token) for e in (await at_us.history(key)).events]
+            moved = next(token for kind, token in events if kind == "moved")
+            assert events.index(("moved", moved)) < events.index(("granted", held_us.fencing_token))
+            assert moved > held_ap.fencing_token and held_us.fencing_token > moved
+
+            async def refused_at_ap() -> bool:
+                renewal = await at_ap.renew_claim(key, held_ap.fencing_token)
+                assert not renewal.renewed, "ap's split-time claim outlived the meeting"
+                return renewal.reason == "wrong_region"
+
+            await eventually(refused_at_ap, "ap's holder refused once ap merged us's birth")
+            with pytest.raises(ClaimConflict) as refused:
+                await at_us.update(key, fields={"body": "ap"}, fencing_token=held_ap.fencing_token)
+            assert refused.value.reason == "superseded"
+            # us's holder is not superseded by anything: it writes, renews and releases.
+            await at_us.update(key, fields={"body": "us"}, fencing_token=held_us.fencing_token)
+            assert (await at_us.renew_claim(key, held_us.fencing_token, lease_seconds=60)).renewed
+            status = await at_us.claim_status(key)
+            assert status.claim is not None and status.fence == held_us.fencing_token
+            assert (await at_us.release_claim(key, held_us.fencing_token)).released
 
 
 async def test_a_refused_state_is_not_fetched_again_and_again(tmp_path: Path) -> None:

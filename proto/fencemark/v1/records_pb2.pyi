@@ -517,10 +517,13 @@ class ClaimEvent(_message.Message):
     ACTOR_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """`granted`, `renewed`, `released`, `lapsed`, `forced` (taken back by
-    `ForceRelease`) or `reopened`.
+    `ForceRelease`), `reopened`, or `moved`: two births of the record met and the
+    home moved its fence past every token either side granted while apart.
     """
     fencing_token: _builtins.int
-    """The claim's fencing token."""
+    """The claim's fencing token; for `moved`, the token the fence moved to (every
+    claim below it is superseded).
+    """
     owner: _builtins.str
     """The claim's owner and the client identity it was granted to (empty
     without TLS).
@@ -528,7 +531,8 @@ class ClaimEvent(_message.Message):
     identity: _builtins.str
     detail: _builtins.str
     """More: a release's outcome (`done`, `failed`, `deferred`), `parked` when the
-    end parked the item, an operator's reason for `forced` and `reopened`.
+    end parked the item, an operator's reason for `forced` and `reopened`, the
+    birth regions for `moved` (`births eu us`).
     """
     actor: _builtins.str
     """For `forced` and `reopened`: the client identity of the operator who took the

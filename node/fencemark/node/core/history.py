@@ -15,8 +15,8 @@ from fencemark.node.rules.admission import Caller, acts_for
 from fencemark.node.store.events import Event
 
 # Event kinds, lowercase words like every other reason on the wire.
-GRANTED, RENEWED, RELEASED, LAPSED, FORCED, REOPENED = (
-    "granted", "renewed", "released", "lapsed", "forced", "reopened",
+GRANTED, RENEWED, RELEASED, LAPSED, FORCED, REOPENED, MOVED = (
+    "granted", "renewed", "released", "lapsed", "forced", "reopened", "moved",
 )  # fmt: skip
 
 
@@ -66,6 +66,16 @@ def events_of(
     ):
         events.append(Event(at_ms, REOPENED, old.fence, detail=note, actor=actor))
     return events
+
+
+def moved(record: Record, *, at_ms: int) -> Event:
+    """The event of the home moving ``record``'s fence when two of its births met
+    (``Replica.merge``): every claim below the token, granted on either side while
+    they were apart, is superseded; the detail names the regions the births came
+    from. A merge is not otherwise a decision of the home, so this is the one claim
+    event a merge records."""
+    births = " ".join(sorted(record.births))
+    return Event(at_ms, MOVED, record.fence.moved, detail=f"births {births}")
 
 
 def shown_to(caller: Caller, events: list[Event], record: Record, now_ms: int) -> list[Event]:

@@ -313,6 +313,7 @@ class Replica:
         note: str = "",
         actor: str = "",
         decides: bool = False,
+        decided: list[Event] | None = None,
     ) -> tuple[Stored | None, T]:
         """Apply ``change`` to the durable state of ``key`` and persist the result.
 
@@ -324,10 +325,12 @@ class Replica:
         ``known`` is a record with its canonical encoding: should the new record
         equal it, that encoding is stored instead of encoding again. A local change
         at the record's home keeps its claim events (``history``) in the same
-        commit, ``note`` (an operator's reason) and ``actor`` (who) with them. A
-        change that ``decides`` (a grant, a renewal, a release, a fenced write) is refused
-        (:class:`NotServing`) if this process napped before it was committed
-        (``grant_gate.awake``): a copy of the node may have decided meanwhile.
+        commit, ``note`` (an operator's reason) and ``actor`` (who) with them; a merge
+        keeps those ``change`` appended to ``decided`` (the home's move when two
+        births meet, ``merge``). A change that ``decides`` (a grant, a renewal, a
+        release, a fenced write) is refused (:class:`NotServing`) if this process
+        napped before it was committed (``grant_gate.awake``): a copy of the node
+        may have decided meanwhile.
         """
         mark = self.gate.mark()
         async with self._locks.hold(key):
@@ -346,7 +349,7 @@ class Replica:
                 )
                 if local and changed.home_region == self.region
                 else []
-            )
+            ) + (decided or [])
             stored, committed = self.storage.enqueue(
                 changed,
                 hlc=self.clock.last,
@@ -425,6 +428,7 @@ class Replica:
         self.clock.observe(remote.max_hlc())
         await self.gate.merging()
         share = False
+        decided: list[Event] = []
 
         def change(current: Record) -> tuple[Record, bool]:
             nonlocal share
@@ -436,6 +440,7 @@ class Replica:
                 # Two births met, and this node is the surviving home: every claim
                 # either side granted apart is superseded (SPEC §2).
                 merged = merged.with_fence(merged.fence.move(merged.fence.fence + 1))
+                decided[:] = [history.moved(merged, at_ms=self.clock.wall_ms())]
             merged = self._seen(merged)
             # Whatever the sender lacks (a decision just made, or what this node held
             # and the sender did not) is pushed at once, as a write is. Anti-entropy
@@ -453,7 +458,9 @@ class Replica:
             return merged, merged != current
 
         known = (remote, state) if state is not None else None
-        _, changed = await self.transact(remote.key, change, local=False, known=known)
+        _, changed = await self.transact(
+            remote.key, change, local=False, known=known, decided=decided
+        )
         if share and sender and not changed:
             # Nothing new here: the peers this node was in step with need nothing, only
             # the sender lacks what this node holds (after a partition, a region that
