@@ -331,8 +331,8 @@ def overlap(a: Sequence[Span], b: Sequence[Span]) -> Span | None:
 def one_live_claim(
     claims: Mapping[tuple[str, int, str], Claim], splits: Mapping[str, Split]
 ) -> Verdict:
-    """Never two live claims on one record, but for split-time claims of different
-    regions before their births met."""
+    """Never two live claims on one record, but for claims different regions granted
+    apart, before their births met."""
     violations = []
     allowed = 0
     for key, records in by_key(claims).items():

@@ -14,15 +14,15 @@ overwrote a fenced write is excused only if it may have been admitted after
 the end of the claim that wrote it (SPEC §4: only then, or under a newer token).
 
 Split births (``shapes.py``): an id created on both sides of a partition. Its
-*split-time* claims are those granted during the split, by a region that
-created it, on both sides (a bridge partition lets the births meet through the
-third region at once: then one side answers ``wrong_region``, and the home may
-well have granted after it moved its fence — nothing to judge there); two of them
-granted by different regions may overlap, hold the same token and write past each
-other's tokens, until the births *met* (every region
-names one home whose fence is past every split-time token, as the workload saw;
-at most ``SPLIT_MEET_LIMIT_S`` after the heal). From then on a split-time token
-must be refused.
+claims granted during the split by a region that created it were granted *apart*:
+two of them granted by different regions may overlap, hold the same token and
+write past each other's tokens, until the births *met* (every region names one
+home whose fence is past every split-time token, as the workload saw; at most
+``SPLIT_MEET_LIMIT_S`` after the heal). Claims granted apart are *split-time*
+but those the home granted after it moved its fence: a bridge partition lets the
+births meet through the third region before the heal, and the home's ``History``
+shows its move before such a grant (the workload records them, ``met-grant``).
+From the meeting on a split-time token must be refused.
 
 Disk loss (SPEC §6): a grant or renewal acknowledged by a home that lost its disk
 before it had ``DISK_LOSS_GRACE_S`` healthy seconds to pass it on may be gone
@@ -77,7 +77,8 @@ class Claim:
     stop: float = INF  # release or first refusal, as sent
     refused_or_released: float = INF  # a refusal or an acknowledged release had arrived
     unknown: list[Span] = field(default_factory=list)  # renewals and re-claims, outcome unknown
-    split: bool = False  # a split-time claim (module docstring)
+    apart: bool = False  # granted apart, during a split (module docstring)
+    split: bool = False  # a split-time claim: granted apart, not after the home's move
 
     @property
     def granted(self) -> float:
@@ -119,11 +120,12 @@ class Split:
     healed: float  # when the partition it was born in healed (run clock)
     met: float  # when the births met (module docstring)
     met_seen: bool
+    after_move: frozenset[int] = frozenset()  # tokens the home granted after its move
 
 
 def exempt(a: Claim | None, b: Claim | None) -> bool:
-    """Split-time claims of one split-born id granted by different regions."""
-    return a is not None and b is not None and a.split and b.split and a.region != b.region
+    """Claims of one split-born id granted apart by different regions."""
+    return a is not None and b is not None and a.apart and b.apart and a.region != b.region
 
 
 # -- reading the history ----------------------------------------------------------------
@@ -173,6 +175,7 @@ def splits_of(history: History, played: Sequence[Played]) -> dict[str, Split]:
     maybe: dict[str, set[str]] = {}
     first: dict[str, float] = {}
     met: dict[str, Event] = {}
+    after_move: dict[str, set[int]] = {}
     for event in history.events:
         if f"/mem/{SPLIT_TOPIC}/" not in event.key:
             continue
@@ -185,6 +188,8 @@ def splits_of(history: History, played: Sequence[Played]) -> dict[str, Split]:
                 maybe.setdefault(event.key, set()).add(event.value)
         elif event.op == "split-met":
             met[event.key] = event
+        elif event.op == "met-grant":
+            after_move.setdefault(event.key, set()).add(event.token)
     splits = {}
     for key, regions in born.items():
         if len(regions) < 2:
@@ -197,7 +202,8 @@ def splits_of(history: History, played: Sequence[Played]) -> dict[str, Split]:
             healed = min((t for t in during if t >= first[key]), default=INF)
         seen = watched is not None and watched.outcome == "ok"
         meeting = watched.completed - start if seen and watched else healed + SPLIT_MEET_LIMIT_S
-        splits[key] = Split(frozenset(regions), frozenset(maybe[key]), healed, meeting, seen)
+        moved = frozenset(after_move.get(key, ()))
+        splits[key] = Split(frozenset(regions), frozenset(maybe[key]), healed, meeting, seen, moved)
     return splits
 
 
@@ -249,20 +255,11 @@ def claims_of(
                 holder.acks.append(ack(event, holder.region))
             else:
                 holder.unknown.append((sent, done))
-    granting: dict[str, set[str]] = {}  # split-born id -> regions that granted during the split
     for claim in claims.values():
         split = splits.get(claim.key)
         if split is not None:
-            claim.split = claim.region in split.born and claim.grants[0][0] < split.healed
-            if claim.split:
-                granting.setdefault(claim.key, set()).add(claim.region)
-    for claim in claims.values():
-        # Granted on one side only (the other side's node already knew the earlier
-        # birth, and answered wrong_region): the one holder may have been granted after
-        # its home learnt both births too — after its fence moved — which nothing on
-        # the wire tells apart; no other holder can exist either way.
-        if claim.split and len(granting[claim.key]) < 2:
-            claim.split = False
+            claim.apart = claim.region in split.born and claim.grants[0][0] < split.healed
+            claim.split = claim.apart and claim.token not in split.after_move
     return claims
 
 

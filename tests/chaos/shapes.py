@@ -97,7 +97,7 @@ class Shapes:
         self._direct: dict[str, AsyncClient] = {}
         self._splits = 0
         self._enqueued = 0  # queue items enqueued before a copy
-        self._split_tokens: dict[str, int] = {}  # split-born key -> largest token granted
+        self._split_grants: dict[str, list[tuple[str, int]]] = {}  # key -> (region, token)
         self._seeds = {region: workload.rng.randrange(1 << 30) for region in workload.regions}
 
     def direct(self, region: str) -> AsyncClient:
@@ -211,7 +211,7 @@ class Shapes:
             return time.monotonic()
         self.history.add(grant_of(called, claim))
         token = claim.fencing_token
-        self._split_tokens[key] = max(self._split_tokens.get(key, 0), token)
+        self._split_grants.setdefault(key, []).append((region, token))
         expires, step, healed_at = called.expires, 0, 0.0
         while True:
             if healed.is_set() and not healed_at:
@@ -232,29 +232,49 @@ class Shapes:
             expires, step = called.expires, step + 1
 
     async def _until_met(self, key: str, healed: asyncio.Event) -> str:
-        """After the heal: the home every region names once the births met (its fence
-        past every token either side granted), or "" if they did not in time."""
+        """After the heal: the home every region names once the births met, or "" if
+        they did not in time. Met: one home, whose fence is past every split-time
+        token — every token either side granted, but those the home granted after
+        its fence moved (its ``History`` shows the ``moved`` event first: the births
+        met there through the third region, before the heal). Those are recorded
+        (``met-grant``): ordinary claims, which the meeting does not end."""
         await healed.wait()
         invoked = time.monotonic()
         seen = "no answer"
+        name = key.rsplit("/", 1)[1]
         while time.monotonic() < invoked + SPLIT_MEET_LIMIT_S:
             try:
                 records = [await self.direct(r).get(key) for r in self.workload.regions]
+                homes = sorted({r.home_region for r in records})
+                after = await self._granted_after_move(key, homes[0]) if len(homes) == 1 else []
             except FencemarkError as exc:
                 seen = type(exc).__name__
             else:
-                homes = sorted({r.home_region for r in records})
                 fence = min(r.fence for r in records)
-                granted = self._split_tokens.get(key, 0)
-                if len(homes) == 1 and fence > granted:
-                    self.workload.record(key.rsplit("/", 1)[1], "split-met", key, "ok", invoked,
-                                         homes[0], str(fence), token=granted)  # fmt: skip
+                grants = self._split_grants.get(key, [])
+                split = max((t for r, t in grants if (r, t) not in after), default=0)
+                if len(homes) == 1 and fence > split:
+                    for _, token in after:
+                        self.workload.record(name, "met-grant", key, "ok", invoked, homes[0],
+                                             token=token)  # fmt: skip
+                    self.workload.record(name, "split-met", key, "ok", invoked, homes[0],
+                                         str(fence), token=split)  # fmt: skip
                     return homes[0]
-                seen = f"homes {','.join(homes)}, fence {fence} (tokens up to {granted})"
+                seen = f"homes {','.join(homes)}, fence {fence} (split-time tokens up to {split})"
             await asyncio.sleep(MEET_POLL_S)
         # What it saw last as the value: the detail of a failure counts as a refusal.
-        self.workload.record(key.rsplit("/", 1)[1], "split-met", key, "fail", invoked, "", seen)
+        self.workload.record(name, "split-met", key, "fail", invoked, "", seen)
         return ""
+
+    async def _granted_after_move(self, key: str, home: str) -> list[tuple[str, int]]:
+        """The split grants of ``key`` that ``home`` made after its last move of the
+        fence, as its ``History`` orders them (none if it shows no move)."""
+        events = (await self.direct(home).history(key)).events
+        moves = [i for i, e in enumerate(events) if e.kind == "moved"]
+        if not moves:
+            return []
+        later = {e.fencing_token for e in events[moves[-1] + 1 :] if e.kind == "granted"}
+        return [(r, t) for r, t in self._split_grants.get(key, []) if r == home and t in later]
 
     async def _claim_once(self, key: str, home: str, who: str) -> None:
         """Claim ``key`` at its home, write under the token, release."""

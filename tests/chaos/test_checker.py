@@ -519,21 +519,53 @@ def test_a_split_time_claim_renewed_after_the_births_met_violates_fencing_and_on
     )
 
 
-def test_a_claim_granted_on_one_side_only_is_no_split_time_claim() -> None:
-    """A bridge lets the births meet through the third region at once: ap answers
-    wrong_region, and us's one holder, renewed long after the heal, may well have
-    been granted after us moved its fence (found by the short run, seed 424242)."""
+def bridged_split(*, moved_first: bool, ap_grants: bool = True) -> list[Event]:
+    """A bridge: the births met at us through eu before the heal. ap granted token 4,
+    us token 6 (after its move to 5, when ``moved_first``: its History showed the
+    move before the grant, and the workload recorded it), and us's holder renews
+    long after the births met (seed 354827230, and the short run's seed 424242)."""
+    events = [
+        *split_birth("us", "ap"),
+        event("split-000-0-us", "grant", 12.6, token=6, key=SPLIT, detail="us", expires=40.0),
+        event("split-000-0-us", "renew", 35.0, token=6, key=SPLIT, expires=45.0),
+        event("split-000-0-us", "write", 35.1, token=6, key=SPLIT),
+    ]
+    if ap_grants:
+        events += [
+            event("split-000-0-ap", "grant", 12.5, token=4, key=SPLIT, detail="ap", expires=14.5),
+            event("split-000-0-ap", "renew", 13.0, token=4, key=SPLIT, outcome="fail",
+                  detail="wrong_region"),
+        ]  # fmt: skip
+    else:
+        events.append(event("split-000-0-ap", "claim", 12.5, key=SPLIT, outcome="fail",
+                            detail="wrong_region"))  # fmt: skip
+    if moved_first:
+        events.append(event("split-000-0", "met-grant", 20.0, token=6, key=SPLIT, detail="us"))
+    return events
+
+
+@pytest.mark.parametrize("ap_grants", [True, False], ids=["both-sides", "one-side"])
+def test_a_claim_the_home_granted_after_its_move_is_no_split_time_claim(ap_grants: bool) -> None:
     states = finals()
     every(states, SPLIT, record(SPLIT, home="us"))
-    one_side = [
-        *split_birth("us", "ap"),
-        event("split-000-0-us", "grant", 12.5, token=2, key=SPLIT, detail="us", expires=40.0),
-        event("split-000-0-ap", "claim", 12.5, key=SPLIT, outcome="fail", detail="wrong_region"),
-        event("split-000-0-us", "renew", 35.0, token=2, key=SPLIT, expires=45.0),
-    ]
-    verdict = verdicts(history(*one_side, *SERVED), states=states)
+    bridged = bridged_split(moved_first=True, ap_grants=ap_grants)
+    verdict = verdicts(history(*bridged, *SERVED), states=states)
     assert verdict["fencing safety"].ok, verdict["fencing safety"]
-    assert verdict["one live claim at a time"].ok
+    assert verdict["one live claim at a time"].ok, verdict["one live claim at a time"]
+
+
+@pytest.mark.parametrize("ap_grants", [True, False], ids=["both-sides", "one-side"])
+def test_a_home_claim_granted_before_its_move_must_end_when_the_births_meet(
+    ap_grants: bool,
+) -> None:
+    """The same history, but the home's History did not show its grant after a move:
+    the grant was made apart, and the meeting must end it."""
+    states = finals()
+    every(states, SPLIT, record(SPLIT, home="us"))
+    bridged = bridged_split(moved_first=False, ap_grants=ap_grants)
+    verdict = verdicts(history(*bridged, *SERVED), states=states)
+    assert "split-000-0-us's renew of" in verdict["fencing safety"].detail
+    assert "under split-time token 6 accepted" in verdict["fencing safety"].detail
 
 
 # -- 8. a token is granted once --------------------------------------------------------------
