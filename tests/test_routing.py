@@ -92,8 +92,10 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
             grace_seconds=0.5,
             peers={peer: a for peer, a in addresses.items() if peer != region},
             anti_entropy_interval=0.2,
-            # A twin's settle is no concern here: a short one (docs/replication.md).
+            # A twin's settle is no concern here: a short one (docs/replication.md);
+            # it counts twice the clock offset, and both nodes read one clock.
             replication=shared_loop(Tuning(heartbeat_s=0.2, settle_slack_s=0.2)),
+            max_clock_offset_ms=50,
         )
         for region, address in addresses.items()
     ]
