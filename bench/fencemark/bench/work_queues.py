@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 
 # One agent's next item: (item id, seconds per call), None when nothing is left.
 Take = Callable[[], Awaitable[tuple[str, Calls] | None]]
+# Told of each grant as it is answered: (item id, fencing token). The ``failover``
+# scenario's ledger of tokens; the recipes do the same with or without one.
+Granted = Callable[[str, int], None]
 LEASE_SECONDS = 60
 SEED_CONCURRENCY = 64
 PROGRESS, RESULT = {"progress": "step 1 of 1"}, {"result": "ok"}
@@ -174,7 +177,9 @@ async def etcd_backlog(port: int, agents: int, tag: str, items: int) -> AsyncIte
                 await client.close()
 
 
-def _etcd_take(etcd: Any, session: Any, base: str, owner: str, spread: int) -> Take:
+def _etcd_take(
+    etcd: Any, session: Any, base: str, owner: str, spread: int, granted: Granted | None = None
+) -> Take:
     """One agent's take of the etcd recipe (module docstring). About 90 lines on
     purpose: its steps (list, lock, claim, the fenced update and done) are closures over
     one agent's keys, kept together so the recipe reads as one, as a reviewer checks it."""
@@ -236,6 +241,8 @@ def _etcd_take(etcd: Any, session: Any, base: str, owner: str, spread: int) -> T
         if got is None:
             return None
         key, token, value = got
+        if granted is not None:
+            granted(key[len(queue) :].decode(), token)
         mine = locks + key[len(queue) :]
         item = json.loads(value)
         item.update(PROGRESS)
@@ -332,7 +339,7 @@ async def seed_redis(client: Redis, base: str, indexes: range, home: str) -> Non
         await pipe.execute()
 
 
-def _redis_take(client: Redis, base: str, owner: str) -> Take:
+def _redis_take(client: Redis, base: str, owner: str, granted: Granted | None = None) -> Take:
     claim = client.register_script(TAKE)
     update = client.register_script(FENCED_UPDATE)
     done = client.register_script(DONE)
@@ -348,6 +355,8 @@ def _redis_take(client: Redis, base: str, owner: str) -> Take:
             return None
         raw_id, token, _fields = got
         ident = raw_id.decode()
+        if granted is not None:
+            granted(ident, int(token))
         item = f"{base}:item:{ident}"
         keys = [f"{item}:lock", f"{item}:fence", item]
         written = await calls.time(
