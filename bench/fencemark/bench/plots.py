@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,26 @@ def panel_lines(
         for name, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o" if len(xs) < 12 else None, label=name)
         _axes(ax, panel, xlabel, ylabel, logy=logy)
+    fig.suptitle(title)
+    return _saved(fig, path)
+
+
+def timelines(
+    path: Path,
+    title: str,
+    panels: Mapping[str, tuple[Sequence[float], Sequence[float], Mapping[str, float]]],
+    xlabel: str,
+    ylabel: str,
+) -> Path:
+    """One panel per key of ``panels``: a step line of ``(xs, ys)`` and a dashed
+    vertical line at each named moment (a kill, the first grant after it)."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (panel, (xs, ys, moments)) in zip(axes[0], panels.items(), strict=True):
+        ax.step(xs, ys, where="mid", label=ylabel)
+        for index, (name, x) in enumerate(moments.items()):
+            if math.isfinite(x):
+                ax.axvline(x, linestyle="--", color=f"C{index + 1}", label=name)
+        _axes(ax, panel, xlabel, ylabel)
     fig.suptitle(title)
     return _saved(fig, path)
 

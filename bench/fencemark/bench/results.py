@@ -37,6 +37,9 @@ class Settings:
     wan_agents: tuple[int, ...]  # agents per region
     wan_window_s: float  # how long each system drains at each (agents, R)
     wan_cut_phases: tuple[float, float, float]  # steady, cut off, healed (seconds)
+    failover_kill_s: float  # into the failover drain, the leader is killed
+    failover_after_s: float  # the drain goes on this long past the failover's window
+    failover_bin_s: float  # the timeline's bins
 
     @classmethod
     def full(cls) -> Settings:
@@ -66,6 +69,9 @@ class Settings:
             wan_agents=(4, 16),
             wan_window_s=3.0,
             wan_cut_phases=(4.0, 20.0, 8.0),
+            failover_kill_s=10.0,
+            failover_after_s=10.0,
+            failover_bin_s=1.0,
         )
 
     @classmethod
@@ -96,6 +102,9 @@ class Settings:
             wan_agents=(4,),
             wan_window_s=2.0,
             wan_cut_phases=(2.0, 4.0, 3.0),
+            failover_kill_s=2.0,
+            failover_after_s=2.0,
+            failover_bin_s=0.5,
         )
 
 

@@ -69,6 +69,10 @@ async def _run_scenario(
         from fencemark.bench.feed import run_feed
 
         return await run_feed(settings, progress, work, out)
+    if name == "failover":
+        from fencemark.bench.failover import run_failover
+
+        return await run_failover(settings, progress, work, out)
     raise ValueError(f"unknown scenario {name!r}")
 
 

@@ -18,6 +18,7 @@ SCENARIOS: dict[str, str] = {
     "drain": "agents draining a backlog vs etcd and durable Redis",
     "feed": "the change feed's latency, and its cost per watcher",
     "fleet": "a fleet of agents on one node, most of them idle",
+    "failover": "a region's decider killed under a drain, vs etcd's leader and Redis's primary",
 }
 # What the scenarios import, from the `bench` extra (pyproject.toml).
 EXTRA_MODULES = ("redis", "matplotlib", "psutil", "pyinstrument")
