@@ -38,6 +38,7 @@ PLOTS = (
     "wan_cut.png",
     "fleet_cost.png",
     "fleet_wakes.png",
+    "failover_timeline.png",
 )
 
 
@@ -118,11 +119,38 @@ async def test_the_quick_benchmark_runs_every_scenario_and_writes_its_results(
     across = fleet_data["regions"][0]  # waiters in us, items homed in eu
     assert across["woken_per_item"] >= 1 and across["calls_eu_per_item"] >= 1
     assert across["errors"] == {}
+    check_failover(report["scenarios"]["failover"]["data"])
     markdown = (results / "results.md").read_text()
     assert "### Targets" in markdown and "| target |" in markdown
     for plot in PLOTS:
         assert (results / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
     assert "results.md" in ran.stdout
+
+
+def check_failover(data: dict[str, Any]) -> None:
+    """The failover scenario's figures are all there, and Fencemark's ledger is clean:
+    nothing done twice, lost or granted twice, no claim lost by its holder. (How long
+    the failover took is for docs/performance.md: only that it ended.)"""
+    for system in ("fencemark", "etcd", "redis"):
+        row = data["failover"][system]
+        for figure in ("window_s", "rate_before", "rate_after", "p99_before_ms", "p99_after_ms"):
+            assert row[figure] is not None and row[figure] > 0, (system, figure, row)
+        assert row["finished"] > 0 and row["claims_across"] > 0, (system, row)
+        assert not row["ran_dry"], (system, row)
+    fm = data["failover"]["fencemark"]
+    clean = ("done_twice", "handed_out_twice", "lost", "tokens_reused", "tokens_below_earlier",
+             "claims_lost")  # fmt: skip
+    assert {figure: fm[figure] for figure in clean} == dict.fromkeys(clean, 0), fm
+    assert fm["new_decider"] != fm["killed"] and fm["identical"], fm
+    assert fm["holders"] > 0 and fm["holder_renewals"] >= fm["holders"], fm
+    price = data["price"]
+    for setup in ("one_node", "three_members"):
+        drain, cycles = price[setup]["drain"], price[setup]["cycles"]
+        assert drain["ops_per_s"] > 0 and drain["exactly_once"], (setup, drain)
+        assert cycles["ops_per_s"] > 0 and cycles["errors"] == 0, (setup, cycles)
+    assert price["drain_ratio"] > 0 and price["cycle_ratio"] > 0, price
+    for system in ("etcd", "redis"):
+        assert data["steady"][system]["rate"] > 0, (system, data["steady"][system])
 
 
 async def test_the_quick_feed_scenario_delivers_every_write_to_every_watcher(
