@@ -265,19 +265,22 @@ async def _fencemark_failover(
         ]
         agents += [holder.keep for holder in holders]
 
+        killed = [first]
+
         async def kill() -> float:
-            return await region.kill(await region.decider())
+            killed[0] = await region.decider()  # the decider now, should it have changed
+            return await region.kill(killed[0])
 
         await run(
             agents, ledger, progress, "fencemark", limit_s=WINDOW_LIMIT_S, kill=kill,
             kill_at=settings.failover_kill_s, after_s=settings.failover_after_s,
         )  # fmt: skip
-    second = await region.decider(other_than=first)
+    second = await region.decider(other_than=killed[0])
     progress.status("fencemark: reading every item at the members left")
     final = await failover_report.fencemark_final(region, topic)
     row = failover_report.failover_figures(ledger, items, settings, final["done"])
     row.update(
-        killed=first, new_decider=second, holders=len(holders),
+        killed=killed[0], new_decider=second, holders=len(holders),
         holder_renewals=sum(h.renewals for h in holders),
         identical=final["identical"], identical_after_s=final["after_s"],
     )  # fmt: skip
