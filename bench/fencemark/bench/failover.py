@@ -313,6 +313,10 @@ async def _etcd_drain(
             for _ in range(GOAL_AGENTS)
         ]  # fmt: skip
         try:
+            # Connected now, every one: the recipe calls the KV stub itself, which an
+            # aetcd client has only once connected (an agent whose first member is the
+            # leader killed would otherwise turn to members it cannot ask).
+            await asyncio.gather(*(client.connect() for own in clients for client in own))
             agents: list[TakeAgent] = []
             for index, own in enumerate(clients):
                 session = await own[0].lease(LEASE_SECONDS * 5)

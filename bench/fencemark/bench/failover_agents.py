@@ -86,12 +86,20 @@ class Ledger:
     grants: list[Grant] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
+    said: dict[str, str] = field(default_factory=dict)  # kind -> its first error's words
     lost_claims: list[str] = field(default_factory=list)  # "item: reason"
     ran_dry: bool = False
     killed_at: float = math.nan
 
     def now(self) -> float:
         return time.monotonic() - self.started
+
+    def failed(self, exc: BaseException) -> None:
+        """Count a call that failed, by kind; keep what the first of a kind said."""
+        kind = kind_of(exc)
+        self.errors[kind] += 1
+        words = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        self.said.setdefault(kind, (words or "")[:120])
 
     def first_grant_after(self, moment: float) -> float:
         """When the first grant asked at or after ``moment`` was answered (NaN: none)."""
@@ -156,12 +164,12 @@ class _Steps:
                 # NOT_SERVING and NOT_DECIDER did nothing; anything else may have.
                 said = exc.reason if isinstance(exc, Unavailable) else "NOT_DECIDER"
                 self.uncertain |= said not in ("NOT_SERVING", "NOT_DECIDER")
-                self.ledger.errors[kind_of(exc)] += 1
+                self.ledger.failed(exc)
             except FencemarkError as exc:
                 if exc.code != grpc.StatusCode.CANCELLED:
                     raise
                 self.uncertain = True
-                self.ledger.errors[kind_of(exc)] += 1
+                self.ledger.failed(exc)
             self.index = (self.index + 1) % len(self.clients)
             await asyncio.sleep(RETRY_PAUSE_S)
 
@@ -200,7 +208,7 @@ class FencemarkAgent:
             except Stopped:
                 return
             except FencemarkError as exc:  # not a failover's: counted, the item left
-                ledger.errors[kind_of(exc)] += 1
+                ledger.failed(exc)
                 await asyncio.sleep(RETRY_PAUSE_S)
 
     async def _next(self, client: AsyncClient) -> ClaimNextResult:
@@ -321,7 +329,7 @@ class TakeAgent:
                 async with asyncio.timeout(TAKE_LIMIT_S):
                     got = await self.takes[index]()
             except Exception as exc:
-                ledger.errors[kind_of(exc)] += 1
+                ledger.failed(exc)
                 index = (index + 1) % len(self.takes)
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue

@@ -101,6 +101,7 @@ def failover_figures(
         "claims_lost": len(ledger.lost_claims),
         "lost_claims": list(ledger.lost_claims),
         "errors": dict(ledger.errors),
+        "said": dict(ledger.said),
         "ran_dry": ledger.ran_dry,
         "after_s": settings.failover_after_s,
     }
@@ -282,7 +283,15 @@ def _notes(data: dict[str, Any]) -> list[str]:
     ]
     for system in SYSTEMS:
         row = runs[system]
-        errors = ", ".join(f"{k} {v:,}" for k, v in sorted(row["errors"].items())) or "none"
+        said = row.get("said", {})
+        errors = (
+            ", ".join(
+                f"{k} {v:,}"
+                + (f" ({said[k]!r})" if k in said and k[:1].isupper() and not k.isupper() else "")
+                for k, v in sorted(row["errors"].items())
+            )
+            or "none"
+        )
         notes.append(f"{system}: calls refused or failed across the kill: {errors}.")
         if row["lost_claims"]:
             notes.append(f"{system}: claims lost by their holders: {'; '.join(row['lost_claims'])}")
