@@ -135,7 +135,7 @@ def check_failover(data: dict[str, Any]) -> None:
         row = data["failover"][system]
         for figure in ("window_s", "rate_before", "rate_after", "p99_before_ms", "p99_after_ms"):
             assert row[figure] is not None and row[figure] > 0, (system, figure, row)
-        assert row["finished"] > 0 and row["claims_across"] > 0, (system, row)
+        assert row["finished"] > 0, (system, row)
         assert not row["ran_dry"], (system, row)
     fm = data["failover"]["fencemark"]
     clean = ("done_twice", "handed_out_twice", "lost", "tokens_reused", "tokens_below_earlier",
@@ -143,6 +143,9 @@ def check_failover(data: dict[str, Any]) -> None:
     assert {figure: fm[figure] for figure in clean} == dict.fromkeys(clean, 0), fm
     assert fm["new_decider"] != fm["killed"] and fm["identical"], fm
     assert fm["holders"] > 0 and fm["holder_renewals"] >= fm["holders"], fm
+    # An etcd window of a second may catch no take in flight: only Fencemark's holders
+    # are there by design (``Holder``).
+    assert fm["claims_across"] > 0, fm
     price = data["price"]
     for setup in ("one_node", "three_members"):
         drain, cycles = price[setup]["drain"], price[setup]["cycles"]
