@@ -272,7 +272,8 @@ class Holder:
         self.steps.stop = stop
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), RENEW_EVERY_S)
+                async with asyncio.timeout(RENEW_EVERY_S):
+                    await stop.wait()
             _, renewed = await self.steps.again(
                 lambda c: c.renew_claim(key, token, lease_seconds=HOLD_LEASE_S)
             )
