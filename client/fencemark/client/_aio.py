@@ -242,8 +242,13 @@ class AsyncClient:
             try:
                 return await send(to)
             except NotDecider as moved:
-                if hop == MAX_HOPS - 1 or moved.address in ("", to):
+                if hop == MAX_HOPS - 1 or (to == address and moved.address in ("", to)):
                     raise
+                if moved.address in ("", to):
+                    # A remembered decider that decides nothing and names no one (a
+                    # member restarted after its failover): ask ``address``.
+                    self._router.forget(address)
+                    continue
                 self._router.moved(address, moved.address)
             except Unavailable:
                 if to == address or hop == MAX_HOPS - 1:
