@@ -6,12 +6,15 @@ through the client library, the nemesis and the checker.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_cli import fencemark
+from tests import components
+from tests.test_cli import clean_env, fencemark
 
 pytestmark = pytest.mark.slow
 
@@ -63,3 +66,49 @@ async def test_a_failing_check_makes_the_demo_exit_non_zero(tmp_path: Path) -> N
     assert ran.code == 1, ran.stdout + ran.stderr
     assert "FAIL  the stalled worker was refused" in ran.stdout
     assert "demo: FAILED" in ran.stdout
+
+
+async def test_with_a_region_of_three_members_the_deciders_kill_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """``--members 3``: us runs as three members electing through etcd; its decider is
+    killed mid-drain, and the report says when the next one decided and that no
+    acknowledged write was lost (and the member killed comes back on its disk)."""
+    components.require("etcd")
+    ran = await fencemark(
+        "demo", "--members", "3", "--items", "12", "--agents-per-region", "2",
+        "--lease-seconds", "1", "--work-seconds", "0.1", "--cut-seconds", "2", "--seed", "7",
+        "--data", str(tmp_path / "demo"),
+        limit_s=180,
+    )  # fmt: skip
+    out = ran.stdout
+    assert ran.code == 0, out + ran.stderr
+    assert re.search(r"region us: members us-a on .*, us-b on .*, us-c on .*etcd", out), out
+    killed = re.search(r"nemesis: (us-[abc]), the decider of us, killed \(SIGKILL\)", out)
+    assert killed is not None, out
+    after = re.search(r"PASS  failover: new decider after [\d.]+ s \((us-[abc]), after", out)
+    assert after is not None and after.group(1) != killed.group(1), out
+    assert re.search(r"PASS  no acknowledged write lost: \d+ acknowledged", out), out
+    for check in CHECKS:
+        assert re.search(rf"PASS  {re.escape(check)}", out), f"{check!r} did not pass:\n{out}"
+    for member in ("us-a", "us-b", "us-c"):
+        assert (tmp_path / "demo" / member / "fencemark.sqlite3").is_file()
+
+
+async def test_members_without_etcd_on_the_machine_say_how_to_install_it(
+    tmp_path: Path,
+) -> None:
+    """No ``etcd`` on the PATH: exit 2 with the install command, and nothing started."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fencemark.node", "demo", "--members", "3",
+        "--data", str(tmp_path / "demo"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**clean_env(), "PATH": str(empty)},
+    )  # fmt: skip
+    stdout, _ = await asyncio.wait_for(proc.communicate(), 60)
+    out = stdout.decode()
+    assert proc.returncode == 2, out
+    assert "apt-get install -y etcd-server" in out, out
+    assert not any((tmp_path / "demo").glob("*/fencemark.sqlite3"))

@@ -216,6 +216,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             work_seconds=args.work_seconds,
             seed_value=args.seed,
             data_dir=args.data,
+            members=args.members,
         )
     )
 
@@ -531,6 +532,15 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument("--cut-seconds", type=float, default=4.0, help="how long a region is cut off")
     demo.add_argument("--seed", type=int, default=None, help="replay a run's random choices")
     demo.add_argument("--data", default=None, help="data directory (default: a temporary one)")
+    demo.add_argument(
+        "--members",
+        type=int,
+        choices=(1, 3, 5),
+        default=1,
+        help="run the first region as this many members electing their decider through"
+        " etcd (needs etcd on this machine), and kill that decider mid-drain (default: 1,"
+        " one node per region, no etcd)",
+    )
     demo.set_defaults(func=cmd_demo)
 
 

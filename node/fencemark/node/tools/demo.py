@@ -10,6 +10,11 @@ change feed rather than polling. Meanwhile a nemesis pauses one
 agent past its lease (it must then be refused) and cuts one region off, then
 heals it. A live line shows progress; the run ends with a verification report
 and exits non-zero if any check fails.
+
+With ``members=3`` (``fencemark demo --members 3``) the first region runs as three
+members electing their decider through etcd (from this machine), and the nemesis
+also kills that decider (``SIGKILL``) mid-drain: the report adds how long the
+region went without one, and that no acknowledged write was lost.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
-from fencemark.client import AsyncClient, FencemarkError, Record
+from fencemark.client import AsyncClient, ClaimEvent, FencemarkError, Record
+from fencemark.client import History as ClaimHistory
 from fencemark.node.tools.cluster import LocalCluster
+from fencemark.node.tools.etcd_process import EtcdMissing
 from fencemark.node.tools.feed_signal import FeedSignal
 from fencemark.node.tools.queue_checks import queue_checks
 from fencemark.node.tools.workload import (
@@ -40,6 +48,7 @@ from fencemark.node.tools.workload import (
 )
 
 Out = Callable[[str], None]
+DRAIN_LIMIT_S = 240.0
 
 
 async def _poll(what: str, condition: Callable[[], Awaitable[bool]], limit: float) -> float:
@@ -51,6 +60,18 @@ async def _poll(what: str, condition: Callable[[], Awaitable[bool]], limit: floa
                 return time.monotonic() - started
         await asyncio.sleep(0.1)
     raise TimeoutError(f"{what}: not within {limit:.0f} s")
+
+
+async def _deciding(client: AsyncClient) -> bool:
+    """Whether the region of ``client``'s node decides claims: its node, or in a region
+    of several members, the decider that node names."""
+    info = await client.info()
+    if not info.member or info.member == (info.decider.member if info.decider else ""):
+        return info.claims_serving
+    if info.decider is None:
+        return False
+    async with AsyncClient(info.decider.address, retries=0, timeout=2) as decider:
+        return (await decider.info()).claims_serving
 
 
 async def _records(client: AsyncClient, topic: str = "") -> dict[str, Record]:
@@ -79,6 +100,7 @@ class Demo:
         self.feeds = {region: FeedSignal(client, REPO, TOPIC)
                       for region, client in self.clients.items()}  # fmt: skip
         self.cut: str | None = None
+        self.failover: tuple[str, str, float] | None = None  # killed, next decider, seconds
 
     async def close(self) -> None:
         for client in self.clients.values():
@@ -99,8 +121,7 @@ class Demo:
         """Once every node decides claims: ``items`` backlog items, homed round-robin."""
 
         async def all_serving() -> bool:
-            infos = [await c.info() for c in self.clients.values()]
-            return all(info.claims_serving for info in infos)
+            return all([await _deciding(c) for c in self.clients.values()])
 
         took = await _poll("every node caught up", all_serving, 60)
         self.log(f"{len(self.regions)} regions serving claims after {took:.1f} s")
@@ -140,17 +161,22 @@ class Demo:
             asyncio.create_task(self._nemesis(cut_seconds, stop)),
             asyncio.create_task(self._probe_lag(stop)),
         ]
+        faults = watchers[1:2]
+        if self.cluster.members:
+            watchers.append(asyncio.create_task(self._kill_decider(len(keys), stop)))
+            faults.append(watchers[-1])
         self.log(f"nemesis: {paused.name} will stall past its lease after its first claim")
-        nemesis = watchers[1]
 
         async def finished() -> bool:
-            # Drained, and every fault has played out: the cut healed, and the
-            # stalled worker (if it ever claimed) has woken up and been answered.
+            # Drained, and every fault has played out: the cut healed, the decider
+            # killed and replaced, and the stalled worker (if it ever claimed) has woken
+            # up and been answered.
             stalled = paused.pause_once or paused.paused_refusal is not None
-            return await self._drained(keys) and nemesis.done() and stalled
+            played = all(fault.done() for fault in faults)
+            return await self._drained(keys) and played and stalled
 
         try:
-            drained = await _poll("backlog drained", finished, 240)
+            drained = await _poll("backlog drained", finished, DRAIN_LIMIT_S)
             self.log(f"backlog drained and faults played out in {drained:.1f} s")
         finally:
             stop.set()
@@ -179,10 +205,11 @@ class Demo:
             f" over {len(self.lags)} probes"
         )
         histories = {
-            key: await self.clients[record.home_region].history(key)
+            key: await self._claim_history(key, record.home_region)
             for key, record in finals[self.regions[0]].items()
         }
         checks = [
+            *self._failover_checks(finals),
             Check("every item completed", all(
                 record.status == "done" for record in finals[self.regions[0]].values()
                 if record.id != POISON
@@ -195,6 +222,65 @@ class Demo:
                   and "superseded" in paused.paused_refusal, str(paused.paused_refusal)),
         ]  # fmt: skip
         return checks
+
+    async def _claim_history(self, key: str, region: str) -> ClaimHistory:
+        """``key``'s claim events as its home decided them. In a region of several
+        members each member keeps the events it decided itself (docs/consistency.md):
+        there, the events of every member, in time order."""
+        group = self.cluster.members.get(region)
+        if group is None:
+            return await self.clients[region].history(key)
+        events: list[ClaimEvent] = []
+        for member in group.values():
+            async with AsyncClient(member.address, retries=2, timeout=5) as client:
+                events += (await client.history(key)).events
+        ordered = sorted(events, key=lambda e: e.at or datetime.min.replace(tzinfo=UTC))
+        return ClaimHistory(tuple(ordered), region)
+
+    def _failover_checks(self, finals: dict[str, dict[str, Record]]) -> list[Check]:
+        """With a region of members: the decider killed was replaced, and every write
+        and result acknowledged (before, across and after the kill) is everywhere."""
+        if not self.cluster.members:
+            return []
+        if self.failover is None:
+            return [Check("failover", False, "the decider was not killed, or not replaced")]
+        killed, after, took = self.failover
+        acked = [e for e in self.history.events
+                 if e.op in ("write", "done") and e.outcome == "ok"]  # fmt: skip
+        lost = [
+            f"{e.key} {e.detail}={e.value} at {region}"
+            for region, records in finals.items()
+            for e in acked
+            if e.key not in records or records[e.key].fields.get(e.detail) != e.value
+        ]
+        return [
+            Check("failover", True, f"new decider after {took:.1f} s ({after}, after {killed}"
+                  " was killed mid-drain)"),
+            Check("no acknowledged write lost", not lost, "; ".join(lost[:3]) or
+                  f"{len(acked)} acknowledged writes and results, in all {len(finals)} regions"),
+        ]  # fmt: skip
+
+    async def _kill_decider(self, items: int, stop: asyncio.Event) -> None:
+        """Once a third of the backlog is done: SIGKILL the members' decider, then wait
+        until the members left name the next one."""
+        region = next(iter(self.cluster.members))
+
+        async def a_third_done() -> bool:
+            return stop.is_set() or sum(self.done.values()) >= items / 3
+
+        await _poll("a third of the backlog done", a_third_done, DRAIN_LIMIT_S)
+        if stop.is_set():
+            return
+        killed = await self.cluster.decider(region)
+        killed_at = time.monotonic()
+        await self.cluster.members[region][killed].kill()
+        self.log(f"nemesis: {killed}, the decider of {region}, killed (SIGKILL) mid-drain")
+        after = await self.cluster.decider(region, other_than=killed)
+        took = time.monotonic() - killed_at
+        self.failover = (killed, after, took)
+        self.log(f"failover: {after} decides for {region}, {took:.1f} s after the kill")
+        await self.cluster.restart_member(region, killed)
+        self.log(f"nemesis: {killed} restarted on its disk, a member that does not decide")
 
     async def _drained(self, keys: Sequence[str]) -> bool:
         # Each item is finished (or the poison one parked) at its home region; look there.
@@ -309,16 +395,31 @@ async def run_demo(
     work_seconds: float = 0.3,
     seed_value: int | None = None,
     data_dir: str | None = None,
+    members: int = 1,
     out: Out = print,
 ) -> int:
     chosen = seed_value if seed_value is not None else random.randrange(1 << 20)
-    out(f"fencemark demo: {len(regions)} regions, {items} items, {agents_per_region} agents"
-        f" per region, lease {lease_seconds:g} s, seed {chosen}")  # fmt: skip
+    several = f" ({regions[0]} of {members} members)" if members > 1 else ""
+    out(f"fencemark demo: {len(regions)} regions{several}, {items} items, {agents_per_region}"
+        f" agents per region, lease {lease_seconds:g} s, seed {chosen}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fencemark-demo-") as scratch:
         root = Path(data_dir) if data_dir else Path(scratch)
-        cluster = await LocalCluster.start(regions, root, faults=True, anti_entropy_interval=0.3)
+        try:
+            cluster = await LocalCluster.start(
+                regions, root, faults=True, anti_entropy_interval=0.3, members=members
+            )
+        except EtcdMissing as exc:
+            out(f"fencemark demo --members {members}: {exc}")
+            return 2
         for region, address in cluster.addresses.items():
-            out(f"  region {region}: node on {address}, data in {root / region}")
+            group = cluster.members.get(region)
+            if group is None:
+                out(f"  region {region}: node on {address}, data in {root / region}")
+                continue
+            listed = ", ".join(f"{name} on {member.address}" for name, member in group.items())
+            assert cluster.etcd is not None
+            out(f"  region {region}: members {listed}, electing their decider through etcd on"
+                f" {cluster.etcd.endpoint}; data in {root}/{region}-*")  # fmt: skip
         out(
             "  transport: plaintext gRPC (--insecure), loopback only; mutual TLS is"
             " `fencemark node --tls-dir` (docs/security.md)"
