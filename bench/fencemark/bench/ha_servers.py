@@ -31,10 +31,11 @@ from fencemark.bench.servers import (
     REDIS_PACKAGE,
     STARTUP_TIMEOUT_S,
     ServerProcess,
+    durable_redis_args,
+    etcd_ready,
     find,
 )
-from fencemark.client import AsyncClient
-from fencemark.client.errors import FencemarkError
+from fencemark.node.tools.cluster import named_decider
 from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.process import NodeProcess
 
@@ -134,30 +135,11 @@ async def start_etcd_trio(data_dir: Path, name: str = "etcd") -> EtcdTrio:
     try:
         if failed:
             raise failed[0]
-        await _etcd_ready(trio)
+        await etcd_ready(m.port for m in trio.members)
     except BaseException:
         await trio.stop()
         raise
     return trio
-
-
-async def _etcd_ready(trio: EtcdTrio) -> None:
-    """Until a put through every member commits (the cluster has elected a leader)."""
-    import aetcd
-
-    async with asyncio.timeout(STARTUP_TIMEOUT_S):
-        for member in trio.members:
-            client = aetcd.Client(host="127.0.0.1", port=member.port, timeout=5)
-            try:
-                while True:
-                    try:
-                        await client.put(b"/ready", b"1")
-                        break
-                    except Exception:
-                        await asyncio.sleep(0.1)
-            finally:
-                with contextlib.suppress(Exception):
-                    await client.close()
 
 
 # -- Redis --------------------------------------------------------------------------------
@@ -185,21 +167,6 @@ class RedisGroup:
         self.ports.close()
 
 
-def _durable_redis(binary: str, port: int, data_dir: Path) -> list[str]:
-    return [
-        binary,
-        "--bind", "127.0.0.1",
-        "--port", str(port),
-        "--dir", str(data_dir),
-        "--appendonly", "yes",
-        "--appendfsync", "always",
-        "--save", "",
-        "--daemonize", "no",
-        "--protected-mode", "yes",
-        "--loglevel", "warning",
-    ]  # fmt: skip
-
-
 async def start_redis_group(data_dir: Path) -> RedisGroup:
     """Primary, replica and Sentinels; returns once every Sentinel sees the replica and
     the two other Sentinels (until then a failover could not be agreed)."""
@@ -213,11 +180,11 @@ async def start_redis_group(data_dir: Path) -> RedisGroup:
     started: list[ServerProcess] = []
     try:
         primary = await ServerProcess.spawn(
-            "redis-primary", _durable_redis(binary, primary_port, dirs["primary"]),
+            "redis-primary", durable_redis_args(binary, primary_port, dirs["primary"]),
             primary_port, dirs["primary"],
         )  # fmt: skip
         started.append(primary)
-        replica_args = _durable_redis(binary, replica_port, dirs["replica"])
+        replica_args = durable_redis_args(binary, replica_port, dirs["replica"])
         replica_args += ["--replicaof", "127.0.0.1", str(primary_port)]
         replica = await ServerProcess.spawn(
             "redis-replica", replica_args, replica_port, dirs["replica"]
@@ -287,20 +254,7 @@ class MemberRegion:
 
     async def decider(self, *, other_than: str = "", within: float = ELECTED_WITHIN_S) -> str:
         """The member every live member names as decider (other than ``other_than``)."""
-        async with asyncio.timeout(within):
-            while True:
-                named: set[str] = set()
-                for node in self.alive().values():
-                    try:
-                        async with AsyncClient(node.address, retries=0, timeout=2) as client:
-                            info = await client.info()
-                    except FencemarkError:
-                        named.add("")
-                        continue
-                    named.add(info.decider.member if info.decider is not None else "")
-                if len(named) == 1 and not named & {"", other_than}:
-                    return named.pop()
-                await asyncio.sleep(0.1)
+        return await named_decider(self.members.values(), other_than=other_than, within=within)
 
     async def kill(self, name: str) -> float:
         at = time.monotonic()

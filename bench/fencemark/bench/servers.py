@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import shutil
 import signal
+from collections.abc import Iterable
 from pathlib import Path
 
 from fencemark.node.tools.ports import Ports
@@ -142,7 +143,14 @@ async def start_redis(data_dir: Path) -> ServerProcess:
     ports = Ports()
     port = ports.take()
     await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
-    args = [
+    args = durable_redis_args(binary, port, data_dir)
+    return await ServerProcess.spawn("redis", args, port, data_dir, ports)
+
+
+def durable_redis_args(binary: str, port: int, data_dir: Path) -> list[str]:
+    """A Redis server on loopback made durable: append-only file, fsync before every
+    reply, no snapshots."""
+    return [
         binary,
         "--bind", "127.0.0.1",
         "--port", str(port),
@@ -154,4 +162,23 @@ async def start_redis(data_dir: Path) -> ServerProcess:
         "--protected-mode", "yes",
         "--loglevel", "warning",
     ]  # fmt: skip
-    return await ServerProcess.spawn("redis", args, port, data_dir, ports)
+
+
+async def etcd_ready(ports: Iterable[int]) -> None:
+    """Until a write through every etcd member on ``ports`` commits (the cluster has
+    elected a leader); bounded by ``STARTUP_TIMEOUT_S``."""
+    import aetcd
+
+    async with asyncio.timeout(STARTUP_TIMEOUT_S):
+        for port in ports:
+            client = aetcd.Client(host="127.0.0.1", port=port, timeout=5)
+            try:
+                while True:
+                    try:
+                        await client.put(b"/ready", b"1")
+                        break
+                    except Exception:
+                        await asyncio.sleep(0.1)
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.close()

@@ -23,14 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fencemark.bench.servers import (
     ETCD_PACKAGE,
-    STARTUP_TIMEOUT_S,
     ServerProcess,
+    etcd_ready,
     find,
     start_redis,
 )
@@ -186,27 +186,8 @@ async def start_etcd_cluster(regions: Sequence[str], data_dir: Path) -> EtcdClus
     pids = {m.pid: region for region, m in members.items()}
     for proxy in proxies.values():
         proxy.sources.update(pids)
-    await _etcd_ready(client_ports.values())
+    await etcd_ready(client_ports.values())
     return etcd
-
-
-async def _etcd_ready(ports: Iterable[int]) -> None:
-    """Until a write through every member commits (the cluster has a leader)."""
-    import aetcd
-
-    async with asyncio.timeout(STARTUP_TIMEOUT_S):
-        for port in ports:
-            client = aetcd.Client(host="127.0.0.1", port=port, timeout=5)
-            try:
-                while True:
-                    try:
-                        await client.put(b"/wan/ready", b"1")
-                        break
-                    except Exception:
-                        await asyncio.sleep(0.2)
-            finally:
-                with contextlib.suppress(Exception):
-                    await client.close()
 
 
 @dataclass

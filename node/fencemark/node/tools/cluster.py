@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from fencemark.client import AsyncClient, FencemarkError
@@ -28,6 +28,29 @@ from fencemark.node.tools.proxy import ProxyMesh
 
 DECIDER_TTL_S = 2
 ELECTED_WITHIN_S = 60.0
+
+
+async def named_decider(
+    members: Iterable[NodeProcess], *, other_than: str = "", within: float = ELECTED_WITHIN_S
+) -> str:
+    """The member every live one of ``members`` names as its region's decider, once they
+    agree on one (other than ``other_than``); bounded by ``within`` seconds."""
+    async with asyncio.timeout(within):
+        while True:
+            named: set[str] = set()
+            for member in members:
+                if member.proc.returncode is not None:
+                    continue
+                try:
+                    async with AsyncClient(member.address, retries=0, timeout=2) as client:
+                        info = await client.info()
+                except FencemarkError:
+                    named.add("")
+                    continue
+                named.add(info.decider.member if info.decider is not None else "")
+            if len(named) == 1 and not named & {"", other_than}:
+                return named.pop()
+            await asyncio.sleep(0.1)
 
 
 class LocalCluster:
@@ -73,24 +96,8 @@ class LocalCluster:
         return routes
 
     async def decider(self, region: str, *, other_than: str = "") -> str:
-        """The member every live member of ``region`` names as its decider, once they
-        agree on one (other than ``other_than``); bounded by ``ELECTED_WITHIN_S``."""
-        async with asyncio.timeout(ELECTED_WITHIN_S):
-            while True:
-                named: set[str] = set()
-                for member in self.members[region].values():
-                    if member.proc.returncode is not None:
-                        continue
-                    try:
-                        async with AsyncClient(member.address, retries=0, timeout=2) as client:
-                            info = await client.info()
-                    except FencemarkError:
-                        named.add("")
-                        continue
-                    named.add(info.decider.member if info.decider is not None else "")
-                if len(named) == 1 and not named & {"", other_than}:
-                    return named.pop()
-                await asyncio.sleep(0.1)
+        """The member every live member of ``region`` names as its decider (``named_decider``)."""
+        return await named_decider(self.members[region].values(), other_than=other_than)
 
     @classmethod
     async def start(
