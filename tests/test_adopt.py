@@ -83,6 +83,7 @@ def files_under(root: Path) -> dict[str, str]:
 # -- init -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 async def test_init_writes_the_template_once_and_never_overwrites_a_changed_file(
     tmp_path: Path,
 ) -> None:
@@ -133,6 +134,7 @@ async def test_init_writes_the_template_once_and_never_overwrites_a_changed_file
     assert not worker.read_text().endswith("local edit\n")
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 @pytest.mark.parametrize(
     ("args", "named"),
     [

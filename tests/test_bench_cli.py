@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from fencemark.bench.scenarios import EXTRA_MODULES, INSTALL_EXTRA, SCENARIOS
 from tests.test_cli import clean_env
 
@@ -29,6 +31,7 @@ def fencemark(*args: str, without_extra: bool = False) -> subprocess.CompletedPr
     )  # fmt: skip
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 def test_the_bench_help_names_every_scenario_of_the_registry() -> None:
     shown = fencemark("bench", "--help")
     assert shown.returncode == 0
@@ -38,6 +41,7 @@ def test_the_bench_help_names_every_scenario_of_the_registry() -> None:
     assert f"bench benchmarks against etcd and Redis: {', '.join(SCENARIOS)}" in listed
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 def test_bench_without_the_extra_is_one_line_naming_the_install() -> None:
     ran = fencemark("bench", "--quick", "claims", without_extra=True)
     assert ran.returncode == 2
@@ -48,6 +52,7 @@ def test_bench_without_the_extra_is_one_line_naming_the_install() -> None:
     assert all(module in ran.stderr for module in EXTRA_MODULES)
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 def test_bench_help_needs_no_extra() -> None:
     shown = fencemark("bench", "--help", without_extra=True)
     assert shown.returncode == 0

@@ -78,6 +78,7 @@ def counts(page: Page, topic: str, status: str) -> Any:
     return page.locator(f'#backlog tr[data-topic="{REPO}/{topic}"] td.{status}')
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 @pytest.mark.timeout(120)
 @pytest.mark.requires("chromium")
 async def test_the_dashboard_shows_the_node_and_follows_it_live(

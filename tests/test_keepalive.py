@@ -58,6 +58,7 @@ async def test_a_take_back_is_noticed_at_the_next_renewal_and_can_cancel_the_hol
         assert lost.value.token == picked.fencing_token
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 async def test_a_paused_home_is_reported_unreachable_once_the_lease_is_over(
     tmp_path: Path,
 ) -> None:

@@ -283,6 +283,7 @@ def test_the_node_command_takes_its_peer_listener_from_the_environment_and_says_
     assert process.returncode == 0, stderr
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 @pytest.mark.parametrize("flag", ["--max-peer-connections", "--max-connections"])
 def test_a_connection_bound_below_one_refuses_the_start_naming_it(
     tmp_path: Path, flag: str

@@ -62,6 +62,7 @@ def test_a_bad_control_file_is_refused_naming_the_field(document: object, named:
         parse_control(json.dumps(document), ["a"])
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 def test_the_command_refuses_a_bad_link_with_exit_2() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "fencemark.node", "proxy", "--link", "nonsense"],

@@ -257,6 +257,7 @@ def test_every_line_a_json_logging_node_writes_is_json(tmp_path: Path) -> None:
         assert json.loads(line).keys() >= JSON_KEYS, line
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 def test_a_node_that_cannot_start_says_why_in_json(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "fencemark.node", "--log-format", "json", "node", "--insecure",

@@ -373,6 +373,7 @@ async def test_a_node_stopping_ends_its_watch_streams_at_once_instead_of_waiting
     assert "stopping" in (ended.value.details() or "")
 
 
+@pytest.mark.slow  # spawns a process (the CLI, a node or a browser)
 async def test_fencemark_watch_prints_one_json_line_per_event(node: NodeServer) -> None:
     async with AsyncClient(node.address) as client:
         events = await started(client)
