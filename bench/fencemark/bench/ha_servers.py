@@ -30,14 +30,14 @@ from fencemark.bench.servers import (
     ETCD_PACKAGE,
     REDIS_PACKAGE,
     STARTUP_TIMEOUT_S,
-    ServerProcess,
     durable_redis_args,
     etcd_ready,
     find,
 )
 from fencemark.node.tools.cluster import named_decider
+from fencemark.node.tools.etcd_process import etcd_args
 from fencemark.node.tools.ports import Ports
-from fencemark.node.tools.process import NodeProcess
+from fencemark.node.tools.process import NodeProcess, ServerProcess
 
 SENTINEL_SERVICE = "bench"
 SENTINEL_DOWN_AFTER_MS = 2_000  # as long as the decider's lease, for a like comparison
@@ -112,20 +112,9 @@ async def start_etcd_trio(data_dir: Path, name: str = "etcd") -> EtcdTrio:
     async def member(index: int) -> ServerProcess:
         own = data_dir / f"{name}-{index}"
         await asyncio.to_thread(own.mkdir, parents=True, exist_ok=True)
-        client_url = f"http://127.0.0.1:{clients[index]}"
-        args = [
-            binary,
-            f"--name={name}-{index}",
-            f"--data-dir={own / 'data'}",
-            f"--listen-client-urls={client_url}",
-            f"--advertise-client-urls={client_url}",
-            f"--listen-peer-urls=http://127.0.0.1:{peers[index]}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peers[index]}",
-            f"--initial-cluster={cluster}",
-            "--initial-cluster-state=new",
-            f"--initial-cluster-token=fencemark-{name}",
-            "--log-level=error",
-        ]
+        args = etcd_args(binary, name=f"{name}-{index}", data_dir=own, client_port=clients[index],
+                         peer_port=peers[index], initial_cluster=cluster,
+                         token=f"fencemark-{name}")  # fmt: skip
         return await ServerProcess.spawn(f"{name}-{index}", args, clients[index], own)
 
     started = await asyncio.gather(*(member(i) for i in range(3)), return_exceptions=True)

@@ -29,13 +29,14 @@ from pathlib import Path
 
 from fencemark.bench.servers import (
     ETCD_PACKAGE,
-    ServerProcess,
     etcd_ready,
     find,
     start_redis,
 )
 from fencemark.node.tools.cluster import LocalCluster
+from fencemark.node.tools.etcd_process import etcd_args
 from fencemark.node.tools.ports import Ports
+from fencemark.node.tools.process import ServerProcess
 from fencemark.node.tools.proxy import FaultProxy
 
 ETCD_HEARTBEAT_MS = 150  # etcd's tuning guide: about the round trip between members
@@ -156,22 +157,13 @@ async def start_etcd_cluster(regions: Sequence[str], data_dir: Path) -> EtcdClus
     async def member(region: str) -> ServerProcess:
         own = data_dir / f"etcd-{region}"
         await asyncio.to_thread(own.mkdir, parents=True, exist_ok=True)
-        client_url = f"http://127.0.0.1:{client_ports[region]}"
-        args = [
-            binary,
-            f"--name={region}",
-            f"--data-dir={own / 'data'}",
-            f"--listen-client-urls={client_url}",
-            f"--advertise-client-urls={client_url}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer_ports[region]}",
-            f"--initial-advertise-peer-urls=http://{proxies[region].address}",
-            f"--initial-cluster={cluster}",
-            "--initial-cluster-state=new",
-            "--initial-cluster-token=fencemark-wan",
-            f"--heartbeat-interval={ETCD_HEARTBEAT_MS}",
-            f"--election-timeout={ETCD_ELECTION_MS}",
-            "--log-level=error",
-        ]
+        args = etcd_args(
+            binary, name=region, data_dir=own, client_port=client_ports[region],
+            peer_port=peer_ports[region], advertise_peer=proxies[region].address,
+            initial_cluster=cluster, token="fencemark-wan",
+            extra=(f"--heartbeat-interval={ETCD_HEARTBEAT_MS}",
+                   f"--election-timeout={ETCD_ELECTION_MS}"),
+        )  # fmt: skip
         return await ServerProcess.spawn(f"etcd-{region}", args, client_ports[region], own)
 
     started = await asyncio.gather(*(member(r) for r in regions), return_exceptions=True)

@@ -6,7 +6,7 @@ Used by ``fencemark cluster``, ``fencemark demo`` and the cluster tests.
 
 One region may run as a group of members instead (``members=3``: ``us-a``,
 ``us-b``, ``us-c``) electing their decider through an etcd process of their own
-(``etcd_process``): the other regions' nodes are given every member's address
+(``etcd_process.start_etcd``): the other regions' nodes are given every member's address
 (``--peer us=A,B,C``), each through its own link of the mesh, so cutting a region
 off cuts it from every member. Its clients talk to a member that did not decide
 when the cluster started (``nodes[region]``): killing the decider leaves them a
@@ -21,9 +21,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from fencemark.client import AsyncClient, FencemarkError
-from fencemark.node.tools.etcd_process import EtcdProcess
+from fencemark.node.tools.etcd_process import start_etcd
 from fencemark.node.tools.ports import Ports
-from fencemark.node.tools.process import NodeProcess
+from fencemark.node.tools.process import NodeProcess, ServerProcess
 from fencemark.node.tools.proxy import ProxyMesh
 
 DECIDER_TTL_S = 2
@@ -62,7 +62,7 @@ class LocalCluster:
         ports: Ports | None = None,
         *,
         members: dict[str, dict[str, NodeProcess]] | None = None,
-        etcd: EtcdProcess | None = None,
+        etcd: ServerProcess | None = None,
     ) -> None:
         self.nodes = nodes  # region -> the node its clients talk to
         self.mesh = mesh
@@ -86,14 +86,13 @@ class LocalCluster:
     def routes_from(self, region: str) -> dict[str, str]:
         """How a client in ``region`` reaches every region: its own node directly,
         the others the way its node does (through the mesh, so a cut cuts both)."""
-        src = self.name_of(region)
-        routes = {region: self.nodes[region].address}
-        for other in self.nodes:
-            if other != region:
-                dst = self.name_of(other)
-                reach = self.mesh.peer_address(src, dst) if self.mesh else None
-                routes[other] = reach or self.nodes[other].address
-        return routes
+        mesh, src = self.mesh, self.name_of(region)
+        return {
+            other: node.address
+            if other == region or mesh is None
+            else mesh.peer_address(src, self.name_of(other))
+            for other, node in self.nodes.items()
+        }
 
     async def decider(self, region: str, *, other_than: str = "") -> str:
         """The member every live member of ``region`` names as its decider (``named_decider``)."""
@@ -132,12 +131,12 @@ class LocalCluster:
             for index, name in enumerate(names)
         }
         direct = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-        etcd: EtcdProcess | None = None
+        etcd: ServerProcess | None = None
         mesh: ProxyMesh | None = None
         try:
             if members > 1:
                 assert held is not None
-                etcd = await EtcdProcess.start(data_root / "etcd", held)
+                etcd = await start_etcd(data_root / "etcd", ports=held)
             mesh = await ProxyMesh.start(direct) if faults else None
         except BaseException:
             if etcd is not None:
@@ -159,7 +158,7 @@ class LocalCluster:
             if len(grouped[region_of[name]]) == 1:
                 return ()
             assert etcd is not None
-            return ("--member", name, "--etcd", etcd.endpoint,
+            return ("--member", name, "--etcd", f"127.0.0.1:{etcd.port}",
                     "--decider-ttl", str(DECIDER_TTL_S),
                     "--initial-members", ",".join(grouped[region_of[name]]))  # fmt: skip
 
@@ -187,10 +186,11 @@ class LocalCluster:
             for name, result in zip(names, started, strict=True)
             if isinstance(result, NodeProcess)
         }
+        # Every process started is the cluster's, so that ``stop`` ends them all.
         groups = {
-            region: {name: processes[name] for name in group}
+            region: {name: processes[name] for name in group if name in processes}
             for region, group in grouped.items()
-            if len(group) > 1 and not failures
+            if len(group) > 1
         }
         nodes = {region: processes[group[0]] for region, group in grouped.items()
                  if group[0] in processes}  # fmt: skip
@@ -204,8 +204,6 @@ class LocalCluster:
                 decider = await cluster.decider(region)
                 cluster.nodes[region] = next(p for n, p in group.items() if n != decider)
         except BaseException:
-            await asyncio.gather(*(p.stop() for p in processes.values()))
-            cluster.nodes = {}
             await cluster.stop()
             raise
         return cluster

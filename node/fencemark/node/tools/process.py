@@ -1,6 +1,8 @@
-"""Run a node as a child process (the demo, the cluster, durability tests).
+"""Run a node as a child process (the demo, the cluster, durability tests), or
+another server (``ServerProcess``: etcd for a region's members, the benchmarks'
+baselines).
 
-The child is started with ``--listen HOST:0`` and tells where it listens on its
+A node is started with ``--listen HOST:0`` and tells where it listens on its
 first line of output, so no port is ever guessed.
 """
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import re
 import resource
@@ -15,9 +18,12 @@ import signal
 import sys
 from pathlib import Path
 
+from fencemark.node.tools.ports import Ports
+
 LISTENING = re.compile(r"listening on (\S+)")
 TAIL_LINES = 20  # of a node's output, in the error when it does not come up
 KEPT_LINES = 200  # of a running node's output, kept for a post-mortem (``output``)
+SERVER_STARTUP_S = 30.0  # for a ``ServerProcess`` to accept connections
 
 
 class NodeStartError(RuntimeError):
@@ -139,3 +145,77 @@ class NodeProcess:
 def _limit_files(limit: int) -> None:
     """In the child, before it runs: at most ``limit`` open files."""
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+class ServerProcess:
+    """A child server process whose output goes to a log file in its data directory."""
+
+    def __init__(
+        self,
+        name: str,
+        proc: asyncio.subprocess.Process,
+        port: int,
+        log: Path,
+        ports: Ports | None = None,
+    ) -> None:
+        self.name = name
+        self.proc = proc
+        self.port = port
+        self.log = log
+        self._ports = ports  # its ports, held until it stops
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    async def spawn(
+        cls, name: str, args: list[str], port: int, data_dir: Path, ports: Ports | None = None
+    ) -> ServerProcess:
+        """Start ``args``, serving on ``port``; ``ports`` (closed when it stops) hold its
+        ports until then."""
+        log = data_dir / f"{name}.log"
+        try:
+            with log.open("wb") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    *args, stdout=out, stderr=asyncio.subprocess.STDOUT, cwd=data_dir
+                )
+        except BaseException:
+            if ports is not None:
+                ports.close()
+            raise
+        server = cls(name, proc, port, log, ports)
+        try:
+            await server._wait_listening()
+        except BaseException:
+            await server.stop()
+            raise
+        return server
+
+    async def _wait_listening(self) -> None:
+        async with asyncio.timeout(SERVER_STARTUP_S):
+            while True:
+                if self.proc.returncode is not None:
+                    tail = self.log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{tail}")
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                except OSError:
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+                return
+
+    async def stop(self, grace: float = 10.0) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(grace):
+                    await self.proc.wait()
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self._ports is not None:
+            self._ports.close()

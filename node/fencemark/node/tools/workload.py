@@ -417,7 +417,21 @@ def tokens_increase(grants: Mapping[str, list[Event]]) -> Check:
 
 
 def _writes_everywhere(history: History, finals: Mapping[str, Mapping[str, Record]]) -> Check:
-    acked = [e for e in history.events if e.op == "write" and e.outcome == "ok"]
+    return acknowledged_everywhere(
+        history, finals, ("write",), "every acknowledged write is in every region", "writes"
+    )
+
+
+def acknowledged_everywhere(
+    history: History,
+    finals: Mapping[str, Mapping[str, Record]],
+    ops: tuple[str, ...],
+    name: str,
+    what: str,
+) -> Check:
+    """Every acknowledged event of ``ops`` (a field ``detail`` written with ``value``)
+    is in every region's final state; the check called ``name``, counting ``what``."""
+    acked = [e for e in history.events if e.op in ops and e.outcome == "ok"]
     missing = [
         f"{e.key} {e.detail}={e.value} at {region}"
         for region, records in finals.items()
@@ -425,6 +439,6 @@ def _writes_everywhere(history: History, finals: Mapping[str, Mapping[str, Recor
         if e.key not in records or records[e.key].fields.get(e.detail) != e.value
     ]
     detail = (
-        "; ".join(missing[:3]) or f"{len(acked)} acknowledged writes, in all {len(finals)} regions"
+        "; ".join(missing[:3]) or f"{len(acked)} acknowledged {what}, in all {len(finals)} regions"
     )
-    return Check("every acknowledged write is in every region", not missing, detail)
+    return Check(name, not missing, detail)
