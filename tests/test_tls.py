@@ -137,6 +137,28 @@ def test_certs_init_writes_a_ca_and_one_identity_per_region_and_client(
     assert main(["certs", "issue", "--dir", str(directory), "--client", "bob"]) == 2
 
 
+def test_certs_init_with_etcd_makes_its_servers_and_root_certificates_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the compose stack's certs service runs: a region's etcd in the same call."""
+    directory = tmp_path / "made"
+    assert main(["certs", "init", "--dir", str(directory), "--regions", "us",
+                 "--etcd", "etcd-0,etcd-1"]) == 0  # fmt: skip
+    for name in ("etcd-0", "etcd-1", "root"):
+        cert = x509.load_pem_x509_certificate((directory / f"{name}.pem").read_bytes())
+        common = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+        assert [a.value for a in common] == [name]
+        assert stat.S_IMODE((directory / f"{name}-key.pem").stat().st_mode) == 0o600
+    server = x509.load_pem_x509_certificate((directory / "etcd-0.pem").read_bytes())
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "etcd-0" in names.get_values_for_type(x509.DNSName)
+    # An etcd named like a region would overwrite its certificate: refused, nothing made.
+    other = tmp_path / "other"
+    assert main(["certs", "init", "--dir", str(other), "--regions", "us", "--etcd", "us"]) == 2
+    assert "--etcd: ['us'] would overwrite another certificate" in capsys.readouterr().err
+    assert not other.exists()
+
+
 def open_p12(path: Path, password: bytes, certs: Path, name: str) -> None:
     """``path`` opens with ``password`` alone and holds ``name``'s certificate and key, under
     the identity as its friendly name, and the CA."""

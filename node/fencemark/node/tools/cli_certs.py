@@ -14,19 +14,26 @@ from fencemark.node.rules.errors import InvalidInput
 
 
 def cmd_certs_init(args: argparse.Namespace) -> int:
-    from fencemark.node.security.tls import init_dir
+    from fencemark.node.coordination.access import ROOT
+    from fencemark.node.security.tls import init_dir, issue_named_into
 
     directory = Path(args.dir)
     try:
         if args.if_missing and (directory / "ca.pem").exists():
             print(f"fencemark certs: {directory} already holds a CA; nothing to do")
             return 0
+        etcd = [validation.region(name, "--etcd") for name in _names(args.etcd)]
+        taken = {*_names(args.regions), *_names(args.clients)} & {*etcd, ROOT}
+        if taken:
+            raise ValueError(f"--etcd: {sorted(taken)} would overwrite another certificate")
         written = init_dir(
             directory,
             regions=_names(args.regions),
             clients=_names(args.clients),
             hosts=_names(args.hosts),
         )
+        for name, hosts in [*((name, [name]) for name in etcd), *([(ROOT, [])] if etcd else [])]:
+            written += issue_named_into(directory, name, server_hosts=hosts)
     except (InvalidInput, ValueError, OSError) as exc:
         print(f"fencemark certs: {exc}", file=sys.stderr)
         return 2
@@ -224,6 +231,13 @@ def add_certs_command(sub: Any) -> None:
     init.add_argument("--clients", default="", help="comma-separated client names")
     init.add_argument(
         "--hosts", default="", help="extra DNS names/IPs for every node certificate (comma-sep.)"
+    )
+    init.add_argument(
+        "--etcd",
+        default="",
+        metavar="NAME,NAME...",
+        help="also a region's etcd: a server certificate per NAME (its DNS name) and the"
+        " certificate of etcd's root user (as `certs etcd --server NAME`, `--root`)",
     )
     init.add_argument(
         "--if-missing", action="store_true", help="do nothing if DIR already holds a CA"
