@@ -387,6 +387,10 @@ async def test_status_shows_each_target_with_its_region(
     assert "SERVING" in line
     down = next(line for line in lines if line.startswith(dead))
     assert "unreachable" in down
+    # A region of one node has no decider to name: --decider says so, exit 1.
+    ran = await fencemark("status", "--targets", node.address, dead, "--decider", "--timeout", "1")
+    assert (ran.code, ran.stdout) == (1, ""), ran.stderr
+    assert "no target is a member of a region of several" in ran.stderr
 
 
 async def second_node(listen: str, data: Path) -> Ran:

@@ -266,7 +266,13 @@ async def test_status_names_each_members_decider_in_text_and_json(
     other_name = other.member.name if other.member is not None else ""
     assert f"member {other_name}: decider {name} (term {term}) at {decider.address}" in text
     assert "members of region us: us-a, us-b, us-c\n" in text
+    # The CLAIMS column: the decider serves them, the other leaves them to it.
+    rows = {r.split()[0]: r.split()[4] for r in text.splitlines() if r.startswith("127.")}
+    assert rows == {decider.address: "serving", other.address: "to-decider"}
     assert text.count("  member us/") == 4  # each of the two shows its two fellow members
+    # --decider: the name alone, for scripts (docs/deploy.md kills its container).
+    assert await asyncio.to_thread(main, ["status", *targets, "--decider"]) == 0
+    assert capsys.readouterr().out == f"{name}\n"
     assert await asyncio.to_thread(main, ["status", *targets, "--json"]) == 0
     said = json.loads(capsys.readouterr().out)["nodes"]
     wanted = {"member": name, "address": decider.address, "term": term}

@@ -95,6 +95,21 @@ def _decider_words(info: NodeInfo) -> str:
     return f"decider {decider.member} (term {decider.term}) at {decider.address}"
 
 
+def _claims_words(info: NodeInfo) -> str:
+    """``fencemark status``'s CLAIMS column: whether the node decides its region's
+    claims, and if not, why: catching up, or a member that leaves them to its decider
+    (``to-decider``) or knows none (``no-decider``)."""
+    if info.claims_serving:
+        return "serving"
+    if info.member and not info.owes_catch_up:
+        decider = info.decider
+        if decider is None:
+            return "no-decider"
+        if decider.member != info.member:
+            return "to-decider"
+    return "catching-up"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """A cluster overview: one row per node, one indented row per peer it replicates with."""
     from fencemark.client import AsyncClient, FencemarkError
@@ -124,7 +139,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 continue
             info, health = answer
             serving += health == "SERVING"
-            claims = "serving" if info.claims_serving else "catching-up"
+            claims = _claims_words(info)
             lines.append(
                 f"{target:<{width}} {info.region:<8} {info.node_id:<13} {health:<12} {claims:<12}"
                 f" {'on' if info.writes_enabled else 'off':<6} {info.record_count:>8}"
@@ -169,9 +184,35 @@ def cmd_status(args: argparse.Namespace) -> int:
             for target, answer in zip(args.targets, seen, strict=True)
         ]
 
+    async def deciders() -> tuple[dict[str, str], list[str]]:
+        """region -> the decider every answering member names; the regions whose
+        members disagree, or of which one names none (an election under way)."""
+        seen = await asyncio.gather(*(look(target) for target in args.targets))
+        named: dict[str, set[str | None]] = {}
+        for answer in seen:
+            if isinstance(answer, FencemarkError) or not answer[0].member:
+                continue
+            info = answer[0]
+            named.setdefault(info.region, set()).add(info.decider.member if info.decider else None)
+        agreed = {r: next(iter(m)) for r, m in sorted(named.items()) if len(m) == 1}
+        return (
+            {r: m for r, m in agreed.items() if m is not None},
+            [r for r in sorted(named) if agreed.get(r) is None],
+        )
+
     if args.json:
         print_json({"nodes": asyncio.run(answers())})  # times as ISO 8601, as `info` shows them
         return 0
+    if args.decider:
+        agreed, undecided = asyncio.run(deciders())
+        for region, member in agreed.items():
+            print(member if len(agreed) == 1 and not undecided else f"{region} {member}")
+        for region in undecided:
+            print(f"fencemark status: region {region}: its members name no one decider",
+                  file=sys.stderr)  # fmt: skip
+        if not agreed and not undecided:
+            print("fencemark status: no target is a member of a region of several", file=sys.stderr)
+        return 0 if agreed and not undecided else 1
     print("\n".join(asyncio.run(run())))
     return 0
 
@@ -599,6 +640,13 @@ def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     status.add_argument("--timeout", type=float, default=3.0)
     status.add_argument(
         "--json", action="store_true", help="each node's answer as JSON, for programs"
+    )
+    status.add_argument(
+        "--decider",
+        action="store_true",
+        help="print only the member deciding for the targets' region of several members,"
+        " as every answering member names it (REGION MEMBER per line for several regions);"
+        " exit 1 while they name none or differ (an election under way)",
     )
     add_client_tls_flags(status)
     status.set_defaults(func=cmd_status)
