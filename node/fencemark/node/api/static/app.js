@@ -38,10 +38,16 @@ function notDeciding(s) {
   return `member ${s.member}: ${s.decider.member} decides (term ${s.decider.term})${of}`;
 }
 
+// A member that decides says so with its term; a node of a region of one just decides.
+function deciding(s) {
+  if (!s.member) return "deciding claims";
+  return `member ${s.member}: deciding claims${s.decider ? ` (term ${s.decider.term})` : ""}`;
+}
+
 function render(s) {
   document.getElementById("region").textContent = `${s.region} · ${s.node_id}`;
   document.getElementById("summary").textContent =
-    `${s.records} records · ${s.deciding ? "deciding claims" : notDeciding(s)}`;
+    `${s.records} records · ${s.deciding ? deciding(s) : notDeciding(s)}`;
   fill("backlog", s.backlog, (row, t) => {
     row.dataset.topic = t.topic;
     cell(row, t.topic);
