@@ -12,13 +12,25 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from tests.dockerenv import DEPLOY, IMAGE, IMAGE_UID, inspect, run
+from tests.dockerenv import DEPLOY, ETCD_IMAGE, IMAGE, IMAGE_UID, inspect, run
 from tests.ports import free_port
 
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 PROMETHEUS_FILE = DEPLOY / "docker-compose.prometheus.yml"  # the opt-in Prometheus
 DATA_VARIABLE = "REPOCONTEXT_MEMORY_ARCHIVE_PATH"
 REGIONS = ("us", "eu", "ap")
+MEMBERS = ("us-a", "us-b", "us-c")  # region us: three members, electing through ETCDS
+NODES = (*MEMBERS, "eu", "ap")  # every node's service
+ETCDS = ("etcd-0", "etcd-1", "etcd-2")
+
+
+def port_variable(node: str, what: str = "") -> str:
+    """The setting naming ``node``'s host port: FENCEMARK_US_A_PORT, _METRICS_PORT..."""
+    return f"FENCEMARK_{node.upper().replace('-', '_')}_{what + '_' if what else ''}PORT"
+
+
+def region_of(node: str) -> str:
+    return node.partition("-")[0]
 
 
 def clean_env(**settings: str) -> dict[str, str]:
@@ -49,7 +61,7 @@ class Stack:
         for file in files:
             self.command += ["--file", str(file)]
         self.command += ["--project-name", self.project]
-        self.env = clean_env(FENCEMARK_IMAGE=IMAGE, **settings)
+        self.env = clean_env(FENCEMARK_IMAGE=IMAGE, FENCEMARK_ETCD_IMAGE=ETCD_IMAGE, **settings)
 
     def __call__(
         self, *args: str, limit_s: float = 120.0, check: bool = True
@@ -88,34 +100,32 @@ class Stack:
 
 
 def published_ports() -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
-    """Free host ports for each region's API and metrics, and the settings naming them
+    """Free host ports for each node's API and metrics, and the settings naming them
     (and free ones for the dashboards: :func:`dashboard_ports` reads them)."""
-    ports = {region: free_port() for region in REGIONS}
-    metrics = {region: free_port() for region in REGIONS}
+    ports = {node: free_port() for node in NODES}
+    metrics = {node: free_port() for node in NODES}
     settings = {
-        **{f"FENCEMARK_{r.upper()}_PORT": str(p) for r, p in ports.items()},
-        **{f"FENCEMARK_{r.upper()}_METRICS_PORT": str(p) for r, p in metrics.items()},
-        **{_dashboard_variable(r): str(free_port()) for r in REGIONS},
+        **{port_variable(n): str(p) for n, p in ports.items()},
+        **{port_variable(n, "METRICS"): str(p) for n, p in metrics.items()},
+        **{port_variable(n, "DASHBOARD"): str(free_port()) for n in NODES},
     }
     return ports, metrics, settings
 
 
-def _dashboard_variable(region: str) -> str:
-    return f"FENCEMARK_{region.upper()}_DASHBOARD_PORT"
-
-
 def dashboard_ports(settings: dict[str, str]) -> dict[str, int]:
-    """Each region's dashboard host port in ``settings`` (from :func:`published_ports`)."""
-    return {region: int(settings[_dashboard_variable(region)]) for region in REGIONS}
+    """Each node's dashboard host port in ``settings`` (from :func:`published_ports`)."""
+    return {node: int(settings[port_variable(node, "DASHBOARD")]) for node in NODES}
 
 
 def data_root(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """One data directory per region, writable by the nodes' user, and that user."""
+    """One data directory per node and per etcd, writable by the nodes' user, and that
+    user."""
     root = tmp_path / "archive"
-    for name in (*REGIONS, "certs"):  # certs/: the stack's CA and certificates
+    names = (*NODES, *ETCDS, "certs")  # certs/: the stack's CA and certificates
+    for name in names:
         (root / name).mkdir(parents=True, mode=0o750)
     if os.geteuid() == 0:
-        for path in (root, *(root / r for r in (*REGIONS, "certs"))):
+        for path in (root, *(root / name for name in names)):
             os.chown(path, IMAGE_UID, IMAGE_UID)
         return root, {}
     return root, {"FENCEMARK_UID": str(os.getuid()), "FENCEMARK_GID": str(os.getgid())}

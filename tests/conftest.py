@@ -240,7 +240,7 @@ def etcd_image(docker_engine: None) -> str:
 
 @pytest.fixture
 def operator_site(
-    image: str, prometheus_image: str, compose: list[str], tmp_path: Path
+    image: str, prometheus_image: str, etcd_image: str, compose: list[str], tmp_path: Path
 ) -> Iterator[OperatorSite]:
     """docs/deploy.md's operator machine in a scratch directory (tests/docrun.py), as
     root like the page, with tags of its own for the images (removed afterwards)."""
@@ -251,9 +251,11 @@ def operator_site(
     images = {
         "FENCEMARK_IMAGE": f"{image.rpartition(':')[0]}:doc-{run}",
         "FENCEMARK_PROMETHEUS_IMAGE": f"{prometheus_image.rpartition(':')[0]}:doc-{run}",
+        "FENCEMARK_ETCD_IMAGE": f"{etcd_image.rpartition(':')[0]}:doc-{run}",
     }
     dockerenv.run(["docker", "tag", image, images["FENCEMARK_IMAGE"]])
     dockerenv.run(["docker", "tag", prometheus_image, images["FENCEMARK_PROMETHEUS_IMAGE"]])
+    dockerenv.run(["docker", "tag", etcd_image, images["FENCEMARK_ETCD_IMAGE"]])
     try:
         yield docrun.OperatorSite.make(tmp_path, images, clean_env())
     finally:

@@ -160,6 +160,9 @@ def unmarked_shell_blocks(path: Path) -> list[str]:
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 NODE_ID = re.compile(r"\b[0-9a-f]{12}\b")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
+# Which of the stack's members of us decides, and so which one a failover kills, varies
+# from run to run as node ids do: us-a, us-b and us-c are one word to the comparison.
+MEMBER = re.compile(r"\bus-[abc]\b")
 
 
 def normalise(text: str) -> str:
@@ -168,7 +171,7 @@ def normalise(text: str) -> str:
         line = re.sub(r"\s+", " ", raw).strip()
         line = line.removeprefix("ERROR: ")
         line = re.sub(r"-{3,}", "---", line)
-        line = NUMBER.sub("0", NODE_ID.sub("<node>", line))
+        line = NUMBER.sub("0", NODE_ID.sub("<node>", MEMBER.sub("us-<member>", line)))
         if line:
             lines.append(line)
     return "".join(line + "\n" for line in lines)
@@ -315,7 +318,7 @@ class OperatorSite:
     data: Path
     ports: dict[str, int]  # FENCEMARK_*_PORT -> the free port .env names
     defaults: dict[str, int]  # FENCEMARK_*_PORT -> the port .env.example names
-    images: dict[str, str]  # FENCEMARK_IMAGE, FENCEMARK_PROMETHEUS_IMAGE -> tag
+    images: dict[str, str]  # FENCEMARK_IMAGE, _PROMETHEUS_IMAGE, _ETCD_IMAGE -> tag
     env: dict[str, str]
     substitute: Substitutions
 

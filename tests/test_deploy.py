@@ -26,14 +26,25 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fencemark.client import AsyncClient, tls_credentials
-from tests.compose import COMPOSE_FILE, DATA_VARIABLE, PROMETHEUS_FILE, REGIONS, clean_env
+from fencemark.client import AsyncClient, FencemarkError, tls_credentials
+from tests.compose import (
+    COMPOSE_FILE,
+    DATA_VARIABLE,
+    ETCDS,
+    MEMBERS,
+    NODES,
+    PROMETHEUS_FILE,
+    REGIONS,
+    clean_env,
+    port_variable,
+)
 from tests.conftest import StartNode
 from tests.dockerenv import (
     BASE_IMAGE,
@@ -62,6 +73,7 @@ from tests.test_deploy_prometheus import (
     check_rules,
     check_targets,
     check_what_the_nodes_report,
+    peers_of,
 )
 
 CLAIMS_SERVICE = "fencemark.v1.Claims"
@@ -136,8 +148,8 @@ def test_every_compose_variable_is_documented_in_env_example() -> None:
 def test_compose_publishes_ports_on_loopback_only() -> None:
     text = COMPOSE_FILE.read_text() + PROMETHEUS_FILE.read_text()
     published = re.findall(r'^\s*- "([^"]*:\d+)"', text, flags=re.MULTILINE)
-    # The API, the metrics and the dashboard of each region, and Prometheus' UI and API.
-    assert len(published) == 3 * len(REGIONS) + 1
+    # The API, the metrics and the dashboard of each node, and Prometheus' UI and API.
+    assert len(published) == 3 * len(NODES) + 1
     assert all(mapping.startswith("127.0.0.1:") for mapping in published)
 
 
@@ -261,6 +273,7 @@ async def record_digests(target: str, root: Path) -> dict[str, bytes]:
 
 
 async def write_one_record_per_region(ports: dict[str, int], root: Path) -> None:
+    """One record homed in each region, written at ``ports``: region -> a node's port."""
     for region, port in ports.items():
         async with AsyncClient(
             f"127.0.0.1:{port}", timeout=5.0, credentials=operator(root)
@@ -275,8 +288,9 @@ async def write_one_record_per_region(ports: dict[str, int], root: Path) -> None
 
 COMPOSE_STEPS = (
     "settings", "refused", "no-directories", "directories", "start", "check", "inside",
-    "walkthrough", "list", "prometheus-on", "prometheus-api", "prometheus-reload",
-    "prometheus-off", "upgrade", "status-with-a-region-down", "down",
+    "walkthrough", "list", "failover", "failover-status", "rejoin", "prometheus-on",
+    "prometheus-api", "prometheus-reload", "prometheus-off", "upgrade",
+    "status-with-a-region-down", "down",
 )  # fmt: skip
 # The Prometheus UI pages docs/deploy.md names, on its documented port.
 PROMETHEUS_PAGE = re.compile(r"http://127\.0\.0\.1:9090/classic/\w+")
@@ -298,6 +312,9 @@ def test_the_doc_runner_holds_commands_to_what_the_page_shows(tmp_path: Path) ->
     assert matches("node 5f0c2a9e41b7 lag 41.2 s\n", "node 9d630b9f04a4 lag 0.3 s\n")
     assert not matches("peer eu reachable\n", "peer eu UNREACHABLE\n")
     assert not matches("one\ntwo\n", "one\n")
+    # Which member of us decides varies; what it says does not.
+    assert matches("member us-a: decider us-b (term 12)\n", "member us-c: decider us-a (term 3)\n")
+    assert not matches("member us-a: decider us-b\n", "member us-a: decides for region us\n")
     doc = tmp_path / "doc.md"
     doc.write_text(
         "<!-- executed: demo/right -->\n```console\n$ printf 'a   b 12\\nc\\n'\na b 7\n"
@@ -318,13 +335,66 @@ def test_the_doc_runner_holds_commands_to_what_the_page_shows(tmp_path: Path) ->
 
 
 def region_containers(project: str) -> dict[str, str]:
-    """Each region's running container, by the compose project's labels."""
+    """Each node's and each etcd's running container, by the compose project's labels."""
     return {
-        region: run(["docker", "ps", "--quiet", "--no-trunc",
-                     "--filter", f"label=com.docker.compose.project={project}",
-                     "--filter", f"label=com.docker.compose.service={region}"]).stdout.strip()
-        for region in REGIONS
+        name: run(["docker", "ps", "--quiet", "--no-trunc",
+                   "--filter", f"label=com.docker.compose.project={project}",
+                   "--filter", f"label=com.docker.compose.service={name}"]).stdout.strip()
+        for name in (*NODES, *ETCDS)
     }  # fmt: skip
+
+
+@dataclass
+class Failover:
+    """What the failover steps of docs/deploy.md are checked against: the decider they
+    kill, and a claim held across the kill."""
+
+    decider: str = ""
+    term: int = 0
+    key: str = "repo/deploy-test/mem/failover/held"
+    token: int = 0
+
+
+async def us_decider(ports: dict[str, int], root: Path) -> tuple[str, int]:
+    """The member of us that its answering members name as decider, and its term
+    ("" while they name none, or differ)."""
+    named = set()
+    for member in MEMBERS:
+        try:
+            async with AsyncClient(f"127.0.0.1:{ports[member]}", timeout=3.0, retries=0,
+                                   credentials=operator(root)) as client:  # fmt: skip
+                info = await client.info()
+        except FencemarkError:
+            continue
+        named.add((info.decider.member, info.decider.term) if info.decider else ("", 0))
+    return named.pop() if len(named) == 1 else ("", 0)
+
+
+async def hold_a_claim(ports: dict[str, int], root: Path, held: Failover) -> None:
+    """An item of us claimed at a member that may not decide (the client follows)."""
+    async with AsyncClient(f"127.0.0.1:{ports['us-a']}", timeout=5.0,
+                           credentials=operator(root)) as client:  # fmt: skip
+        await client.remember("deploy-test", "failover", "held", title="held across",
+                              tags=["homeRegion:us"])  # fmt: skip
+        grant = await client.claim(held.key, "holder", lease_seconds=600)
+        assert grant.granted, grant
+        held.token = grant.fencing_token
+
+
+async def claim_survived(ports: dict[str, int], root: Path, held: Failover) -> None:
+    """After the decider's kill: the claim is the live one with its token at the new
+    decider, the token still writes and renews, a rival is refused."""
+    survivor = next(m for m in MEMBERS if m != held.decider)
+    async with AsyncClient(f"127.0.0.1:{ports[survivor]}", timeout=5.0,
+                           credentials=operator(root)) as client:  # fmt: skip
+        status = await client.claim_status(held.key)
+        assert status.claim is not None and status.claim.fencing_token == held.token, status
+        renewed = await client.renew_claim(held.key, held.token, lease_seconds=600)
+        assert renewed.renewed, renewed
+        await client.update(held.key, fields={"body": "after the failover"},
+                            fencing_token=held.token)  # fmt: skip
+        rival = await client.claim(held.key, "rival", lease_seconds=60)
+        assert not rival.granted and rival.reason == "contended", rival
 
 
 @pytest.mark.docker
@@ -339,8 +409,10 @@ def test_deploy_md_compose_steps_run_as_written(
     site.env["COMPOSE_PROJECT_NAME"] = project  # the stack's name: deploy_ in the page
     site.substitute.text["deploy_"] = f"{project}_"
     site.substitute.text["fencemark:0.2.0"] = site.images["FENCEMARK_IMAGE"]  # the "new" image
-    ports = {r: site.ports[f"FENCEMARK_{r.upper()}_PORT"] for r in REGIONS}
-    metrics_ports = {r: site.ports[f"FENCEMARK_{r.upper()}_METRICS_PORT"] for r in REGIONS}
+    ports = {n: site.ports[port_variable(n)] for n in NODES}
+    metrics_ports = {n: site.ports[port_variable(n, "METRICS")] for n in NODES}
+    # One node of each region to write at: us's first member (it may not decide).
+    writers = {"us": ports["us-a"], "eu": ports["eu"], "ap": ports["ap"]}
     prometheus = Prometheus(f"http://127.0.0.1:{site.ports['FENCEMARK_PROMETHEUS_PORT']}")
     label = f"label=com.docker.compose.project={project}"
     steps = steps_of(DEPLOY_DOCS)
@@ -354,13 +426,13 @@ def test_deploy_md_compose_steps_run_as_written(
         assert not run(["docker", "network", "ls", "--quiet", "--filter", label]).stdout.strip()
 
     def converged_everywhere() -> None:
-        asyncio.run(write_one_record_per_region(ports, site.data))
+        asyncio.run(write_one_record_per_region(writers, site.data))
         seen: dict[str, dict[str, bytes]] = {}
 
         def converged() -> bool:
-            for region, port in ports.items():
-                seen[region] = asyncio.run(record_digests(f"127.0.0.1:{port}", site.data))
-            first = seen[REGIONS[0]]
+            for node, port in ports.items():
+                seen[node] = asyncio.run(record_digests(f"127.0.0.1:{port}", site.data))
+            first = seen[NODES[0]]
             return len(first) == 1 + len(REGIONS) and all(s == first for s in seen.values())
 
         try:
@@ -368,12 +440,11 @@ def test_deploy_md_compose_steps_run_as_written(
         except AssertionError as exc:
             shown = {r: {k: d.hex()[:12] for k, d in s.items()} for r, s in seen.items()}
             raise AssertionError(f"{exc}; last seen: {shown}") from None
-        for region, port in metrics_ports.items():
+        for node, port in metrics_ports.items():
             metrics = scrape(f"http://127.0.0.1:{port}/metrics")
-            assert metrics["fencemark_records"] == 1 + len(REGIONS), region
-            for peer in REGIONS:
-                if peer != region:
-                    assert metrics[f'fencemark_replication_reachable{{peer="{peer}"}}'] == 1
+            assert metrics["fencemark_records"] == 1 + len(REGIONS), node
+            for peer in peers_of(node):
+                assert metrics[f'fencemark_replication_reachable{{peer="{peer}"}}'] == 1, node
 
     def remember_regions() -> None:
         regions.update(region_containers(project))
@@ -402,8 +473,8 @@ def test_deploy_md_compose_steps_run_as_written(
         assert code == 0, output
 
         async def unreachable_everywhere() -> bool:
-            for region in ("us", "eu"):
-                async with AsyncClient(f"127.0.0.1:{ports[region]}", timeout=5.0,
+            for node in ("us-a", "eu"):
+                async with AsyncClient(f"127.0.0.1:{ports[node]}", timeout=5.0,
                                        credentials=operator(site.data)) as client:  # fmt: skip
                     peers = {p.region: p for p in (await client.info()).peers}
                     if peers["ap"].reachable or not peers["ap"].last_error:
@@ -413,8 +484,35 @@ def test_deploy_md_compose_steps_run_as_written(
         wait_until("us and eu seeing ap unreachable", CONVERGE_LIMIT_S,
                    lambda: asyncio.run(unreachable_everywhere()))  # fmt: skip
 
+    held = Failover()
+
+    def before_the_kill() -> None:
+        held.decider, held.term = asyncio.run(us_decider(ports, site.data))
+        assert held.decider in MEMBERS, "us's members name no one decider"
+        asyncio.run(hold_a_claim(ports, site.data, held))
+
+    def after_the_kill() -> None:
+        service = f"label=com.docker.compose.service={held.decider}"
+        killed = run(["docker", "ps", "--all", "--quiet", "--filter", label,
+                      "--filter", service]).stdout.strip()  # fmt: skip
+        state = inspect("container", killed)["State"]
+        assert isinstance(state, dict) and state["ExitCode"] == 137, state  # kill -9
+        decider, term = asyncio.run(us_decider(ports, site.data))
+        assert decider in MEMBERS and decider != held.decider and term > held.term
+        asyncio.run(claim_survived(ports, site.data, held))
+
+    def rejoined() -> None:
+        def names_the_decider() -> bool:
+            decider, _ = asyncio.run(us_decider(ports, site.data))
+            return decider not in ("", held.decider)
+
+        wait_until("the killed member back, naming the new decider", CONVERGE_LIMIT_S,
+                   names_the_decider)  # fmt: skip
+
     after.update({"refused": nothing_made, "no-directories": nothing_made,
-                  "walkthrough": converged_everywhere})  # fmt: skip
+                  "walkthrough": converged_everywhere, "failover": after_the_kill,
+                  "rejoin": rejoined})  # fmt: skip
+    before["failover"] = before_the_kill
     before.update({"prometheus-on": remember_regions, "prometheus-api": prometheus_works,
                    "status-with-a-region-down": ap_stopped})  # fmt: skip
     after.update({"prometheus-on": regions_unchanged, "prometheus-off": prometheus_gone,
@@ -446,5 +544,5 @@ def test_env_example_is_a_working_configuration(compose: list[str], tmp_path: Pa
          "config"],
         env=clean_env(),
     )  # fmt: skip
-    for region in REGIONS:
-        assert f"/srv/fencemark/{region}" in done.stdout
+    for name in (*NODES, *ETCDS, "certs"):
+        assert f"/srv/fencemark/{name}" in done.stdout

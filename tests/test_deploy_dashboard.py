@@ -28,7 +28,15 @@ from playwright.async_api import Error, Locator, Page, async_playwright, expect
 
 from fencemark.client import AsyncClient, ClaimConflict, tls_credentials
 from tests import components
-from tests.compose import DATA_VARIABLE, REGIONS, Stack, dashboard_ports, data_root, published_ports
+from tests.compose import (
+    DATA_VARIABLE,
+    MEMBERS,
+    Stack,
+    dashboard_ports,
+    data_root,
+    published_ports,
+    region_of,
+)
 from tests.dockerenv import BUILD_LIMIT_S, wait_until
 
 REPO = "stack"
@@ -73,7 +81,8 @@ def cell(page: Page, status: str) -> Locator:
 
 
 async def the_operators_browser(api: int, dashboard: int, certs: Path, shot: Path) -> None:
-    """Region us's dashboard in chromium, with and without the operator's .p12 file."""
+    """Member us-a's dashboard in chromium, with and without the operator's .p12 file
+    (its claims reach us's decider, whichever member that is: the client follows)."""
     origin = f"https://127.0.0.1:{dashboard}"
     async with client(api, certs) as c, async_playwright() as playwright:
         key, token = await fill_backlog(c)
@@ -96,14 +105,18 @@ async def the_operators_browser(api: int, dashboard: int, certs: Path, shot: Pat
             assert answer is not None and answer.status == 200, await page.content()
             await expect(page.locator("#connection")).to_have_text("live")
             await expect(page.locator("#region")).to_contain_text("us")
+            # Member us-a names itself, and the decider when it is not that.
+            await expect(page.locator("#summary")).to_contain_text("member us-a: ")
             for status, count in (("open", "2"), ("claimed", "1"), ("done", "1")):
                 await expect(cell(page, status)).to_have_text(count)
             row = page.locator(f'#claims tr[data-key="{key}"]')
             await expect(row.locator("td.owner")).to_have_text("rollout-us")
             await expect(row.locator("td.token")).to_have_text(str(token))  # the operator's
-            peers = page.locator("#peers tbody tr")
-            await expect(peers).to_have_count(len(REGIONS) - 1)
-            assert sorted(await peers.locator("td:first-child").all_inner_texts()) == ["ap", "eu"]
+            peers = page.locator("#peers tbody tr")  # the other regions, its fellow members
+            fellows = [f"us/{m}" for m in MEMBERS if m != "us-a"]
+            await expect(peers).to_have_count(2 + len(fellows))
+            named = sorted(await peers.locator("td:first-child").all_inner_texts())
+            assert named == ["ap", "eu", *fellows]
             # Live, without a reload: a new item, and a write refused under the claim.
             await c.remember(REPO, "deploys", "sa-rollout", title="new", tags=["homeRegion:us"])
             await expect(cell(page, "open")).to_have_text("3")
@@ -148,23 +161,24 @@ def test_the_stack_serves_its_dashboards_to_the_operators_browser_only(
     stack = Stack(compose, tmp_path, {**settings, **port_settings, **user})
     try:
         stack("up", "--detach")
-        for region, port in dashboards.items():
-            published = stack("port", region, "8400").stdout.strip()
-            assert published == f"127.0.0.1:{port}", f"{region}'s dashboard is on {published}"
-        wait_until(
-            "every region deciding claims",
-            READY_LIMIT_S,
-            lambda: all(asyncio.run(deciding(p, certs)) for p in ports.values()),
-        )
+        for node, port in dashboards.items():
+            published = stack("port", node, "8400").stdout.strip()
+            assert published == f"127.0.0.1:{port}", f"{node}'s dashboard is on {published}"
+
+        def every_region_deciding() -> bool:  # us: one of its members, its decider
+            deciding_nodes = {n for n, p in ports.items() if asyncio.run(deciding(p, certs))}
+            return {region_of(n) for n in deciding_nodes} == {"us", "eu", "ap"}
+
+        wait_until("every region deciding claims", READY_LIMIT_S, every_region_deciding)
         # As docs/deploy.md has the operator do it, the password from a file here.
         (certs / "operator.password").write_text(PASSWORD + "\n")
         password = f"{TLS_DIR}/operator.password"
         stack("run", "--rm", "-T", "certs", "certs", "p12", "--dir", TLS_DIR,
               "--client", "operator", "--password-file", password)  # fmt: skip
-        for region, port in dashboards.items():
-            assert snapshot(port, certs)["region"] == region
+        for node, port in dashboards.items():
+            assert snapshot(port, certs)["region"] == region_of(node)
         shot = tmp_path / "deploy-dashboard.png"
-        asyncio.run(the_operators_browser(ports["us"], dashboards["us"], certs, shot))
+        asyncio.run(the_operators_browser(ports["us-a"], dashboards["us-a"], certs, shot))
         if target := os.environ.get(SHOT_VARIABLE):
             shutil.copyfile(shot, target)
     except BaseException:

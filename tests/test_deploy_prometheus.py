@@ -19,11 +19,20 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.compose import COMPOSE_FILE, DATA_VARIABLE, PROMETHEUS_FILE, REGIONS, clean_env
+from tests.compose import (
+    COMPOSE_FILE,
+    DATA_VARIABLE,
+    MEMBERS,
+    NODES,
+    PROMETHEUS_FILE,
+    REGIONS,
+    clean_env,
+    region_of,
+)
 from tests.dockerenv import DEPLOY, run, wait_until
 
 RULES = DEPLOY / "prometheus" / "alerts.yml"
-NODE_TARGETS = {f"{region}:9400" for region in REGIONS}
+NODE_TARGETS = {f"{node}:9400" for node in NODES}
 # Up, a first scrape (every 10 s), a first round of the rules (every 10 s), with room.
 READY_LIMIT_S = 120.0
 
@@ -106,22 +115,38 @@ def check_targets(prometheus: Prometheus) -> None:
     )
 
 
+def peers_of(node: str) -> set[str]:
+    """The peers ``node`` replicates with, as its metrics name them: the other regions,
+    and a member's fellow members (``us/us-b``)."""
+    region = region_of(node)
+    fellows = {f"{region}/{m}" for m in MEMBERS if m != node} if node in MEMBERS else set()
+    return {r for r in REGIONS if r != region} | fellows
+
+
 def check_what_the_nodes_report(prometheus: Prometheus) -> None:
     """Each node's own metrics, as Prometheus stored them: which region answers at each
-    target, and that every node reaches both its peers."""
+    target, that every node reaches each of its peers, and that us's three members
+    name one decider."""
     info = prometheus.query("fencemark_node_info")
     assert {instance: labels["region"] for instance, (labels, _) in info.items()} == {
-        f"{region}:9400": region for region in REGIONS
+        f"{node}:9400": region_of(node) for node in NODES
     }
-    pairs = {f"{region}:9400/{peer}" for region in REGIONS for peer in REGIONS if peer != region}
+    pairs = {f"{node}:9400/{peer}" for node in NODES for peer in peers_of(node)}
 
     def all_reachable() -> bool:
         reachable = prometheus.query("fencemark_replication_reachable")
         return set(reachable) == pairs and all(value == 1 for _, value in reachable.values())
 
-    wait_until("every node reaching both peers, as scraped", READY_LIMIT_S, all_reachable)
+    wait_until("every node reaching each of its peers, as scraped", READY_LIMIT_S, all_reachable)
     serving = prometheus.query("fencemark_claims_serving")
     assert set(serving) == NODE_TARGETS
+
+    def one_decider() -> bool:
+        named = prometheus.query("fencemark_region_decider")
+        deciders = {labels.get("decider") for labels, value in named.values() if value == 1}
+        return set(named) == {f"{m}:9400" for m in MEMBERS} and len(deciders) == 1
+
+    wait_until("us's three members naming one decider, as scraped", READY_LIMIT_S, one_decider)
 
 
 def check_rules(prometheus: Prometheus) -> None:

@@ -2,13 +2,15 @@
 
 The steps (tests/docrun.py runs them) label the machines, see ``docker stack
 deploy`` refused without the settings, deploy deploy/docker-compose.yml with
-docker-stack.yml and docker-compose.prometheus.yml from the air-gapped images, roll
-one region with ``docker service update`` and remove the stack. This engine is the
+docker-stack.yml and docker-compose.prometheus.yml from the air-gapped images (region
+us as three members with its etcd of three), roll one member of us with ``docker
+service update`` and remove the stack. This engine is the
 swarm (``docker swarm init`` when it is in none, ``swarm leave`` after) and its one
 node is every machine the page names. Between the steps, through every region: create,
 claim and write under the claim; after the roll, nothing acknowledged is lost, the
 claim made before it is still the live one (its token still writes, a rival is
-refused), every region holds the same records, and Prometheus scrapes all three. The
+refused), us's members name one decider, every node holds the same records, and
+Prometheus scrapes all five. The
 stack, the labels and what a swarm made are removed whatever happened.
 """
 
@@ -23,16 +25,20 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.client import AsyncClient, tls_credentials
-from tests.compose import REGIONS
+from fencemark.client import AsyncClient, FencemarkError, tls_credentials
+from tests.compose import ETCDS, MEMBERS, NODES, REGIONS, port_variable
 from tests.dockerenv import BUILD_LIMIT_S, run, wait_until
 from tests.docrun import DEPLOY_DOCS, Hook, OperatorSite, Shell, run_steps, steps_of
 from tests.test_deploy_prometheus import NODE_TARGETS
 
-LABELS = [f"fencemark.region.{region}" for region in REGIONS]
+LABELS = [*(f"fencemark.member.{m}" for m in MEMBERS), "fencemark.region.eu", "fencemark.region.ap"]
 SWARM_STEPS = ("settings", "directories", "label", "refused", "deploy", "roll", "remove")
-# The machines docs/deploy.md names, each region's with the port it publishes there.
-MACHINES = {"us": ("machine-us", 7400), "eu": ("machine-eu", 7401), "ap": ("machine-ap", 7402)}
+# The machines docs/deploy.md names, each node's with the port it publishes there.
+MACHINES = {
+    "us-a": ("machine-us-a", 7400), "us-b": ("machine-us-b", 7403),
+    "us-c": ("machine-us-c", 7404), "eu": ("machine-eu", 7401), "ap": ("machine-ap", 7402),
+}  # fmt: skip
+ROLLED = "us-a"  # the member docs/deploy.md rolls
 READY_LIMIT_S = 180.0
 REMOVAL_LIMIT_S = 180.0  # docker stack rm, until its containers and network are gone
 LEASE_S = 600.0  # outlives the update: the claim must still be live after it
@@ -182,6 +188,19 @@ async def still_held(
             assert status.claim is not None and status.claim.fencing_token == token, status
 
 
+async def one_decider(ports: dict[str, int], root: Path) -> bool:
+    """Whether every member of us answers, naming the same decider."""
+    named = set()
+    for member in MEMBERS:
+        try:
+            async with client(ports[member], root) as c:
+                info = await c.info()
+        except FencemarkError:
+            return False
+        named.add(info.decider.member if info.decider else "")
+    return len(named) == 1 and "" not in named
+
+
 async def digests(port: int, root: Path) -> dict[str, bytes]:
     async with client(port, root) as c:
         return {r.key: r.digest async for r in c.iter_records(REPO, include_deleted=True)}
@@ -192,14 +211,15 @@ async def digests(port: int, root: Path) -> dict[str, bytes]:
 def test_deploy_md_swarm_steps_run_as_written(swarm_node: str, operator_site: OperatorSite) -> None:
     site = operator_site
     stack = SwarmStack(f"fmdoc{uuid.uuid4().hex[:8]}")
-    ports = {r: site.ports[f"FENCEMARK_{r.upper()}_PORT"] for r in REGIONS}
+    ports = {n: site.ports[port_variable(n)] for n in NODES}
+    writers = {"us": ports["us-a"], "eu": ports["eu"], "ap": ports["ap"]}  # a node a region
     # Every machine the page names is this node; the stack's name is the test's own.
-    for region, (machine, port) in MACHINES.items():
-        site.substitute.text[f"{machine}:{port}"] = f"127.0.0.1:{ports[region]}"
+    for node, (machine, port) in MACHINES.items():
+        site.substitute.text[f"{machine}:{port}"] = f"127.0.0.1:{ports[node]}"
         site.substitute.text[machine] = swarm_node
     for command in ("stack services", "stack rm", "docker-stack.yml", "prometheus.yml"):
         site.substitute.text[f"{command} fencemark"] = f"{command} {stack.name}"
-    site.substitute.text["fencemark_us"] = stack.service("us")
+    site.substitute.text[f"fencemark_{ROLLED}"] = stack.service(ROLLED)
     steps = steps_of(DEPLOY_DOCS)
     shell = Shell(site.root, site.env, site.root.parent / "transcript")
     claimed: dict[str, tuple[str, int]] = {}
@@ -209,34 +229,36 @@ def test_deploy_md_swarm_steps_run_as_written(swarm_node: str, operator_site: Op
         assert not stack.created()
 
     def work() -> None:
-        for region in REGIONS:  # each region's data is its own directory, on its machine
-            assert (site.data / region / "fencemark.sqlite3").exists(), region
-        wait_until("every region's task running and healthy", READY_LIMIT_S,
-                   lambda: all(stack.healthy(r) for r in REGIONS))  # fmt: skip
-        claimed.update(asyncio.run(work_in_every_region(ports, site.data)))
+        for name in (*NODES, *ETCDS):  # each one's data is its own directory, on its machine
+            assert any((site.data / name).iterdir()), name
+        wait_until("every node's task running and healthy", READY_LIMIT_S,
+                   lambda: all(stack.healthy(n) for n in NODES))  # fmt: skip
+        claimed.update(asyncio.run(work_in_every_region(writers, site.data)))
 
     def remember_task() -> None:
-        task = stack.running_task("us")
+        task = stack.running_task(ROLLED)
         assert task is not None
         before_roll.append(task[0])
 
     def rolled_without_losing_claims() -> None:
         update = json.loads(docker("service", "inspect", "--format", "{{json .UpdateStatus}}",
-                                   stack.service("us")))  # fmt: skip
+                                   stack.service(ROLLED)))  # fmt: skip
         assert update["State"] == "completed", update
-        wait_until("us healthy again", READY_LIMIT_S, lambda: stack.healthy("us"))
-        after = stack.running_task("us")
+        wait_until(f"{ROLLED} healthy again", READY_LIMIT_S, lambda: stack.healthy(ROLLED))
+        after = stack.running_task(ROLLED)
         assert after is not None and after[0] not in before_roll, "the update made no new task"
-        asyncio.run(still_held(ports, site.data, claimed))
+        wait_until("us's members naming one decider", READY_LIMIT_S,
+                   lambda: asyncio.run(one_decider(ports, site.data)))  # fmt: skip
+        asyncio.run(still_held(writers, site.data, claimed))
         seen: dict[str, dict[str, bytes]] = {}
 
         def converged() -> bool:
-            for region, port in ports.items():
-                seen[region] = asyncio.run(digests(port, site.data))
-            first = seen[REGIONS[0]]
+            for node, port in ports.items():
+                seen[node] = asyncio.run(digests(port, site.data))
+            first = seen[NODES[0]]
             return len(first) == len(REGIONS) and all(s == first for s in seen.values())
 
-        wait_until("every region holding the same records", 60.0, converged)
+        wait_until("every node holding the same records", 60.0, converged)
         wait_until("Prometheus scraping every node", READY_LIMIT_S, stack.prometheus_sees_all)
 
     before: dict[str, Hook] = {"roll": remember_task}
@@ -250,14 +272,14 @@ def test_deploy_md_swarm_steps_run_as_written(swarm_node: str, operator_site: Op
         run_steps(shell, [steps[f"swarm/{s}"] for s in SWARM_STEPS], site.substitute,
                   before, after)  # fmt: skip
     except BaseException:
-        for region in REGIONS:
-            logs = run(["docker", "service", "logs", "--tail", "30", stack.service(region)],
+        for name in (*NODES, *ETCDS, "etcd-access"):
+            logs = run(["docker", "service", "logs", "--tail", "30", stack.service(name)],
                        check=False, limit_s=30.0)  # fmt: skip
-            print(f"== {region}\n{logs.stdout}{logs.stderr}")
+            print(f"== {name}\n{logs.stdout}{logs.stderr}")
         print(docker("stack", "ps", "--no-trunc", stack.name, check=False))
         print(f"every command's output: {shell.transcript}")
         raise
     finally:
         shell.close()
         stack.remove()
-        assert os.path.isdir(site.data / "us")  # the data outlives the stack, as it should
+        assert os.path.isdir(site.data / "us-a")  # the data outlives the stack, as it should
