@@ -6,7 +6,10 @@ region's configured members (``coordination.registry``) hold it durably: this
 member, if it is one of them, and fellow members whose ``Push`` of it returned (a
 ``Push`` returns once the receiver's commit is on disk). It is one round per group
 commit (``Storage.acknowledge``): every write of the commit in one ``Push`` to each
-fellow member, all at once, answered as soon as enough have returned.
+fellow member, all at once, answered as soon as enough have returned. The pushes
+still under way then are left to finish (at most ``MAX_TRAILING`` per member): the
+states are on their way to that member, so the eager push does not send them again
+(``Replicator.held_by``); were the push to fail, anti-entropy still carries them.
 
 A write that does not reach a majority within ``timeout_s`` is refused to its caller
 ``NoMajority`` (UNAVAILABLE): it is durable here, and replication still carries it
@@ -18,10 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.rules import quorum
 from fencemark.node.rules.errors import NoMajority
+
+# Pushes to one member left running after their majority answered; past this (a member
+# far behind, or cut off), the next one is cancelled instead and the eager push and
+# anti-entropy carry its states, as for a member that refused them.
+MAX_TRAILING = 64
 
 
 class Majority:
@@ -30,6 +39,7 @@ class Majority:
         self.region = replicator.replica.region
         self.member = replicator.member
         self.timeout_s = timeout_s
+        self._trailing: dict[str, set[asyncio.Task[str]]] = {}  # by member
 
     async def acknowledge(self, keys: list[str], states: list[bytes]) -> None:
         """Return once a majority of the region's members hold ``states`` (of
@@ -53,20 +63,43 @@ class Majority:
             self.replicator.held_by(name, keys)
             return name
 
-        pushes = [asyncio.create_task(push_to(name)) for name in fellows]
+        pushes = {name: asyncio.create_task(push_to(name)) for name in fellows}
         why = f"no majority within {self.timeout_s:g} s"
         try:
             async with asyncio.timeout(self.timeout_s):
-                for answer in asyncio.as_completed(pushes):
+                for answer in asyncio.as_completed(pushes.values()):
                     with contextlib.suppress(Exception):  # unreachable, refused: not acked
                         holders.add(await answer)
                     if quorum.acknowledged(names, holders):
+                        self._let_finish(pushes, keys)
                         return
             why = "too few members answered"
         except TimeoutError:
             pass
         finally:
-            for push in pushes:
-                push.cancel()
+            for push in pushes.values():
+                push.cancel()  # those left to finish are no longer here
         acked = len(holders & set(names))
         raise NoMajority(self.region, acked, quorum.majority(len(names)), len(names), why)
+
+    def _let_finish(self, pushes: dict[str, asyncio.Task[str]], keys: list[str]) -> None:
+        """Leave the pushes still under way to finish, out of ``pushes``: the member
+        receives them anyway, and a second send of the same states by the eager push
+        would cost it a decode and a merge of each for nothing."""
+        for name, push in list(pushes.items()):
+            trailing = self._trailing.setdefault(name, set())
+            if push.done() or len(trailing) >= MAX_TRAILING:
+                continue
+            del pushes[name]
+            trailing.add(push)
+            push.add_done_callback(_forget(trailing))
+            self.replicator.held_by(name, keys)
+
+
+def _forget(trailing: set[asyncio.Task[str]]) -> Callable[[asyncio.Task[str]], None]:
+    def done(push: asyncio.Task[str]) -> None:
+        trailing.discard(push)
+        if not push.cancelled():
+            push.exception()  # retrieved: a failed push is anti-entropy's to repair
+
+    return done
