@@ -339,8 +339,8 @@ async def test_a_write_reaches_each_fellow_member_once_not_by_both_pushes(
     push that follows its commit skips a member that acknowledged it, so each state
     travels once per member (twice would be every write's traffic doubled). The push
     to the member that answered after the majority is left to finish, not cancelled:
-    cancelled, the receiver's handler was cut short and the state reached it only by
-    a later round."""
+    cancelled, the receiver's handler was cut short after its merge, uncounted, and
+    the eager push sent the same states again."""
     us_a = members[0]
     await paired(members)
     await wait_converged(members)
