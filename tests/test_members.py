@@ -179,6 +179,77 @@ async def test_the_next_decider_grants_above_every_token_an_earlier_term_can_hav
     assert again.fencing_token >= token_ceiling(pack(stopped_ms + 2 * OFFSET_MS))
 
 
+async def test_every_member_keeps_the_claim_history_its_decider_decided(
+    members: list[NodeServer],
+) -> None:
+    """The decider's claim events go with their states in the majority push, and
+    each fellow member keeps them: Records.History answers alike at every member, and
+    a successor's history goes on from its predecessor's."""
+    first = await one_decides(members)
+    await paired(members)
+    others = [n for n in members if n is not first]
+    async with AsyncClient(first.address, retries=0) as client:
+        key = (await client.remember(REPO, TOPIC, "told", tags=["homeRegion:us"])).record.key
+        held = await client.claim(key, "worker-a", lease_seconds=30)
+        assert (await client.renew_claim(key, held.fencing_token, lease_seconds=30)).renewed
+        assert (await client.release_claim(key, held.fencing_token, outcome="done")).released
+        decided = (await client.history(key)).events
+    assert [(e.kind, e.fencing_token) for e in decided] == [
+        ("granted", held.fencing_token), ("renewed", held.fencing_token),
+        ("released", held.fencing_token),
+    ]  # fmt: skip
+
+    for node in others:  # the one the majority did not wait for may be a moment late
+
+        async def told(at: str = node.address) -> bool:
+            async with AsyncClient(at, retries=0) as client:
+                return (await client.history(key)).events == decided
+
+        await eventually(told, f"{node.address} keeping the history")
+    await stop_within(first)
+    second = await one_decides(others, within=3 * TTL_S)
+    async with AsyncClient(second.address, retries=0) as client:
+        again = await client.claim(key, "worker-b", lease_seconds=30)
+        assert again.granted
+        events = (await client.history(key)).events
+    assert events[:3] == decided
+    assert [(e.kind, e.fencing_token) for e in events[3:]] == [("granted", again.fencing_token)]
+
+
+async def test_a_fellow_members_push_with_malformed_events_is_refused_naming_the_field(
+    members: list[NodeServer],
+) -> None:
+    """Claim events ride on a fellow member's push; one that names no state of the
+    push, an unknown kind, or too many for one state refuses the whole push
+    (INVALID_ARGUMENT naming the field) and merges nothing."""
+    us_b = members[1]
+    new = Record(f"repo/{REPO}/mem/{TOPIC}/told-wrong").create(
+        "us", Stamp(0, pack(wall_clock_ms()), "probe")
+    )
+    origin = replication_pb2.Origin(
+        region="us", member="us-a", node_id="probe", hlc=pack(wall_clock_ms())
+    )
+    event = replication_pb2.DecidedEvent
+
+    def push(*events: replication_pb2.DecidedEvent) -> replication_pb2.PushRequest:
+        return replication_pb2.PushRequest(origin=origin, states=[codec.encode(new)],
+                                           events=events)  # fmt: skip
+
+    bad = [
+        (push(event(state=1, kind="granted")), "events[0].state"),
+        (push(event(state=0, kind="granted"), event(state=0, kind="stolen")), "events[1].kind"),
+        (push(*[event(state=0, kind="renewed")] * 17), "events[16]"),
+    ]
+    async with grpc.aio.insecure_channel(us_b.address) as channel:
+        stub = replication_pb2_grpc.ReplicationStub(channel)
+        for request, field in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Push(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert field in (refused.value.details() or ""), (field, refused.value.details())
+    assert await us_b.storage.get(new.key) is None
+
+
 async def test_while_etcd_is_away_nobody_decides_reads_go_on_and_a_decider_is_back_after(
     members: list[NodeServer], etcd: tuple[EtcdServer, Path]
 ) -> None:

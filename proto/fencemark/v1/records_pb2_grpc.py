@@ -127,9 +127,10 @@ class RecordsServicer:
         """History lists the record's recent claim events, oldest first: grants,
         renewals, releases with their outcome, lapses, force-releases and reopens,
         each with when, which token and whom (the newest 64). They are kept by the
-        node that decided them, the record's home: ask it (a client given
-        `regions` does); any other node answers with what it decided itself
-        (normally nothing) and names the home.
+        node that decided them, the record's home, and in a region of several members
+        by every member (the decider sends them with the states): ask the home (a
+        client given `regions` does); any other node answers with what it decided
+        itself (normally nothing) and names the home.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

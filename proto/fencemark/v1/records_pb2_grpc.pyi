@@ -87,9 +87,10 @@ class RecordsStub:
     """History lists the record's recent claim events, oldest first: grants,
     renewals, releases with their outcome, lapses, force-releases and reopens,
     each with when, which token and whom (the newest 64). They are kept by the
-    node that decided them, the record's home: ask it (a client given
-    `regions` does); any other node answers with what it decided itself
-    (normally nothing) and names the home.
+    node that decided them, the record's home, and in a region of several members
+    by every member (the decider sends them with the states): ask the home (a
+    client given `regions` does); any other node answers with what it decided
+    itself (normally nothing) and names the home.
     """
     Watch: _grpc.UnaryStreamMultiCallable[_records_pb2.WatchRequest, _records_pb2.WatchEvent]
     """Watch streams every change this node's replica commits to the records of
@@ -145,9 +146,10 @@ class RecordsAsyncStub(RecordsStub):
     """History lists the record's recent claim events, oldest first: grants,
     renewals, releases with their outcome, lapses, force-releases and reopens,
     each with when, which token and whom (the newest 64). They are kept by the
-    node that decided them, the record's home: ask it (a client given
-    `regions` does); any other node answers with what it decided itself
-    (normally nothing) and names the home.
+    node that decided them, the record's home, and in a region of several members
+    by every member (the decider sends them with the states): ask the home (a
+    client given `regions` does); any other node answers with what it decided
+    itself (normally nothing) and names the home.
     """
     Watch: _aio.UnaryStreamMultiCallable[_records_pb2.WatchRequest, _records_pb2.WatchEvent]  # type: ignore[assignment]
     """Watch streams every change this node's replica commits to the records of
@@ -236,9 +238,10 @@ class RecordsServicer(metaclass=_abc_1.ABCMeta):
         """History lists the record's recent claim events, oldest first: grants,
         renewals, releases with their outcome, lapses, force-releases and reopens,
         each with when, which token and whom (the newest 64). They are kept by the
-        node that decided them, the record's home: ask it (a client given
-        `regions` does); any other node answers with what it decided itself
-        (normally nothing) and names the home.
+        node that decided them, the record's home, and in a region of several members
+        by every member (the decider sends them with the states): ask the home (a
+        client given `regions` does); any other node answers with what it decided
+        itself (normally nothing) and names the home.
         """
 
     @_abc_1.abstractmethod

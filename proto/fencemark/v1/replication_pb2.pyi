@@ -99,6 +99,7 @@ class PushRequest(_message.Message):
 
     ORIGIN_FIELD_NUMBER: _builtins.int
     STATES_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def origin(self) -> Global___Origin: ...
     @_builtins.property
@@ -107,19 +108,72 @@ class PushRequest(_message.Message):
         6 MiB (a single larger state travels alone).
         """
 
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecidedEvent]:
+        """The claim events the sender decided with these states (`Records.History`),
+        sent by a member to its fellow members in the push that acknowledges them; a
+        fellow member keeps each with the state it came with, when that state changes
+        its record. Any other receiver ignores them. At most 16 events per state.
+        """
+
     def __init__(
         self,
         *,
         origin: Global___Origin | None = ...,
         states: _abc.Iterable[_builtins.bytes] | None = ...,
+        events: _abc.Iterable[Global___DecidedEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin", "states", b"states"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "origin", b"origin", "states", b"states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
+
+@_typing.final
+class DecidedEvent(_message.Message):
+    """A claim event (records.proto's `ClaimEvent`) as its decider recorded it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    AT_MS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    state: _builtins.int
+    """The index in `states` of the state whose commit decided it."""
+    at_ms: _builtins.int
+    """The decider's wall clock, UTC milliseconds."""
+    kind: _builtins.str
+    fencing_token: _builtins.int
+    owner: _builtins.str
+    identity: _builtins.str
+    detail: _builtins.str
+    actor: _builtins.str
+    def __init__(
+        self,
+        *,
+        state: _builtins.int = ...,
+        at_ms: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        fencing_token: _builtins.int = ...,
+        owner: _builtins.str = ...,
+        identity: _builtins.str = ...,
+        detail: _builtins.str = ...,
+        actor: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "at_ms", b"at_ms", "detail", b"detail", "fencing_token", b"fencing_token", "identity", b"identity", "kind", b"kind", "owner", b"owner", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecidedEvent: _TypeAlias = DecidedEvent  # noqa: Y015
 
 @_typing.final
 class PushResponse(_message.Message):

@@ -25,6 +25,7 @@ from fencemark.node.replication.intake import (
     MAX_TREE_PARENTS,
     check_clock,
     decode_states,
+    learnt_events,
     merge_all,
     too_large,
 )
@@ -194,10 +195,15 @@ class ReplicationService:
             raise InvalidInput.field("states", f"at most {MAX_STATES} states per push")
         states = list(request.states)
         records = decode_states(states)
+        # A fellow member's decisions come with their claim events (Records.History
+        # answers alike at every member); anyone else's are not this node's to keep.
+        fellow = request.origin.region == self.replica.region and bool(request.origin.member)
+        events = learnt_events(request.events, len(states)) if fellow else []
         try:
             merged, refused = await merge_all(
-                self.replica, self._sender(request.origin), records, peer, states=states
-            )
+                self.replica, self._sender(request.origin), records, peer, states=states,
+                events=events,
+            )  # fmt: skip
         except ClockSkewed:
             if peer is not None:
                 peer.skew_alarms += 1

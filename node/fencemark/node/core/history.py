@@ -18,6 +18,7 @@ from fencemark.node.store.events import Event
 GRANTED, RENEWED, RELEASED, LAPSED, FORCED, REOPENED, MOVED = (
     "granted", "renewed", "released", "lapsed", "forced", "reopened", "moved",
 )  # fmt: skip
+KINDS = (GRANTED, RENEWED, RELEASED, LAPSED, FORCED, REOPENED, MOVED)
 
 
 def events_of(

@@ -396,12 +396,15 @@ class Replica:
         *,
         sender: str = "",
         voided: list[integrity.MergeRefused] | None = None,
+        learnt: Sequence[Event] = (),
     ) -> bool:
         """Join a remote state into the local one; True when that changed anything.
         ``state`` is the remote record's canonical encoding, when the caller has it;
         ``sender`` the region whose node sent it, when known; births the join holds
         void that were not void here (``integrity.voided_births``) are added to
-        ``voided``, for the caller to count and alert as refusals.
+        ``voided``, for the caller to count and alert as refusals. ``learnt`` are the
+        claim events a fellow member (this region's decider) decided with the state:
+        kept with it when it changes a record of this region (``Records.History``).
 
         A record born elsewhere that holds a claim is *seen* here: this node adds its
         region's signed sighting (``Record.seen``, ``_seen``) the first time, so that a
@@ -436,11 +439,13 @@ class Replica:
                                      bounds=self.bounds, verifier=self.keyring)  # fmt: skip
             if voided is not None:
                 voided.extend(integrity.voided_births(current, merged))
-            if merged.home_region == self.region and split_tokens(merged):
+            ours = merged.home_region == self.region
+            decided[:] = list(learnt) if ours else []
+            if ours and split_tokens(merged):
                 # Two births met, and this node is the surviving home: every claim
                 # either side granted apart is superseded (SPEC §2).
                 merged = merged.with_fence(merged.fence.move(merged.fence.fence + 1))
-                decided[:] = [history.moved(merged, at_ms=self.clock.wall_ms())]
+                decided.append(history.moved(merged, at_ms=self.clock.wall_ms()))
             merged = self._seen(merged)
             # Whatever the sender lacks (a decision just made, or what this node held
             # and the sender did not) is pushed at once, as a write is. Anti-entropy
@@ -451,10 +456,10 @@ class Replica:
             # decides who may hold the record, and the peer that lacks it may be
             # the one anti-entropy will not fetch it for.
             births = current.births.keys()
-            learnt = bool(births) and merged.births.keys() != births
-            learnt = learnt or (bool(births) and merged.creators != current.creators)
-            learnt = learnt or merged.fence.moved != current.fence.moved
-            share = learnt or merged != remote
+            news = bool(births) and merged.births.keys() != births
+            news = news or (bool(births) and merged.creators != current.creators)
+            news = news or merged.fence.moved != current.fence.moved
+            share = news or merged != remote
             return merged, merged != current
 
         known = (remote, state) if state is not None else None

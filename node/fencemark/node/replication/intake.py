@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from fencemark.node.core import history
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import ClockSkew, Record, codec
 from fencemark.node.replication.peers import MAX_REFUSED_KEYS, PeerStats
@@ -17,6 +18,8 @@ from fencemark.node.replication.signers import learn_signers
 from fencemark.node.rules import validation
 from fencemark.node.rules.errors import ClockSkewed, InvalidInput
 from fencemark.node.rules.integrity import MergeRefused
+from fencemark.node.store.events import Event
+from fencemark.v1 import replication_pb2
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +28,9 @@ MAX_BATCH_BYTES = 6 << 20
 MAX_TREE_PARENTS = 256  # a Tree reply covers 16 children of each: 4096 nodes
 MAX_LIST_NODES = 1024  # tree nodes per Buckets request ...
 MAX_LIST_RECORDS = 16384  # ... and records they may hold
+MAX_EVENTS_PER_STATE = 16  # claim events one state's commit can carry (PushRequest.events)
+MAX_EVENT_TEXT = 1024  # characters of an event's owner, identity, detail or actor
+KINDS = frozenset(history.KINDS)
 
 
 def check_clock(replica: Replica, region: str, hlcs: list[int]) -> None:
@@ -46,6 +52,40 @@ def decode_states(states: list[bytes], field: str = "states") -> list[Record]:
     return records
 
 
+def decided_event(index: int, event: Event) -> replication_pb2.DecidedEvent:
+    """``event``, decided with the state at ``index`` of a push, as it travels."""
+    return replication_pb2.DecidedEvent(
+        state=index, at_ms=event.at_ms, kind=event.kind, fencing_token=event.token,
+        owner=event.owner, identity=event.identity, detail=event.detail, actor=event.actor,
+    )  # fmt: skip
+
+
+def learnt_events(sent: Sequence[replication_pb2.DecidedEvent], states: int) -> list[list[Event]]:
+    """Each of a push's ``states`` claim events, as its sender decided them; refused
+    (``InvalidInput`` naming the field) unless each names a state of the push, a known
+    kind and short texts, at most ``MAX_EVENTS_PER_STATE`` a state."""
+    learnt: list[list[Event]] = [[] for _ in range(states)]
+    for n, sent_event in enumerate(sent):
+        field = f"events[{n}]"
+        if sent_event.state >= states:
+            raise InvalidInput.field(
+                f"{field}.state", f"names state {sent_event.state} of {states}"
+            )
+        if sent_event.kind not in KINDS:
+            raise InvalidInput.field(
+                f"{field}.kind", f"not a claim event: {sent_event.kind[:40]!r}"
+            )
+        texts = (sent_event.owner, sent_event.identity, sent_event.detail, sent_event.actor)
+        if any(len(text) > MAX_EVENT_TEXT for text in texts):
+            raise InvalidInput.field(field, f"a text over {MAX_EVENT_TEXT} characters")
+        own = learnt[sent_event.state]
+        if len(own) == MAX_EVENTS_PER_STATE:
+            raise InvalidInput.field(field, f"over {MAX_EVENTS_PER_STATE} events for one state")
+        own.append(Event(sent_event.at_ms, sent_event.kind, sent_event.fencing_token,
+                         *texts))  # fmt: skip
+    return learnt
+
+
 async def merge_all(
     replica: Replica,
     sender: str,
@@ -53,6 +93,7 @@ async def merge_all(
     peer: PeerStats | None = None,
     *,
     states: Sequence[bytes] | None = None,
+    events: Sequence[Sequence[Event]] = (),
 ) -> tuple[int, int]:
     """Merge states sent by peer ``sender`` (its name: ``peers.peer_name``), after
     the clock check; returns how many changed a record, and how many were refused.
@@ -80,7 +121,16 @@ async def merge_all(
     # Concurrent merges of different records share group commits.
     voided: list[MergeRefused] = []  # births void by a sighting: merged, and reported
     results = await asyncio.gather(
-        *(replica.merge(records[i], encoded[i], sender=sender, voided=voided) for i in merging),
+        *(
+            replica.merge(
+                records[i],
+                encoded[i],
+                sender=sender,
+                voided=voided,
+                learnt=events[i] if i < len(events) else (),
+            )
+            for i in merging
+        ),
         return_exceptions=True,
     )
     changed = 0

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.rules import quorum
 from fencemark.node.rules.errors import NoMajority
+from fencemark.node.store.events import Event
 
 # Pushes to one member left running after their majority answered; past this (a member
 # far behind, or cut off), the next one is cancelled instead and the eager push and
@@ -41,11 +42,16 @@ class Majority:
         self.timeout_s = timeout_s
         self._trailing: dict[str, set[asyncio.Task[str]]] = {}  # by member
 
-    async def acknowledge(self, keys: list[str], states: list[bytes]) -> None:
+    async def acknowledge(
+        self, keys: list[str], states: list[bytes], events: Sequence[Sequence[Event]] = ()
+    ) -> None:
         """Return once a majority of the region's members hold ``states`` (of
         ``keys``) durably; raise ``NoMajority`` if that is not so within
-        ``timeout_s``. A member that acknowledged them is not sent them again by the
-        eager push that follows their commit (``Replicator.held_by``)."""
+        ``timeout_s``. ``events`` are each state's claim events, decided here: they
+        go with the states, and each fellow member keeps them (``Records.History``
+        answers alike at every member). A member that acknowledged the states is not
+        sent them again by the eager push that follows their commit
+        (``Replicator.held_by``)."""
         names = self.replicator.configured()  # the member set, as last read from etcd
         if not names:
             raise NoMajority(
@@ -58,7 +64,7 @@ class Majority:
 
         async def push_to(name: str) -> str:
             """``name`` once it holds the states; "" if it refused any."""
-            if not await self.replicator.push_to_member(name, states):
+            if not await self.replicator.push_to_member(name, states, events):
                 return ""
             self.replicator.held_by(name, keys)
             return name

@@ -36,6 +36,7 @@ from fencemark.node.core.replica import Replica
 from fencemark.node.replication.intake import (
     MAX_BATCH_BYTES,
     MAX_STATES,
+    decided_event,
     too_large,
 )
 from fencemark.node.replication.link import PeerLeft, PeerLink, asked_to_wait
@@ -48,6 +49,7 @@ from fencemark.node.rules import quorum
 from fencemark.node.rules.errors import ClockSkewed
 from fencemark.node.rules.validation import MAX_RECORD_BYTES
 from fencemark.node.security.tls_reload import LiveTls
+from fencemark.node.store.events import Event
 from fencemark.node.store.storage import Storage
 from fencemark.v1 import replication_pb2
 
@@ -170,15 +172,18 @@ class Replicator(Rounds):
                     self._start_peer(peer)
                     self._round_due.set()
 
-    async def push_to_member(self, member: str, states: list[bytes]) -> bool:
-        """Push ``states`` to fellow member ``member`` now, outside its queue; True once
-        it holds them durably, False if it refused any. A member not registered yet is
-        waited for (the caller bounds the wait); a failed call raises, as any push's
-        (``replication.majority``)."""
+    async def push_to_member(
+        self, member: str, states: list[bytes], events: Sequence[Sequence[Event]] = ()
+    ) -> bool:
+        """Push ``states`` to fellow member ``member`` now, outside its queue, with
+        each state's claim events (``events``, as decided here: the member keeps
+        them); True once it holds them durably, False if it refused any. A member
+        not registered yet is waited for (the caller bounds the wait); a failed call
+        raises, as any push's (``replication.majority``)."""
         name = f"{self.replica.region}/{member}"
         while (peer := self._peers.get(name)) is None:
             await self._members_changed.wait()
-        refused = await self._push(peer, states)
+        refused = await self._push(peer, states, events)
         self._reached(peer)
         peer.answered()
         return refused == 0
@@ -316,21 +321,30 @@ class Replicator(Rounds):
 
     # -- calls ---------------------------------------------------------------------
 
-    async def _push(self, peer: PeerLink, states: Sequence[bytes]) -> int:
-        """Push states in batches bounded by count and bytes; how many the peer refused."""
+    async def _push(
+        self, peer: PeerLink, states: Sequence[bytes], events: Sequence[Sequence[Event]] = ()
+    ) -> int:
+        """Push states in batches bounded by count and bytes, each with its claim
+        events (``events[i]`` are ``states[i]``'s, if given); how many the peer
+        refused."""
         batch: list[bytes] = []
+        decided: list[replication_pb2.DecidedEvent] = []
         size = 0
         refused = 0
-        for state in [*states, None]:
+        for index, state in enumerate([*states, None]):
             if batch and (
                 state is None or len(batch) == MAX_STATES or size + len(state) > MAX_BATCH_BYTES
             ):
-                request = replication_pb2.PushRequest(origin=self._origin(), states=batch)
+                request = replication_pb2.PushRequest(
+                    origin=self._origin(), states=batch, events=decided
+                )
                 answer = await self._call(peer, "Push", request, replication_pb2.PushResponse)
                 peer.stats.records_sent += len(batch)
                 refused += answer.refused
-                batch, size = [], 0
+                batch, decided, size = [], [], 0
             if state is not None:
+                if index < len(events):
+                    decided += (decided_event(len(batch), e) for e in events[index])
                 batch.append(state)
                 size += len(state)
         return refused

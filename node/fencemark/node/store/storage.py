@@ -108,7 +108,9 @@ class Storage:
         # states of its writes that need a majority's acknowledgement (``enqueue(acked=)``),
         # once per group commit; their callers hear of the commit only after it
         # returns (fencemark.node.replication.majority). Commits go on meanwhile.
-        self.acknowledge: Callable[[list[str], list[bytes]], Awaitable[None]] | None = None
+        self.acknowledge: (
+            Callable[[list[str], list[bytes], list[Sequence[Event]]], Awaitable[None]] | None
+        ) = None
         self._acknowledging: set[asyncio.Task[None]] = set()
         self._cache: OrderedDict[str, Stored] = OrderedDict()
         self._cache_size = cache_size
@@ -534,7 +536,7 @@ class Storage:
         assert self.acknowledge is not None
         try:
             keys = [p.stored.record.key for p in batch if p.stored is not None]
-            await self.acknowledge(keys, [p.state for p in batch])
+            await self.acknowledge(keys, [p.state for p in batch], [p.events for p in batch])
         except asyncio.CancelledError:  # the store is closing
             for p in batch:
                 p.done.cancel()

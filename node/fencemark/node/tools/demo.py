@@ -227,8 +227,9 @@ class Demo:
 
     async def _claim_history(self, key: str, region: str) -> ClaimHistory:
         """``key``'s claim events as its home decided them. In a region of several
-        members each member keeps the events it decided itself (docs/consistency.md):
-        there, the events of every member, in time order."""
+        members each member keeps those its deciders sent it, but not those of
+        decisions whose state reached it otherwise, as while it was down
+        (docs/consistency.md): there, every member's, once each, in time order."""
         group = self.cluster.members.get(region)
         if group is None:
             return await self.clients[region].history(key)
@@ -237,7 +238,8 @@ class Demo:
             if member.address not in self.at_members:  # one client each, for every key
                 self.at_members[member.address] = AsyncClient(member.address, retries=2, timeout=5)
             events += (await self.at_members[member.address].history(key)).events
-        ordered = sorted(events, key=lambda e: e.at or datetime.min.replace(tzinfo=UTC))
+        once = dict.fromkeys(events)  # the same event, kept by several members
+        ordered = sorted(once, key=lambda e: e.at or datetime.min.replace(tzinfo=UTC))
         return ClaimHistory(tuple(ordered), region)
 
     def _failover_checks(self, finals: dict[str, dict[str, Record]]) -> list[Check]:
