@@ -59,7 +59,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from testcontainers.core.container import DockerContainer
@@ -98,10 +98,18 @@ ACCESS_MAP = f"""[clients]
 """
 
 
+class Boxed(Protocol):
+    """A container of the run as the faults reach it, the docker SDK's container
+    inside: testcontainers' ``DockerContainer`` (this module's), or a compose
+    service's (members.py's ``Service``)."""
+
+    def get_wrapped_container(self) -> Any: ...
+
+
 @dataclass
 class Region:
     name: str
-    container: DockerContainer
+    container: Boxed
     port: int  # published on 127.0.0.1
     data: Path
 
@@ -282,9 +290,11 @@ class ChaosCluster:
             self._credentials[name] = tls_credentials(self.certs, name)
         return self._credentials[name]
 
-    def containers(self) -> list[tuple[str, DockerContainer]]:
+    def containers(self) -> list[tuple[str, Boxed]]:
         """Every container of the run, by alias."""
-        containers = [(r.name, r.container) for r in (*self.regions.values(), *self.twins)]
+        containers: list[tuple[str, Boxed]] = [
+            (r.name, r.container) for r in (*self.regions.values(), *self.twins)
+        ]
         if self.proxy is not None:
             containers.append((PROXY_ALIAS, self.proxy))
         return containers
@@ -297,6 +307,7 @@ class ChaosCluster:
             for alias, output in self._twin_logs.items():
                 (logs_to / f"{alias}.log").write_bytes(output)
         for name, container in containers:
+            assert isinstance(container, DockerContainer)  # this module made each
             wrapped = container._container  # None when it never started
             if wrapped is None:
                 continue
@@ -312,6 +323,11 @@ class ChaosCluster:
 
     # -- what the test needs to know -------------------------------------------------
 
+    @property
+    def network_name(self) -> str:
+        """The network the nodes reach each other on: the run's own."""
+        return self.network.name
+
     def ip(self, name: str) -> str:
         """``name``'s address on the run's network (it may change across restarts)."""
         container = self.proxy if name == PROXY_ALIAS else self.regions[name].container
@@ -319,7 +335,7 @@ class ChaosCluster:
         wrapped = container.get_wrapped_container()
         wrapped.reload()
         networks: dict[str, Any] = wrapped.attrs["NetworkSettings"]["Networks"]
-        return str(networks[self.network.name]["IPAddress"])
+        return str(networks[self.network_name]["IPAddress"])
 
     def status(self, name: str) -> str:
         wrapped = self.regions[name].container.get_wrapped_container()
@@ -469,6 +485,7 @@ class ChaosCluster:
         except Exception as exc:  # a log is a nicety, the removal is not
             output = f"no log: {exc}\n".encode()
         self._twin_logs[twin.name] = output
+        assert isinstance(twin.container, DockerContainer)  # start_twin made it
         twin.container.stop(force=True, delete_volume=True)
         self.twins.remove(twin)
         return output
@@ -497,7 +514,7 @@ class ChaosCluster:
         _wait_for(self.regions[name].container, wanted, name)
 
 
-def _wait_for(container: DockerContainer, wanted: str, name: str) -> None:
+def _wait_for(container: Boxed, wanted: str, name: str) -> None:
     """Until ``container`` is ``wanted`` (its docker status), at most STOP_LIMIT_S."""
     wrapped = container.get_wrapped_container()
     deadline = time.monotonic() + STOP_LIMIT_S

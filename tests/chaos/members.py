@@ -1,17 +1,30 @@
-"""A region of three members in containers, its etcd of three, and the faults of
-SPEC §10 injected into them: the chaos tier's cluster for a region of several members.
+"""The stack of deploy/docker-compose.yml, and the faults of SPEC §10 injected into it:
+the chaos tier's cluster for a region of several members.
 
-Region ``us`` is served by members ``us-a``, ``us-b`` and ``us-c`` (the node image,
-``fencemark node --member``), electing their decider through an etcd cluster of three
-containers (Debian's ``etcd-server`` package, ``make etcd-image``) over mutual TLS
-with authentication on, restricted as docs/security.md does it (``fencemark etcd
-restrict``). Region ``eu`` is one node, peered with every member of ``us``. Every
-container is on the run's own bridge network; each member's client port and each
-etcd's client port are published on 127.0.0.1 only, and a member advertises that
-published address, so that a redirect names an address the test reaches.
+The cluster is the deployment's own: one compose project of deploy/docker-compose.yml
+(``tests/compose.py``'s :class:`Stack`, Debian's docker-compose 1.29) with the overlay
+``compose.chaos.yml`` beside this module. The stack makes the run's development CA
+and certificates (its one-shot ``certs`` service), starts region ``us``'s etcd of
+three (``etcd-0..2``, Debian's ``etcd-server`` package, ``make etcd-image``) and
+restricts it (``etcd-access``: authentication on, ``us``'s keys its members' alone),
+region ``us`` as three members (``us-a``, ``us-b``, ``us-c``) electing their decider
+through that etcd, and regions ``eu`` and ``ap`` as one node each. Each node's data
+and the certificates are directories under the run's own
+``REPOCONTEXT_MEMORY_ARCHIVE_PATH``; each node's ports are free ones on 127.0.0.1,
+and a member advertises its published address, so that a redirect names an address
+the test reaches. The overlay adds only what the tier needs and a deployment does
+not: ``NET_ADMIN`` for the iptables faults, the run's access map
+(``FENCEMARK_ACCESS``, written into the certs directory before ``up``), each etcd's
+client port on 127.0.0.1 (to ask who leads), and the label ``fencemark.chaos=<run
+id>`` on every container and the network. The decider's TTL and the anti-entropy
+interval are the stack's own settings (``FENCEMARK_DECIDER_TTL``,
+``FENCEMARK_ANTI_ENTROPY_INTERVAL``).
 
-Faults, beyond those of :class:`ChaosCluster` (``kill``, ``start_node``, ``wipe``,
-``pause``, ``unpause``, iptables rules in a container's own namespace):
+The faults reach each service's container through the docker SDK (found by the
+project's label), as those of :class:`ChaosCluster` reach its own (``kill``,
+``start_node``, ``wipe``, ``pause``, ``unpause``, iptables rules in a node's own
+namespace); the stack's restart policy (``unless-stopped``) leaves a container the
+nemesis killed stopped, as Docker restarts none it was told to kill. Beyond them:
 
 - :meth:`cut_from_etcd`: DROP every packet between a member and every etcd container
   (it still reaches its clients and fellow members);
@@ -19,177 +32,161 @@ Faults, beyond those of :class:`ChaosCluster` (``kill``, ``start_node``, ``wipe`
 - :meth:`kill_etcd` / :meth:`start_etcd`: ``kill -9`` of an etcd container and its
   start on the same data;
 - :meth:`etcd_leader`: the etcd member that leads now, asked as etcd's root.
+
+:meth:`close` keeps every container's log, kills them, then ``docker-compose down
+--volumes --remove-orphans`` of the run's project.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import docker
+import grpc
 from aetcd import rpc
-from testcontainers.core.container import DockerContainer
 
 from fencemark.node.coordination import access
-from fencemark.node.coordination.etcd import Etcd, EtcdError
-from fencemark.node.security.tls import TlsFiles, init_dir
-from fencemark.node.tools.cli import main
+from fencemark.node.security.tls import TlsFiles
 from tests.chaos.cluster import (
     ACCESS_FILE,
     ACCESS_MAP,
-    DATA_IN_CONTAINER,
-    LABEL,
-    PEER_PORT,
-    TLS_IN_CONTAINER,
     ChaosCluster,
     Region,
     _both_ways,
     _wait_for,
 )
+from tests.compose import (
+    COMPOSE_FILE,
+    DATA_VARIABLE,
+    ETCDS,
+    NODES,
+    Stack,
+    data_root,
+    port_variable,
+    published_ports,
+)
 from tests.dockerenv import IMAGE_UID
 from tests.ports import free_port
 
-REGION = "us"
-MEMBERS = ("us-a", "us-b", "us-c")
-OTHER = "eu"  # a region of one node, peered with every member of REGION
-ETCDS = ("etcd-0", "etcd-1", "etcd-2")
-ETCD_PORT = 2379
-ETCD_PEER_PORT = 2380
-ETCD_UID = 10091  # the etcd image's user (deploy/etcd-server/Dockerfile)
-ETCD_TLS = "/etc/etcd/tls"
-RESTRICT_WAIT_S = 60  # etcd's first election on a busy machine
+OVERLAY = Path(__file__).with_name("compose.chaos.yml")
+REGION = "us"  # the region of several members (tests/compose.py's MEMBERS)
+OTHERS = ("eu", "ap")  # regions of one node each, peered with every member of REGION
+ETCD_CALL_S = 1.0
+UP_LIMIT_S = 180.0  # `up` of a stack whose images are here: seconds
+PROJECT_LABEL = "com.docker.compose.project"
+SERVICE_LABEL = "com.docker.compose.service"
+
+
+class Service:
+    """A compose service's container (the docker SDK's), as the faults reach it
+    (``Boxed``)."""
+
+    def __init__(self, container: Any) -> None:
+        self._container = container
+
+    def get_wrapped_container(self) -> Any:
+        return self._container
 
 
 class MemberCluster(ChaosCluster):
-    """Region ``us`` as three member containers with its etcd of three, and ``eu``."""
+    """The stack of deploy/docker-compose.yml, with the chaos overlay: region ``us`` as
+    three members with its etcd of three, and ``eu`` and ``ap``."""
 
-    def __init__(self, image: str, etcd_image: str, root: Path, *, run_id: str, ttl_s: int) -> None:
-        super().__init__(image, (REGION, OTHER), root, run_id=run_id)
-        self.names = (*MEMBERS, OTHER)  # every node container, by its alias
+    def __init__(
+        self,
+        compose: list[str],
+        image: str,
+        etcd_image: str,
+        root: Path,
+        *,
+        run_id: str,
+        ttl_s: int,
+    ) -> None:
+        # (REGION, OTHERS[0]): ChaosCluster's proxied link, a pair of no two nodes here.
+        super().__init__(image, (REGION, OTHERS[0]), root, run_id=run_id)
+        self.names = NODES  # every node's service
+        self.compose = compose
         self.etcd_image = etcd_image
         self.ttl_s = ttl_s
+        self.certs = root / "archive" / "certs"  # the stack's (data_root's layout)
         self.etcd: dict[str, Region] = {}
+        self.stack: Stack | None = None
+        self._docker = docker.from_env()
 
     # -- lifecycle -------------------------------------------------------------------
 
     def up(self) -> None:
-        """The network, etcd (restricted), the members of ``us`` and ``eu``'s node."""
-        self.network.create()
+        """The stack with the overlay, up: once it returns every container was started
+        (none need serve yet)."""
+        self.root.mkdir(parents=True, exist_ok=True)
         self.control.mkdir(parents=True, exist_ok=True)  # ChaosCluster.heal_all writes there
-        init_dir(self.certs, regions=[REGION, OTHER], hosts=MEMBERS)
-        for name in ETCDS:
-            made = main(["certs", "etcd", "--dir", str(self.certs), "--server", name,
-                         "--hosts", "127.0.0.1"])  # fmt: skip
-            if made != 0:
-                raise RuntimeError(f"fencemark certs etcd --server {name} exited {made}")
-        if main(["certs", "etcd", "--dir", str(self.certs), "--root"]) != 0:
-            raise RuntimeError("fencemark certs etcd --root failed")
-        for name in ETCDS:
-            port = free_port()
-            container = self._etcd_container(name, port)
-            self.etcd[name] = Region(name, container, port, self.root / "etcd" / name)
-            container.start()
-        restrict = ["etcd", "restrict", "--etcd", ",".join(self.etcd_endpoints),
-                    "--tls-dir", str(self.certs), "--regions", f"{REGION},{OTHER}",
-                    "--wait", str(RESTRICT_WAIT_S)]  # fmt: skip
-        if main(restrict) != 0:
-            raise RuntimeError("fencemark etcd restrict failed")
-        for name in self.names:
-            data, port = self._data_dir(name), free_port()
-            container = self._member_node(name, data, port)
-            self.regions[name] = Region(name, container, port, data)
-            container.start()
-
-    @property
-    def etcd_endpoints(self) -> list[str]:
-        """etcd's client endpoints as the test reaches them (127.0.0.1)."""
-        return [f"127.0.0.1:{box.port}" for box in self.etcd.values()]
-
-    def _etcd_container(self, name: str, port: int) -> DockerContainer:
-        certs = self.root / "etcd-certs" / name
-        certs.mkdir(parents=True)
-        files = TlsFiles.in_dir(self.certs, name)
-        for path in (files.ca, files.cert, files.key):
-            shutil.copy2(path, certs / path.name)
-            if os.geteuid() == 0:
-                os.chown(certs / path.name, ETCD_UID, ETCD_UID)
-        cluster = ",".join(f"{e}=http://{e}:{ETCD_PEER_PORT}" for e in ETCDS)
-        flags = [
-            f"--name={name}", "--data-dir=/var/lib/etcd/data", "--log-level=error",
-            f"--listen-client-urls=https://0.0.0.0:{ETCD_PORT}",
-            f"--advertise-client-urls=https://{name}:{ETCD_PORT}",
-            f"--listen-peer-urls=http://0.0.0.0:{ETCD_PEER_PORT}",
-            f"--initial-advertise-peer-urls=http://{name}:{ETCD_PEER_PORT}",
-            f"--initial-cluster={cluster}", "--initial-cluster-state=new",
-            f"--cert-file={ETCD_TLS}/{files.cert.name}",
-            f"--key-file={ETCD_TLS}/{files.key.name}",
-            f"--trusted-ca-file={ETCD_TLS}/{files.ca.name}", "--client-cert-auth",
-        ]  # fmt: skip
-        container = DockerContainer(
-            self.etcd_image,
-            command=flags,  # type: ignore[arg-type]  # a list is passed through to docker
-            name=f"fencemark-chaos-{self.run_id}-{name}",
-            network=self.network,
-            network_aliases=[name],
-            volumes=[(str(certs), ETCD_TLS, "ro")],
-        )
-        container.ports[f"{ETCD_PORT}/tcp"] = ("127.0.0.1", port)  # type: ignore[assignment]
-        return container.with_kwargs(labels={LABEL: self.run_id})
-
-    def _member_node(self, name: str, data: Path, port: int) -> DockerContainer:
-        """Member ``name`` of ``us`` (or ``eu``'s node), published on ``port``."""
-        region = OTHER if name == OTHER else REGION
-        env = {
-            "FENCEMARK_REGION": region,
-            "FENCEMARK_TLS_DIR": TLS_IN_CONTAINER,
-            "FENCEMARK_ACCESS": f"{TLS_IN_CONTAINER}/{ACCESS_FILE}",
-            "FENCEMARK_ENABLE_WRITES": "1",
+        archive, user = data_root(self.root)
+        assert archive / "certs" == self.certs
+        access_map = self.certs / ACCESS_FILE  # the certs service keeps what it does not make
+        access_map.write_text(ACCESS_MAP)
+        access_map.chmod(0o644)
+        if os.geteuid() == 0:
+            os.chown(access_map, IMAGE_UID, IMAGE_UID)
+        ports, _, port_settings = published_ports()
+        etcd_ports = {name: free_port() for name in ETCDS}
+        settings = {
+            DATA_VARIABLE: str(archive),
+            **port_settings,
+            **user,
+            "FENCEMARK_DECIDER_TTL": str(self.ttl_s),
             "FENCEMARK_ANTI_ENTROPY_INTERVAL": str(self.anti_entropy_interval),
-            "FENCEMARK_LOG_LEVEL": "WARNING",
+            # The overlay's own.
+            "FENCEMARK_CHAOS_RUN": self.run_id,
+            **{port_variable(name): str(port) for name, port in etcd_ports.items()},
         }
-        if region == OTHER:
-            env["FENCEMARK_PEERS"] = f"{REGION}=" + ",".join(f"{m}:{PEER_PORT}" for m in MEMBERS)
-        else:
-            env |= {
-                "FENCEMARK_PEERS": f"{OTHER}={OTHER}:{PEER_PORT}",
-                "FENCEMARK_MEMBER": name,
-                "FENCEMARK_ETCD": ",".join(f"{e}:{ETCD_PORT}" for e in ETCDS),
-                "FENCEMARK_DECIDER_TTL": str(self.ttl_s),
-                "FENCEMARK_INITIAL_MEMBERS": ",".join(MEMBERS),
-                "FENCEMARK_ADVERTISE": f"127.0.0.1:{port}",  # a redirect names it
-                "FENCEMARK_ADVERTISE_PEER": f"{name}:{PEER_PORT}",
-            }
-        return self._container(
-            name,
-            command=["node"],
-            env=env,
-            volumes=[
-                (str(data), DATA_IN_CONTAINER, "rw"),
-                (str(self._certs_of(name, region)), TLS_IN_CONTAINER, "ro"),
-            ],
-            port=port,
+        self.stack = Stack(self.compose, self.root, settings, files=(COMPOSE_FILE, OVERLAY))
+        self.stack.env |= {"FENCEMARK_IMAGE": self.image, "FENCEMARK_ETCD_IMAGE": self.etcd_image}
+        self.stack("up", "--detach", limit_s=UP_LIMIT_S)
+        services = self._services()
+        for name in NODES:
+            self.regions[name] = Region(name, services[name], ports[name], archive / name)
+        for name in ETCDS:
+            self.etcd[name] = Region(name, services[name], etcd_ports[name], archive / name)
+
+    def _services(self) -> dict[str, Service]:
+        """Every container of the run's project, by its service."""
+        assert self.stack is not None
+        found = self._docker.containers.list(
+            all=True, filters={"label": f"{PROJECT_LABEL}={self.stack.project}"}
         )
+        return {box.labels[SERVICE_LABEL]: Service(box) for box in found}
 
-    def _certs_of(self, name: str, region: str) -> Path:
-        """What ``name``'s node reads: the CA, its region's certificate and key, the
-        access map (as ``ChaosCluster._node_certs``, per container)."""
-        mounted = self.root / "node-certs" / name
-        mounted.mkdir(parents=True)
-        files = self.node_files(region)
-        (mounted / ACCESS_FILE).write_text(ACCESS_MAP)
-        for path in (files.ca, files.cert, files.key):
-            shutil.copy2(path, mounted / path.name)
-        for path in mounted.iterdir():
-            if os.geteuid() == 0:
-                os.chown(path, IMAGE_UID, IMAGE_UID)
-        return mounted
-
-    def containers(self) -> list[tuple[str, DockerContainer]]:
-        """Every container of the run, etcd's first, by alias."""
-        return [*((name, box.container) for name, box in self.etcd.items()), *super().containers()]
+    def close(self, logs_to: Path | None = None) -> None:
+        """Save every container's log under ``logs_to`` (``<service>.log``), then take
+        the project down: its containers, network and volumes."""
+        try:
+            if self.stack is None:
+                return
+            if logs_to is not None:
+                logs_to.mkdir(parents=True, exist_ok=True)
+                for name, service in self._services().items():
+                    try:
+                        log = service.get_wrapped_container().logs()
+                        (logs_to / f"{name}.log").write_bytes(log)
+                    except Exception as exc:  # a log is a nicety, the cleanup is not
+                        (logs_to / f"{name}.log").write_text(f"no log: {exc}\n")
+            # Killed first: a graceful stop of every node (down's SIGTERM) tells the
+            # run nothing more and costs seconds.
+            self.stack("kill", check=False)
+            self.stack.down()
+        finally:
+            self._docker.close()
 
     # -- what the nemesis needs to know ----------------------------------------------
+
+    @property
+    def network_name(self) -> str:
+        """The project's network, where nodes and etcd reach each other."""
+        assert self.stack is not None
+        return f"{self.stack.project}_default"
 
     def address(self, name: str) -> str:
         return self.regions[name].address
@@ -199,18 +196,26 @@ class MemberCluster(ChaosCluster):
         return {name: box.address for name, box in (*self.regions.items(), *self.etcd.items())}
 
     async def etcd_leader(self) -> str | None:
-        """The etcd member leading now (None: none answers, or none leads)."""
-        root = Etcd(self.etcd_endpoints, TlsFiles.in_dir(self.certs, access.ROOT), timeout_s=1.0)
-        try:
-            status = await root.call(rpc.MaintenanceStub, "Status", rpc.StatusRequest())
-            if not status.leader:
-                return None
-            listed = await root.call(rpc.ClusterStub, "MemberList", rpc.MemberListRequest())
-            return next((m.name for m in listed.members if status.leader == m.ID), None)
-        except EtcdError:
-            return None
-        finally:
-            await root.close()
+        """The etcd member leading now (None: none answers, or none leads), asked as
+        etcd's root at each published client port in turn. etcd's certificates name
+        only etcd-N, its name on the project's network: the handshake checks that."""
+        credentials = TlsFiles.in_dir(self.certs, access.ROOT).channel_credentials()
+        for name, box in self.etcd.items():
+            options = [("grpc.ssl_target_name_override", name)]
+            async with grpc.aio.secure_channel(box.address, credentials, options) as channel:
+                try:
+                    status = await rpc.MaintenanceStub(channel).Status(
+                        rpc.StatusRequest(), timeout=ETCD_CALL_S
+                    )
+                    if not status.leader:
+                        return None
+                    listed = await rpc.ClusterStub(channel).MemberList(
+                        rpc.MemberListRequest(), timeout=ETCD_CALL_S
+                    )
+                except grpc.aio.AioRpcError:
+                    continue  # this one is down: the next
+                return next((m.name for m in listed.members if status.leader == m.ID), None)
+        return None
 
     # -- faults ----------------------------------------------------------------------
 
@@ -220,7 +225,7 @@ class MemberCluster(ChaosCluster):
             wrapped = box.container.get_wrapped_container()
             wrapped.reload()
             networks = wrapped.attrs["NetworkSettings"]["Networks"]
-            ips.append(str(networks[self.network.name]["IPAddress"]))
+            ips.append(str(networks[self.network_name]["IPAddress"]))
         return ips
 
     def cut_from_etcd(self, member: str) -> None:

@@ -1,5 +1,6 @@
-"""The chaos tier for a region of several members (SPEC §10): region ``us`` as three
-member containers with an etcd cluster of three, ``eu`` as one node (members.py),
+"""The chaos tier for a region of several members (SPEC §10): the stack of
+deploy/docker-compose.yml with the chaos overlay (members.py: region ``us`` as three
+member containers with an etcd cluster of three, ``eu`` and ``ap`` as one node each),
 a seeded nemesis of the decider's faults, six invariants (member_invariants.py).
 
 While three workers drain a queue homed in ``us`` (claim the next item, write with
@@ -59,9 +60,10 @@ from tests.chaos.member_invariants import (
     done_once,
     holders_kept,
 )
-from tests.chaos.members import ETCDS, MEMBERS, OTHER, REGION, MemberCluster
+from tests.chaos.members import OTHERS, REGION, MemberCluster
 from tests.chaos.report import plotter, results_folder
 from tests.chaos.workload import divergence, versions
+from tests.compose import ETCDS, MEMBERS, NODES
 
 T = TypeVar("T")
 KINDS = (
@@ -405,7 +407,11 @@ def write_report(folder: Path, history: History, verdicts: list[Verdict]) -> boo
 @pytest.mark.docker
 @pytest.mark.timeout(EXTRA_S + 900)
 async def test_a_region_of_three_members_keeps_its_promises_through_failovers(
-    image: str, etcd_image: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    compose: list[str],
+    image: str,
+    etcd_image: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     rng = random.Random(SEED)
     history = History()
@@ -417,7 +423,7 @@ async def test_a_region_of_three_members_keeps_its_promises_through_failovers(
     folder = results_folder(SEED, "members")
     log(f"seed {SEED} (replay: FENCEMARK_CHAOS_SEED={SEED}); report: {folder}")
     cluster = MemberCluster(
-        image, etcd_image, tmp_path / "members", run_id=uuid.uuid4().hex[:8], ttl_s=TTL_S
+        compose, image, etcd_image, tmp_path / "members", run_id=uuid.uuid4().hex[:8], ttl_s=TTL_S
     )
     stop = asyncio.Event()
     work = Work(cluster, history, stop)
@@ -428,7 +434,10 @@ async def test_a_region_of_three_members_keeps_its_promises_through_failovers(
         nemesis = Nemesis(cluster, history, rng, log)
         if await nemesis.one_decides(SERVING_LIMIT_S) is None:
             raise AssertionError(f"no member of {REGION} decides within {SERVING_LIMIT_S} s")
-        log(f"{len(MEMBERS)} members, {len(ETCDS)} etcd and {OTHER}'s node up; one decides")
+        log(
+            f"{len(MEMBERS)} members, {len(ETCDS)} etcd and {' and '.join(OTHERS)}'s nodes up;"
+            " one decides"
+        )
         tasks = [asyncio.create_task(work.worker(f"worker-{i}")) for i in range(3)]
         tasks += [asyncio.create_task(work.writer()), asyncio.create_task(work.holder())]
         await asyncio.sleep(WARM_UP_S)
@@ -452,8 +461,7 @@ async def test_a_region_of_three_members_keeps_its_promises_through_failovers(
                 raise AssertionError("a client task crashed") from task.exception()
 
         await asyncio.to_thread(cluster.heal_all)
-        nodes = (*MEMBERS, OTHER)
-        readers = {n: client(cluster, n, "reader", 5.0) for n in nodes}
+        readers = {n: client(cluster, n, "reader", 5.0) for n in NODES}
         finals: dict[str, dict[str, Record] | None] = {}
         deadline = time.monotonic() + CONVERGE_LIMIT_S
         while True:
@@ -489,7 +497,7 @@ async def test_a_region_of_three_members_keeps_its_promises_through_failovers(
         converged = Verdict(
             "every node converges",
             all(b == 0 for b in behind.values()),
-            f"{len(nodes)} nodes byte-identical"
+            f"{len(NODES)} nodes byte-identical"
             if all(b == 0 for b in behind.values())
             else f"records behind, per node: {behind}; {lagging(finals)};{peers_said}",
         )
@@ -508,9 +516,11 @@ async def test_a_region_of_three_members_keeps_its_promises_through_failovers(
             await nemesis.close()
         await work.close()
         if KEEP and not all(v.ok for v in verdicts):
+            label = f"label=fencemark.chaos={cluster.run_id}"
             log(
                 f"kept for a look (FENCEMARK_CHAOS_KEEP): {cluster.addresses()}; remove with"
-                f" docker rm -f $(docker ps -aq --filter label=fencemark.chaos={cluster.run_id})"
+                f" docker rm -f $(docker ps -aq --filter {label});"
+                f" docker network prune -f --filter {label}"
             )
         else:
             await asyncio.to_thread(cluster.close, folder / "logs")
