@@ -436,6 +436,35 @@ async def test_a_write_reaches_each_fellow_member_once_not_by_both_pushes(
     assert 2 * writes <= got < 3 * writes, got
 
 
+async def test_majority_pushes_asked_while_one_is_under_way_go_together_in_the_next(
+    members: list[NodeServer],
+) -> None:
+    """Under load a fellow member gets one Push per round trip, not one per commit:
+    pushes asked while one to the same member is under way wait for it, then go in
+    one call, and each asker hears that the member holds its states."""
+    us_a, us_b = members[0], members[1]
+    await paired(members)
+    async with AsyncClient(us_a.address, retries=0) as a:
+        made = [
+            (await a.remember(REPO, TOPIC, f"batched-{n}", tags=["homeRegion:us"])).record.key
+            for n in range(20)
+        ]
+    states = await us_a.storage.states(made)
+
+    def pushes() -> float:
+        served = us_b.metrics.registry.get_sample_value(
+            "fencemark_requests_total", {"method": "Push", "code": "OK"}
+        )
+        return served or 0.0
+
+    before = pushes()
+    held = await asyncio.gather(
+        *(us_a.replicator.push_to_member("us-b", [states[key]]) for key in made)
+    )
+    assert held == [True] * len(made)
+    assert pushes() - before == 2  # the first alone, the 19 asked meanwhile together
+
+
 async def test_a_member_joins_as_a_learner_and_counts_once_added_one_change_at_a_time(
     tmp_path: Path, etcd: tuple[EtcdServer, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

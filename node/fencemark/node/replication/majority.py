@@ -6,7 +6,9 @@ region's configured members (``coordination.registry``) hold it durably: this
 member, if it is one of them, and fellow members whose ``Push`` of it returned (a
 ``Push`` returns once the receiver's commit is on disk). It is one round per group
 commit (``Storage.acknowledge``): every write of the commit in one ``Push`` to each
-fellow member, all at once, answered as soon as enough have returned. The pushes
+fellow member, all at once, answered as soon as enough have returned. Commits made
+while a push to a member is under way go to it together in the next one
+(``Replicator.push_to_member``). The pushes
 still under way then are left to finish (at most ``MAX_TRAILING`` per member): the
 states are on their way to that member, so the eager push does not send them again
 (``Replicator.held_by``); were the push to fail, anti-entropy still carries them.

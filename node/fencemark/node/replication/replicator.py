@@ -29,6 +29,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -110,6 +111,9 @@ class Replicator(Rounds):
         # Set when a call gets across to or from a peer after a while in which no call
         # of this node's reached any peer: the next round need not wait (_reached).
         self._round_due = asyncio.Event()
+        # Majority pushes waiting for the one under way to a fellow member, by name
+        # (``push_to_member``): sent together when it returns.
+        self._waiting: dict[str, list[_Waiting]] = {}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -183,10 +187,45 @@ class Replicator(Rounds):
         name = f"{self.replica.region}/{member}"
         while (peer := self._peers.get(name)) is None:
             await self._members_changed.wait()
-        refused = await self._push(peer, states, events)
-        self._reached(peer)
-        peer.answered()
-        return refused == 0
+        mine = _Waiting(states, events, asyncio.get_running_loop().create_future())
+        waiting = self._waiting.get(name)
+        if waiting is not None:  # a push to it is under way: go with the next one
+            waiting.append(mine)
+            return await asyncio.shield(mine.held)
+        self._waiting[name] = []
+        task = asyncio.create_task(self._push_waiting(peer, name, [mine]))
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
+        return await asyncio.shield(mine.held)
+
+    async def _push_waiting(self, peer: PeerLink, name: str, batch: list[_Waiting]) -> None:
+        """Push ``batch`` to fellow member ``name`` in one call, then whatever was
+        asked meanwhile, in one more, until none waits: under load a member gets one
+        ``Push`` per round trip, not one per commit. Each asker hears whether the
+        member holds its states (False: it refused any of the call's)."""
+        try:
+            while batch:
+                states = [state for one in batch for state in one.states]
+                events = [list(e) for one in batch for e in _padded(one)]
+                try:
+                    refused = await self._push(peer, states, events)
+                except Exception as exc:
+                    for one in batch:
+                        if not one.held.done():
+                            one.held.set_exception(exc)
+                            one.held.exception()  # whoever gave up on it need not see it
+                else:
+                    self._reached(peer)
+                    peer.answered()
+                    for one in batch:
+                        if not one.held.done():
+                            one.held.set_result(refused == 0)
+                batch = self._waiting.get(name, [])
+                self._waiting[name] = []
+        finally:
+            for one in self._waiting.pop(name, []) + batch:
+                if not one.held.done():
+                    one.held.cancel()
 
     def held_by(self, member: str, keys: Sequence[str]) -> None:
         """Fellow member ``member`` acknowledged the states of ``keys`` as just
@@ -720,3 +759,18 @@ class Replicator(Rounds):
             # rounds for a while instead of descending into it again and again.
             peer.behind_until = time.monotonic() + self.tuning.behind_pause_s
         return result
+
+
+@dataclass
+class _Waiting:
+    """A majority push's states, their claim events and whether the member holds them."""
+
+    states: Sequence[bytes]
+    events: Sequence[Sequence[Event]]
+    held: asyncio.Future[bool]
+
+
+def _padded(waiting: _Waiting) -> list[Sequence[Event]]:
+    """``waiting``'s events, one entry per state (none given: none each)."""
+    given = list(waiting.events)
+    return given + [()] * (len(waiting.states) - len(given))
