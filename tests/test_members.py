@@ -38,7 +38,13 @@ from fencemark.node.rules.admission import token_ceiling
 from fencemark.node.security.tls import TlsFiles
 from fencemark.node.tools.cli import main
 from fencemark.node.tools.ports import Ports
-from fencemark.v1 import claims_pb2, claims_pb2_grpc, replication_pb2, replication_pb2_grpc
+from fencemark.v1 import (
+    claims_pb2,
+    claims_pb2_grpc,
+    records_pb2,
+    replication_pb2,
+    replication_pb2_grpc,
+)
 from tests.cluster import eventually, shared_loop, stop_within, wait_converged
 from tests.etcd_server import EtcdServer, member_config, restricted, serving
 
@@ -229,16 +235,18 @@ async def test_a_fellow_members_push_with_malformed_events_is_refused_naming_the
     origin = replication_pb2.Origin(
         region="us", member="us-a", node_id="probe", hlc=pack(wall_clock_ms())
     )
-    event = replication_pb2.DecidedEvent
+
+    def event(state: int, kind: str) -> replication_pb2.DecidedEvent:
+        return replication_pb2.DecidedEvent(state=state, event=records_pb2.ClaimEvent(kind=kind))
 
     def push(*events: replication_pb2.DecidedEvent) -> replication_pb2.PushRequest:
         return replication_pb2.PushRequest(origin=origin, states=[codec.encode(new)],
                                            events=events)  # fmt: skip
 
     bad = [
-        (push(event(state=1, kind="granted")), "events[0].state"),
-        (push(event(state=0, kind="granted"), event(state=0, kind="stolen")), "events[1].kind"),
-        (push(*[event(state=0, kind="renewed")] * 17), "events[16]"),
+        (push(event(1, "granted")), "events[0].state"),
+        (push(event(0, "granted"), event(0, "stolen")), "events[1].event.kind"),
+        (push(*[event(0, "renewed")] * 17), "events[16]"),
     ]
     async with grpc.aio.insecure_channel(us_b.address) as channel:
         stub = replication_pb2_grpc.ReplicationStub(channel)
@@ -462,6 +470,7 @@ async def test_majority_pushes_asked_while_one_is_under_way_go_together_in_the_n
         *(us_a.replicator.push_to_member("us-b", [states[key]]) for key in made)
     )
     assert held == [True] * len(made)
+
     assert pushes() - before == 2  # the first alone, the 19 asked meanwhile together
 
 

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from fencemark.v1 import records_pb2 as fencemark_dot_v1_dot_records__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x65ncemark/v1/replication.proto\x12\x0c\x66\x65ncemark.v1\"T\n\x06Origin\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0b\n\x03hlc\x18\x03 \x01(\x04\x12\x0c\n\x04life\x18\x04 \x01(\x04\x12\x0e\n\x06member\x18\x05 \x01(\t\"o\n\x0bPushRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\x0e\n\x06states\x18\x02 \x03(\x0c\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1a.fencemark.v1.DecidedEvent\"\x91\x01\n\x0c\x44\x65\x63idedEvent\x12\r\n\x05state\x18\x01 \x01(\r\x12\r\n\x05\x61t_ms\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x15\n\rfencing_token\x18\x04 \x01(\x04\x12\r\n\x05owner\x18\x05 \x01(\t\x12\x10\n\x08identity\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x08 \x01(\t\"B\n\x0cPushResponse\x12\x0e\n\x06merged\x18\x01 \x01(\r\x12\x11\n\tunchanged\x18\x02 \x01(\r\x12\x0f\n\x07refused\x18\x03 \x01(\r\"a\n\x0bTreeRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\r\n\x05level\x18\x02 \x01(\r\x12\x0f\n\x07parents\x18\x03 \x03(\r\x12\x0c\n\x04salt\x18\x04 \x01(\x0c\"<\n\x0cTreeResponse\x12\x0e\n\x06hashes\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x0c\n\x04owed\x18\x03 \x01(\x08\"T\n\x0e\x42ucketsRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\r\n\x05nodes\x18\x02 \x03(\r\x12\r\n\x05level\x18\x03 \x01(\r\";\n\x0b\x42ucketEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\x0f\n\x07max_hlc\x18\x03 \x01(\x04\"=\n\x0f\x42ucketsResponse\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.fencemark.v1.BucketEntry\"B\n\x0c\x46\x65tchRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\x0c\n\x04keys\x18\x02 \x03(\t\"E\n\rFetchResponse\x12\x0e\n\x06states\x18\x01 \x03(\x0c\x12\x11\n\ttruncated\x18\x02 \x03(\t\x12\x11\n\toversized\x18\x03 \x03(\t\"L\n\x13\x43\x65rtificatesRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\x0f\n\x07key_ids\x18\x02 \x03(\x0c\",\n\x14\x43\x65rtificatesResponse\x12\x14\n\x0c\x63\x65rtificates\x18\x01 \x03(\x0c\x32\x85\x03\n\x0bReplication\x12\x42\n\x04Push\x12\x19.fencemark.v1.PushRequest\x1a\x1a.fencemark.v1.PushResponse\"\x03\x90\x02\x02\x12\x42\n\x04Tree\x12\x19.fencemark.v1.TreeRequest\x1a\x1a.fencemark.v1.TreeResponse\"\x03\x90\x02\x01\x12K\n\x07\x42uckets\x12\x1c.fencemark.v1.BucketsRequest\x1a\x1d.fencemark.v1.BucketsResponse\"\x03\x90\x02\x01\x12\x45\n\x05\x46\x65tch\x12\x1a.fencemark.v1.FetchRequest\x1a\x1b.fencemark.v1.FetchResponse\"\x03\x90\x02\x01\x12Z\n\x0c\x43\x65rtificates\x12!.fencemark.v1.CertificatesRequest\x1a\".fencemark.v1.CertificatesResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x65ncemark/v1/replication.proto\x12\x0c\x66\x65ncemark.v1\x1a\x1a\x66\x65ncemark/v1/records.proto\"T\n\x06Origin\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0b\n\x03hlc\x18\x03 \x01(\x04\x12\x0c\n\x04life\x18\x04 \x01(\x04\x12\x0e\n\x06member\x18\x05 \x01(\t\"o\n\x0bPushRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\x0e\n\x06states\x18\x02 \x03(\x0c\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1a.fencemark.v1.DecidedEvent\"F\n\x0c\x44\x65\x63idedEvent\x12\r\n\x05state\x18\x01 \x01(\r\x12\'\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x18.fencemark.v1.ClaimEvent\"B\n\x0cPushResponse\x12\x0e\n\x06merged\x18\x01 \x01(\r\x12\x11\n\tunchanged\x18\x02 \x01(\r\x12\x0f\n\x07refused\x18\x03 \x01(\r\"a\n\x0bTreeRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\r\n\x05level\x18\x02 \x01(\r\x12\x0f\n\x07parents\x18\x03 \x03(\r\x12\x0c\n\x04salt\x18\x04 \x01(\x0c\"<\n\x0cTreeResponse\x12\x0e\n\x06hashes\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x0c\n\x04owed\x18\x03 \x01(\x08\"T\n\x0e\x42ucketsRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\r\n\x05nodes\x18\x02 \x03(\r\x12\r\n\x05level\x18\x03 \x01(\r\";\n\x0b\x42ucketEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\x0f\n\x07max_hlc\x18\x03 \x01(\x04\"=\n\x0f\x42ucketsResponse\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.fencemark.v1.BucketEntry\"B\n\x0c\x46\x65tchRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\x0c\n\x04keys\x18\x02 \x03(\t\"E\n\rFetchResponse\x12\x0e\n\x06states\x18\x01 \x03(\x0c\x12\x11\n\ttruncated\x18\x02 \x03(\t\x12\x11\n\toversized\x18\x03 \x03(\t\"L\n\x13\x43\x65rtificatesRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.fencemark.v1.Origin\x12\x0f\n\x07key_ids\x18\x02 \x03(\x0c\",\n\x14\x43\x65rtificatesResponse\x12\x14\n\x0c\x63\x65rtificates\x18\x01 \x03(\x0c\x32\x85\x03\n\x0bReplication\x12\x42\n\x04Push\x12\x19.fencemark.v1.PushRequest\x1a\x1a.fencemark.v1.PushResponse\"\x03\x90\x02\x02\x12\x42\n\x04Tree\x12\x19.fencemark.v1.TreeRequest\x1a\x1a.fencemark.v1.TreeResponse\"\x03\x90\x02\x01\x12K\n\x07\x42uckets\x12\x1c.fencemark.v1.BucketsRequest\x1a\x1d.fencemark.v1.BucketsResponse\"\x03\x90\x02\x01\x12\x45\n\x05\x46\x65tch\x12\x1a.fencemark.v1.FetchRequest\x1a\x1b.fencemark.v1.FetchResponse\"\x03\x90\x02\x01\x12Z\n\x0c\x43\x65rtificates\x12!.fencemark.v1.CertificatesRequest\x1a\".fencemark.v1.CertificatesResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,32 +42,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICATION'].methods_by_name['Fetch']._serialized_options = b'\220\002\001'
   _globals['_REPLICATION'].methods_by_name['Certificates']._loaded_options = None
   _globals['_REPLICATION'].methods_by_name['Certificates']._serialized_options = b'\220\002\001'
-  _globals['_ORIGIN']._serialized_start=48
-  _globals['_ORIGIN']._serialized_end=132
-  _globals['_PUSHREQUEST']._serialized_start=134
-  _globals['_PUSHREQUEST']._serialized_end=245
-  _globals['_DECIDEDEVENT']._serialized_start=248
-  _globals['_DECIDEDEVENT']._serialized_end=393
-  _globals['_PUSHRESPONSE']._serialized_start=395
-  _globals['_PUSHRESPONSE']._serialized_end=461
-  _globals['_TREEREQUEST']._serialized_start=463
-  _globals['_TREEREQUEST']._serialized_end=560
-  _globals['_TREERESPONSE']._serialized_start=562
-  _globals['_TREERESPONSE']._serialized_end=622
-  _globals['_BUCKETSREQUEST']._serialized_start=624
-  _globals['_BUCKETSREQUEST']._serialized_end=708
-  _globals['_BUCKETENTRY']._serialized_start=710
-  _globals['_BUCKETENTRY']._serialized_end=769
-  _globals['_BUCKETSRESPONSE']._serialized_start=771
-  _globals['_BUCKETSRESPONSE']._serialized_end=832
-  _globals['_FETCHREQUEST']._serialized_start=834
-  _globals['_FETCHREQUEST']._serialized_end=900
-  _globals['_FETCHRESPONSE']._serialized_start=902
-  _globals['_FETCHRESPONSE']._serialized_end=971
-  _globals['_CERTIFICATESREQUEST']._serialized_start=973
-  _globals['_CERTIFICATESREQUEST']._serialized_end=1049
-  _globals['_CERTIFICATESRESPONSE']._serialized_start=1051
-  _globals['_CERTIFICATESRESPONSE']._serialized_end=1095
-  _globals['_REPLICATION']._serialized_start=1098
-  _globals['_REPLICATION']._serialized_end=1487
+  _globals['_ORIGIN']._serialized_start=76
+  _globals['_ORIGIN']._serialized_end=160
+  _globals['_PUSHREQUEST']._serialized_start=162
+  _globals['_PUSHREQUEST']._serialized_end=273
+  _globals['_DECIDEDEVENT']._serialized_start=275
+  _globals['_DECIDEDEVENT']._serialized_end=345
+  _globals['_PUSHRESPONSE']._serialized_start=347
+  _globals['_PUSHRESPONSE']._serialized_end=413
+  _globals['_TREEREQUEST']._serialized_start=415
+  _globals['_TREEREQUEST']._serialized_end=512
+  _globals['_TREERESPONSE']._serialized_start=514
+  _globals['_TREERESPONSE']._serialized_end=574
+  _globals['_BUCKETSREQUEST']._serialized_start=576
+  _globals['_BUCKETSREQUEST']._serialized_end=660
+  _globals['_BUCKETENTRY']._serialized_start=662
+  _globals['_BUCKETENTRY']._serialized_end=721
+  _globals['_BUCKETSRESPONSE']._serialized_start=723
+  _globals['_BUCKETSRESPONSE']._serialized_end=784
+  _globals['_FETCHREQUEST']._serialized_start=786
+  _globals['_FETCHREQUEST']._serialized_end=852
+  _globals['_FETCHRESPONSE']._serialized_start=854
+  _globals['_FETCHRESPONSE']._serialized_end=923
+  _globals['_CERTIFICATESREQUEST']._serialized_start=925
+  _globals['_CERTIFICATESREQUEST']._serialized_end=1001
+  _globals['_CERTIFICATESRESPONSE']._serialized_start=1003
+  _globals['_CERTIFICATESRESPONSE']._serialized_end=1047
+  _globals['_REPLICATION']._serialized_start=1050
+  _globals['_REPLICATION']._serialized_end=1439
 # @@protoc_insertion_point(module_scope)

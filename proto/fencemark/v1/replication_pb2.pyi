@@ -33,6 +33,7 @@ any state's stamps lie further ahead of its own wall clock than its
 """
 
 from collections import abc as _abc
+from fencemark.v1 import records_pb2 as _records_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -133,43 +134,27 @@ Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
 
 @_typing.final
 class DecidedEvent(_message.Message):
-    """A claim event (records.proto's `ClaimEvent`) as its decider recorded it."""
+    """A claim event as its decider recorded it, with the state it came with."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     STATE_FIELD_NUMBER: _builtins.int
-    AT_MS_FIELD_NUMBER: _builtins.int
-    KIND_FIELD_NUMBER: _builtins.int
-    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
-    OWNER_FIELD_NUMBER: _builtins.int
-    IDENTITY_FIELD_NUMBER: _builtins.int
-    DETAIL_FIELD_NUMBER: _builtins.int
-    ACTOR_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
     state: _builtins.int
     """The index in `states` of the state whose commit decided it."""
-    at_ms: _builtins.int
-    """The decider's wall clock, UTC milliseconds."""
-    kind: _builtins.str
-    fencing_token: _builtins.int
-    owner: _builtins.str
-    identity: _builtins.str
-    detail: _builtins.str
-    actor: _builtins.str
+    @_builtins.property
+    def event(self) -> _records_pb2.ClaimEvent:
+        """As `Records.History` shows it, every field (`at`: the decider's clock)."""
+
     def __init__(
         self,
         *,
         state: _builtins.int = ...,
-        at_ms: _builtins.int = ...,
-        kind: _builtins.str = ...,
-        fencing_token: _builtins.int = ...,
-        owner: _builtins.str = ...,
-        identity: _builtins.str = ...,
-        detail: _builtins.str = ...,
-        actor: _builtins.str = ...,
+        event: _records_pb2.ClaimEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "at_ms", b"at_ms", "detail", b"detail", "fencing_token", b"fencing_token", "identity", b"identity", "kind", b"kind", "owner", b"owner", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,6 +27,7 @@ from fencemark.node.core import history, watch
 from fencemark.node.core.claims import Claims
 from fencemark.node.core.replica import Replica
 from fencemark.node.crdt import hlc
+from fencemark.node.replication.intake import claim_event
 from fencemark.node.replication.lives import TWIN_NODE
 from fencemark.node.replication.peers import PeerStats
 from fencemark.node.rules import validation
@@ -343,18 +344,7 @@ class RecordsService:
             self.caller_of(context), kept, found.record, self.replica.wall_ms()
         )
         return records_pb2.HistoryResponse(
-            events=[
-                records_pb2.ClaimEvent(
-                    at=timestamp(event.at_ms),
-                    kind=event.kind,
-                    fencing_token=event.token,
-                    owner=event.owner,
-                    identity=event.identity,
-                    detail=event.detail,
-                    actor=event.actor,
-                )
-                for event in events
-            ],
+            events=[claim_event(event) for event in events],
             home_region=found.record.home_region,
         )
 

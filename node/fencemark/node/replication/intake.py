@@ -19,7 +19,7 @@ from fencemark.node.rules import validation
 from fencemark.node.rules.errors import ClockSkewed, InvalidInput
 from fencemark.node.rules.integrity import MergeRefused
 from fencemark.node.store.events import Event
-from fencemark.v1 import replication_pb2
+from fencemark.v1 import records_pb2, replication_pb2
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,20 @@ def decode_states(states: list[bytes], field: str = "states") -> list[Record]:
     return records
 
 
+def claim_event(event: Event) -> records_pb2.ClaimEvent:
+    """``event`` as ``Records.History`` shows it, and as a push carries it."""
+    message = records_pb2.ClaimEvent(
+        kind=event.kind, fencing_token=event.token, owner=event.owner,
+        identity=event.identity, detail=event.detail, actor=event.actor,
+    )  # fmt: skip
+    if event.at_ms > 0:
+        message.at.FromMilliseconds(event.at_ms)
+    return message
+
+
 def decided_event(index: int, event: Event) -> replication_pb2.DecidedEvent:
     """``event``, decided with the state at ``index`` of a push, as it travels."""
-    return replication_pb2.DecidedEvent(
-        state=index, at_ms=event.at_ms, kind=event.kind, fencing_token=event.token,
-        owner=event.owner, identity=event.identity, detail=event.detail, actor=event.actor,
-    )  # fmt: skip
+    return replication_pb2.DecidedEvent(state=index, event=claim_event(event))
 
 
 def learnt_events(sent: Sequence[replication_pb2.DecidedEvent], states: int) -> list[list[Event]]:
@@ -65,24 +73,22 @@ def learnt_events(sent: Sequence[replication_pb2.DecidedEvent], states: int) -> 
     (``InvalidInput`` naming the field) unless each names a state of the push, a known
     kind and short texts, at most ``MAX_EVENTS_PER_STATE`` a state."""
     learnt: list[list[Event]] = [[] for _ in range(states)]
-    for n, sent_event in enumerate(sent):
-        field = f"events[{n}]"
-        if sent_event.state >= states:
+    for n, decided in enumerate(sent):
+        field, event = f"events[{n}]", decided.event
+        if decided.state >= states:
+            raise InvalidInput.field(f"{field}.state", f"names state {decided.state} of {states}")
+        if event.kind not in KINDS:
             raise InvalidInput.field(
-                f"{field}.state", f"names state {sent_event.state} of {states}"
+                f"{field}.event.kind", f"not a claim event: {event.kind[:40]!r}"
             )
-        if sent_event.kind not in KINDS:
-            raise InvalidInput.field(
-                f"{field}.kind", f"not a claim event: {sent_event.kind[:40]!r}"
-            )
-        texts = (sent_event.owner, sent_event.identity, sent_event.detail, sent_event.actor)
+        texts = (event.owner, event.identity, event.detail, event.actor)
         if any(len(text) > MAX_EVENT_TEXT for text in texts):
-            raise InvalidInput.field(field, f"a text over {MAX_EVENT_TEXT} characters")
-        own = learnt[sent_event.state]
+            raise InvalidInput.field(f"{field}.event", f"a text over {MAX_EVENT_TEXT} characters")
+        own = learnt[decided.state]
         if len(own) == MAX_EVENTS_PER_STATE:
             raise InvalidInput.field(field, f"over {MAX_EVENTS_PER_STATE} events for one state")
-        own.append(Event(sent_event.at_ms, sent_event.kind, sent_event.fencing_token,
-                         *texts))  # fmt: skip
+        at_ms = event.at.ToMilliseconds() if event.HasField("at") else 0
+        own.append(Event(at_ms, event.kind, event.fencing_token, *texts))
     return learnt
 
 
