@@ -60,6 +60,11 @@ log = logging.getLogger(__name__)
 # A fellow member that may lack what it acknowledged (``Tree`` said ``owed``): how
 # long a member catching up waits before asking it again.
 OWED_PEER_PAUSE_S = 0.25
+# A majority push waits for the one under way to the same member only while that
+# one is younger than this: a round trip, under load. A call that has taken longer
+# may be stuck on a link that was cut (until its deadline); the pushes after it go
+# on their own, at once, as they would with no push under way.
+JOIN_WITHIN_S = 0.5
 
 
 class Replicator(Rounds):
@@ -114,6 +119,7 @@ class Replicator(Rounds):
         # Majority pushes waiting for the one under way to a fellow member, by name
         # (``push_to_member``): sent together when it returns.
         self._waiting: dict[str, list[_Waiting]] = {}
+        self._pushing_since: dict[str, float] = {}  # when the call under way began
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -189,10 +195,16 @@ class Replicator(Rounds):
             await self._members_changed.wait()
         mine = _Waiting(states, events, asyncio.get_running_loop().create_future())
         waiting = self._waiting.get(name)
-        if waiting is not None:  # a push to it is under way: go with the next one
-            waiting.append(mine)
-            return await asyncio.shield(mine.held)
+        if waiting is not None:
+            if time.monotonic() - self._pushing_since[name] < JOIN_WITHIN_S:
+                waiting.append(mine)  # a push to it is under way: go with the next one
+                return await asyncio.shield(mine.held)
+            refused = await self._push(peer, states, events)  # that one may be stuck
+            self._reached(peer)
+            peer.answered()
+            return refused == 0
         self._waiting[name] = []
+        self._pushing_since[name] = time.monotonic()
         task = asyncio.create_task(self._push_waiting(peer, name, [mine]))
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
@@ -205,6 +217,7 @@ class Replicator(Rounds):
         member holds its states (False: it refused any of the call's)."""
         try:
             while batch:
+                self._pushing_since[name] = time.monotonic()
                 states = [state for one in batch for state in one.states]
                 events = [list(e) for one in batch for e in _padded(one)]
                 try:
