@@ -22,13 +22,22 @@ any minority of members, disks included, loses nothing that was acknowledged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import Callable, Sequence
 
+import grpc
+
+from fencemark.node.replication.link import PeerLeft
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.rules import quorum
 from fencemark.node.rules.errors import NoMajority
 from fencemark.node.store.events import Event
+
+log = logging.getLogger(__name__)
+
+# What a push to a fellow member that does not hold the states raises: the call
+# failed (unreachable, refused, past its deadline) or the member left the peers.
+EXPECTED = (grpc.aio.AioRpcError, PeerLeft, TimeoutError)
 
 # Pushes to one member left running after their majority answered; past this (a member
 # far behind, or cut off), the next one is cancelled instead and the eager push and
@@ -76,8 +85,14 @@ class Majority:
         try:
             async with asyncio.timeout(self.timeout_s):
                 for answer in asyncio.as_completed(pushes.values()):
-                    with contextlib.suppress(Exception):  # unreachable, refused: not acked
+                    try:
                         holders.add(await answer)
+                    except EXPECTED:  # unreachable, refused, gone: not acked
+                        pass
+                    except Exception:  # a fault of this node's: not acked, and said
+                        log.exception(
+                            "a majority push to a fellow member of %s failed", self.region
+                        )
                     if quorum.acknowledged(names, holders):
                         self._let_finish(pushes, keys)
                         return
