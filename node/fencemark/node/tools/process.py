@@ -129,17 +129,24 @@ class NodeProcess:
         return await self._end(signal.SIGKILL, 15.0)
 
     async def _end(self, sig: signal.Signals, grace: float) -> int:
-        if self.proc.returncode is None:
-            self.proc.send_signal(sig)
-            try:
-                async with asyncio.timeout(grace):
-                    await self.proc.wait()
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+        await _signal_and_wait(self.proc, sig, grace)
         await self._drain
         assert self.proc.returncode is not None
         return self.proc.returncode
+
+
+async def _signal_and_wait(
+    proc: asyncio.subprocess.Process, sig: signal.Signals, grace: float
+) -> None:
+    """``sig`` to ``proc`` if it runs, then its end: SIGKILL after ``grace`` seconds."""
+    if proc.returncode is None:
+        proc.send_signal(sig)
+        try:
+            async with asyncio.timeout(grace):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 def _limit_files(limit: int) -> None:
@@ -209,13 +216,6 @@ class ServerProcess:
                 return
 
     async def stop(self, grace: float = 10.0) -> None:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(grace):
-                    await self.proc.wait()
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+        await _signal_and_wait(self.proc, signal.SIGTERM, grace)
         if self._ports is not None:
             self._ports.close()
