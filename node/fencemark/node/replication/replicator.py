@@ -29,7 +29,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -116,10 +116,9 @@ class Replicator(Rounds):
         # Set when a call gets across to or from a peer after a while in which no call
         # of this node's reached any peer: the next round need not wait (_reached).
         self._round_due = asyncio.Event()
-        # Majority pushes waiting for the one under way to a fellow member, by name
-        # (``push_to_member``): sent together when it returns.
-        self._waiting: dict[str, list[_Waiting]] = {}
-        self._pushing_since: dict[str, float] = {}  # when the call under way began
+        # The majority push under way to a fellow member, by name, and those waiting
+        # for it (``push_to_member``): sent together when it returns.
+        self._pushing: dict[str, _Pushing] = {}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -194,49 +193,53 @@ class Replicator(Rounds):
         while (peer := self._peers.get(name)) is None:
             await self._members_changed.wait()
         mine = _Waiting(states, events, asyncio.get_running_loop().create_future())
-        waiting = self._waiting.get(name)
-        if waiting is not None:
-            if time.monotonic() - self._pushing_since[name] < JOIN_WITHIN_S:
-                waiting.append(mine)  # a push to it is under way: go with the next one
-                return await asyncio.shield(mine.held)
-            refused = await self._push(peer, states, events)  # that one may be stuck
-            self._reached(peer)
-            peer.answered()
-            return refused == 0
-        self._waiting[name] = []
-        self._pushing_since[name] = time.monotonic()
-        task = asyncio.create_task(self._push_waiting(peer, name, [mine]))
-        self._tasks.append(task)
-        task.add_done_callback(self._tasks.remove)
+        pushing = self._pushing.get(name)
+        if pushing is None:
+            self._pushing[name] = _Pushing(time.monotonic())
+            task = asyncio.create_task(self._push_waiting(peer, name, [mine]))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+        elif time.monotonic() - pushing.since < JOIN_WITHIN_S:
+            pushing.waiting.append(mine)  # a push to it is under way: go with the next one
+        else:
+            return await self._push_held(peer, states, events)  # that one may be stuck
         return await asyncio.shield(mine.held)
+
+    async def _push_held(
+        self, peer: PeerLink, states: Sequence[bytes], events: Sequence[Sequence[Event]]
+    ) -> bool:
+        """One majority push to ``peer``: whether it holds every state."""
+        refused = await self._push(peer, states, events)
+        self._reached(peer)
+        peer.answered()
+        return refused == 0
 
     async def _push_waiting(self, peer: PeerLink, name: str, batch: list[_Waiting]) -> None:
         """Push ``batch`` to fellow member ``name`` in one call, then whatever was
         asked meanwhile, in one more, until none waits: under load a member gets one
         ``Push`` per round trip, not one per commit. Each asker hears whether the
         member holds its states (False: it refused any of the call's)."""
+        pushing = self._pushing[name]
         try:
             while batch:
-                self._pushing_since[name] = time.monotonic()
+                pushing.since = time.monotonic()
                 states = [state for one in batch for state in one.states]
-                events = [list(e) for one in batch for e in _padded(one)]
+                events = [given for one in batch for given in _padded(one)]
                 try:
-                    refused = await self._push(peer, states, events)
+                    held = await self._push_held(peer, states, events)
                 except Exception as exc:
                     for one in batch:
                         if not one.held.done():
                             one.held.set_exception(exc)
                             one.held.exception()  # whoever gave up on it need not see it
                 else:
-                    self._reached(peer)
-                    peer.answered()
                     for one in batch:
                         if not one.held.done():
-                            one.held.set_result(refused == 0)
-                batch = self._waiting.get(name, [])
-                self._waiting[name] = []
+                            one.held.set_result(held)
+                batch, pushing.waiting = pushing.waiting, []
         finally:
-            for one in self._waiting.pop(name, []) + batch:
+            del self._pushing[name]
+            for one in pushing.waiting + batch:
                 if not one.held.done():
                     one.held.cancel()
 
@@ -781,6 +784,15 @@ class _Waiting:
     states: Sequence[bytes]
     events: Sequence[Sequence[Event]]
     held: asyncio.Future[bool]
+
+
+@dataclass
+class _Pushing:
+    """A majority push under way to one fellow member: when it began, and the pushes
+    asked since, to go together in the next call."""
+
+    since: float
+    waiting: list[_Waiting] = field(default_factory=list)
 
 
 def _padded(waiting: _Waiting) -> list[Sequence[Event]]:
