@@ -12,6 +12,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
+from fencemark.client import AsyncClient, FencemarkError, tls_credentials
 from tests.dockerenv import DEPLOY, ETCD_IMAGE, IMAGE, IMAGE_UID, inspect, run
 from tests.ports import free_port
 
@@ -129,3 +130,24 @@ def data_root(tmp_path: Path) -> tuple[Path, dict[str, str]]:
             os.chown(path, IMAGE_UID, IMAGE_UID)
         return root, {}
     return root, {"FENCEMARK_UID": str(os.getuid()), "FENCEMARK_GID": str(os.getgid())}
+
+
+async def us_decider(
+    ports: dict[str, int], root: Path, *, every_member: bool = False
+) -> tuple[str, int]:
+    """The member of us that its members name as decider, and its term, asked as the
+    stack's ``operator`` (its certificates under ``root``); ("", 0) while they name
+    none, or differ, or (``every_member``) one does not answer."""
+    named = set()
+    for member in MEMBERS:
+        try:
+            async with AsyncClient(f"127.0.0.1:{ports[member]}", timeout=3.0, retries=0,
+                                   credentials=tls_credentials(root / "certs", "operator")
+                                   ) as client:  # fmt: skip
+                info = await client.info()
+        except FencemarkError:
+            if every_member:
+                return "", 0
+            continue
+        named.add((info.decider.member, info.decider.term) if info.decider else ("", 0))
+    return named.pop() if len(named) == 1 else ("", 0)

@@ -33,7 +33,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fencemark.client import AsyncClient, FencemarkError, tls_credentials
+from fencemark.client import AsyncClient, tls_credentials
 from tests.compose import (
     COMPOSE_FILE,
     DATA_VARIABLE,
@@ -44,6 +44,7 @@ from tests.compose import (
     REGIONS,
     clean_env,
     port_variable,
+    us_decider,
 )
 from tests.conftest import StartNode
 from tests.dockerenv import (
@@ -353,21 +354,6 @@ class Failover:
     term: int = 0
     key: str = "repo/deploy-test/mem/failover/held"
     token: int = 0
-
-
-async def us_decider(ports: dict[str, int], root: Path) -> tuple[str, int]:
-    """The member of us that its answering members name as decider, and its term
-    ("" while they name none, or differ)."""
-    named = set()
-    for member in MEMBERS:
-        try:
-            async with AsyncClient(f"127.0.0.1:{ports[member]}", timeout=3.0, retries=0,
-                                   credentials=operator(root)) as client:  # fmt: skip
-                info = await client.info()
-        except FencemarkError:
-            continue
-        named.add((info.decider.member, info.decider.term) if info.decider else ("", 0))
-    return named.pop() if len(named) == 1 else ("", 0)
 
 
 async def hold_a_claim(ports: dict[str, int], root: Path, held: Failover) -> None:

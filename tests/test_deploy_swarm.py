@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from fencemark.client import AsyncClient, FencemarkError, tls_credentials
-from tests.compose import ETCDS, MEMBERS, NODES, REGIONS, port_variable
+from fencemark.client import AsyncClient, tls_credentials
+from tests.compose import ETCDS, MEMBERS, NODES, REGIONS, port_variable, us_decider
 from tests.dockerenv import BUILD_LIMIT_S, run, wait_until
 from tests.docrun import DEPLOY_DOCS, Hook, OperatorSite, Shell, run_steps, steps_of
 from tests.test_deploy_prometheus import NODE_TARGETS
@@ -188,19 +188,6 @@ async def still_held(
             assert status.claim is not None and status.claim.fencing_token == token, status
 
 
-async def one_decider(ports: dict[str, int], root: Path) -> bool:
-    """Whether every member of us answers, naming the same decider."""
-    named = set()
-    for member in MEMBERS:
-        try:
-            async with client(ports[member], root) as c:
-                info = await c.info()
-        except FencemarkError:
-            return False
-        named.add(info.decider.member if info.decider else "")
-    return len(named) == 1 and "" not in named
-
-
 async def digests(port: int, root: Path) -> dict[str, bytes]:
     async with client(port, root) as c:
         return {r.key: r.digest async for r in c.iter_records(REPO, include_deleted=True)}
@@ -247,8 +234,11 @@ def test_deploy_md_swarm_steps_run_as_written(swarm_node: str, operator_site: Op
         wait_until(f"{ROLLED} healthy again", READY_LIMIT_S, lambda: stack.healthy(ROLLED))
         after = stack.running_task(ROLLED)
         assert after is not None and after[0] not in before_roll, "the update made no new task"
-        wait_until("us's members naming one decider", READY_LIMIT_S,
-                   lambda: asyncio.run(one_decider(ports, site.data)))  # fmt: skip
+
+        def one_decider() -> bool:
+            return asyncio.run(us_decider(ports, site.data, every_member=True))[0] != ""
+
+        wait_until("us's members naming one decider", READY_LIMIT_S, one_decider)
         asyncio.run(still_held(writers, site.data, claimed))
         seen: dict[str, dict[str, bytes]] = {}
 
