@@ -258,6 +258,37 @@ async def test_a_fellow_members_push_with_malformed_events_is_refused_naming_the
     assert await us_b.storage.get(new.key) is None
 
 
+async def test_two_commits_of_one_record_in_one_push_keep_both_commits_events(
+    members: list[NodeServer],
+) -> None:
+    """A batched push carries each commit's state, so one record can come twice in
+    it: merged in the order sent, each state keeps its own claim events (the later
+    state holds the earlier; merged first, it would leave the earlier's events no
+    change to go with)."""
+    us_b = members[1]
+    key = f"repo/{REPO}/mem/{TOPIC}/twice"
+    now = pack(wall_clock_ms())
+    first = Record(key).create("us", Stamp(0, now, "probe"))
+    second = first.set_fields({"body": "later"}, Stamp(0, now + 1, "probe"))
+    origin = replication_pb2.Origin(region="us", member="us-a", node_id="probe", hlc=now + 1)
+
+    def event(state: int, kind: str, token: int) -> replication_pb2.DecidedEvent:
+        told = records_pb2.ClaimEvent(kind=kind, fencing_token=token, owner="worker-a")
+        told.at.FromMilliseconds(wall_clock_ms())
+        return replication_pb2.DecidedEvent(state=state, event=told)
+
+    request = replication_pb2.PushRequest(
+        origin=origin, states=[codec.encode(first), codec.encode(second)],
+        events=[event(0, "granted", 7), event(1, "released", 7)],
+    )  # fmt: skip
+    async with grpc.aio.insecure_channel(us_b.address) as channel:
+        answer = await replication_pb2_grpc.ReplicationStub(channel).Push(request, timeout=10)
+    assert (answer.merged, answer.refused) == (2, 0)
+    async with AsyncClient(us_b.address, retries=0) as client:
+        told = (await client.history(key)).events
+    assert [(e.kind, e.fencing_token) for e in told] == [("granted", 7), ("released", 7)]
+
+
 async def test_while_etcd_is_away_nobody_decides_reads_go_on_and_a_decider_is_back_after(
     members: list[NodeServer], etcd: tuple[EtcdServer, Path]
 ) -> None:

@@ -124,21 +124,28 @@ async def merge_all(
     if peer is not None and replica.keyring is not None:
         await learn_signers(replica, peer, [records[i] for i in merging])
     await replica.preload([records[i].key for i in merging])  # one read, not one each
-    # Concurrent merges of different records share group commits.
+    # Concurrent merges of different records share group commits. A record sent more
+    # than once (a member's batched push carries each commit's state) is merged in the
+    # order sent, each state with its claim events: the later state holds the earlier,
+    # and merged first it would leave the earlier one's events nothing to change.
     voided: list[MergeRefused] = []  # births void by a sighting: merged, and reported
-    results = await asyncio.gather(
-        *(
-            replica.merge(
-                records[i],
-                encoded[i],
-                sender=sender,
-                voided=voided,
-                learnt=events[i] if i < len(events) else (),
-            )
-            for i in merging
-        ),
-        return_exceptions=True,
-    )
+    in_order: dict[str, list[int]] = {}
+    for i in merging:
+        in_order.setdefault(records[i].key, []).append(i)
+    outcome: dict[int, bool | BaseException] = {}
+
+    async def merge_in_order(indices: list[int]) -> None:
+        for i in indices:
+            try:
+                outcome[i] = await replica.merge(
+                    records[i], encoded[i], sender=sender, voided=voided,
+                    learnt=events[i] if i < len(events) else (),
+                )  # fmt: skip
+            except Exception as exc:
+                outcome[i] = exc
+
+    await asyncio.gather(*(merge_in_order(indices) for indices in in_order.values()))
+    results = [outcome[i] for i in merging]
     changed = 0
     for index, result in zip(merging, results, strict=True):
         if isinstance(result, MergeRefused):
