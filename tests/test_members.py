@@ -531,6 +531,11 @@ async def test_a_member_joins_as_a_learner_and_counts_once_added_one_change_at_a
     us_c = await member(tmp_path, server, certs, "us-c", initial=())
     nodes = [us_a, us_b, us_c]
     try:
+
+        async def set_read() -> bool:  # until then us-a acknowledges nothing (NO_MAJORITY)
+            return us_a.member is not None and us_a.member.configured() == ("us-a", "us-b")
+
+        await eventually(set_read, "us-a reading the member set from etcd", within=10)
         async with AsyncClient(us_a.address, retries=0) as a:
             made = (await a.remember(REPO, TOPIC, "before", tags=["homeRegion:us"])).record
         await wait_converged(nodes, within=20)  # the learner caught up
