@@ -31,6 +31,7 @@ from fencemark.node.security.revocation import Revocations, read_revoked
 from fencemark.node.security.signing import KEY_ID_SIZE, REVOKED_SIGNER, Keyring, Signer
 from fencemark.node.security.tls import Identity, init_dir, issue_into
 from fencemark.node.tools.cli import main
+from fencemark.node.tools.ports import Ports
 from fencemark.v1 import replication_pb2
 from tests.cluster import Cluster, eventually, wait_converged
 from tests.metrics import counters
@@ -262,7 +263,8 @@ async def test_a_birth_signed_by_a_revoked_key_never_takes_a_home(
 
 class SlowPeer:
     """A peer's node that answers ``Certificates`` only once ``release`` is set (or
-    never, until the caller gives up); every other method is UNIMPLEMENTED."""
+    never, until the caller gives up); every other method is UNIMPLEMENTED. With
+    ``certificate`` empty, it knows no certificate (it answers none)."""
 
     def __init__(self, certificate: bytes) -> None:
         self.certificate = certificate
@@ -278,7 +280,8 @@ class SlowPeer:
         self.asked.set()
         try:
             await asyncio.wait_for(self.release.wait(), 60)
-            return replication_pb2.CertificatesResponse(certificates=[self.certificate])
+            known = [self.certificate] if self.certificate else []
+            return replication_pb2.CertificatesResponse(certificates=known)
         finally:
             self.ended.set()
 
@@ -390,3 +393,40 @@ async def test_a_signer_fetch_that_runs_past_its_deadline_is_refused_and_asked_a
             assert (await state_of(us, record.key)).fence.fence == token
         finally:
             await server.stop(0)
+
+
+async def test_a_signer_is_asked_for_at_each_address_of_a_region_until_one_knows_it(
+    tmp_path: Path, certs: Path
+) -> None:
+    """eu as a region of several members, reached at three addresses: the first one
+    down, the second a member that has not merged eu's grant yet (it knows no
+    certificate to answer with), the third one that has. A state signed by eu's key,
+    relayed by eu, is merged at once: the certificate is asked for at each address in
+    turn until one knows it, not refused ``unknown_signer`` until a later exchange."""
+    async with Cluster(tmp_path / "cluster", REGIONS) as cluster:
+        state, token, knowing, server = await slow_eu(cluster, certs)
+        knowing.release.set()
+        unknowing = SlowPeer(b"")
+        unknowing.release.set()
+        ports = Ports()
+        closed, behind = ports.address(), ports.address()
+        other = grpc.aio.server()
+        other.add_generic_rpc_handlers((unknowing.handler(),))
+        other.add_secure_port(behind, files(certs, "eu").server_credentials())
+        await other.start()
+        try:
+            record = codec.decode(state)
+            peers = {
+                "eu": f"{closed},{behind},{cluster.addresses['eu']}",
+                "ap": cluster.addresses["ap"],
+            }
+            us = await cluster.start("us", tls=files(certs, "us"), peers=peers)
+            assert await push(us, certs, "eu", record) == 1
+            assert (unknowing.calls, knowing.calls) == (1, 1)
+            stats = us.replicator.peer_stats("eu")
+            assert stats.merges_refused == 0, stats.last_refusal
+            assert (await state_of(us, record.key)).fence.fence == token
+        finally:
+            await other.stop(0)
+            await server.stop(0)
+            ports.close()

@@ -3,7 +3,9 @@
 A grant can reach a node from any peer (gossip is transitive), so a node may
 receive a fence grant signed by a key it has never seen. Before merging such
 states it asks the peer that delivered them (``Replication.Certificates``): that
-peer merged the grant, so it verified it and knows the certificate. Each one is
+peer merged the grant, so it verified it and knows the certificate. A region of
+several members is asked at each of its addresses in turn, until every key id is
+known: the member that delivered the states may not be the one asked first. Each one is
 checked here against the cluster CA (``Keyring.add``) whoever relayed it, kept in
 the keyring and persisted (storage meta), so it is known after a restart and can
 be relayed on.
@@ -102,15 +104,35 @@ def _start_fetch(
 
 
 async def _fetch(replica: Replica, keyring: Keyring, peer: PeerStats, ask: list[bytes]) -> None:
+    """Ask the peer for the certificates of ``ask``: at the address it is reached at,
+    then at its other addresses (the other members of its region) for those still
+    unknown. The member that delivered the states knows their signers, but may not be
+    the one this node reaches the region at, which may not have merged them yet."""
+    at = peer.addresses.index(peer.address) if peer.address in peer.addresses else 0
+    addresses = [*peer.addresses[at:], *peer.addresses[:at]] or [peer.address]
     try:
-        # The call's deadline tells the peer; the outer one also bounds connecting,
-        # closing the channel, and keeping what it answered.
+        # Each call's deadline tells the peer; the outer one bounds them all, with
+        # connecting, closing the channels, and keeping what they answered.
         async with asyncio.timeout(TIMEOUT_S):
-            async with peer_channel(peer.address, peer.credentials) as channel:
-                stub = replication_pb2_grpc.ReplicationStub(channel)
-                request = replication_pb2.CertificatesRequest(origin=origin(replica), key_ids=ask)
-                response = await stub.Certificates(request, timeout=TIMEOUT_S)
-            await _keep(replica, keyring, peer.region, list(response.certificates[:MAX_KEY_IDS]))
+            for address in addresses:
+                wanted = [kid for kid in ask if kid not in keyring]
+                if not wanted:
+                    return
+                try:
+                    async with peer_channel(address, peer.credentials) as channel:
+                        stub = replication_pb2_grpc.ReplicationStub(channel)
+                        request = replication_pb2.CertificatesRequest(
+                            origin=origin(replica), key_ids=wanted
+                        )
+                        response = await stub.Certificates(request, timeout=TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    if address == addresses[-1]:
+                        raise
+                    log.info("could not fetch signer certificates from %s at %s: %s",
+                             peer.region, address, exc.code().name)  # fmt: skip
+                    continue
+                known = list(response.certificates[:MAX_KEY_IDS])
+                await _keep(replica, keyring, peer.region, known)
     except grpc.aio.AioRpcError as exc:
         log.info("could not fetch signer certificates from %s: %s", peer.region, exc.code().name)
     except TimeoutError:
