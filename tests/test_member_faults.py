@@ -264,6 +264,40 @@ async def test_a_member_cut_from_the_decider_holds_up_nothing_and_converges_once
         await still_held(members, key, held, within=2 * TTL_S)
 
 
+async def test_a_claim_sent_on_right_after_a_write_the_decider_has_not_got_is_granted(
+    members: list[NodeServer], proxies: dict[str, FaultProxy]
+) -> None:
+    """Nothing reaches the decider (its peer listener refuses every connection):
+    a write at another member is acknowledged by the other two alone, and the
+    claim on it, sent on to the decider at once, finds a record the decider does
+    not hold. The decider looks it up at its fellow members before it answers, and
+    grants. A record nobody holds is answered ``missing``; with every member's
+    listener cut, the decider cannot know, and says ``NOT_SERVING``, granting nothing."""
+    decider = await one_decides(members, within=10)
+    other = next(n for n in members if n is not decider)
+
+    async def other_knows_it() -> bool:
+        assert other.member is not None
+        named = other.member.decider()
+        return named is not None and named.member == name_of(decider)
+
+    await eventually(other_knows_it, "the other member names the decider", within=10)
+    proxies[name_of(decider)].cut()
+    async with AsyncClient(other.address, retries=0) as client:
+        for i in range(5):
+            made = await client.remember(REPO, TOPIC, f"sent-on-{i}", tags=["homeRegion:us"])
+            held = await client.claim(made.record.key, "worker-a", lease_seconds=120)
+            assert held.granted, f"claim {i}: {held.reason}"
+        nobody = await client.claim("repo/lattice/mem/backlog/nobodys", "worker-a")
+        assert (nobody.granted, nobody.reason) == (False, "missing")
+        for proxy in proxies.values():
+            proxy.cut()
+        with pytest.raises(Unavailable) as refused:
+            await client.claim("repo/lattice/mem/backlog/nobodys", "worker-a")
+        assert refused.value.reason == "NOT_SERVING"
+    assert await decider.storage.get("repo/lattice/mem/backlog/nobodys") is None
+
+
 async def test_a_decider_cut_from_etcd_alone_stops_and_another_decides(
     members: list[NodeServer], etcd_links: dict[str, list[FaultProxy]]
 ) -> None:

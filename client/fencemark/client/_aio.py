@@ -236,12 +236,17 @@ class AsyncClient:
         ``NOT_DECIDER`` to the decider it names, and asking ``address`` again when a
         remembered decider is unreachable or decides nothing (a failover). At most ``MAX_HOPS``
         sends; a refusal of ``NOT_DECIDER`` changed nothing, so re-sending is safe
-        for every call, fenced writes included."""
+        for every call, fenced writes included. A member that names again the decider
+        which has just refused the call as unavailable gets no second send: that
+        refusal is raised."""
+        refused: tuple[str, Unavailable] | None = None  # the decider's, and its address
         for hop in range(MAX_HOPS):
             to = self._router.via(address)
             try:
                 return await send(to)
             except NotDecider as moved:
+                if refused is not None and refused[0] == moved.address:
+                    raise refused[1] from None
                 if hop == MAX_HOPS - 1 or (to == address and moved.address in ("", to)):
                     raise
                 if moved.address in ("", to):
@@ -250,9 +255,10 @@ class AsyncClient:
                     self._router.forget(address)
                     continue
                 self._router.moved(address, moved.address)
-            except Unavailable:
+            except Unavailable as unavailable:
                 if to == address or hop == MAX_HOPS - 1:
                     raise
+                refused = (to, unavailable)
                 # A remembered decider down, or no longer deciding: ask ``address``.
                 self._router.forget(address)
         raise AssertionError("unreachable: the last hop returns or raises")

@@ -243,6 +243,7 @@ async def replication(
         replicator.configured = member.configured  # a member's catch-up counts a majority
         majority = Majority(replicator, timeout_s=config.member.ttl_s)
         core.storage.acknowledge = majority.acknowledge
+        core.claims.look_up = majority.look_up  # a claim on a record not here yet
     return Replication(peers, replicator, lives, gate, catching_up, member)
 
 

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from fencemark.node.core.lines import Lines
@@ -82,6 +82,9 @@ class Claims:
         self.outcomes: Counter[str] = Counter()
         self.waits = 0
         self.waiting_total = 0  # callers in ``waiter``: for a record or a topic's items
+        # At a member of a region of several: merge a record's state from the fellow
+        # members (``replication.majority.Majority.look_up``).
+        self.look_up: Callable[[str], Awaitable[None]] | None = None
 
     @property
     def waiting(self) -> int:
@@ -125,6 +128,7 @@ class Claims:
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
         wait_s = validation.wait(wait_seconds)
+        await self._held_here(key)
         ahead = self.queue_depth(key) > 0
         outcome, _ = await self._try(key, owner, caller, lease_ms, queued_ahead=ahead)
         if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
@@ -134,6 +138,17 @@ class Claims:
                 )
         self.outcomes["granted" if outcome.reason is None else outcome.reason.value] += 1
         return outcome
+
+    async def _held_here(self, key: str) -> None:
+        """At a deciding member, a record it does not hold is first looked up at its
+        fellow members (``look_up``): a write acknowledged by a majority it was not
+        part of may not have reached it yet, and the claim, sent on to the decider
+        right after that write, would be answered ``missing``."""
+        if self.look_up is None or not self.deciding:
+            return
+        stored = await self.replica.find(key)
+        if stored is None or not stored.record.exists:
+            await self.look_up(key)
 
     @contextlib.contextmanager
     def waiter(self, client: str, on_wait: Callable[[], None] | None) -> Iterator[None]:

@@ -30,7 +30,7 @@ import grpc
 from fencemark.node.replication.link import PeerLeft
 from fencemark.node.replication.replicator import Replicator
 from fencemark.node.rules import quorum
-from fencemark.node.rules.errors import NoMajority
+from fencemark.node.rules.errors import NoMajority, NotServing
 from fencemark.node.store.events import Event
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,49 @@ class Majority:
                 push.cancel()  # those left to finish are no longer here
         acked = len(holders & set(names))
         raise NoMajority(self.region, acked, quorum.majority(len(names)), len(names), why)
+
+    async def look_up(self, key: str) -> None:
+        """Merge ``key``'s state from the fellow members: for the decider, before it
+        answers a claim on a record it does not hold. A write acknowledged by a
+        majority this member was not part of is then in its hands, and the claim is
+        not answered ``missing``: that majority shares a member with this one and the
+        fellows that answered. Returns once a fellow sent a state, or enough said they
+        hold none (``quorum.fellows_needed``); raises ``NotServing`` when too few
+        answered within ``timeout_s`` (a grant would need them too). A fellow back on
+        a lost disk may answer before it has caught up: the claim is then answered
+        ``missing``, which grants nothing."""
+        names = self.replicator.configured()
+        needed = quorum.fellows_needed(names, self.member, intact=True)
+        if needed == 0:
+            return
+        fellows = [name for name in names if name != self.member]
+        asks = [asyncio.create_task(self.replicator.pull_from_member(n, [key])) for n in fellows]
+        answered = 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                for answer in asyncio.as_completed(asks):
+                    try:
+                        if await answer:
+                            return
+                    except EXPECTED:  # unreachable, refused, gone: no answer
+                        continue
+                    except Exception:  # its state refused here (a clock skew): none
+                        log.exception("looking up %s at a fellow member failed", key)
+                        continue
+                    answered += 1
+                    if answered >= needed:
+                        return
+        except TimeoutError:
+            pass
+        finally:
+            for ask in asks:
+                ask.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+        raise NotServing(
+            f"record {key!r} is not held here, and {answered} of the {needed} fellow"
+            f" members of region {self.region!r} needed to say they hold none answered",
+            retry_after_ms=1000,
+        )
 
     def _let_finish(self, pushes: dict[str, asyncio.Task[str]], keys: list[str]) -> None:
         """Leave the pushes still under way to finish, out of ``pushes``: the member

@@ -243,6 +243,15 @@ class Replicator(Rounds):
                 if not one.held.done():
                     one.held.cancel()
 
+    async def pull_from_member(self, member: str, keys: list[str]) -> int:
+        """Fetch and merge ``keys``' states from fellow member ``member`` now; how
+        many it holds. A member that is not a peer (not registered, or gone) raises
+        ``PeerLeft``; a failed call raises, as any call's."""
+        peer = self._peers.get(f"{self.replica.region}/{member}")
+        if peer is None:
+            raise PeerLeft(f"{member} is not among this node's fellow members")
+        return await self.pull_now(peer, keys)
+
     def held_by(self, member: str, keys: Sequence[str]) -> None:
         """Fellow member ``member`` acknowledged the states of ``keys`` as just
         committed here (``replication.majority``): the eager push that follows their

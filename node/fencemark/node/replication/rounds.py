@@ -269,6 +269,19 @@ class Rounds:
                     await fetching
         return pulled
 
+    async def pull_now(self, peer: PeerLink, keys: list[str]) -> int:
+        """Fetch and merge ``keys``' states from ``peer`` at once, outside any round
+        (at most ``MAX_STATES``); returns how many of them it holds."""
+        request = replication_pb2.FetchRequest(origin=self._origin(), keys=keys)
+        found = await self._call(peer, "Fetch", request, replication_pb2.FetchResponse)
+        states = list(found.states)
+        records = decode_states(states)
+        merged, _ = await merge_all(
+            self.replica, peer.stats.name, records, peer.stats, states=states
+        )
+        peer.stats.records_received += merged
+        return len(records)
+
     @staticmethod
     def _oversized(peer: PeerLink, key: str, digests: tuple[bytes, bytes]) -> None:
         """The peer holds a state of ``key`` over the record size limit and did not send
