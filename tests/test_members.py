@@ -47,6 +47,7 @@ from fencemark.v1 import (
 )
 from tests.cluster import eventually, shared_loop, stop_within, wait_converged
 from tests.etcd_server import EtcdServer, member_config, restricted, serving
+from tests.test_replication import error_info
 
 pytestmark = pytest.mark.slow  # elections and lease times: seconds each
 
@@ -758,7 +759,7 @@ async def test_with_tls_only_a_registered_member_of_the_region_replicates_as_one
 ) -> None:
     """Over mutual TLS a member accepts its own region's certificate only from a
     member registered in etcd: us's certificate calling as an unknown member, or as
-    the region's only node, is refused ``unknown_region`` and merges nothing, while
+    the region's only node, is refused ``unknown_member`` and merges nothing, while
     the registered members replicate with each other."""
     server, certs = etcd
     nodes = [
@@ -788,6 +789,7 @@ async def test_with_tls_only_a_registered_member_of_the_region_replicates_as_one
                     await stub.Push(request, timeout=10)
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, member_name
             assert "registered" in (refused.value.details() or ""), member_name
+            assert error_info(refused.value).metadata["denial"] == "unknown_member"
         assert us_b.storage.record_count == before
         assert await us_b.storage.get(forged.key) is None
     finally:

@@ -103,7 +103,7 @@ class PermissionDenied(FencemarkError):
     ``reason`` is ``missing_right`` (the identity lacks ``right``: read, write,
     claim or replicate), ``no_identity`` (the certificate names no fencemark
     identity), or for replication calls ``unauthenticated_peer``,
-    ``unknown_region`` or ``region_mismatch``, or ``revoked_certificate`` (the
+    ``unknown_region``, ``unknown_member`` or ``region_mismatch``, or ``revoked_certificate`` (the
     caller's certificate is on the node's revocation list), or ``not_holder`` (a
     renewal, release or fenced write with the token of a claim granted to another
     identity; ``right`` is then ``act-for-others``, the right that would allow it);

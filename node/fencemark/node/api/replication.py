@@ -116,7 +116,7 @@ class ReplicationService:
             if origin.region == identity.name and fellow is not None and fellow.member:
                 return
             raise PermissionDenied(
-                Denial.UNKNOWN_REGION,
+                Denial.UNKNOWN_MEMBER,
                 f"{identity} is this node's own region; a call of it must come from a"
                 f" member registered in etcd, not {origin.member or 'a node'!r}",
                 identity=str(identity),

@@ -195,6 +195,9 @@ class Denial(StrEnum):
     UNAUTHENTICATED_PEER = "unauthenticated_peer"
     # Replication: the caller's region is not one of this node's configured peers.
     UNKNOWN_REGION = "unknown_region"
+    # Replication at a member of a region of several: the caller presents this region's
+    # own certificate but is no member registered in etcd (not yet, or not at all).
+    UNKNOWN_MEMBER = "unknown_member"
     # Replication: the request's origin.region is not the region the certificate names.
     REGION_MISMATCH = "region_mismatch"
     # The caller's certificate is on the CRL (crl.pem in the node's --tls-dir).
