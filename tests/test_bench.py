@@ -153,6 +153,9 @@ def check_failover(data: dict[str, Any]) -> None:
         assert drain["ops_per_s"] > 0 and drain["exactly_once"], (setup, drain)
         assert cycles["ops_per_s"] > 0 and cycles["errors"] == 0, (setup, cycles)
     assert price["drain_ratio"] > 0 and price["cycle_ratio"] > 0, price
+    three = price["three_members"]["drain"]
+    assert 0 < three["deciding_cpu_ms_per_item"] < three["cpu_ms_per_item"], three
+    assert price["own_machines_bound"] > 0, price
     for system in ("etcd", "redis"):
         assert data["steady"][system]["rate"] > 0, (system, data["steady"][system])
 

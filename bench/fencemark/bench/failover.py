@@ -164,7 +164,7 @@ async def _price(
         "three_members": (
             [m.address for m in region.members.values()],
             decider.address,
-            [m.proc.pid for m in region.members.values()],
+            [decider.proc.pid, *(m.proc.pid for m in region.members.values() if m is not decider)],
         ),
     }
     drains: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
@@ -201,6 +201,8 @@ async def _fencemark_drain(
     tag: str,
     label: str,
 ) -> dict[str, Any]:
+    """16 agents drain ``settings.drain_items`` items; the CPU of every server process
+    in ``pids`` is counted, the first one's (the node, or the deciding member) also alone."""
     items = settings.drain_items
     topic = f"drain-{tag}-{len(addresses)}"
     progress.status(f"{label}: seeding {items:,} items")
@@ -210,10 +212,10 @@ async def _fencemark_drain(
         agents: list[Agent] = [
             FencemarkAgent(own, topic, f"agent-{i}", ledger, i) for i, own in enumerate(clients)
         ]
-        cpu = sum(cpu_seconds(pid) for pid in pids)
+        before = [cpu_seconds(pid) for pid in pids]
         await run(agents, ledger, progress, label, limit_s=drain_limit_s(items))
-        cpu = sum(cpu_seconds(pid) for pid in pids) - cpu
-    return failover_report.drained(ledger, items, cpu)
+        used = [cpu_seconds(pid) - was for pid, was in zip(pids, before, strict=True)]
+    return failover_report.drained(ledger, items, sum(used), deciding_cpu_s=used[0])
 
 
 @contextlib.asynccontextmanager
