@@ -32,6 +32,7 @@ from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.proxy import FaultProxy
 from tests.cluster import eventually, stop_within, wait_converged
 from tests.etcd_server import EtcdCluster, member_config, restricted_cluster
+from tests.metrics import counters
 
 pytestmark = pytest.mark.slow  # etcd elections, lease times and a 20 s outage
 
@@ -264,6 +265,12 @@ async def test_a_member_cut_from_the_decider_holds_up_nothing_and_converges_once
         await still_held(members, key, held, within=2 * TTL_S)
 
 
+def fetches(node: NodeServer) -> float:
+    """``Replication.Fetch`` calls ``node`` answered."""
+    calls = counters(node, "fencemark_requests", "method", "code")
+    return sum(n for (method, _), n in calls.items() if method.endswith("Fetch"))
+
+
 async def test_a_claim_sent_on_right_after_a_write_the_decider_has_not_got_is_granted(
     members: list[NodeServer], proxies: dict[str, FaultProxy]
 ) -> None:
@@ -271,7 +278,8 @@ async def test_a_claim_sent_on_right_after_a_write_the_decider_has_not_got_is_gr
     a write at another member is acknowledged by the other two alone, and the
     claim on it, sent on to the decider at once, finds a record the decider does
     not hold. The decider looks it up at its fellow members before it answers, and
-    grants. A record nobody holds is answered ``missing``; with every member's
+    grants. A record nobody holds is answered ``missing`` (a burst of claims on it
+    costs each fellow one ``Fetch``); with every member's
     listener cut, the decider cannot know, and says ``NOT_SERVING``, granting nothing."""
     decider = await one_decides(members, within=10)
     other = next(n for n in members if n is not decider)
@@ -290,6 +298,18 @@ async def test_a_claim_sent_on_right_after_a_write_the_decider_has_not_got_is_gr
             assert held.granted, f"claim {i}: {held.reason}"
         nobody = await client.claim("repo/lattice/mem/backlog/nobodys", "worker-a")
         assert (nobody.granted, nobody.reason) == (False, "missing")
+    fellows = [n for n in members if n is not decider]
+    before = [fetches(n) for n in fellows]
+    for fellow in fellows:  # a lookup under way while the whole burst arrives
+        proxies[name_of(fellow)].set_latency(0.3)
+    async with AsyncClient(decider.address, retries=0) as client:
+        burst = [client.claim("repo/lattice/mem/backlog/no-one", f"w-{i}") for i in range(20)]
+        answers = await asyncio.gather(*burst)
+        assert {a.reason for a in answers} == {"missing"}
+    assert [fetches(n) - b for n, b in zip(fellows, before, strict=True)] == [1, 1]
+    for fellow in fellows:
+        proxies[name_of(fellow)].set_latency(0)
+    async with AsyncClient(other.address, retries=0) as client:
         for proxy in proxies.values():
             proxy.cut()
         with pytest.raises(Unavailable) as refused:

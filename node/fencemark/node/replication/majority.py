@@ -22,13 +22,14 @@ any minority of members, disks included, loses nothing that was acknowledged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from fencemark.node.replication.link import PeerLeft
-from fencemark.node.replication.replicator import Replicator
+from fencemark.node.replication.replicator import Fetched, Replicator
 from fencemark.node.rules import quorum
 from fencemark.node.rules.errors import NoMajority, NotServing
 from fencemark.node.store.events import Event
@@ -52,6 +53,7 @@ class Majority:
         self.member = replicator.member
         self.timeout_s = timeout_s
         self._trailing: dict[str, set[asyncio.Task[str]]] = {}  # by member
+        self._looking: dict[str, asyncio.Task[None]] = {}  # look_up under way, by key
 
     async def acknowledge(
         self, keys: list[str], states: list[bytes], events: Sequence[Sequence[Event]] = ()
@@ -110,38 +112,54 @@ class Majority:
         answers a claim on a record it does not hold. A write acknowledged by a
         majority this member was not part of is then in its hands, and the claim is
         not answered ``missing``: that majority shares a member with this one and the
-        fellows that answered. Returns once a fellow sent a state, or enough said they
-        hold none (``quorum.fellows_needed``); raises ``NotServing`` when too few
-        answered within ``timeout_s`` (a grant would need them too). A fellow back on
-        a lost disk may answer before it has caught up: the claim is then answered
-        ``missing``, which grants nothing."""
+        fellows that answered. Returns once a fellow sent a state (merged), or enough
+        said they hold none (``quorum.fellows_needed``); raises ``NotServing`` when too
+        few answered within ``timeout_s`` (a grant would need them too). A fellow back
+        on a lost disk may answer before it has caught up: the claim is then answered
+        ``missing``, which grants nothing. Claims of one key share the lookup under
+        way, so a burst of them costs each fellow one ``Fetch``."""
+        looking = self._looking.get(key)
+        if looking is None:
+            looking = self._looking[key] = asyncio.create_task(self._look_up(key))
+            looking.add_done_callback(functools.partial(self._looked_up, key))
+        await asyncio.shield(looking)
+
+    def _looked_up(self, key: str, task: asyncio.Task[None]) -> None:
+        del self._looking[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: its claims may all have left
+
+    async def _look_up(self, key: str) -> None:
         names = self.replicator.configured()
         needed = quorum.fellows_needed(names, self.member, intact=True)
         if needed == 0:
             return
         fellows = [name for name in names if name != self.member]
-        asks = [asyncio.create_task(self.replicator.pull_from_member(n, [key])) for n in fellows]
+        asks = [asyncio.create_task(self.replicator.fetch_from_member(n, [key])) for n in fellows]
         answered = 0
+        found: Fetched | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
                 for answer in asyncio.as_completed(asks):
                     try:
-                        if await answer:
-                            return
+                        fetched = await answer
                     except EXPECTED:  # unreachable, refused, gone: no answer
                         continue
-                    except Exception:  # its state refused here (a clock skew): none
-                        log.exception("looking up %s at a fellow member failed", key)
-                        continue
+                    if fetched.states:
+                        found = fetched
+                        break
                     answered += 1
                     if answered >= needed:
                         return
         except TimeoutError:
             pass
         finally:
-            for ask in asks:
+            for ask in asks:  # calls only: nothing is merged by them
                 ask.cancel()
             await asyncio.gather(*asks, return_exceptions=True)
+        if found is not None:
+            await found.merge()
+            return
         raise NotServing(
             f"record {key!r} is not held here, and {answered} of the {needed} fellow"
             f" members of region {self.region!r} needed to say they hold none answered",

@@ -243,14 +243,14 @@ class Replicator(Rounds):
                 if not one.held.done():
                     one.held.cancel()
 
-    async def pull_from_member(self, member: str, keys: list[str]) -> int:
-        """Fetch and merge ``keys``' states from fellow member ``member`` now; how
-        many it holds. A member that is not a peer (not registered, or gone) raises
-        ``PeerLeft``; a failed call raises, as any call's."""
+    async def fetch_from_member(self, member: str, keys: list[str]) -> Fetched:
+        """The states of ``keys`` that fellow member ``member`` holds, fetched now
+        (merge them with ``Fetched.merge``). A member that is not a peer (not
+        registered, or gone) raises ``PeerLeft``; a failed call raises, as any call's."""
         peer = self._peers.get(f"{self.replica.region}/{member}")
         if peer is None:
             raise PeerLeft(f"{member} is not among this node's fellow members")
-        return await self.pull_now(peer, keys)
+        return Fetched(self, peer, await self.fetch_now(peer, keys))
 
     def held_by(self, member: str, keys: Sequence[str]) -> None:
         """Fellow member ``member`` acknowledged the states of ``keys`` as just
@@ -784,6 +784,18 @@ class Replicator(Rounds):
             # rounds for a while instead of descending into it again and again.
             peer.behind_until = time.monotonic() + self.tuning.behind_pause_s
         return result
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """States a fellow member sent, not merged yet (``Replicator.fetch_from_member``)."""
+
+    rounds: Rounds
+    peer: PeerLink
+    states: list[bytes]
+
+    async def merge(self) -> None:
+        await self.rounds.merge_fetched(self.peer, self.states)
 
 
 @dataclass

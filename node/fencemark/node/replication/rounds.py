@@ -269,18 +269,20 @@ class Rounds:
                     await fetching
         return pulled
 
-    async def pull_now(self, peer: PeerLink, keys: list[str]) -> int:
-        """Fetch and merge ``keys``' states from ``peer`` at once, outside any round
-        (at most ``MAX_STATES``); returns how many of them it holds."""
+    async def fetch_now(self, peer: PeerLink, keys: list[str]) -> list[bytes]:
+        """The states of ``keys`` that ``peer`` holds, fetched at once, outside any
+        round (at most ``MAX_STATES`` keys); merge them with ``merge_fetched``."""
         request = replication_pb2.FetchRequest(origin=self._origin(), keys=keys)
         found = await self._call(peer, "Fetch", request, replication_pb2.FetchResponse)
-        states = list(found.states)
+        return list(found.states)
+
+    async def merge_fetched(self, peer: PeerLink, states: list[bytes]) -> None:
+        """Merge ``states`` that ``peer`` sent (``fetch_now``)."""
         records = decode_states(states)
         merged, _ = await merge_all(
             self.replica, peer.stats.name, records, peer.stats, states=states
         )
         peer.stats.records_received += merged
-        return len(records)
 
     @staticmethod
     def _oversized(peer: PeerLink, key: str, digests: tuple[bytes, bytes]) -> None:
