@@ -31,7 +31,7 @@ from fencemark.node.crdt import Grant, HybridClock, Record, Stamp
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import wall_clock_ms
 from fencemark.node.rules.admission import ANYONE, Caller, Outcome
-from fencemark.node.rules.errors import Exhausted, InvalidInput, Reason
+from fencemark.node.rules.errors import Exhausted, InvalidInput, NotServing, Reason
 from fencemark.node.store.storage import DB_FILE, Storage
 from tests.conftest import StartNode
 
@@ -499,6 +499,50 @@ async def test_a_waiter_that_times_out_does_not_poll(
     result = await claims.claim(key, "waiter", wait_seconds=0.5, caller=ANYONE)
     assert (result.ok, result.reason) == (False, Reason.TIMEOUT)
     assert wall.reads <= LOOKS, f"{wall.reads} clock reads while waiting: it polled"
+
+
+# -- a record the decider does not hold yet (a region of several members) --------------------
+
+
+async def test_a_deciding_node_looks_up_only_a_record_it_does_not_hold(tmp_path: Path) -> None:
+    """At a member of a region of several, ``Claims.look_up`` fetches a record from
+    the fellow members (``Majority.look_up``; over the wire in
+    ``test_member_faults.py``). Here the fellow is another replica on its own file,
+    and the lookup merges its state. A claim on a record the deciding node lacks
+    looks it up first and is granted; one on a record it holds looks nothing up; a
+    lookup that cannot tell refuses the claim and writes nothing."""
+    (tmp_path / "fellow").mkdir()
+    (tmp_path / "decider").mkdir()
+    async with (
+        claims_on_file(tmp_path / "fellow") as fellow,
+        claims_on_file(tmp_path / "decider") as claims,
+    ):
+        asked: list[str] = []
+
+        async def from_the_fellow(key: str) -> None:
+            asked.append(key)
+            stored = await fellow.replica.find(key)
+            if stored is not None:
+                await claims.replica.merge(stored.record)
+
+        claims.look_up = from_the_fellow
+        elsewhere = await made(fellow, "written-at-the-fellow")
+        granted = await claims.claim(elsewhere, "worker", caller=ANYONE)
+        assert (granted.ok, asked) == (True, [elsewhere])
+        here = await made(claims, "written-here")
+        assert (await claims.claim(here, "worker", caller=ANYONE)).ok
+        assert asked == [elsewhere]
+        nobody = await claims.claim(key_of("nobodys"), "worker", caller=ANYONE)
+        assert (nobody.ok, nobody.reason) == (False, Reason.MISSING)
+
+        async def cannot_tell(key: str) -> None:
+            raise NotServing("too few fellow members answered", retry_after_ms=1000)
+
+        claims.look_up = cannot_tell
+        unknown = await made(fellow, "not-here-yet")
+        with pytest.raises(NotServing):
+            await claims.claim(unknown, "worker", caller=ANYONE)
+        assert await claims.replica.find(unknown) is None
 
 
 # -- the rules of waiting, in-process (issue 15) ------------------------------------------
