@@ -7,7 +7,7 @@ same record: so the change stays in the file, and the caller is answered
 decides goes through ``Replica.transact(..., decides=True)``; each is pinned here,
 by a nap made while its commit is applied: claim, renew, a plain release, a release
 with an outcome, ClaimNext's grant and its retry of a lost reply, reopen and
-force-release. (Issue 33: a mutation run turned ``decides=True`` off on six of these
+force-release; and the withdrawal of a grant whose waiter left. (Issue 33: a mutation run turned ``decides=True`` off on six of these
 paths and no test noticed.)
 
 Each test runs a two-region in-process cluster at the real nap threshold (a node
@@ -27,6 +27,8 @@ from fencemark.client import AsyncClient
 from fencemark.client.errors import Unavailable
 from fencemark.node.api.server import NodeServer
 from fencemark.node.replication.tuning import Tuning
+from fencemark.node.rules.admission import ANYONE
+from fencemark.node.rules.errors import NotServing
 from tests.cluster import Cluster, all_deciding
 
 REPO, TOPIC = "naps", "backlog"
@@ -135,3 +137,18 @@ async def test_a_decision_a_nap_interrupts_is_refused_and_stays_in_the_file(
     assert home.node.replica.gate.naps == 1
     after = await home.node.storage.get(key)
     assert after is not None and after.digest != before.digest, "decided and kept, not answered"
+
+
+async def test_a_withdrawal_a_nap_interrupts_is_refused_and_stays_in_the_file(home: Home) -> None:
+    """The grant made for a waiter that left is withdrawn in-process, by the node
+    itself (``Claims.withdraw``, no call of its own): a nap while that is committed
+    refuses it as well, the withdrawal kept."""
+    key, token = await home.claimed("withdraw")
+    before = await home.node.storage.get(key)
+    assert before is not None
+    home.nap_while_committing(key)
+    with pytest.raises(NotServing, match="stood still"):
+        await home.node.claims.withdraw(key, token, caller=ANYONE)
+    assert home.node.replica.gate.naps == 1
+    after = await home.node.storage.get(key)
+    assert after is not None and after.record.fence.ended(token), "withdrawn and kept"
