@@ -7,8 +7,8 @@ same record: so the change stays in the file, and the caller is answered
 decides goes through ``Replica.transact(..., decides=True)``; each is pinned here,
 by a nap made while its commit is applied: claim, renew, a plain release, a release
 with an outcome, ClaimNext's grant and its retry of a lost reply, reopen and
-force-release; and the withdrawal of a grant whose waiter left. (Issue 33: a mutation run turned ``decides=True`` off on six of these
-paths and no test noticed.)
+force-release; and the withdrawal of a grant whose waiter left. (Issue 33: a mutation
+run turned ``decides=True`` off on six of these paths and no test noticed.)
 
 Each test runs a two-region in-process cluster at the real nap threshold (a node
 without peers has no one to settle with, and never takes a stall for a nap).
