@@ -250,7 +250,7 @@ class Replicator(Rounds):
         peer = self._peers.get(f"{self.replica.region}/{member}")
         if peer is None:
             raise PeerLeft(f"{member} is not among this node's fellow members")
-        return Fetched(self, peer, await self.fetch_now(peer, keys))
+        return Fetched(self, peer, list((await self.fetch_now(peer, keys)).states))
 
     def held_by(self, member: str, keys: Sequence[str]) -> None:
         """Fellow member ``member`` acknowledged the states of ``keys`` as just

@@ -253,15 +253,7 @@ class Rounds:
                 fetching = self._fetch(peer, pull[:MAX_STATES]) if pull else None
                 for key in found.oversized:  # never sent: the round goes on without it
                     self._oversized(peer, key, wanted.get(key, (b"", b"")))
-                states = list(found.states)
-                records = decode_states(states)
-                # Merged first, counted after: ``count += await ...`` would read the
-                # count before the merge and lose a push's counted meanwhile.
-                merged, _ = await merge_all(
-                    self.replica, peer.stats.name, records, peer.stats, states=states
-                )
-                peer.stats.records_received += merged
-                pulled += len(records)
+                pulled += await self.merge_fetched(peer, list(found.states))
         finally:
             if fetching is not None:  # the round failed: drop the fetch ahead, quietly
                 fetching.cancel()
@@ -269,20 +261,22 @@ class Rounds:
                     await fetching
         return pulled
 
-    async def fetch_now(self, peer: PeerLink, keys: list[str]) -> list[bytes]:
-        """The states of ``keys`` that ``peer`` holds, fetched at once, outside any
-        round (at most ``MAX_STATES`` keys); merge them with ``merge_fetched``."""
+    async def fetch_now(self, peer: PeerLink, keys: list[str]) -> replication_pb2.FetchResponse:
+        """The states of ``keys`` (at most ``MAX_STATES``) that ``peer`` holds, fetched
+        now; merge them with ``merge_fetched``."""
         request = replication_pb2.FetchRequest(origin=self._origin(), keys=keys)
-        found = await self._call(peer, "Fetch", request, replication_pb2.FetchResponse)
-        return list(found.states)
+        return await self._call(peer, "Fetch", request, replication_pb2.FetchResponse)
 
-    async def merge_fetched(self, peer: PeerLink, states: list[bytes]) -> None:
-        """Merge ``states`` that ``peer`` sent (``fetch_now``)."""
+    async def merge_fetched(self, peer: PeerLink, states: list[bytes]) -> int:
+        """Merge ``states`` that ``peer`` sent (``fetch_now``); returns how many arrived."""
         records = decode_states(states)
+        # Merged first, counted after: ``count += await ...`` would read the count
+        # before the merge and lose a push's counted meanwhile.
         merged, _ = await merge_all(
             self.replica, peer.stats.name, records, peer.stats, states=states
         )
         peer.stats.records_received += merged
+        return len(records)
 
     @staticmethod
     def _oversized(peer: PeerLink, key: str, digests: tuple[bytes, bytes]) -> None:
@@ -297,10 +291,7 @@ class Rounds:
     def _fetch(
         self, peer: PeerLink, keys: list[str]
     ) -> asyncio.Task[replication_pb2.FetchResponse]:
-        request = replication_pb2.FetchRequest(origin=self._origin(), keys=keys)
-        return asyncio.create_task(
-            self._call(peer, "Fetch", request, replication_pb2.FetchResponse)
-        )
+        return asyncio.create_task(self.fetch_now(peer, keys))
 
 
 def _listing_chunks(nodes: list[tuple[int, int]], first: int) -> list[list[int]]:
