@@ -128,9 +128,14 @@ class Claims:
         validation.owner(owner)
         lease_ms = round(validation.lease(lease_seconds) * 1000)
         wait_s = validation.wait(wait_seconds)
-        await self._held_here(key)
         ahead = self.queue_depth(key) > 0
         outcome, _ = await self._try(key, owner, caller, lease_ms, queued_ahead=ahead)
+        if outcome.reason is Reason.MISSING and self.look_up is not None:
+            # At a deciding member (only one decides; the others redirect): a write
+            # acknowledged by a majority it is not in may not have reached it yet, and
+            # a claim sent on to it right after that write would be answered missing.
+            await self.look_up(key)
+            outcome, _ = await self._try(key, owner, caller, lease_ms, queued_ahead=ahead)
         if not (outcome.ok or outcome.reason is not Reason.CONTENDED or wait_s == 0):
             with self.waiter(client, on_wait):
                 outcome = await self._wait_in_line(
@@ -138,17 +143,6 @@ class Claims:
                 )
         self.outcomes["granted" if outcome.reason is None else outcome.reason.value] += 1
         return outcome
-
-    async def _held_here(self, key: str) -> None:
-        """At a deciding member, a record it does not hold is first looked up at its
-        fellow members (``look_up``): a write acknowledged by a majority it was not
-        part of may not have reached it yet, and the claim, sent on to the decider
-        right after that write, would be answered ``missing``."""
-        if self.look_up is None or not self.deciding:
-            return
-        stored = await self.replica.find(key)
-        if stored is None or not stored.record.exists:
-            await self.look_up(key)
 
     @contextlib.contextmanager
     def waiter(self, client: str, on_wait: Callable[[], None] | None) -> Iterator[None]:
