@@ -109,7 +109,7 @@ async def _fetch(replica: Replica, keyring: Keyring, peer: PeerStats, ask: list[
     unknown. The member that delivered the states knows their signers, but may not be
     the one this node reaches the region at, which may not have merged them yet."""
     at = peer.addresses.index(peer.address) if peer.address in peer.addresses else 0
-    addresses = [*peer.addresses[at:], *peer.addresses[:at]] or [peer.address]
+    addresses = [*peer.addresses[at:], *peer.addresses[:at]]
     try:
         # Each call's deadline tells the peer; the outer one bounds them all, with
         # connecting, closing the channels, and keeping what they answered.
@@ -126,15 +126,11 @@ async def _fetch(replica: Replica, keyring: Keyring, peer: PeerStats, ask: list[
                         )
                         response = await stub.Certificates(request, timeout=TIMEOUT_S)
                 except grpc.aio.AioRpcError as exc:
-                    if address == addresses[-1]:
-                        raise
                     log.info("could not fetch signer certificates from %s at %s: %s",
                              peer.region, address, exc.code().name)  # fmt: skip
                     continue
                 known = list(response.certificates[:MAX_KEY_IDS])
                 await _keep(replica, keyring, peer.region, known)
-    except grpc.aio.AioRpcError as exc:
-        log.info("could not fetch signer certificates from %s: %s", peer.region, exc.code().name)
     except TimeoutError:
         log.info("could not fetch signer certificates from %s: no answer in time", peer.region)
     except Exception:  # a local fault (storage): the states wait for a later exchange
