@@ -360,11 +360,12 @@ async def test_a_node_whose_event_loop_stood_still_settles_again_before_it_decid
         key = f"repo/{REPO}/mem/{TOPIC}/item-1"
         gate = us.replica.gate
         assert not gate.fresh
+        naps = gate.naps  # a loaded machine may have stalled the process already
         time.sleep(gate.nap_s * 2)  # noqa: ASYNC251 - the event loop stands still: a nap
         async with AsyncClient(us.address, retries=0) as client:
             with pytest.raises(Unavailable, match="stood still"):
                 await client.claim(key, "worker-a", lease_seconds=60)
-        assert gate.naps == 1 and not us.replica.deciding
+        assert gate.naps > naps and not us.replica.deciding
         assert gauges(us, "fencemark_claims_serving") == {(): 0.0}
         async with AsyncClient(us.address) as client:  # retried through the pushback
             claim = await client.claim(key, "worker-a", lease_seconds=60)
@@ -467,11 +468,12 @@ async def test_a_claim_waiting_in_line_is_not_granted_while_its_home_settles_aft
                 client.claim(item.key, "worker-b", lease_seconds=60, wait_seconds=30)
             )
             await eventually(_queued(us, item.key), "worker-b waiting in line")
+            naps = gate.naps
             time.sleep(gate.nap_s * 2)  # noqa: ASYNC251 - the event loop stands still: a nap
             # worker-a's lease lapses within 4 naps; us settles for 1 + SETTLE_S (5 s).
             with pytest.raises(Unavailable, match="stood still"):
                 await waiting
-        assert gate.naps == 1
+        assert gate.naps > naps
         stored = await us.storage.get(item.key)
         assert stored is not None and stored.record.fence.fence == held.fencing_token
 
@@ -516,13 +518,14 @@ async def test_nodes_that_nap_together_wait_as_asked_instead_of_calling_each_oth
         us, eu = await c.start_all()
         await all_deciding(us, eu)
         caplog.clear()
+        naps = us.replica.gate.naps, eu.replica.gate.naps
         time.sleep(Tuning().nap_s * 2)  # noqa: ASYNC251 - both event loops stand still
         await eventually(_settling(us), "us settling after its nap")
         await all_deciding(us, eu, within=SETTLE_S * 2)
         refused = [r for r in caplog.records if getattr(r, "code", "") == "UNAVAILABLE"]
         # A round, a heartbeat and a push refused, each way, at most twice in the second.
         assert 0 < len(refused) <= 12, [r.getMessage() for r in refused]
-        assert us.replica.gate.naps == eu.replica.gate.naps == 1
+        assert us.replica.gate.naps > naps[0] and eu.replica.gate.naps > naps[1]
 
 
 def _queued(node: NodeServer, key: str) -> Callable[[], Awaitable[bool]]:
@@ -549,8 +552,10 @@ async def test_a_grant_decided_before_a_nap_is_not_handed_out_after_it(tmp_path:
         async with AsyncClient(us.address) as client:
             item = (await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])).record
 
+        naps = us.replica.gate.naps  # a loaded machine may have stalled the process already
+
         def nap_once(key: str) -> None:  # called as the grant is committed
-            if key == item.key and not us.replica.gate.naps:
+            if key == item.key and us.replica.gate.naps == naps:
                 time.sleep(us.replica.gate.nap_s * 2)
 
         us.replica.on_change(nap_once)
@@ -559,7 +564,7 @@ async def test_a_grant_decided_before_a_nap_is_not_handed_out_after_it(tmp_path:
                 await client.claim(item.key, "worker-a", lease_seconds=2)
         stored = await us.storage.get(item.key)
         assert stored is not None and stored.record.fence.fence >= 1  # decided, not given
-        assert us.replica.gate.naps == 1
+        assert us.replica.gate.naps > naps
 
 
 async def test_a_copy_does_not_settle_on_a_peer_that_was_paused_while_it_settled(
