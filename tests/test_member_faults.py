@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -87,12 +88,16 @@ async def etcd_links(etcd: tuple[EtcdCluster, Path]) -> AsyncIterator[dict[str, 
 
 @pytest.fixture
 async def members(
+    request: pytest.FixtureRequest,
     tmp_path: Path,
     etcd: tuple[EtcdCluster, Path],
     proxies: dict[str, FaultProxy],
     etcd_links: dict[str, list[FaultProxy]],
 ) -> AsyncIterator[list[NodeServer]]:
+    """The three members, each behind its proxy; a test's indirect parameter, if
+    any, is settings of their configuration (``member_config``'s overrides)."""
     cluster, certs = etcd
+    overrides: dict[str, Any] = getattr(request, "param", {})
     nodes: list[NodeServer] = []
     try:
         for name in MEMBERS:
@@ -100,7 +105,7 @@ async def members(
             config = member_config(
                 tmp_path, cluster, certs, name, ttl_s=TTL_S, initial=MEMBERS,
                 peer_listen=proxy.upstream, advertise_peer=proxy.address,
-                etcd_endpoints=[link.address for link in etcd_links[name]],
+                etcd_endpoints=[link.address for link in etcd_links[name]], **overrides,
             )  # fmt: skip
             nodes.append(await NodeServer.start(config))
         yield nodes
@@ -316,6 +321,62 @@ async def test_a_claim_sent_on_right_after_a_write_the_decider_has_not_got_is_gr
             await client.claim("repo/lattice/mem/backlog/nobodys", "worker-a")
         assert refused.value.reason == "NOT_SERVING"
     assert await decider.storage.get("repo/lattice/mem/backlog/nobodys") is None
+
+
+# Rounds a minute apart: the decider pulls no record in its own rounds while a test
+# runs, and holds only what it is pushed (or looks up).
+RARE_ROUNDS = {"anti_entropy_interval": 60.0}
+
+
+@pytest.mark.parametrize("members", [RARE_ROUNDS], indirect=True, ids=["rare-rounds"])
+async def test_a_fellow_back_on_a_lost_disk_does_not_answer_a_lookup_with_none(
+    members: list[NodeServer], proxies: dict[str, FaultProxy]
+) -> None:
+    """A write at another member is acknowledged by the two that are not the
+    decider; then one of them is stopped and the other comes back on a lost disk.
+    The decider, asked to claim the record, looks it up: the member on the lost disk
+    holds none, but it may lack what it acknowledged (its ``Fetch`` answer says
+    ``owed``), so its answer counts for nothing, and with the other member down the
+    decider cannot tell: ``NOT_SERVING``, not ``missing``, and nothing written. Back,
+    the member that holds the write answers the next lookup, and the claim is
+    granted."""
+    decider = await one_decides(members, within=10)
+    writer, lost = [n for n in members if n is not decider]
+    proxies[name_of(decider)].cut()  # nothing pushed reaches the decider
+    async with AsyncClient(writer.address, retries=0) as client:
+        made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
+    key = made.record.key
+    await asyncio.gather(stop_within(writer), stop_within(lost))
+    assert lost.config.data_dir is not None
+    await asyncio.to_thread(shutil.rmtree, lost.config.data_dir)  # its disk lost
+    lost = await NodeServer.start(lost.config)
+    members.append(lost)  # the fixture stops it
+    assert lost.replica.gate.owed
+    proxies[name_of(decider)].heal()
+    assert await decider.storage.get(key) is None, "the decider got it after all"
+    async with AsyncClient(decider.address, retries=0) as client:
+
+        async def refused_for_the_lost_disk() -> bool:
+            with pytest.raises(Unavailable) as refused:  # never "missing"
+                await client.claim(key, "worker-a", lease_seconds=60)
+            assert refused.value.reason == "NOT_SERVING", refused.value
+            # Until the decider reaches the member back (its calls back off), neither answers.
+            return "may lack what they acknowledged" in str(refused.value)
+
+        await eventually(refused_for_the_lost_disk, "the lost disk's answer", within=10)
+        assert await decider.storage.get(key) is None
+        writer = await NodeServer.start(writer.config)
+        members.append(writer)
+
+        async def granted() -> bool:
+            try:
+                claim = await client.claim(key, "worker-a", lease_seconds=60)
+            except Unavailable:  # the writer starting, or the write not on a majority
+                return False
+            assert claim.granted, claim.reason
+            return True
+
+        await eventually(granted, "the claim granted once the writer is back", within=20)
 
 
 async def test_a_decider_cut_from_etcd_alone_stops_and_another_decides(

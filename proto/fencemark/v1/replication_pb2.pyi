@@ -391,6 +391,13 @@ class FetchResponse(_message.Message):
     STATES_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
     OVERSIZED_FIELD_NUMBER: _builtins.int
+    OWED_FIELD_NUMBER: _builtins.int
+    owed: _builtins.bool
+    """The answering node may lack writes it acknowledged, as TreeResponse.owed:
+    a key it does not return may still have been acknowledged by it. A
+    decider's lookup does not count such an answer as "none here"
+    (docs/consistency.md, *A claim right after its record's write*).
+    """
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Canonical states of the requested keys the node holds (unknown keys are
@@ -415,10 +422,11 @@ class FetchResponse(_message.Message):
         states: _abc.Iterable[_builtins.bytes] | None = ...,
         truncated: _abc.Iterable[_builtins.str] | None = ...,
         oversized: _abc.Iterable[_builtins.str] | None = ...,
+        owed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["oversized", b"oversized", "states", b"states", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["oversized", b"oversized", "owed", b"owed", "states", b"states", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -286,7 +286,7 @@ class ReplicationService:
         commits = storage.commits
         found = await storage.states(list(request.keys))
         current = storage.commits == commits  # no commit raced the read
-        response = replication_pb2.FetchResponse()
+        response = replication_pb2.FetchResponse(owed=self.lacks_acknowledged())
         served: list[str] = []
         size = 0
         for key in request.keys:

@@ -114,10 +114,11 @@ class Majority:
         not answered ``missing``: that majority shares a member with this one and the
         fellows that answered. Returns once a fellow sent a state (merged), or enough
         said they hold none (``quorum.fellows_needed``); raises ``NotServing`` when too
-        few answered within ``timeout_s`` (a grant would need them too). A fellow back
-        on a lost disk may answer before it has caught up: the claim is then answered
-        ``missing``, which grants nothing. Claims of one key share the lookup under
-        way, so a burst of them costs each fellow one ``Fetch``."""
+        few answered within ``timeout_s`` (a grant would need them too). A fellow that
+        may lack what it acknowledged (back on a lost disk, not caught up: its answer
+        says ``owed``) says nothing by holding none, as it counts for no majority.
+        Claims of one key share the lookup under way, so a burst of them costs each
+        fellow one ``Fetch``."""
         looking = self._looking.get(key)
         if looking is None:
             looking = self._looking[key] = asyncio.create_task(self._look_up(key))
@@ -136,7 +137,7 @@ class Majority:
             return
         fellows = [name for name in names if name != self.member]
         asks = [asyncio.create_task(self.replicator.fetch_from_member(n, [key])) for n in fellows]
-        answered = 0
+        answered = owing = 0
         found: Fetched | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -148,6 +149,9 @@ class Majority:
                     if fetched.states:
                         found = fetched
                         break
+                    if fetched.owed:
+                        owing += 1
+                        continue
                     answered += 1
                     if answered >= needed:
                         return
@@ -160,9 +164,11 @@ class Majority:
         if found is not None:
             await found.merge()
             return
+        owes = f" ({owing} more may lack what they acknowledged)" if owing else ""
         raise NotServing(
             f"record {key!r} is not held here, and {answered} of the {needed} fellow"
-            f" members of region {self.region!r} needed to say they hold none answered",
+            f" members of region {self.region!r} needed to say they hold none answered"
+            f"{owes}",
             retry_after_ms=1000,
         )
 

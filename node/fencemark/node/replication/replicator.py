@@ -250,7 +250,8 @@ class Replicator(Rounds):
         peer = self._peers.get(f"{self.replica.region}/{member}")
         if peer is None:
             raise PeerLeft(f"{member} is not among this node's fellow members")
-        return Fetched(self, peer, list((await self.fetch_now(peer, keys)).states))
+        fetched = await self.fetch_now(peer, keys)
+        return Fetched(self, peer, list(fetched.states), owed=fetched.owed)
 
     def held_by(self, member: str, keys: Sequence[str]) -> None:
         """Fellow member ``member`` acknowledged the states of ``keys`` as just
@@ -793,6 +794,7 @@ class Fetched:
     rounds: Rounds
     peer: PeerLink
     states: list[bytes]
+    owed: bool  # the member may lack what it acknowledged: a key it lacks says nothing
 
     async def merge(self) -> None:
         await self.rounds.merge_fetched(self.peer, self.states)
