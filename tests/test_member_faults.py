@@ -97,13 +97,13 @@ async def members(
     """The three members, each behind its proxy; a test's indirect parameter, if
     any, is settings of their configuration (``member_config``'s overrides)."""
     cluster, certs = etcd
-    overrides: dict[str, Any] = getattr(request, "param", {})
+    overrides: dict[str, Any] = {"ttl_s": TTL_S, **getattr(request, "param", {})}
     nodes: list[NodeServer] = []
     try:
         for name in MEMBERS:
             proxy = proxies[name]
             config = member_config(
-                tmp_path, cluster, certs, name, ttl_s=TTL_S, initial=MEMBERS,
+                tmp_path, cluster, certs, name, initial=MEMBERS,
                 peer_listen=proxy.upstream, advertise_peer=proxy.address,
                 etcd_endpoints=[link.address for link in etcd_links[name]], **overrides,
             )  # fmt: skip
@@ -324,8 +324,10 @@ async def test_a_claim_sent_on_right_after_a_write_the_decider_has_not_got_is_gr
 
 
 # Rounds a minute apart: the decider pulls no record in its own rounds while a test
-# runs, and holds only what it is pushed (or looks up).
-RARE_ROUNDS = {"anti_entropy_interval": 60.0}
+# runs, and holds only what it is pushed (or looks up). A lease of 5 s: the decider
+# steps aside when no majority answered it for two of them, longer than a member's
+# restart on a new file.
+RARE_ROUNDS = {"anti_entropy_interval": 60.0, "ttl_s": 5}
 
 
 @pytest.mark.parametrize("members", [RARE_ROUNDS], indirect=True, ids=["rare-rounds"])
@@ -333,26 +335,27 @@ async def test_a_fellow_back_on_a_lost_disk_does_not_answer_a_lookup_with_none(
     members: list[NodeServer], proxies: dict[str, FaultProxy]
 ) -> None:
     """A write at another member is acknowledged by the two that are not the
-    decider; then one of them is stopped and the other comes back on a lost disk.
-    The decider, asked to claim the record, looks it up: the member on the lost disk
-    holds none, but it may lack what it acknowledged (its ``Fetch`` answer says
-    ``owed``), so its answer counts for nothing, and with the other member down the
-    decider cannot tell: ``NOT_SERVING``, not ``missing``, and nothing written. Back,
-    the member that holds the write answers the next lookup, and the claim is
-    granted."""
+    decider; then that member's listener is cut and the other comes back on a lost
+    disk. The decider, asked to claim the record, looks it up: the member on the
+    lost disk holds none, but it may lack what it acknowledged (its ``Fetch`` answer
+    says ``owed``), so its answer counts for nothing, and with the writer out of
+    reach the decider cannot tell: ``NOT_SERVING``, not ``missing``, and nothing
+    written. Healed, the writer answers the next lookup, and the claim is granted.
+    (The decider reaches a majority throughout — itself and the member back — so
+    it decides on.)"""
     decider = await one_decides(members, within=10)
     writer, lost = [n for n in members if n is not decider]
     proxies[name_of(decider)].cut()  # nothing pushed reaches the decider
     async with AsyncClient(writer.address, retries=0) as client:
         made = await client.remember(REPO, TOPIC, "item-1", tags=["homeRegion:us"])
     key = made.record.key
-    await asyncio.gather(stop_within(writer), stop_within(lost))
+    proxies[name_of(writer)].cut()  # nobody reaches the writer: the one back pulls nothing
+    await stop_within(lost)
     assert lost.config.data_dir is not None
     await asyncio.to_thread(shutil.rmtree, lost.config.data_dir)  # its disk lost
     lost = await NodeServer.start(lost.config)
     members.append(lost)  # the fixture stops it
     assert lost.replica.gate.owed
-    proxies[name_of(decider)].heal()
     assert await decider.storage.get(key) is None, "the decider got it after all"
     async with AsyncClient(decider.address, retries=0) as client:
 
@@ -360,23 +363,59 @@ async def test_a_fellow_back_on_a_lost_disk_does_not_answer_a_lookup_with_none(
             with pytest.raises(Unavailable) as refused:  # never "missing"
                 await client.claim(key, "worker-a", lease_seconds=60)
             assert refused.value.reason == "NOT_SERVING", refused.value
-            # Until the decider reaches the member back (its calls back off), neither answers.
+            # Until the decider's calls reach the member back, it does not answer.
             return "may lack what they acknowledged" in str(refused.value)
 
         await eventually(refused_for_the_lost_disk, "the lost disk's answer", within=10)
+        assert decider.replica.gate.deciding and lost.replica.gate.owed
         assert await decider.storage.get(key) is None
-        writer = await NodeServer.start(writer.config)
-        members.append(writer)
+        proxies[name_of(writer)].heal()
 
         async def granted() -> bool:
             try:
                 claim = await client.claim(key, "worker-a", lease_seconds=60)
-            except Unavailable:  # the writer starting, or the write not on a majority
+            except Unavailable:  # the writer's link coming back
                 return False
             assert claim.granted, claim.reason
             return True
 
-        await eventually(granted, "the claim granted once the writer is back", within=20)
+        await eventually(granted, "the claim granted once the writer is reached", within=20)
+
+
+async def test_a_decider_its_members_do_not_answer_steps_aside_and_another_decides(
+    members: list[NodeServer], proxies: dict[str, FaultProxy]
+) -> None:
+    """The decider's calls to both fellow members fail (their listeners cut; their
+    calls to it get through): it could get nothing acknowledged, yet etcd, which it
+    still reaches, would keep it elected. Within two lease times it steps aside, and
+    it does not campaign while it reaches no majority. One of the others — each
+    reaching a majority with it — is elected, catches up with it and decides: the
+    claim granted before is its holder's, and a new one is granted. Never two
+    deciders at once; healed, the old decider names the new one."""
+    decider, key, held = await claimed(members)
+    rest = [n for n in members if n is not decider]
+    campaign = decider.member.campaign if decider.member is not None else None
+    assert campaign is not None
+    with never_two_deciders(members):
+        for fellow in rest:
+            proxies[name_of(fellow)].cut()
+        new = await one_decides(rest, within=10 * TTL_S)
+        assert campaign.aside and campaign.term == 0
+        async with AsyncClient(decider.address) as client:  # sent on to the new decider
+            renewed = await client.renew_claim(key, held.fencing_token, lease_seconds=120)
+            assert renewed.renewed, "the claim granted before is its holder's"
+            made = await client.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])
+            granted = await client.claim(made.record.key, "worker-b", lease_seconds=120)
+            assert granted.granted and granted.fencing_token > held.fencing_token
+        for fellow in rest:
+            proxies[name_of(fellow)].heal()
+
+        async def names_the_new_one() -> bool:
+            known = decider.member.decider() if decider.member is not None else None
+            return not campaign.aside and known is not None and known.member == name_of(new)
+
+        await eventually(names_the_new_one, "the old decider naming the new one", within=20)
+        assert new.replica.gate.deciding
 
 
 async def test_a_decider_cut_from_etcd_alone_stops_and_another_decides(

@@ -159,6 +159,7 @@ class NodeServer:
                 self._members_changed,
                 self.replicator.catch_up_with_majority,
                 self.replicator.first_life,
+                self.replicator.reaches_majority,
             )
         if config.dashboard_listen:
             self._dashboard = Dashboard(

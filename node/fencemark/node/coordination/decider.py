@@ -17,6 +17,12 @@ process acts as leader. So:
 - Once in doubt it does not come back on the same term: it lets the lease go and
   campaigns anew, so a decider always starts a term with the catch-up a new term
   owes (``fencemark.node.core.grant_gate``).
+- A decider must reach its fellow members too: one whose calls a majority of them
+  (itself counted) has not answered for a while (``reaches``) could get nothing
+  acknowledged, yet etcd would keep it elected as long as it reaches etcd. It steps
+  aside, and campaigns again only once it reaches a majority, so the members that do
+  elect one of their own (as Raft's leaders check their quorum, and its candidates
+  pre-vote).
 - Fencing tokens, not the election, make a stale decider harmless: a new term's
   first grant on each record jumps above anything an earlier term could have
   granted (the recovery floor, keyed to the term).
@@ -83,7 +89,9 @@ class Campaign:
     lease lasts, stop at the first doubt, campaign again; meanwhile know who decides.
 
     ``on_term`` is called with the new term when this member becomes decider, and
-    ``on_stop`` when it stops deciding (before the lease can have expired)."""
+    ``on_stop`` when it stops deciding (before the lease can have expired).
+    ``reaches`` says whether a majority of the region's members answered this one
+    lately: it campaigns only then, and steps aside as soon as it is not."""
 
     def __init__(
         self,
@@ -96,6 +104,7 @@ class Campaign:
         clock: Callable[[], float] = time.monotonic,
         on_term: Callable[[int], None] = lambda term: None,
         on_stop: Callable[[], None] = lambda: None,
+        reaches: Callable[[], bool] = lambda: True,
     ) -> None:
         self.etcd = etcd
         self.region = region
@@ -105,6 +114,8 @@ class Campaign:
         self.clock = clock
         self.on_term = on_term
         self.on_stop = on_stop
+        self.reaches = reaches
+        self.aside = False  # not campaigning: too few members answer this one
         self.key = decider_key(region)
         self.lease_clock = LeaseClock(ttl_s)
         self.term = 0  # this member's term while it holds the key, else 0
@@ -145,6 +156,13 @@ class Campaign:
 
     async def _campaign_once(self) -> None:
         await self._revoke_left()
+        if not self.reaches():
+            await self._stand_aside()
+            return
+        if self.aside:
+            self.aside = False
+            log.info("region %s: member %s reaches a majority of its members again and"
+                     " campaigns", self.region, self.member)  # fmt: skip
         sent_at = self.clock()
         self._lease, ttl = await self.etcd.grant(self.ttl_s)
         said = json.dumps({"member": self.member, "address": self.address}).encode()
@@ -158,6 +176,20 @@ class Campaign:
             self._let_go()
             await self._revoke_left()
             await self._follow(created.entry)
+
+    async def _stand_aside(self) -> None:
+        """Too few members answer this one: it does not campaign (it would be elected
+        for nothing), and only reads who decides, a renewal interval at a time."""
+        if not self.aside:
+            self.aside = True
+            log.warning(
+                "region %s: member %s does not reach a majority of its members: it does"
+                " not campaign until it does", self.region, self.member,
+            )  # fmt: skip
+        entry = await self.etcd.get(self.key)
+        decider = Decider.of(entry) if entry is not None else None
+        self.decider = decider if decider is not None and decider.member != self.member else None
+        await asyncio.sleep(self.ttl_s * RENEW_SHARE)
 
     async def _hold(self, term: int) -> None:
         """Decide while the lease lasts and the key is ours; return at the first doubt."""
@@ -179,6 +211,14 @@ class Campaign:
                         "region %s: member %s lost the decider key (term %d)",
                         self.region, self.member, term,
                     )  # fmt: skip
+                    return
+                if not self.reaches():
+                    log.warning(
+                        "region %s: member %s steps aside (term %d): too few of its"
+                        " members answer it to acknowledge anything",
+                        self.region, self.member, term,
+                    )  # fmt: skip
+                    self.decider = None  # itself no longer; whoever is elected next
                     return
                 self.lease_clock.renewed(sent_at, ttl)
         finally:

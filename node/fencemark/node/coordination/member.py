@@ -36,6 +36,11 @@ from fencemark.node.security.tls import TlsFiles
 log = logging.getLogger(__name__)
 
 MAX_TTL_S = 60  # a longer lease only lengthens the failover
+# A member none of whose calls a majority of its members answered within this many
+# lease times does not campaign, and a decider steps aside (``Campaign.reaches``):
+# every fellow is called at least once a second, so two lease times (two seconds
+# at least) is a lost link, not a slow answer.
+REACH_TTLS = 2
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ class Member:
         on_members: Callable[[Mapping[str, Registered]], Awaitable[None]],
         catch_up: Callable[[], Awaitable[None]],
         first_life: Callable[[], Awaitable[None]],
+        reaches: Callable[[float], bool] = lambda within_s: True,
     ) -> None:
         """Register (clients reach this member at ``address``, its fellow members at
         ``peer_address``) and campaign; ``on_members`` hears of the other members
@@ -116,7 +122,9 @@ class Member:
         of a majority of them (awaited at the start of each term). A member on a new,
         emptied or restored file campaigns only once it has caught up; when its name
         serves for the first time (``Registry.first_life``) it acknowledged nothing
-        before, and says so (``first_life``)."""
+        before, and says so (``first_life``). ``reaches(within_s)``: whether enough
+        members answered this one within ``within_s`` to make a majority with it; it
+        campaigns only then, and a decider steps aside when not (``REACH_TTLS``)."""
         self._catch_up = catch_up
         self.registry = Registry(
             self.etcd,
@@ -135,6 +143,7 @@ class Member:
             ttl_s=self.config.ttl_s,
             on_term=self._new_term,
             on_stop=self._on_change,
+            reaches=lambda: reaches(self.config.ttl_s * REACH_TTLS),
         )
         registry, gate = self.registry, self._gate
 
@@ -235,6 +244,12 @@ class Member:
         decider = campaign.decider if campaign is not None else None
         if decider is not None and decider.member != self.name:
             raise NotDecider(self.region, decider.member, decider.address, decider.term)
+        if campaign is not None and campaign.aside:
+            raise NotServing(
+                f"this member does not reach a majority of region {self.region!r}'s members"
+                " (cut off from them): it decides nothing, and no decider is known to it",
+                retry_after_ms=retry_ms,
+            )
         raise NotServing(
             f"no member decides for region {self.region!r} now (an election under way, or"
             " etcd unreachable); reads, the feed and unfenced writes go on",

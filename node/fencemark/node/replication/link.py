@@ -62,6 +62,7 @@ class PeerLink:
         self.unanswered_since = 0.0  # ... since when
         self.last_called = 0.0  # monotonic start of the latest call to it (heartbeat)
         self.first_answered: float | None = None  # start of the first call it answered
+        self.answered_at = 0.0  # monotonic end of the latest call it answered
         self.settle_after = 0.0  # ... of those that began after this (a nap: grant_gate)
         self.fresh_after = 0.0  # no new channel before (connect_now)
 

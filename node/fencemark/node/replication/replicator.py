@@ -306,6 +306,22 @@ class Replicator(Rounds):
                 task.cancel()
             await asyncio.gather(*rounds.values(), return_exceptions=True)
 
+    def reaches_majority(self, within_s: float) -> bool:
+        """Whether this member's calls were answered, within the last ``within_s``, by
+        enough of its region's configured members to make a majority with it (itself
+        counted if it is one: ``quorum.acknowledged``). A member that is not reaches
+        none it could get a write acknowledged by; no decider should be one
+        (``coordination.decider.Campaign``). Every fellow is called at least each
+        ``heartbeat_s``."""
+        now = time.monotonic()
+        prefix = f"{self.replica.region}/"
+        reached = {
+            name.removeprefix(prefix)
+            for name, peer in self._peers.items()
+            if name.startswith(prefix) and now - peer.answered_at <= within_s
+        }
+        return quorum.acknowledged(self.configured(), reached | {self.member})
+
     def lacks_acknowledged(self) -> bool:
         """Whether this node's file may lack writes it acknowledged: it owes a
         catch-up (a new, emptied or restored file) and, at a member, its name served

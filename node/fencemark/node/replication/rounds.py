@@ -102,6 +102,7 @@ class Rounds:
                 peer.first_answered = None
             raise
         assert isinstance(response, reply)
+        peer.answered_at = time.monotonic()
         peer.stats.bytes_received += response.ByteSize()
         if peer.first_answered is None and started >= peer.settle_after:
             peer.first_answered = started  # the peer has heard this life since then
