@@ -16,7 +16,10 @@ ordering of those effects explains:
    one);
 5. *holders keep their claims*: no renewal or fenced write of a holder refused for
    its claim (only a failover's transient refusals, asked again);
-6. *a decider after each fault*: one member decides within ``limit_s`` of every heal.
+6. *a decider after each fault*: one member decides within ``limit_s`` of every heal;
+7. *a cut-off decider is replaced*: a decider cut off from its fellow members (while
+   it still reaches etcd) is followed by another member deciding within ``limit_s``
+   of the cut, before it heals.
 """
 
 from __future__ import annotations
@@ -172,5 +175,23 @@ def decider_after_each(windows: Mapping[str, float | None], limit_s: float) -> V
         f"after each of {len(windows)} faults within {worst:.1f} s (limit {limit_s:g} s)"
         if not late
         else f"no decider within {limit_s:g} s: {_listed(late)}",
+        {"faults": len(windows), "worst_s": worst},
+    )
+
+
+def replaced_while_cut(windows: Mapping[str, float | None], limit_s: float) -> Verdict:
+    """Rule 7: ``windows`` is, per fault that cut the decider off from its fellow
+    members, the seconds from the cut until another member decided (None: not while
+    the cut lasted)."""
+    late = [f"{fault}: {'none' if s is None else f'{s:.1f} s'}" for fault, s in windows.items()
+            if s is None or s > limit_s]  # fmt: skip
+    worst = max((s for s in windows.values() if s is not None), default=0.0)
+    return Verdict(
+        "a cut-off decider is replaced",
+        not late,
+        f"{len(windows)} deciders cut off from their members, each replaced within"
+        f" {worst:.1f} s (limit {limit_s:g} s)"
+        if not late
+        else f"not replaced within {limit_s:g} s: {_listed(late)}",
         {"faults": len(windows), "worst_s": worst},
     )

@@ -232,6 +232,13 @@ class MemberCluster(ChaosCluster):
         """Drop every packet between ``member`` and etcd (nothing else)."""
         self._rules(member, _both_ways(self._etcd_ips(), "-j DROP"))
 
+    def cut_from_members(self, member: str, others: Sequence[str]) -> None:
+        """Drop every packet between ``member`` and each of ``others`` (etcd, the
+        other regions and the clients still reach it)."""
+        self._rules(member, _both_ways([self.ip(o) for o in others], "-j DROP"))
+        for other in others:
+            self._rules(other, _both_ways([self.ip(member)], "-j DROP"))
+
     def cut_members(self, a: str, b: str) -> None:
         """Drop every packet between members ``a`` and ``b`` (nothing else)."""
         self._rules(a, _both_ways([self.ip(b)], "-j DROP"))

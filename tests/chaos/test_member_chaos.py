@@ -13,6 +13,8 @@ redirect, the nemesis plays each fault kind once, in a seeded order:
 - ``pause-decider``: the decider frozen for longer than its TTL, then woken;
 - ``cut-decider-from-etcd``: the decider cut from etcd alone, then healed;
 - ``cut-member-from-decider``: another member cut from the decider, then healed;
+- ``cut-decider-from-members``: the decider cut from both other members, not from
+  etcd: it steps aside, and one of them must decide while the cut lasts;
 - ``kill-etcd-leader``: ``kill -9`` of etcd's leader, which starts again;
 - ``etcd-quorum-lost``: two of etcd's three killed for 20 s, then started;
 - ``disk-lost-then-decider-killed``: a member back on an empty disk, and at once the
@@ -59,6 +61,7 @@ from tests.chaos.member_invariants import (
     decider_after_each,
     done_once,
     holders_kept,
+    replaced_while_cut,
 )
 from tests.chaos.members import OTHERS, REGION, MemberCluster
 from tests.chaos.report import plotter, results_folder
@@ -72,6 +75,7 @@ KINDS = (
     "pause-decider",
     "cut-decider-from-etcd",
     "cut-member-from-decider",
+    "cut-decider-from-members",
     "kill-etcd-leader",
     "etcd-quorum-lost",
     "disk-lost-then-decider-killed",
@@ -81,6 +85,9 @@ LEASE_S = 20.0  # a worker's claim: longer than any fault but etcd's outage
 HOLDER_LEASE_S = 60.0  # the holder's: longer than every fault, etcd's outage included
 ETCD_OUTAGE_S = 20.0
 DECIDER_LIMIT_S = 30.0
+# A decider cut off from its members steps aside after two lease times; one of them
+# is elected within about one more and catches up with the other.
+REPLACED_LIMIT_S = 8 * TTL_S
 CALL_S = 2.0  # each call's deadline: a paused member holds up nobody longer
 WARM_UP_S = 3.0
 BETWEEN_S = 2.0  # healthy work between one fault's decider and the next fault
@@ -100,6 +107,7 @@ class Played:
     at: float
     healed: float = 0.0
     window: float | None = None  # heal to the next decider
+    replaced: float | None = None  # a cut-off decider: the cut to another's decision
 
 
 @dataclass
@@ -271,6 +279,17 @@ class Nemesis:
                 return name
         return None
 
+    async def replaced(self, decider: str, limit: float) -> float | None:
+        """Seconds until a member other than ``decider`` decides (None: not within
+        ``limit``)."""
+        began = time.monotonic()
+        while (waited := time.monotonic() - began) < limit:
+            if (name := await self.decider()) not in (None, decider):
+                self.history.deciders.append((self.history.now(), name))
+                return waited
+            await asyncio.sleep(0.1)
+        return None
+
     async def one_decides(self, limit: float) -> str | None:
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
@@ -305,6 +324,12 @@ class Nemesis:
         elif kind == "cut-member-from-decider":
             await run(c.cut_members, decider, other)
             await asyncio.sleep(5)
+            await run(c.heal_network)
+        elif kind == "cut-decider-from-members":
+            await run(c.cut_from_members, decider, [m for m in MEMBERS if m != decider])
+            played.replaced = await self.replaced(decider, REPLACED_LIMIT_S + 5)
+            self.log(f"  another member decides after {played.replaced or 0:.1f} s")
+            await asyncio.sleep(BETWEEN_S)  # work goes on under it, the cut still there
             await run(c.heal_network)
         elif kind == "kill-etcd-leader":
             leader = await c.etcd_leader() or self.rng.choice(ETCDS)
@@ -371,10 +396,11 @@ def write_report(folder: Path, history: History, verdicts: list[Verdict]) -> boo
     (folder / "report.json").write_text(json.dumps(report, indent=2))
     lines = [f"# Member chaos run, seed {SEED}", "", "| invariant | ok | detail |", "|---|---|---|"]
     lines += [f"| {v.name} | {'yes' if v.ok else 'NO'} | {v.detail} |" for v in verdicts]
-    lines += ["", "| fault | decider | at (s) | healed (s) | next decider after (s) |",
-              "|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| fault | decider | at (s) | replaced after (s) | healed (s) |"
+              " next decider after (s) |", "|---|---|---|---|---|---|"]  # fmt: skip
     lines += [
-        f"| {p.kind} | {p.decider} | {p.at:.1f} | {p.healed:.1f} | "
+        f"| {p.kind} | {p.decider} | {p.at:.1f} | "
+        f"{'' if p.replaced is None else f'{p.replaced:.1f}'} | {p.healed:.1f} | "
         f"{'none' if p.window is None else f'{p.window:.1f}'} |"
         for p in history.played
     ]
@@ -508,6 +534,14 @@ async def test_a_region_of_three_members_keeps_its_promises_through_failovers(
             holders_kept(history.refusals, history.holder_calls),
             decider_after_each(
                 {f"{i} {p.kind}": p.window for i, p in enumerate(history.played)}, DECIDER_LIMIT_S
+            ),
+            replaced_while_cut(
+                {
+                    f"{i} {p.kind}": p.replaced
+                    for i, p in enumerate(history.played)
+                    if p.kind == "cut-decider-from-members"
+                },
+                REPLACED_LIMIT_S,
             ),
             converged,
         ]

@@ -14,6 +14,7 @@ from tests.chaos.member_invariants import (
     decider_after_each,
     done_once,
     holders_kept,
+    replaced_while_cut,
 )
 
 LEASE_S = 10.0
@@ -86,3 +87,11 @@ def test_a_holder_refused_for_its_claim_and_a_late_decider_are_condemned() -> No
     assert decider_after_each({"kill-decider": 3.0}, 30.0).ok
     late = decider_after_each({"kill-decider": 3.0, "etcd-quorum-lost": None}, 30.0)
     assert not late.ok and "etcd-quorum-lost: none" in late.detail
+
+
+def test_a_cut_off_decider_not_replaced_in_time_is_condemned() -> None:
+    assert replaced_while_cut({"3 cut-decider-from-members": 5.2}, 15.0).ok
+    never = replaced_while_cut({"3 cut-decider-from-members": None}, 15.0)
+    assert not never.ok and "3 cut-decider-from-members: none" in never.detail
+    late = replaced_while_cut({"1 cut-decider-from-members": 16.0}, 15.0)
+    assert not late.ok and "16.0 s" in late.detail
