@@ -111,6 +111,47 @@ async def test_a_decider_that_lets_go_is_followed_at_once_on_a_higher_term(
         await stop_all(*campaigns)
 
 
+async def test_a_member_that_reaches_no_majority_does_not_campaign_and_a_decider_steps_aside(
+    etcd: tuple[EtcdServer, Path],
+) -> None:
+    """``reaches`` (in a node: whether a majority of the region's members answered
+    it lately) gates the campaign both ways. A member that reaches none does not
+    take the free key, however long, and names nobody; once it does, it is elected.
+    A decider that stops reaching a majority lets its key go at its next renewal
+    (a quarter of the TTL), though it could renew it: the member that reaches one
+    is elected, and the one aside names it."""
+    server, certs = etcd
+    reached = {"us-a": False, "us-b": False}
+    campaigns = [member(server, certs, name) for name in reached]
+    for campaign in campaigns:
+        campaign.reaches = lambda name=campaign.member: reached[name]  # type: ignore[misc]
+        campaign.start()
+    a, b = campaigns
+    try:
+        await asyncio.sleep(TTL_S)
+        assert not any(c.deciding() or c.term for c in campaigns)
+        assert a.aside and b.aside and a.decider is None and b.decider is None
+        assert await a.etcd.get(decider_key("us")) is None, "the key stays free"
+        reached["us-a"] = True
+        assert await one_decides(*campaigns, within=TTL_S) is a
+        term = a.term
+        reached["us-b"] = True  # b reaches a majority as well: it follows a
+        reached["us-a"] = False  # and a, cut off, steps aside
+
+        async def b_decides() -> bool:  # never, were a kept elected by its renewals
+            return b.deciding()
+
+        await eventually(b_decides, "the member that reaches a majority deciding", within=3 * TTL_S)
+        assert b.term > term and a.aside and not a.deciding()
+
+        async def a_names_b() -> bool:
+            return a.decider is not None and a.decider.member == "us-b"
+
+        await eventually(a_names_b, "the member aside naming the new decider", within=TTL_S)
+    finally:
+        await stop_all(*campaigns)
+
+
 @pytest.mark.slow  # waits out a decider's TTL
 async def test_a_decider_cut_from_etcd_stops_before_its_lease_lapses_and_one_is_back_in_a_ttl(
     etcd: tuple[EtcdServer, Path],
