@@ -25,7 +25,7 @@ ordering of those effects explains:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fencemark.client import Record
@@ -166,32 +166,40 @@ def holders_kept(refusals: Sequence[str], renewals: int) -> Verdict:
 def decider_after_each(windows: Mapping[str, float | None], limit_s: float) -> Verdict:
     """Rule 6: ``windows`` is, per fault played, the seconds from its heal until one
     member decided (None: not within the nemesis' wait)."""
-    late = [f"{fault}: {'none' if s is None else f'{s:.1f} s'}" for fault, s in windows.items()
-            if s is None or s > limit_s]  # fmt: skip
-    worst = max((s for s in windows.values() if s is not None), default=0.0)
-    return Verdict(
-        "a decider after each fault",
-        not late,
-        f"after each of {len(windows)} faults within {worst:.1f} s (limit {limit_s:g} s)"
-        if not late
-        else f"no decider within {limit_s:g} s: {_listed(late)}",
-        {"faults": len(windows), "worst_s": worst},
-    )
+    return _waits(
+        "a decider after each fault", windows, limit_s,
+        lambda worst: f"after each of {len(windows)} faults within {worst:.1f} s",
+        "no decider",
+    )  # fmt: skip
 
 
 def replaced_while_cut(windows: Mapping[str, float | None], limit_s: float) -> Verdict:
     """Rule 7: ``windows`` is, per fault that cut the decider off from its fellow
     members, the seconds from the cut until another member decided (None: not while
     the cut lasted)."""
+    return _waits(
+        "a cut-off decider is replaced", windows, limit_s,
+        lambda worst: f"{len(windows)} deciders cut off from their members, each replaced"
+        f" within {worst:.1f} s",
+        "not replaced",
+    )  # fmt: skip
+
+
+def _waits(
+    name: str,
+    windows: Mapping[str, float | None],
+    limit_s: float,
+    held: Callable[[float], str],
+    missed: str,
+) -> Verdict:
+    """A verdict on waits, one per fault (None: never ended): each within ``limit_s``."""
     late = [f"{fault}: {'none' if s is None else f'{s:.1f} s'}" for fault, s in windows.items()
             if s is None or s > limit_s]  # fmt: skip
     worst = max((s for s in windows.values() if s is not None), default=0.0)
     return Verdict(
-        "a cut-off decider is replaced",
+        name,
         not late,
-        f"{len(windows)} deciders cut off from their members, each replaced within"
-        f" {worst:.1f} s (limit {limit_s:g} s)"
-        if not late
-        else f"not replaced within {limit_s:g} s: {_listed(late)}",
+        f"{held(worst)} (limit {limit_s:g} s)" if not late
+        else f"{missed} within {limit_s:g} s: {_listed(late)}",
         {"faults": len(windows), "worst_s": worst},
-    )
+    )  # fmt: skip
