@@ -47,7 +47,11 @@ OPERATIONS = ROOT / "docs" / "operations.md"
 # Series Prometheus makes itself, not a node.
 PROMETHEUS_OWN = {"up"}
 # Exported by a member of a region of several only (SPEC §10).
-MEMBER_ONLY = {"fencemark_region_decider", "fencemark_region_decider_term"}
+MEMBER_ONLY = {
+    "fencemark_region_decider",
+    "fencemark_region_decider_term",
+    "fencemark_member_cut_off",
+}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:

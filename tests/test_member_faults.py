@@ -402,6 +402,7 @@ async def test_a_decider_its_members_do_not_answer_steps_aside_and_another_decid
         new = await one_decides(rest, within=10 * TTL_S)
         assert campaign.aside and campaign.term == 0
         async with AsyncClient(decider.address) as client:  # sent on to the new decider
+            assert (await client.info()).cut_off
             renewed = await client.renew_claim(key, held.fencing_token, lease_seconds=120)
             assert renewed.renewed, "the claim granted before is its holder's"
             made = await client.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])
@@ -416,6 +417,8 @@ async def test_a_decider_its_members_do_not_answer_steps_aside_and_another_decid
 
         await eventually(names_the_new_one, "the old decider naming the new one", within=20)
         assert new.replica.gate.deciding
+        async with AsyncClient(decider.address) as client:
+            assert not (await client.info()).cut_off
 
 
 async def test_a_decider_cut_from_etcd_alone_stops_and_another_decides(

@@ -283,6 +283,7 @@ def node_info_from_proto(message: node_pb2.InfoResponse) -> NodeInfo:
         member=message.member,
         members=tuple(message.members),
         owes_catch_up=message.owes_catch_up,
+        cut_off=message.cut_off,
         decider=(
             DeciderInfo(message.decider.member, message.decider.address, message.decider.term)
             if message.HasField("decider")

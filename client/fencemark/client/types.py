@@ -260,3 +260,6 @@ class NodeInfo:
     # Its file is new, emptied or restored and it has not caught up yet: it may lack
     # what it acknowledged before (a member counts for no majority's states meanwhile).
     owes_catch_up: bool = False
+    # A member that too few of its region's members answer to make a majority: it
+    # does not campaign, and would step aside as decider.
+    cut_off: bool = False

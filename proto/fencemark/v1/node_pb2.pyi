@@ -141,6 +141,7 @@ class InfoResponse(_message.Message):
     DECIDER_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     OWES_CATCH_UP_FIELD_NUMBER: _builtins.int
+    CUT_OFF_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The node's region name."""
     node_id: _builtins.str
@@ -167,6 +168,11 @@ class InfoResponse(_message.Message):
     and it has not yet caught up with its peers (at a member: with a majority of
     its fellow members). It may lack what it acknowledged before, so a member's
     states count for no majority until then.
+    """
+    cut_off: _builtins.bool
+    """At a member: too few of the region's configured members answered it lately
+    to make a majority with it (cut off from them). It does not campaign, and a
+    decider steps aside (docs/consistency.md, *A region of several members*).
     """
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerInfo]:
@@ -205,10 +211,11 @@ class InfoResponse(_message.Message):
         decider: Global___DeciderInfo | None = ...,
         members: _abc.Iterable[_builtins.str] | None = ...,
         owes_catch_up: _builtins.bool = ...,
+        cut_off: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decider", b"decider", "now", b"now"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims_serving", b"claims_serving", "decider", b"decider", "max_clock_offset_ms", b"max_clock_offset_ms", "member", b"member", "members", b"members", "node_id", b"node_id", "now", b"now", "owes_catch_up", b"owes_catch_up", "peers", b"peers", "record_count", b"record_count", "region", b"region", "version", b"version", "writes_enabled", b"writes_enabled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims_serving", b"claims_serving", "cut_off", b"cut_off", "decider", b"decider", "max_clock_offset_ms", b"max_clock_offset_ms", "member", b"member", "members", b"members", "node_id", b"node_id", "now", b"now", "owes_catch_up", b"owes_catch_up", "peers", b"peers", "record_count", b"record_count", "region", b"region", "version", b"version", "writes_enabled", b"writes_enabled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -442,6 +442,7 @@ class NodeService:
             decider=self._decider(),
             members=self.member.configured() if self.member is not None else (),
             owes_catch_up=self.replica.gate.owed,
+            cut_off=self.member.cut_off() if self.member is not None else False,
         )
 
     def _decider(self) -> node_pb2.DeciderInfo | None:

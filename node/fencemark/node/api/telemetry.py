@@ -203,6 +203,12 @@ class _MemberCollector(Collector):
             "The term of the region's decider this member knows (0: none known)",
             value=decider.term if decider else 0,
         )
+        yield GaugeMetricFamily(
+            "fencemark_member_cut_off",
+            "1 while too few of the region's members answer this one to make a majority:"
+            " it does not campaign, and a decider steps aside",
+            value=1 if self.member.cut_off() else 0,
+        )
 
 
 class _StateCollector(Collector):

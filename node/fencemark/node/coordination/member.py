@@ -207,6 +207,11 @@ class Member:
             return None  # elected, catching up: nobody decides yet
         return campaign.decider if campaign.term == 0 else None  # in doubt: nobody
 
+    def cut_off(self) -> bool:
+        """Whether too few members answer this one to make a majority: it does not
+        campaign (``Campaign.aside``)."""
+        return self.campaign is not None and self.campaign.aside
+
     def configured(self) -> tuple[str, ...]:
         """The region's configured member set as last read from etcd (() before)."""
         return self.registry.configured if self.registry is not None else ()

@@ -154,6 +154,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                         f"  member {info.member} owes a catch-up (a new, emptied or restored"
                         " file): it campaigns once it has caught up with its fellow members"
                     )
+                if info.cut_off:
+                    lines.append(
+                        f"  member {info.member} reaches no majority of its members (cut off"
+                        " from them): it does not campaign until it does"
+                    )
             for p in info.peers:
                 lags.append(p.lag_ms)
                 divergence += p.divergence
