@@ -29,6 +29,7 @@ import pytest
 from fencemark.client import AsyncClient
 from fencemark.client.errors import ClaimConflict, FencemarkError, NotDecider, Unavailable
 from fencemark.node.api.server import NodeServer
+from fencemark.node.tools.cli import main
 from fencemark.node.tools.ports import Ports
 from fencemark.node.tools.proxy import FaultProxy
 from tests.cluster import eventually, stop_within, wait_converged
@@ -383,7 +384,7 @@ async def test_a_fellow_back_on_a_lost_disk_does_not_answer_a_lookup_with_none(
 
 
 async def test_a_decider_its_members_do_not_answer_steps_aside_and_another_decides(
-    members: list[NodeServer], proxies: dict[str, FaultProxy]
+    members: list[NodeServer], proxies: dict[str, FaultProxy], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The decider's calls to both fellow members fail (their listeners cut; their
     calls to it get through): it could get nothing acknowledged, yet etcd, which it
@@ -403,6 +404,9 @@ async def test_a_decider_its_members_do_not_answer_steps_aside_and_another_decid
         assert campaign.aside and campaign.term == 0
         async with AsyncClient(decider.address) as client:  # sent on to the new decider
             assert (await client.info()).cut_off
+            assert await asyncio.to_thread(main, ["status", "--targets", decider.address]) == 0
+            said = capsys.readouterr().out
+            assert f"member {name_of(decider)} reaches no majority of its members" in said, said
             renewed = await client.renew_claim(key, held.fencing_token, lease_seconds=120)
             assert renewed.renewed, "the claim granted before is its holder's"
             made = await client.remember(REPO, TOPIC, "item-2", tags=["homeRegion:us"])
