@@ -99,6 +99,8 @@ class Member:
         self.registry: Registry | None = None
         self.caught_up_term = 0  # the term whose catch-up with a majority is done
         self._catch_up: Callable[[], Awaitable[None]] | None = None
+        # Whether a majority answered it within a time (``start``); until then, yes.
+        self._reaches: Callable[[float], bool] = lambda within_s: True
         self._catching_up: asyncio.Task[None] | None = None
         self._starting: asyncio.Task[None] | None = None
         # Set once the file owes no catch-up (``file_caught_up``): a member campaigns then.
@@ -126,6 +128,7 @@ class Member:
         members answered this one within ``within_s`` to make a majority with it; it
         campaigns only then, and a decider steps aside when not (``REACH_TTLS``)."""
         self._catch_up = catch_up
+        self._reaches = reaches
         self.registry = Registry(
             self.etcd,
             self.region,
@@ -143,7 +146,7 @@ class Member:
             ttl_s=self.config.ttl_s,
             on_term=self._new_term,
             on_stop=self._on_change,
-            reaches=lambda: reaches(self.config.ttl_s * REACH_TTLS),
+            reaches=lambda: self._reaches(self.config.ttl_s * REACH_TTLS),
         )
         registry, gate = self.registry, self._gate
 
@@ -208,9 +211,9 @@ class Member:
         return campaign.decider if campaign.term == 0 else None  # in doubt: nobody
 
     def cut_off(self) -> bool:
-        """Whether too few members answer this one to make a majority: it does not
-        campaign (``Campaign.aside``)."""
-        return self.campaign is not None and self.campaign.aside
+        """Whether too few members answered this one lately to make a majority (its
+        member set read): it does not campaign, and would step aside as decider."""
+        return bool(self.configured()) and not self._reaches(self.config.ttl_s * REACH_TTLS)
 
     def configured(self) -> tuple[str, ...]:
         """The region's configured member set as last read from etcd (() before)."""
