@@ -27,11 +27,11 @@ from fencemark.client import (
 from fencemark.node.api.server import NodeServer
 from fencemark.node.core.claims import LOOK_AGAIN_S, Claims, until_lapse
 from fencemark.node.core.replica import Replica
-from fencemark.node.crdt import Grant, HybridClock, Record, Stamp
+from fencemark.node.crdt import Grant, HybridClock, Record, Stamp, codec
 from fencemark.node.crdt.fence import HISTORY
 from fencemark.node.crdt.hlc import wall_clock_ms
 from fencemark.node.rules.admission import ANYONE, Caller, Outcome
-from fencemark.node.rules.errors import Exhausted, InvalidInput, NotServing, Reason
+from fencemark.node.rules.errors import Exhausted, InvalidInput, NoMajority, NotServing, Reason
 from fencemark.node.store.storage import DB_FILE, Storage
 from tests.conftest import StartNode
 
@@ -543,6 +543,80 @@ async def test_a_deciding_node_looks_up_only_a_record_it_does_not_hold(tmp_path:
         with pytest.raises(NotServing):
             await claims.claim(unknown, "worker", caller=ANYONE)
         assert await claims.replica.find(unknown) is None
+
+
+@pytest.mark.parametrize("outcome", ["done", ""], ids=["done", "plain"])
+async def test_a_release_answered_from_the_state_as_it_is_is_acknowledged_again(
+    tmp_path: Path, outcome: str
+) -> None:
+    """At a member of a region of several, a commit is answered once a majority holds
+    it (``Storage.acknowledge``; over the wire in ``test_member_faults.py``). A
+    retried release changes nothing — it is in the file already — and is answered
+    from the state as it is: a state that may be in this file alone (the first
+    attempt answered ``NO_MAJORITY``). So that state is acknowledged again first,
+    and without a majority the retry is refused too. A release that changes the
+    record is acknowledged once, as its commit; a refused one asserts nothing."""
+    async with claims_on_file(tmp_path) as claims:
+        key = await made(claims, "item-1")
+        token = (await claims.claim(key, "worker", caller=ANYONE)).fence
+        acknowledged: list[tuple[str, bytes]] = []
+        majority = True
+
+        async def acknowledge(keys: list[str], states: list[bytes], events: Any) -> None:
+            acknowledged.extend(zip(keys, states, strict=True))
+            if not majority:
+                raise NoMajority("local", 1, 2, 3, "too few members answered")
+
+        claims.replica.storage.acknowledge = acknowledge
+        first = await claims.release(key, token, caller=ANYONE, outcome=outcome)
+        assert first.ok and [k for k, _ in acknowledged] == [key]  # its commit
+        stored = await claims.replica.storage.get(key)
+        assert stored is not None
+        majority = False
+        with pytest.raises(NoMajority):
+            await claims.release(key, token, caller=ANYONE, outcome=outcome)
+        assert acknowledged[-1] == (key, codec.encode(stored.record)), "the state as it is"
+        majority = True
+        retried = await claims.release(key, token, caller=ANYONE, outcome=outcome)
+        assert retried.ok and len(acknowledged) == 3
+        refused = await claims.release(key, token + 1, caller=ANYONE, outcome=outcome)
+        assert not refused.ok and len(acknowledged) == 3
+
+
+async def test_grants_and_renewals_answered_from_the_state_as_it_is_are_acknowledged_again(
+    tmp_path: Path,
+) -> None:
+    """The same for the other answers a retry may draw from an unchanged state: on a
+    clock that stands still, a claim retried by its owner and a renewal asked again
+    each leave the lease as it was; each is acknowledged again before its yes, and
+    refused without a majority (``ClaimNext``'s retry: ``test_work_queue.py``)."""
+    async with claims_on_file(tmp_path, wall=lambda: NOW) as claims:
+        key = await made(claims, "item-1")
+        granted = await claims.claim(key, "worker", caller=ANYONE, lease_seconds=30)
+        assert granted.ok
+        acknowledged: list[str] = []
+        majority = False
+
+        async def acknowledge(keys: list[str], states: list[bytes], events: Any) -> None:
+            acknowledged.extend(keys)
+            if not majority:
+                raise NoMajority("local", 1, 2, 3, "too few members answered")
+
+        claims.replica.storage.acknowledge = acknowledge
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: claims.claim(key, "worker", caller=ANYONE, lease_seconds=30),
+            lambda: claims.renew(key, granted.fence, caller=ANYONE, lease_seconds=30),
+        ]
+        for call in calls:
+            before = await claims.replica.storage.get(key)
+            with pytest.raises(NoMajority):
+                await call()
+            assert await claims.replica.storage.get(key) == before, "nothing changed"
+        assert acknowledged == [key] * 2
+        majority = True
+        assert (await claims.claim(key, "worker", caller=ANYONE, lease_seconds=30)).ok
+        assert (await claims.renew(key, granted.fence, caller=ANYONE, lease_seconds=30)).ok
+        assert acknowledged == [key] * 4
 
 
 # -- the rules of waiting, in-process (issue 15) ------------------------------------------

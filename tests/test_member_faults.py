@@ -383,6 +383,43 @@ async def test_a_fellow_back_on_a_lost_disk_does_not_answer_a_lookup_with_none(
         await eventually(granted, "the claim granted once the writer is reached", within=20)
 
 
+@pytest.mark.parametrize("outcome", ["done", ""], ids=["done", "plain"])
+async def test_a_retried_release_is_not_answered_from_a_state_no_majority_holds(
+    members: list[NodeServer], proxies: dict[str, FaultProxy], outcome: str
+) -> None:
+    """The decider commits a release its fellow members never get (every listener
+    cut): ``NO_MAJORITY``, the outcome unknown. Its holder asks again, as told to;
+    the release is already in the decider's file, so the rule answers the retry
+    from the state as it is — and that state no majority holds. A decider elected
+    without it would still see the claim live and hand the token out again (the
+    member chaos tier found it so: the same token granted twice, an item done
+    twice). So the retry is acknowledged again first: ``NO_MAJORITY`` while the
+    fellows are out of reach, ``released`` once a majority holds it."""
+    decider, key, held = await claimed(members)
+    for proxy in proxies.values():
+        proxy.cut()  # the decider's pushes fail at once; nobody pulls from it either
+    async with AsyncClient(decider.address, retries=0) as client:
+        for attempt in ("first", "retry"):
+            with pytest.raises(Unavailable) as refused:
+                await client.release_claim(key, held.fencing_token, outcome=outcome)
+            assert refused.value.reason == "NO_MAJORITY", f"{attempt}: {refused.value}"
+        stored = await decider.storage.get(key)
+        assert stored is not None and stored.record.fence.ended(held.fencing_token)
+        for proxy in proxies.values():
+            proxy.heal()
+
+        async def released() -> bool:
+            try:
+                answer = await client.release_claim(key, held.fencing_token, outcome=outcome)
+            except Unavailable as exc:  # the decider's links coming back
+                assert exc.reason == "NO_MAJORITY", exc
+                return False
+            assert answer.released
+            return True
+
+        await eventually(released, "the retried release acknowledged", within=10)
+
+
 async def test_a_decider_its_members_do_not_answer_steps_aside_and_another_decides(
     members: list[NodeServer], proxies: dict[str, FaultProxy], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -27,13 +27,14 @@ from fencemark.node.crdt.fence import Grant
 from fencemark.node.crdt.record import DONE, FAILED, FORCED, LAPSED, OPEN, PARKED
 from fencemark.node.rules import queue
 from fencemark.node.rules.admission import ANYONE, Caller, Outcome
-from fencemark.node.rules.errors import Denial, PermissionDenied, Reason
+from fencemark.node.rules.errors import Denial, NoMajority, PermissionDenied, Reason
 from fencemark.node.rules.validation import DEFAULT_LEASE_S
 from fencemark.node.store.storage import DB_FILE, Storage
 from tests.cluster import Cluster, all_deciding, eventually
 from tests.conftest import StartNode
 from tests.test_claims import (
     LOOKS,
+    NOW,
     SOON,
     WAIT,
     CancellingWall,
@@ -596,6 +597,40 @@ async def test_a_reason_of_one_character_is_enough(client: AsyncClient) -> None:
     await client.claim_next(REPO, TOPIC, "w", lease_seconds=LONG)
     assert (await client.force_release(made.key, "x")).released
     assert (await client.reopen(made.key, "y")).reopened
+
+
+async def test_a_claim_next_retry_answered_from_the_state_as_it_is_is_acknowledged_again(
+    tmp_path: Path,
+) -> None:
+    """At a member of a region of several (``Storage.acknowledge``), an owner's
+    ``ClaimNext`` retried on a clock that stands still gets its item back with the
+    lease as it was: an answer drawn from a state that may be in this file alone,
+    so it is acknowledged again first — refused without a majority, its yes with
+    one (as for claims and releases: ``test_claims.py``)."""
+    async with claims_on_file(tmp_path, wall=lambda: NOW) as claims:
+        work = WorkQueue(claims)
+        key = await made(claims, "item-1")
+        first = await work.claim_next(
+            "claims", "backlog", "worker", caller=ANYONE, lease_seconds=30
+        )
+        assert first.outcome.ok
+        acknowledged: list[str] = []
+        majority = False
+
+        async def acknowledge(keys: list[str], states: list[bytes], events: object) -> None:
+            acknowledged.extend(keys)
+            if not majority:
+                raise NoMajority("local", 1, 2, 3, "too few members answered")
+
+        claims.replica.storage.acknowledge = acknowledge
+        with pytest.raises(NoMajority):
+            await work.claim_next("claims", "backlog", "worker", caller=ANYONE, lease_seconds=30)
+        majority = True
+        again = await work.claim_next(
+            "claims", "backlog", "worker", caller=ANYONE, lease_seconds=30
+        )
+        assert again.outcome.ok and again.outcome.token == first.outcome.token
+        assert acknowledged == [key, key]
 
 
 async def test_an_item_picked_for_a_waiter_that_left_meanwhile_is_released(

@@ -392,6 +392,10 @@ def write_report(folder: Path, history: History, verdicts: list[Verdict]) -> boo
         "passed": passed,
         "invariants": [asdict(v) for v in verdicts],
         "played": [asdict(p) for p in history.played],
+        # What the clients lived, for a failed run's post-mortem (times: the run's).
+        "grants": [asdict(g) for g in history.grants],
+        "releases": [asdict(r) for r in history.releases],
+        "deciders": history.deciders,
     }
     (folder / "report.json").write_text(json.dumps(report, indent=2))
     lines = [f"# Member chaos run, seed {SEED}", "", "| invariant | ok | detail |", "|---|---|---|"]

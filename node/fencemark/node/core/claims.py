@@ -237,7 +237,8 @@ class Claims:
                 return current.with_fence(fence), (outcome, False)
             return self.with_grant(current, fence), (outcome, True)
 
-        _, result = await replica.transact(key, change, decides=True)
+        # A retry answered from the state as it is (its lease already as asked).
+        _, result = await replica.transact(key, change, decides=True, asserts=lambda r: r[0].ok)
         return result
 
     def with_grant(self, record: Record, fence: FenceState) -> Record:
@@ -270,7 +271,7 @@ class Claims:
             )
             return current.with_fence(fence), outcome
 
-        _, outcome = await replica.transact(key, change, decides=True)
+        _, outcome = await replica.transact(key, change, decides=True, asserts=_ok)
         return outcome
 
     async def release(
@@ -318,7 +319,8 @@ class Claims:
             changed = replica.signed_queue(changed, stamp)
             return changed.with_fence(changed.fence.release(token)), settled(changed, token)
 
-        _, answer = await self.replica.transact(key, change, decides=True)
+        # A retry whose answer was lost is answered from the state: acknowledged again.
+        _, answer = await self.replica.transact(key, change, decides=True, asserts=_ok)
         if answer.ok:
             self.wake(key)
         return answer
@@ -367,6 +369,11 @@ class Claims:
 
     def check_deciding(self) -> None:
         self.replica.gate.check()
+
+
+def _ok(outcome: Outcome) -> bool:
+    """Whether ``outcome`` answers yes (``Replica.transact``'s ``asserts``)."""
+    return outcome.ok
 
 
 def _outcome(outcome: str) -> str:

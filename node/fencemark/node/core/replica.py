@@ -314,6 +314,7 @@ class Replica:
         actor: str = "",
         decides: bool = False,
         decided: list[Event] | None = None,
+        asserts: Callable[[T], bool] | None = None,
     ) -> tuple[Stored | None, T]:
         """Apply ``change`` to the durable state of ``key`` and persist the result.
 
@@ -331,6 +332,14 @@ class Replica:
         release, a fenced write) is refused (:class:`NotServing`) if this process
         napped before it was committed (``grant_gate.awake``): a copy of the node
         may have decided meanwhile.
+
+        ``asserts(result)`` says whether an answer ``change`` drew from a state it left
+        unchanged asserts that state (a retried release answered ``released``). At a
+        member of a region of several, such a state is acknowledged by a majority
+        again before it is answered (``NoMajority`` if not): it may be one this
+        member committed without a majority (its first answer ``NO_MAJORITY``), and
+        a decider elected without it would decide otherwise — grant the released
+        token again, say.
         """
         mark = self.gate.mark()
         async with self._locks.hold(key):
@@ -339,6 +348,8 @@ class Replica:
             changed, result = change(current)
             changed = self._sealed(changed)
             if changed == current:
+                if stored is not None and asserts is not None and asserts(result):
+                    await self._acknowledged_again(stored)
                 if decides:
                     self.gate.awake(mark)
                 return stored, result
@@ -376,6 +387,13 @@ class Replica:
         if decides:
             self.gate.awake(mark)
         return stored, result
+
+    async def _acknowledged_again(self, stored: Stored) -> None:
+        """At a member: return once a majority holds ``stored`` (``transact``'s
+        ``asserts``); raises ``NoMajority`` if none does in time."""
+        acknowledge = self.storage.acknowledge
+        if acknowledge is not None:
+            await acknowledge([stored.record.key], [codec.encode(stored.record)], [()])
 
     def _committed(self, key: str, changed: Record, local: bool) -> None:
         """Tell whoever follows commits (lapses, waiters, the push) that ``changed`` is

@@ -193,7 +193,9 @@ class WorkQueue:
                     return current, None
                 return current.with_fence(fence), outcome  # the same token, extended
 
-            stored, outcome = await replica.transact(key, change, decides=True)
+            stored, outcome = await replica.transact(
+                key, change, decides=True, asserts=lambda o: o is not None and o.ok
+            )
             if outcome is not None:
                 return Picked(outcome, stored)
         return None
