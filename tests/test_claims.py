@@ -10,6 +10,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -545,6 +546,29 @@ async def test_a_deciding_node_looks_up_only_a_record_it_does_not_hold(tmp_path:
         assert await claims.replica.find(unknown) is None
 
 
+@dataclass
+class Acknowledging:
+    """A member's ``Storage.acknowledge`` as the tests see it: what it was asked to
+    have a majority hold (key, state), and whether a majority answers."""
+
+    majority: bool = True
+    asked: list[tuple[str, bytes]] = field(default_factory=list)
+
+    @classmethod
+    def on(cls, claims: Claims, *, majority: bool) -> Acknowledging:
+        hook = cls(majority)
+        claims.replica.storage.acknowledge = hook
+        return hook
+
+    async def __call__(self, keys: list[str], states: list[bytes], events: object) -> None:
+        self.asked.extend(zip(keys, states, strict=True))
+        if not self.majority:
+            raise NoMajority("local", 1, 2, 3, "too few members answered")
+
+    def keys(self) -> list[str]:
+        return [key for key, _ in self.asked]
+
+
 @pytest.mark.parametrize("outcome", ["done", ""], ids=["done", "plain"])
 async def test_a_release_answered_from_the_state_as_it_is_is_acknowledged_again(
     tmp_path: Path, outcome: str
@@ -559,28 +583,20 @@ async def test_a_release_answered_from_the_state_as_it_is_is_acknowledged_again(
     async with claims_on_file(tmp_path) as claims:
         key = await made(claims, "item-1")
         token = (await claims.claim(key, "worker", caller=ANYONE)).fence
-        acknowledged: list[tuple[str, bytes]] = []
-        majority = True
-
-        async def acknowledge(keys: list[str], states: list[bytes], events: Any) -> None:
-            acknowledged.extend(zip(keys, states, strict=True))
-            if not majority:
-                raise NoMajority("local", 1, 2, 3, "too few members answered")
-
-        claims.replica.storage.acknowledge = acknowledge
+        hook = Acknowledging.on(claims, majority=True)
         first = await claims.release(key, token, caller=ANYONE, outcome=outcome)
-        assert first.ok and [k for k, _ in acknowledged] == [key]  # its commit
+        assert first.ok and hook.keys() == [key]  # its commit
         stored = await claims.replica.storage.get(key)
         assert stored is not None
-        majority = False
+        hook.majority = False
         with pytest.raises(NoMajority):
             await claims.release(key, token, caller=ANYONE, outcome=outcome)
-        assert acknowledged[-1] == (key, codec.encode(stored.record)), "the state as it is"
-        majority = True
+        assert hook.asked[-1] == (key, codec.encode(stored.record)), "the state as it is"
+        hook.majority = True
         retried = await claims.release(key, token, caller=ANYONE, outcome=outcome)
-        assert retried.ok and len(acknowledged) == 3
+        assert retried.ok and hook.keys() == [key] * 3
         refused = await claims.release(key, token + 1, caller=ANYONE, outcome=outcome)
-        assert not refused.ok and len(acknowledged) == 3
+        assert not refused.ok and hook.keys() == [key] * 3
 
 
 async def test_grants_and_renewals_answered_from_the_state_as_it_is_are_acknowledged_again(
@@ -594,15 +610,7 @@ async def test_grants_and_renewals_answered_from_the_state_as_it_is_are_acknowle
         key = await made(claims, "item-1")
         granted = await claims.claim(key, "worker", caller=ANYONE, lease_seconds=30)
         assert granted.ok
-        acknowledged: list[str] = []
-        majority = False
-
-        async def acknowledge(keys: list[str], states: list[bytes], events: Any) -> None:
-            acknowledged.extend(keys)
-            if not majority:
-                raise NoMajority("local", 1, 2, 3, "too few members answered")
-
-        claims.replica.storage.acknowledge = acknowledge
+        hook = Acknowledging.on(claims, majority=False)
         calls: list[Callable[[], Awaitable[object]]] = [
             lambda: claims.claim(key, "worker", caller=ANYONE, lease_seconds=30),
             lambda: claims.renew(key, granted.fence, caller=ANYONE, lease_seconds=30),
@@ -612,11 +620,11 @@ async def test_grants_and_renewals_answered_from_the_state_as_it_is_are_acknowle
             with pytest.raises(NoMajority):
                 await call()
             assert await claims.replica.storage.get(key) == before, "nothing changed"
-        assert acknowledged == [key] * 2
-        majority = True
+        assert hook.keys() == [key] * 2
+        hook.majority = True
         assert (await claims.claim(key, "worker", caller=ANYONE, lease_seconds=30)).ok
         assert (await claims.renew(key, granted.fence, caller=ANYONE, lease_seconds=30)).ok
-        assert acknowledged == [key] * 4
+        assert hook.keys() == [key] * 4
 
 
 # -- the rules of waiting, in-process (issue 15) ------------------------------------------

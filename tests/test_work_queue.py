@@ -37,6 +37,7 @@ from tests.test_claims import (
     NOW,
     SOON,
     WAIT,
+    Acknowledging,
     CancellingWall,
     CountingWall,
     claims_on_file,
@@ -614,23 +615,15 @@ async def test_a_claim_next_retry_answered_from_the_state_as_it_is_is_acknowledg
             "claims", "backlog", "worker", caller=ANYONE, lease_seconds=30
         )
         assert first.outcome.ok
-        acknowledged: list[str] = []
-        majority = False
-
-        async def acknowledge(keys: list[str], states: list[bytes], events: object) -> None:
-            acknowledged.extend(keys)
-            if not majority:
-                raise NoMajority("local", 1, 2, 3, "too few members answered")
-
-        claims.replica.storage.acknowledge = acknowledge
+        hook = Acknowledging.on(claims, majority=False)
         with pytest.raises(NoMajority):
             await work.claim_next("claims", "backlog", "worker", caller=ANYONE, lease_seconds=30)
-        majority = True
+        hook.majority = True
         again = await work.claim_next(
             "claims", "backlog", "worker", caller=ANYONE, lease_seconds=30
         )
         assert again.outcome.ok and again.outcome.token == first.outcome.token
-        assert acknowledged == [key, key]
+        assert hook.keys() == [key, key]
 
 
 async def test_an_item_picked_for_a_waiter_that_left_meanwhile_is_released(
