@@ -146,7 +146,7 @@ class Member:
             ttl_s=self.config.ttl_s,
             on_term=self._new_term,
             on_stop=self._on_change,
-            reaches=lambda: self._reaches(self.config.ttl_s * REACH_TTLS),
+            reaches=self._reached,
         )
         registry, gate = self.registry, self._gate
 
@@ -213,7 +213,11 @@ class Member:
     def cut_off(self) -> bool:
         """Whether too few members answered this one lately to make a majority (its
         member set read): it does not campaign, and would step aside as decider."""
-        return bool(self.configured()) and not self._reaches(self.config.ttl_s * REACH_TTLS)
+        return bool(self.configured()) and not self._reached()
+
+    def _reached(self) -> bool:
+        """Whether a majority answered this member within ``REACH_TTLS`` lease times."""
+        return self._reaches(self.config.ttl_s * REACH_TTLS)
 
     def configured(self) -> tuple[str, ...]:
         """The region's configured member set as last read from etcd (() before)."""
