@@ -309,8 +309,8 @@ class Replicator(Rounds):
     def reaches_majority(self, within_s: float) -> bool:
         """Whether this member's calls were answered, within the last ``within_s``, by
         enough of its region's configured members to make a majority with it (itself
-        counted if it is one: ``quorum.acknowledged``). A member that is not reaches
-        none it could get a write acknowledged by; no decider should be one
+        counted if it is one: ``quorum.acknowledged``). A member that is not could
+        get no write acknowledged, so it neither campaigns nor stays decider
         (``coordination.decider.Campaign``). Every fellow is called at least each
         ``heartbeat_s``."""
         now = time.monotonic()
